@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up everything from nothing (a virtualenv with the project and its test
+# dependencies) and run the whole test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3.11 -m venv .venv 2>/dev/null || python3 -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e ".[test]"
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,38 @@
+"""Chained block hashes: the identity of a full block of KV for prefix reuse.
+
+A block's hash covers its parent's hash, its token ids and the model
+fingerprint, so equal hashes mean "same tokens after the same prefix, computed
+by the same model". Hashes are stable across processes and machines (blake2b
+over little-endian int64 token ids), which the kv-store relies on.
+"""
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BLOCK_HASH_BYTES = 16
+ROOT_PARENT_HASH = bytes(BLOCK_HASH_BYTES)
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int], fingerprint: bytes) -> bytes:
+    digest = hashlib.blake2b(digest_size=BLOCK_HASH_BYTES)
+    digest.update(parent_hash)
+    digest.update(fingerprint)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
+
+
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, fingerprint: bytes
+) -> None:
+    """Append the hashes of every full block of `token_ids` not yet in `hashes`."""
+    for block_index in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else ROOT_PARENT_HASH
+        start = block_index * block_size
+        hashes.append(hash_block(parent, token_ids[start : start + block_size], fingerprint))
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, fingerprint: bytes) -> list[bytes]:
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, token_ids, block_size, fingerprint)
+    return hashes

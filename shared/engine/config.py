@@ -1,0 +1,32 @@
+"""Engine settings, validated where they are made."""
+
+from dataclasses import dataclass
+
+from shared.engine.model_loader import LayerRange
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_waiting_requests: int = 4096
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    layer_ranges: list[LayerRange] | None = None  # run the model as a chain of ranges (pipeline layout)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be positive")

@@ -1,0 +1,317 @@
+"""LLMEngine: add requests, step the continuous batch, get tokens and text out.
+
+One `step()` is: schedule, run the model on the scheduled tokens, record the
+computed KV, sample where a sequence has all its tokens computed, and turn the
+new tokens into outputs (stop checks, incremental text). No I/O, no threads:
+services drive `step()` from their own loop.
+"""
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.config import EngineConfig
+from shared.engine.detokenizer import IncrementalDetokenizer
+from shared.engine.errors import EngineError, InvalidRequestError, ModelLoadError
+from shared.engine.executor import ChainExecutor
+from shared.engine.kv_cache import KVLayout, PagedKVCache
+from shared.engine.model_loader import LayerRange, load_model, read_config, resolve_dtype
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sampler import SamplingRow, TokenLogprobs, sample
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.sequence import Sequence
+from shared.engine.step_batch import build_step_batch
+
+
+class EngineOverloadedError(EngineError):
+    """The waiting queue is full; the caller should retry later."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CompletedRequest:
+    """Everything a finished request produced (see `LLMEngine.generate`)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, load_tokenizer: bool = True):
+        self.config = config
+        model_config = read_config(config.model)
+        self.model_config = model_config
+        dtype = resolve_dtype(config.dtype, model_config)
+        num_layers = model_config.num_hidden_layers
+        ranges = config.layer_ranges or [LayerRange(0, num_layers)]
+        if ranges[0].start != 0 or ranges[-1].end != num_layers:
+            raise ModelLoadError(f"layer ranges must cover layers [0, {num_layers})")
+
+        loaded = [load_model(config.model, config.dtype, config.device, r) for r in ranges]
+        first = loaded[0]
+        self.max_model_len = min(config.max_model_len or 1 << 62, getattr(model_config, "max_position_embeddings", 1 << 62))
+        per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, first.num_kv_heads, first.head_dim, dtype)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        self.executor = ChainExecutor([ModelRunner(m, num_blocks, config.block_size) for m in loaded])
+        self.fingerprint = first.fingerprint
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
+            self.block_manager,
+        )
+        self.vocab_size = model_config.vocab_size
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model) if load_tokenizer else None
+        self.eos_token_ids = _eos_token_ids(config.model, model_config, self.tokenizer)
+        self._sequences: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = 0
+        self._rng = random.Random()
+
+    # ---- requests -----------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        output_token_ids: list[int] = (),
+        kv: list[tuple[torch.Tensor, KVLayout]] = (),
+        num_cached_tokens: int = 0,
+    ) -> None:
+        """Queue a request. `output_token_ids` and `kv` continue one computed elsewhere.
+
+        With `kv`, the imported tensors hold the KV of the first `layout.num_tokens`
+        tokens (all layers of this engine, possibly split in several layer parts).
+        """
+        if request_id in self._sequences:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        self._validate(prompt_token_ids, list(output_token_ids), params)
+        prompt_len = len(prompt_token_ids)
+        max_total = self.max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, prompt_len + params.max_tokens)
+        needed_blocks = self.block_manager.blocks_needed(max_total)
+        if needed_blocks > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {max_total} tokens ({needed_blocks} KV blocks) but the KV cache "
+                f"holds {self.block_manager.num_blocks} blocks of {self.config.block_size} tokens",
+                "max_tokens",
+            )
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=list(prompt_token_ids) + list(output_token_ids),
+            num_prompt_tokens=prompt_len,
+            params=params,
+            seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
+            max_total_tokens=max_total,
+            arrival_index=self._arrivals,
+        )
+        if kv:
+            self._import_kv(seq, kv, num_cached_tokens)
+        self._arrivals += 1
+        self._sequences[request_id] = seq
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, seq.token_ids, params.stop, params.skip_special_tokens
+            )
+            self._detokenizers[request_id] = detok
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request at once; its blocks are free when this returns."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self._detokenizers.pop(request_id, None)
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        return self._sequences.get(request_id)
+
+    # ---- the step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return []
+        batch = build_step_batch(scheduled, self.config.block_size)
+        logits = self.executor.execute(batch)
+
+        for item in scheduled.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+
+        to_sample = [scheduled.scheduled[i].seq for i in batch.sample_indices]
+        rows = [SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_token_ids) for s in to_sample]
+        sampled = sample(logits, rows)
+        outputs = []
+        for seq, token_id, logprobs in zip(to_sample, sampled.token_ids, sampled.logprobs):
+            outputs.append(self._append_token(seq, token_id, logprobs))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        seq.token_ids.append(token_id)
+        detok = self._detokenizers.get(seq.request_id)
+        params = seq.params
+        finish_reason = stop_reason = None
+        new_text = ""
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            finish_reason, stop_reason = "stop", token_id
+        elif token_id in params.stop_token_ids:
+            finish_reason, stop_reason = "stop", token_id
+        elif detok is not None:
+            new_text = detok.add_token(token_id)
+            if detok.matched_stop is not None:
+                finish_reason, stop_reason = "stop", detok.matched_stop
+        if finish_reason is None and seq.num_tokens >= seq.max_total_tokens:
+            finish_reason = "length"
+        if finish_reason is not None and detok is not None and detok.matched_stop is None:
+            new_text += detok.finish()
+        output = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token_id],
+            new_text=new_text,
+            new_logprobs=[logprobs] if logprobs is not None else [],
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_output_tokens=seq.num_output_tokens,
+        )
+        if output.finished:
+            self._sequences.pop(seq.request_id, None)
+            self._detokenizers.pop(seq.request_id, None)
+            self.scheduler.finish(seq)
+        return output
+
+    # ---- KV export / import -------------------------------------------------------
+    def export_kv(
+        self,
+        request_id: str,
+        block_start: int = 0,
+        block_end: int | None = None,
+        layer_start: int = 0,
+        layer_end: int | None = None,
+    ) -> tuple[torch.Tensor, KVLayout]:
+        """Copy a request's computed KV for blocks [block_start, block_end) and layers [layer_start, layer_end)."""
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            raise EngineError(f"unknown request {request_id!r}")
+        num_full_or_partial = self.block_manager.blocks_needed(seq.num_computed_tokens)
+        block_end = num_full_or_partial if block_end is None else block_end
+        if not 0 <= block_start < block_end <= num_full_or_partial:
+            raise EngineError(
+                f"blocks [{block_start}, {block_end}) are outside the request's {num_full_or_partial} computed blocks"
+            )
+        layer_end = self.model_config.num_hidden_layers if layer_end is None else layer_end
+        num_tokens = min(seq.num_computed_tokens, block_end * self.config.block_size) - block_start * self.config.block_size
+        return self.executor.export_kv(seq.block_table[block_start:block_end], num_tokens, layer_start, layer_end)
+
+    def _import_kv(self, seq: Sequence, parts: list[tuple[torch.Tensor, KVLayout]], num_cached_tokens: int) -> None:
+        num_tokens = parts[0][1].num_tokens
+        covered = sorted((layout.layer_start, layout.layer_end) for _, layout in parts)
+        expected_start = 0
+        for start, end in covered:
+            if start != expected_start or any(layout.num_tokens != num_tokens for _, layout in parts):
+                raise EngineError("imported KV parts must cover every layer once, for the same tokens")
+            expected_start = end
+        if expected_start != self.model_config.num_hidden_layers:
+            raise EngineError("imported KV parts must cover every layer once, for the same tokens")
+        if not 0 < num_tokens < seq.num_tokens:
+            raise EngineError(f"imported KV covers {num_tokens} tokens; the request has {seq.num_tokens}")
+        block_ids = self.block_manager.allocate_blocks(self.block_manager.blocks_needed(num_tokens))
+        if block_ids is None:
+            raise EngineOverloadedError("not enough free KV blocks to import the request's KV")
+        try:
+            for data, layout in parts:
+                self.executor.import_kv(block_ids, data, layout)
+        except Exception:
+            self.block_manager.release(block_ids)
+            raise
+        seq.block_table.extend(block_ids)
+        seq.num_computed_tokens = num_tokens
+        seq.num_cached_tokens = num_cached_tokens
+
+    # ---- offline convenience ------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[CompletedRequest]:
+        """Run prompts to completion in one continuous batch; results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{self._arrivals + i}" for i in range(len(prompts))]
+        results = {rid: CompletedRequest(rid, [], "", None, [], len(p), 0) for rid, p in zip(ids, prompts)}
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                result = results[out.request_id]
+                result.token_ids.extend(out.new_token_ids)
+                result.text += out.new_text
+                result.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+                    result.num_cached_tokens = out.num_cached_tokens
+        return [results[rid] for rid in ids]
+
+    # ---- validation ---------------------------------------------------------------
+    def _validate(self, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling parameters must be a SamplingParams", "params")
+        if len(prompt_token_ids) == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        for token_id in list(prompt_token_ids) + output_token_ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(f"token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        total = len(prompt_token_ids) + len(output_token_ids)
+        if total >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {total} tokens, but the model's maximum context length is {self.max_model_len} "
+                f"tokens, which leaves no room to generate",
+                "prompt",
+            )
+        params.check_token_ids(self.vocab_size)
+
+
+def _eos_token_ids(model_dir: str, model_config, tokenizer) -> set[int]:
+    """The ids generation stops at, chosen as transformers' generate() chooses them."""
+    try:
+        candidates = [GenerationConfig.from_pretrained(model_dir).eos_token_id]
+    except OSError:
+        candidates = []
+    candidates.append(getattr(model_config, "eos_token_id", None))
+    if tokenizer is not None:
+        candidates.append(tokenizer.eos_token_id)
+    for candidate in candidates:
+        if isinstance(candidate, int):
+            return {candidate}
+        if isinstance(candidate, (list, tuple)) and candidate:
+            return {c for c in candidate if isinstance(c, int)}
+    return set()

@@ -1,0 +1,49 @@
+"""Runs a step on one runner, or on a chain of layer-range runners in order."""
+
+import torch
+
+from shared.engine.kv_cache import KVLayout
+from shared.engine.model_runner import ModelRunner
+from shared.engine.step_batch import StepBatch
+
+
+class ChainExecutor:
+    """Hidden states flow from each range's runner to the next; the last returns logits."""
+
+    def __init__(self, runners: list[ModelRunner]):
+        if not runners:
+            raise ValueError("at least one runner is needed")
+        for before, after in zip(runners, runners[1:]):
+            if before.loaded.layer_range.end != after.loaded.layer_range.start:
+                raise ValueError("layer ranges must be contiguous")
+        self.runners = runners
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        hidden = None
+        for runner in self.runners:
+            hidden = runner.execute(batch, hidden)
+        return hidden
+
+    def export_kv(self, block_ids: list[int], num_tokens: int, layer_start: int, layer_end: int) -> tuple[torch.Tensor, KVLayout]:
+        parts = []
+        for runner in self.runners:
+            cache = runner.kv_cache
+            start, end = max(layer_start, cache.layer_start), min(layer_end, cache.layer_end)
+            if start < end:
+                parts.append(cache.export_blocks(block_ids, num_tokens, start, end))
+        layout = parts[0][1]
+        data = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        return data, KVLayout(
+            layer_start, layer_end, layout.num_blocks, layout.block_size,
+            layout.num_kv_heads, layout.head_dim, layout.dtype, num_tokens,
+        )
+
+    def import_kv(self, block_ids: list[int], data: torch.Tensor, layout: KVLayout) -> None:
+        for runner in self.runners:
+            cache = runner.kv_cache
+            start, end = max(layout.layer_start, cache.layer_start), min(layout.layer_end, cache.layer_end)
+            if start < end:
+                part = data[start - layout.layer_start : end - layout.layer_start]
+                sub = KVLayout(start, end, layout.num_blocks, layout.block_size,
+                               layout.num_kv_heads, layout.head_dim, layout.dtype, layout.num_tokens)
+                cache.import_blocks(block_ids, part, sub)

@@ -1,0 +1,98 @@
+"""Runs one step of one layer range over the paged KV cache."""
+
+import torch
+
+from shared.engine.kv_cache import PagedKVCache
+from shared.engine.model_loader import LoadedModel
+from shared.engine.paged_attention import PagedAttentionMetadata, PrefillSpan
+from shared.engine.step_batch import StepBatch
+
+
+class ModelRunner:
+    """Owns a loaded layer range and its KV cache.
+
+    The first range embeds token ids; others take the previous range's hidden
+    states. The last range applies the final norm and LM head and returns
+    float32 logits of the sampled positions; others return hidden states.
+    """
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+        self.loaded = loaded
+        self.device = loaded.device
+        self.block_size = block_size
+        self.kv_cache = PagedKVCache(
+            loaded.layer_range.start,
+            loaded.layer_range.end,
+            num_blocks,
+            block_size,
+            loaded.num_kv_heads,
+            loaded.head_dim,
+            loaded.dtype,
+            loaded.device,
+        )
+        decoder = loaded.decoder
+        self.embed_tokens = decoder.embed_tokens
+        self.rotary_emb = decoder.rotary_emb
+        self.layers = loaded.layers
+        self.norm = decoder.norm
+        self.lm_head = loaded.model.lm_head if loaded.is_last else None
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `(num_samples, vocab)` for the last range, else hidden states `(tokens, hidden)`."""
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)[None]  # (1, T)
+        if self.loaded.is_first:
+            token_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)[None]
+            hidden = self.embed_tokens(token_ids)  # (1, T, hidden)
+        else:
+            hidden = hidden_states.to(device=self.device, dtype=self.loaded.dtype)[None]
+        position_embeddings = self.rotary_emb(hidden, positions)
+        metadata = self._attention_metadata(batch)
+        for layer in self.layers:
+            hidden = layer(
+                hidden,
+                attention_mask=None,
+                position_ids=positions,
+                position_embeddings=position_embeddings,
+                paged_attention=metadata,
+            )
+            if isinstance(hidden, tuple):  # older decoder layers return (hidden, ...)
+                hidden = hidden[0]
+        hidden = hidden[0]  # (T, hidden)
+        if self.lm_head is None:
+            return hidden
+        last_token = torch.tensor(batch.query_lens, device=self.device).cumsum(0) - 1  # (seqs,)
+        sampled = hidden[last_token[batch.sample_indices]] if batch.sample_indices else hidden[:0]
+        return self.lm_head(self.norm(sampled)).float()
+
+    def _attention_metadata(self, batch: StepBatch) -> PagedAttentionMetadata:
+        device, block_size = self.device, self.block_size
+        slots: list[int] = []
+        prefills: list[PrefillSpan] = []
+        decode_index: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        query_start = 0
+        for query_len, context_len, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
+            for pos in range(context_len - query_len, context_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            if query_len == 1 and context_len > 1:
+                decode_index.append(query_start)
+                decode_tables.append(table)
+                decode_lens.append(context_len)
+            else:
+                block_ids = None
+                if context_len > query_len:
+                    block_ids = torch.tensor(table, dtype=torch.long, device=device)
+                prefills.append(PrefillSpan(query_start, query_len, context_len, block_ids))
+            query_start += query_len
+        width = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        return PagedAttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            prefills=prefills,
+            decode_token_index=torch.tensor(decode_index, dtype=torch.long, device=device),
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).reshape(len(padded), width),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
+        )

@@ -1,0 +1,116 @@
+"""Continuous batching: which sequences compute how many tokens this step.
+
+Design: there is no prefill phase or decode phase. Each sequence has
+`num_computed_tokens`; a step gives it up to `num_tokens - num_computed_tokens`
+more, within a per-step token budget. Running sequences go first (so decodes
+are never starved by a long prompt, which is chunked instead), then waiting
+ones in arrival order. When blocks run out, the most recently admitted running
+sequence is preempted: its blocks are freed and it is recomputed later (its
+full blocks usually survive in the prefix cache, so recompute is cheap).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # Running sequences first, oldest first; preempt from the newest end.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # `seq` itself was preempted: nothing newer is left
+
+        # Then waiting sequences, unless this step already had to preempt.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # A sequence arriving with imported KV already holds its blocks.
+            hit = None if seq.block_table else self.block_manager.find_prefix_hit(seq)
+            num_new = seq.num_tokens - (hit.num_tokens if hit else seq.num_computed_tokens)
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.block_manager.allocate(seq, num_new, hit):
+                break
+            self.waiting.popleft()
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = hit.num_tokens if hit else 0
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (finished or aborted) and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
