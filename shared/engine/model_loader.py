@@ -131,7 +131,9 @@ def load_model(
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=ATTENTION_IMPLEMENTATION)
     _check_structure(model, path)
     tied = _prune_to_range(model, layer_range, num_layers)
+    shared_params = _shared_parameter_names(model)
     model.to_empty(device=device_obj)
+    _retie(model, shared_params)
     _load_weights(model, path, tied)
     _rebuild_rotary(model, device_obj)
     model.eval().requires_grad_(False)
@@ -160,15 +162,16 @@ def _check_structure(model: torch.nn.Module, path: Path) -> None:
 def _prune_to_range(model: torch.nn.Module, layer_range: LayerRange, num_layers: int) -> dict[str, str]:
     """Drop every module outside the range; return {param name: checkpoint name} for untied copies."""
     decoder = model.get_decoder()
+    is_first, is_last = layer_range.start == 0, layer_range.end == num_layers
     for index in range(num_layers):
         if not layer_range.start <= index < layer_range.end:
             decoder.layers[index] = torch.nn.Module()  # placeholder keeps checkpoint names aligned
-    is_first, is_last = layer_range.start == 0, layer_range.end == num_layers
     lm_head = model.get_output_embeddings()
     embed = decoder.embed_tokens
     tied: dict[str, str] = {}
-    if lm_head is not None and lm_head.weight is embed.weight:
-        # Give the head its own parameter; it is filled from the embedding's checkpoint tensor.
+    if not is_first and is_last and lm_head.weight is embed.weight:
+        # The embedding is dropped, so the tied head gets its own parameter,
+        # filled from the embedding's checkpoint tensor.
         lm_head.weight = torch.nn.Parameter(torch.empty_like(embed.weight))
         embed_name = next(n for n, p in model.named_parameters() if p is embed.weight)
         head_name = next(n for n, p in model.named_parameters() if p is lm_head.weight)
@@ -177,9 +180,25 @@ def _prune_to_range(model: torch.nn.Module, layer_range: LayerRange, num_layers:
         decoder.embed_tokens = None
     if not is_last:
         decoder.norm = None
-        model.set_output_embeddings(None) if hasattr(model, "set_output_embeddings") else None
         model.lm_head = None
     return tied
+
+
+def _shared_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of names that are one tied parameter (e.g. lm_head.weight and embed_tokens.weight)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
+    """Materialising from meta gives every module its own tensor; share the tied ones again."""
+    for first, *others in groups:
+        param = model.get_parameter(first)
+        for name in others:
+            owner_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner_name), attr, param)
 
 
 def _checkpoint_index(path: Path) -> dict[str, Path]:
@@ -202,11 +221,14 @@ def _load_weights(model: torch.nn.Module, path: Path, tied: dict[str, str]) -> N
     wanted = {name: tensor for name, tensor in model.state_dict().items()}
     missing = []
     by_file: dict[Path, list[tuple[str, str]]] = {}
+    loaded_storage = {wanted[n].data_ptr() for n in wanted if n in index}
     for name in wanted:
         source = name if name in index else tied.get(name)
         if source is None or source not in index:
-            if name.endswith("inv_freq") or "rotary_emb" in name:
+            if "rotary_emb" in name:
                 continue  # recomputed from the config
+            if wanted[name].data_ptr() in loaded_storage:
+                continue  # tied to a tensor that is loaded (e.g. lm_head and embed_tokens)
             missing.append(name)
             continue
         by_file.setdefault(index[source], []).append((name, source))

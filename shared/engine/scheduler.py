@@ -49,6 +49,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -112,5 +113,6 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

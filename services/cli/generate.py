@@ -1,0 +1,97 @@
+"""`splitserve generate`: run the engine offline on one prompt."""
+
+import argparse
+import json
+import sys
+
+from shared.engine.errors import EngineError
+
+
+def add_parser(subcommands) -> None:
+    parser = subcommands.add_parser(
+        "generate",
+        help="generate text offline with the engine (no services)",
+        description="Generate from one prompt with the engine. Without --model, the built-in default model is used.",
+    )
+    parser.add_argument("--model", help="local Hugging Face model directory (default: the built-in default model)")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--logprobs", type=int, help="return the top-N logprobs of each token (with --json)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Heavy imports stay here so `splitserve --help` is instant.
+    from shared.engine.config import EngineConfig
+    from shared.engine.default_model import default_model_dir
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+            logprobs=args.logprobs,
+        )
+        model_dir = args.model or str(default_model_dir())
+        engine = LLMEngine(EngineConfig(model=model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len))
+        prompt_ids = encode_prompt(engine.tokenizer, args.prompt, args.chat)
+        engine.add_request("generate", prompt_ids, params)
+        token_ids: list[int] = []
+        logprobs = []
+        text = ""
+        finish_reason = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                token_ids += out.new_token_ids
+                logprobs += out.new_logprobs
+                text += out.new_text
+                finish_reason = out.finish_reason
+                if not args.json:
+                    sys.stdout.write(out.new_text)
+                    sys.stdout.flush()
+    except EngineError as exc:
+        print(f"splitserve generate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        result = {
+            "model": model_dir,
+            "prompt_token_ids": prompt_ids,
+            "token_ids": token_ids,
+            "text": text,
+            "finish_reason": finish_reason,
+        }
+        if args.logprobs is not None:
+            result["logprobs"] = [
+                {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in logprobs
+            ]
+        print(json.dumps(result))
+    else:
+        print()
+    return 0
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+    return tokenizer(prompt).input_ids

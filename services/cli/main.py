@@ -1,0 +1,22 @@
+"""The `splitserve` command: one entry point, one module per subcommand."""
+
+import argparse
+import sys
+
+from services.cli import generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving over NATS.")
+    subcommands = parser.add_subparsers(dest="command", required=True)
+    generate.add_parser(subcommands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

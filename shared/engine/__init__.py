@@ -1,0 +1,1 @@
+"""The model runner every splitserve worker embeds (no NATS in here)."""

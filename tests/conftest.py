@@ -1,0 +1,49 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One model cache for the whole run (also used by subprocesses)."""
+    path = tmp_path_factory.mktemp("splitserve-cache")
+    os.environ["SPLITSERVE_CACHE_DIR"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_model(cache_dir) -> str:
+    from shared.engine.default_model import default_model_dir
+
+    return str(default_model_dir())
+
+
+# Shapes other than the default model: each exercises a different part of the
+# transformers modules the engine plugs into.
+MODEL_SHAPES = {
+    "qwen2-bias": dict(model_type="qwen2", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=256),
+    "qwen3-qknorm": dict(model_type="qwen3", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=48, intermediate_size=256),
+    "llama-1kv": dict(model_type="llama", hidden_size=96, num_hidden_layers=5, num_attention_heads=6,
+                      num_key_value_heads=1, intermediate_size=192, tie_word_embeddings=True),
+    "mistral": dict(model_type="mistral", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=4, intermediate_size=256),
+}
+
+
+@pytest.fixture(scope="session")
+def model_zoo(tmp_path_factory) -> dict[str, str]:
+    from shared.engine.default_model import build_random_model
+
+    root = tmp_path_factory.mktemp("zoo")
+    zoo = {}
+    for seed, (name, shape) in enumerate(MODEL_SHAPES.items()):
+        zoo[name] = str(build_random_model(root / name, seed=seed + 1, **shape))
+    return zoo

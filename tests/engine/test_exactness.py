@@ -1,0 +1,109 @@
+"""Greedy float32 output is token-identical to transformers' generate()."""
+
+import pytest
+
+from reference import reference_greedy, safe_prompts
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.model_loader import LayerRange
+from shared.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+LENGTHS = [1, 7, 16, 33, 150, 1000]
+
+
+def engine_for(model_dir: str, **overrides) -> LLMEngine:
+    config = dict(model=model_dir, dtype="float32", num_kv_blocks=512, load_tokenizer=False)
+    load_tokenizer = config.pop("load_tokenizer")
+    config.update(overrides)
+    return LLMEngine(EngineConfig(**config), load_tokenizer=load_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def cases(default_model, model_zoo):
+    """{model name: (model dir, [(prompt, reference tokens)])}, references computed once."""
+    models = {"default": default_model, **model_zoo}
+    out = {}
+    for name, path in models.items():
+        engine = engine_for(path)
+        out[name] = (path, safe_prompts(path, engine.vocab_size, LENGTHS, GREEDY.max_tokens))
+    return out
+
+
+@pytest.mark.parametrize("name", ["default", "qwen2-bias", "qwen3-qknorm", "llama-1kv", "mistral"])
+def test_alone_and_batched_with_chunked_prefill(cases, name):
+    path, prompts = cases[name]
+    # Alone: one request at a time, whole prompts in one step.
+    engine = engine_for(path, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    for prompt, expected in prompts:
+        assert engine.generate([prompt], GREEDY)[0].token_ids == expected
+    # Batched: all lengths at once, prompts chunked to a 96-token budget mixed with decodes.
+    engine = engine_for(path, max_num_batched_tokens=96, enable_prefix_caching=False)
+    results = engine.generate([p for p, _ in prompts], GREEDY)
+    assert [r.token_ids for r in results] == [e for _, e in prompts]
+
+
+def test_many_mixed_requests_with_prefix_hits_and_preemption(cases):
+    path, prompts = cases["default"]
+    # 3 copies of every prompt: the copies hit the prefix cache; 24 blocks of 16
+    # tokens cannot hold them all, so the scheduler must preempt and recompute.
+    engine = engine_for(path, num_kv_blocks=72, max_num_batched_tokens=128)
+    requests = [p for p, _ in prompts] * 3
+    results = engine.generate(requests, GREEDY)
+    assert [r.token_ids for r in results] == [e for _, e in prompts] * 3
+    assert any(r.num_cached_tokens > 0 for r in results)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_prefix_cache_hit_computes_only_the_suffix(cases):
+    path, prompts = cases["qwen3-qknorm"]
+    long_prompt, expected = prompts[-2]  # 150 tokens
+    engine = engine_for(path)
+    first = engine.generate([long_prompt], GREEDY)[0]
+    second = engine.generate([long_prompt], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == (len(long_prompt) - 1) // 16 * 16
+    assert first.token_ids == second.token_ids == expected
+    # A different continuation of the same prefix shares only the common blocks.
+    branched = long_prompt[:100] + [3, 1, 4]
+    result = engine.generate([branched], GREEDY)[0]
+    assert result.num_cached_tokens == 96
+    assert result.token_ids == reference_greedy(path, branched, GREEDY.max_tokens)[0]
+
+
+@pytest.mark.parametrize("bounds", [(0, 2, 4), (0, 1, 3, 4), (0, 1, 2, 3, 4)])
+def test_chained_layer_ranges_match_whole_model(cases, bounds):
+    path, prompts = cases["default"]  # 4 layers
+    ranges = [LayerRange(a, b) for a, b in zip(bounds, bounds[1:])]
+    engine = engine_for(path, layer_ranges=ranges, max_num_batched_tokens=256)
+    results = engine.generate([p for p, _ in prompts], GREEDY)
+    assert [r.token_ids for r in results] == [e for _, e in prompts]
+
+
+@pytest.mark.parametrize("name", ["default", "llama-1kv"])  # untied and tied embeddings
+def test_layer_range_holds_only_its_weights(default_model, model_zoo, name):
+    from shared.engine.model_loader import load_model
+
+    path = default_model if name == "default" else model_zoo[name]
+    whole = load_model(path, "float32")
+    num_layers = whole.num_total_layers
+    sizes = {n: p.numel() * p.element_size() for n, p in whole.model.named_parameters(remove_duplicate=False)}
+
+    def expected(start: int, end: int) -> int:
+        total = 0
+        for n, size in sizes.items():
+            if ".layers." in n:
+                index = int(n.split(".layers.")[1].split(".")[0])
+                total += size if start <= index < end else 0
+            elif "embed_tokens" in n:
+                total += size if start == 0 else 0
+            else:  # final norm and LM head
+                total += size if end == num_layers else 0
+        return total
+
+    bounds = [0, 1, num_layers - 1, num_layers]
+    for start, end in zip(bounds, bounds[1:]):
+        part = load_model(path, "float32", layer_range=LayerRange(start, end))
+        assert part.parameter_bytes() == expected(start, end)
+        assert part.parameter_bytes() < whole.parameter_bytes()
