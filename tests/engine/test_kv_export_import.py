@@ -1,0 +1,78 @@
+"""A sequence's KV exported from one engine continues identically in another."""
+
+import pytest
+
+from reference import safe_prompts
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.errors import EngineError
+from shared.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def make_engine(model_dir, **overrides):
+    return LLMEngine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=128, **overrides), load_tokenizer=False)
+
+
+def prefill_and_export(engine, prompt, params, layer_parts):
+    """Run the prompt until its first token; export its KV in layer parts, then drop it."""
+    engine.add_request("src", prompt, params)
+    first = []
+    while not first:
+        first = [o for o in engine.step() if o.request_id == "src"]
+    parts = [engine.export_kv("src", layer_start=a, layer_end=b) for a, b in layer_parts]
+    engine.abort_request("src")
+    return first[0].new_token_ids[0], parts
+
+
+@pytest.fixture(scope="module")
+def case(default_model):
+    engine = make_engine(default_model)
+    return safe_prompts(default_model, engine.vocab_size, [45], GREEDY.max_tokens, seed=7)[0]
+
+
+@pytest.mark.parametrize("layer_parts", [[(0, 4)], [(0, 1), (1, 4)], [(2, 4), (0, 2)]])
+def test_import_continues_with_identical_tokens(default_model, case, layer_parts):
+    prompt, expected = case
+    source = make_engine(default_model)
+    first_token, parts = prefill_and_export(source, prompt, GREEDY, layer_parts)
+    assert source.block_manager.num_used_blocks == 0
+    assert sum(p[1].num_bytes for p in parts) == sum(p[0].numel() * p[0].element_size() for p in parts)
+    assert all(layout.num_tokens == len(prompt) for _, layout in parts)
+
+    target = make_engine(default_model, block_size=16)
+    target.add_request("dst", prompt, GREEDY, output_token_ids=[first_token], kv=parts)
+    tokens = [first_token]
+    while target.has_unfinished_requests():
+        for out in target.step():
+            tokens += out.new_token_ids
+    assert tokens == expected
+
+
+def test_seeded_sampling_continues_identically_after_import(default_model, case):
+    prompt, _ = case
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+    whole = make_engine(default_model).generate([prompt], params)[0].token_ids
+    first_token, parts = prefill_and_export(make_engine(default_model), prompt, params, [(0, 4)])
+    target = make_engine(default_model)
+    target.add_request("dst", prompt, params, output_token_ids=[first_token], kv=parts)
+    tokens = [first_token]
+    while target.has_unfinished_requests():
+        for out in target.step():
+            tokens += out.new_token_ids
+    assert tokens == whole
+
+
+def test_import_rejects_incomplete_or_mismatched_kv(default_model, case):
+    prompt, _ = case
+    _, parts = prefill_and_export(make_engine(default_model), prompt, GREEDY, [(0, 1), (1, 4)])
+    target = make_engine(default_model)
+    with pytest.raises(EngineError, match="every layer"):
+        target.add_request("a", prompt, GREEDY, output_token_ids=[5], kv=parts[:1])
+    other_block_size = make_engine(default_model, block_size=8)
+    with pytest.raises(EngineError, match="does not"):
+        other_block_size.add_request("b", prompt, GREEDY, output_token_ids=[5], kv=parts)
+    # Nothing leaked: the failed imports hold no blocks and no requests.
+    assert target.block_manager.num_used_blocks == 0 and not target.has_unfinished_requests()
+    assert other_block_size.block_manager.num_used_blocks == 0 and not other_block_size.has_unfinished_requests()
