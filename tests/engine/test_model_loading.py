@@ -1,0 +1,90 @@
+"""Model directories that cannot be served get one clear error naming the problem."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from shared.engine.errors import ModelLoadError
+from shared.engine.model_loader import LayerRange, load_model
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_path_is_a_file(tmp_path):
+    file = tmp_path / "weights.bin"
+    file.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        load_model(file)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_unreadable_config(tmp_path):
+    (tmp_path / "config.json").write_text("{ not json")
+    with pytest.raises(ModelLoadError, match="cannot read the config"):
+        load_model(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_config_without_read_permission(tmp_path, default_model):
+    shutil.copy(os.path.join(default_model, "config.json"), tmp_path / "config.json")
+    (tmp_path / "config.json").chmod(0)
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        load_model(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*t5"):
+        load_model(tmp_path)
+
+
+def test_unknown_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    with pytest.raises(ModelLoadError, match="cannot read the config"):
+        load_model(tmp_path)
+
+
+def test_missing_weights(tmp_path, default_model):
+    shutil.copy(os.path.join(default_model, "config.json"), tmp_path / "config.json")
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        load_model(tmp_path)
+
+
+def test_truncated_weights(tmp_path, default_model):
+    shutil.copy(os.path.join(default_model, "config.json"), tmp_path / "config.json")
+    data = open(os.path.join(default_model, "model.safetensors"), "rb").read()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="weights"):
+        load_model(tmp_path)
+
+
+def test_layer_range_beyond_the_model(default_model):
+    with pytest.raises(ModelLoadError, match="exceeds the model's 4 layers"):
+        load_model(default_model, layer_range=LayerRange(2, 6))
+
+
+def test_bad_dtype(default_model):
+    with pytest.raises(ModelLoadError, match="unsupported dtype"):
+        load_model(default_model, dtype="float8")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_loads_and_generates(default_model, dtype):
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=default_model, dtype=dtype, num_kv_blocks=32), load_tokenizer=False)
+    assert engine.executor.runners[0].kv_cache.tensor.dtype == getattr(torch, dtype)
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8

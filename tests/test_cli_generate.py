@@ -1,0 +1,47 @@
+"""`splitserve generate` on the default model and on another local model directory."""
+
+import json
+import os
+import subprocess
+import sys
+
+from reference import reference_greedy
+from transformers import AutoTokenizer
+
+
+def run_cli(*args, env_cache):
+    env = dict(os.environ, SPLITSERVE_CACHE_DIR=str(env_cache))
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "generate", *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+
+
+def test_generate_json_on_default_model_matches_transformers(cache_dir, default_model):
+    result = run_cli("--prompt", "The old clock in the hall", "--max-tokens", "24", "--json", env_cache=cache_dir)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    prompt = AutoTokenizer.from_pretrained(default_model)("The old clock in the hall").input_ids
+    expected, _ = reference_greedy(default_model, prompt, 24, ignore_eos=False)
+    assert out["token_ids"] == expected
+    assert out["text"] and out["finish_reason"] in ("length", "stop")
+
+
+def test_generate_on_a_qwen3_directory_streams_text(cache_dir, model_zoo):
+    result = run_cli("--model", model_zoo["qwen3-qknorm"], "--prompt", "hello there", "--max-tokens", "12",
+                     "--temperature", "0.8", "--seed", "3", env_cache=cache_dir)
+    assert result.returncode == 0, result.stderr
+    again = run_cli("--model", model_zoo["qwen3-qknorm"], "--prompt", "hello there", "--max-tokens", "12",
+                    "--temperature", "0.8", "--seed", "3", env_cache=cache_dir)
+    assert result.stdout == again.stdout and result.stdout.strip()
+
+
+def test_generate_reports_a_bad_model_directory(cache_dir, tmp_path):
+    result = run_cli("--model", str(tmp_path / "missing"), "--prompt", "x", env_cache=cache_dir)
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generate_reports_bad_parameters(cache_dir, default_model):
+    result = run_cli("--prompt", "x", "--top-p", "1.5", env_cache=cache_dir)
+    assert result.returncode == 2 and "top_p" in result.stderr
