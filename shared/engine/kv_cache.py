@@ -113,6 +113,13 @@ class PagedKVCache:
         expected = (end - start, 2, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim)
         if layout.num_blocks != len(block_ids) or tuple(data.shape) != expected:
             raise EngineError(f"KV data of shape {tuple(data.shape)} does not fit {len(block_ids)} blocks {expected}")
+        if (layout.num_kv_heads, layout.head_dim) != (self.num_kv_heads, self.head_dim):
+            raise EngineError(
+                f"KV layout ({layout.num_kv_heads} heads of {layout.head_dim}) does not match this cache "
+                f"({self.num_kv_heads} heads of {self.head_dim})"
+            )
+        if dtype_name(data.dtype) != layout.dtype:
+            raise EngineError(f"KV data is {dtype_name(data.dtype)} but its layout says {layout.dtype}")
         if layout.block_size != self.block_size or layout.dtype != dtype_name(self.dtype):
             raise EngineError(
                 f"KV layout (block_size {layout.block_size}, {layout.dtype}) does not match this cache "

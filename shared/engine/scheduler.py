@@ -87,8 +87,11 @@ class Scheduler:
             hit = None if seq.block_table else self.block_manager.find_prefix_hit(seq)
             num_new = seq.num_tokens - (hit.num_tokens if hit else seq.num_computed_tokens)
             if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
+                if out.scheduled:
+                    break  # wait for a step of its own
+                # Longer than a whole step's budget: run it alone rather than never.
+            elif num_new > budget:
+                num_new = budget
             if not self.block_manager.allocate(seq, num_new, hit):
                 break
             self.waiting.popleft()

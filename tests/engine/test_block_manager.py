@@ -350,22 +350,17 @@ def test_reviving_cached_free_blocks_counts_against_free_blocks():
 
 
 def test_hit_on_blocks_in_use_is_free_of_charge():
-    bm = BlockManager(4, 4, FP)
-    a = make_seq(range(13), "a")  # 4 blocks, 3 hashed; a keeps them
-    hit_a = compute_all(bm, a)
-    assert hit_a.block_ids == [] and bm.num_free_blocks == 0
-    b = make_seq(range(13), "b")
+    bm = BlockManager(5, 4, FP)
+    a = make_seq(range(9), "a")  # 3 blocks, 2 hashed; a keeps them
+    compute_all(bm, a)
+    assert bm.num_free_blocks == 2
+    b = make_seq(list(range(8)) + list(range(50, 55)), "b")  # 13 tokens
     hit = bm.find_prefix_hit(b)
-    assert len(hit.block_ids) == 3
-    assert not bm.can_allocate(b, 1, hit)  # needs 1 new block, none free
-    bm.free(a)
-    # Now blocks are cached-free again; re-admit a holding them, then b shares.
-    a2 = make_seq(range(12), "a2")
-    compute_all(bm, a2)
-    hit = bm.find_prefix_hit(b)
-    assert bm.num_free_blocks == 2  # the partial block and one cached-free block (the 3rd)
-    assert bm.can_allocate(b, 1, hit)  # 1 new + 1 revived (block 3 not held by a2)
-    assert bm.allocate(b, 1, hit)
+    assert hit.block_ids == a.block_table[:2]
+    assert bm.can_allocate(b, 5, hit)  # 2 new blocks, the shared ones cost nothing
+    assert not bm.can_allocate(b, 9, hit)  # 3 new blocks
+    assert bm.allocate(b, 5, hit)
+    assert bm.num_free_blocks == 0
     assert [bm.ref_counts[x] for x in b.block_table] == [2, 2, 1, 1]
     check_invariants(bm)
 
@@ -438,8 +433,11 @@ def test_identical_blocks_computed_concurrently_keep_the_first():
     assert bm.hash_of_block[b.block_table[0]] is None and bm.hash_of_block[b.block_table[1]] is None
     bm.free(b)  # b's duplicates are not worth keeping
     assert not bm.cached_free_block_ids and len(bm.free_block_ids) == 8 - 3
+    a0, a1, _ = a.block_table
     bm.free(a)
-    assert list(bm.cached_free_block_ids) == [a.block_hashes and x for x in []] or len(bm.cached_free_block_ids) == 2
+    assert list(bm.cached_free_block_ids) == [a1, a0]
+    # The kept entry serves later hits.
+    assert bm.find_prefix_hit(make_seq(range(9))).block_ids == [a0, a1]
     check_invariants(bm)
 
 
