@@ -4,7 +4,7 @@ import torch
 
 from shared.engine.kv_cache import PagedKVCache
 from shared.engine.model_loader import LoadedModel
-from shared.engine.paged_attention import PagedAttentionMetadata, PrefillSpan
+from shared.engine.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSpan, group_decodes_by_length
 from shared.engine.step_batch import StepBatch
 
 
@@ -86,13 +86,22 @@ class ModelRunner:
                     block_ids = torch.tensor(table, dtype=torch.long, device=device)
                 prefills.append(PrefillSpan(query_start, query_len, context_len, block_ids))
             query_start += query_len
-        width = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]
         return PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             prefills=prefills,
-            decode_token_index=torch.tensor(decode_index, dtype=torch.long, device=device),
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).reshape(len(padded), width),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
+            decode_groups=[
+                self._decode_group([decode_index[i] for i in members], [decode_tables[i] for i in members],
+                                   [decode_lens[i] for i in members])
+                for members in group_decodes_by_length(decode_lens)
+            ],
+        )
+
+    def _decode_group(self, token_index: list[int], tables: list[list[int]], context_lens: list[int]) -> DecodeGroup:
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return DecodeGroup(
+            token_index=torch.tensor(token_index, dtype=torch.long, device=self.device),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=self.device),
+            context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
         )

@@ -6,8 +6,8 @@ the new keys/values into the paged cache and attends over each sequence's
 blocks. The batch is flattened: `query` is `(1, heads, total_tokens, head_dim)`
 holding every scheduled token of every sequence, back to back.
 
-This is the plain-torch CPU path (SDPA per prefill span, one padded SDPA for
-all single-token decodes); a GPU kernel can replace `paged_attention_forward`
+This is the plain-torch CPU path (SDPA per prefill span, one padded SDPA per
+group of single-token decodes of similar length); a GPU kernel can replace `paged_attention_forward`
 without touching anything else.
 """
 
@@ -33,14 +33,38 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Single-token decodes of similar context length, attended in one padded SDPA."""
+
+    token_index: torch.Tensor  # (n,) position of each decode token in the flat batch
+    block_tables: torch.Tensor  # (n, max_blocks), padded with block 0
+    context_lens: torch.Tensor  # (n,)
+    masks: dict = field(default_factory=dict)  # sliding window -> (n, 1, 1, slots) bool, built once per step
+
+
+@dataclass(slots=True)
 class PagedAttentionMetadata:
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor  # (total_tokens,) flat slot = block_id * block_size + offset
     prefills: list[PrefillSpan]
-    decode_token_index: torch.Tensor  # (num_decodes,) position of each decode token in the flat batch
-    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks), padded with block 0
-    decode_context_lens: torch.Tensor  # (num_decodes,)
-    masks: dict = field(default_factory=dict)  # memo of boolean masks, shared by every layer of a step
+    decode_groups: list[DecodeGroup]
+    masks: dict = field(default_factory=dict)  # prefill masks, shared by every layer of a step
+
+
+def group_decodes_by_length(context_lens: list[int], max_padding: float = 0.25, max_groups: int = 8) -> list[list[int]]:
+    """Split decodes (by index) into groups whose padded length wastes at most ~max_padding.
+
+    Gathering KV is the CPU decode path's main cost and padding to the longest
+    context multiplies it, so similar lengths are attended together.
+    """
+    order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (context_lens[i] >= (1 - max_padding) * context_lens[groups[-1][0]] or len(groups) == max_groups):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _causal_mask(query_len: int, context_len: int, window: int | None, device) -> torch.Tensor:
@@ -53,16 +77,20 @@ def _causal_mask(query_len: int, context_len: int, window: int | None, device) -
     return mask
 
 
-def _decode_mask(meta: PagedAttentionMetadata, num_slots: int, window: int | None) -> torch.Tensor:
-    key = ("decode", window)
-    if key not in meta.masks:
-        k_pos = torch.arange(num_slots, device=meta.decode_context_lens.device)[None, :]
-        lens = meta.decode_context_lens[:, None]
+def _decode_mask(group: DecodeGroup, num_slots: int, window: int | None) -> torch.Tensor:
+    if window not in group.masks:
+        k_pos = torch.arange(num_slots, device=group.context_lens.device)[None, :]
+        lens = group.context_lens[:, None]
         mask = k_pos < lens
         if window is not None:
             mask &= k_pos >= lens - window
-        meta.masks[key] = mask[:, None, None, :]  # (decodes, 1, 1, slots)
-    return meta.masks[key]
+        group.masks[window] = mask[:, None, None, :]  # (n, 1, 1, slots)
+    return group.masks[window]
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[block_ids] for a (blocks, ...) cache; index_select copies rows far faster than advanced indexing."""
+    return cache.index_select(0, block_ids.flatten()).view(*block_ids.shape, *cache.shape[1:])
 
 
 def paged_attention_forward(
@@ -97,8 +125,8 @@ def paged_attention_forward(
             v = value[:, :, span.query_start : span.query_start + span.query_len]
         else:
             # (blocks, block_size, kv_heads, d) -> (1, kv_heads, context_len, d)
-            k = key_cache[span.block_ids].flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
-            v = value_cache[span.block_ids].flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
+            k = _gather(key_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
+            v = _gather(value_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
         if span.block_ids is None and sliding_window is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:
@@ -108,23 +136,21 @@ def paged_attention_forward(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.masks[mask_key], scale=scaling, enable_gqa=True)
         out[span.query_start : span.query_start + span.query_len] = o[0].transpose(0, 1)
 
-    # 3. Single-token decodes: one SDPA over every decode's blocks, padded and masked.
-    num_decodes = meta.decode_token_index.numel()
-    if num_decodes:
-        q = query[0, :, meta.decode_token_index].transpose(0, 1)[:, :, None]  # (decodes, heads, 1, d)
-        tables = meta.decode_block_tables
-        # (decodes, max_blocks, block_size, kv_heads, d) -> (decodes, kv_heads, slots, d)
-        k = key_cache[tables].flatten(1, 2).transpose(1, 2)
-        v = value_cache[tables].flatten(1, 2).transpose(1, 2)
-        if num_decodes == 1 and sliding_window is None:
-            context_len = int(meta.decode_context_lens[0])
+    # 3. Single-token decodes: one SDPA per group of similar lengths, padded and masked.
+    for group in meta.decode_groups:
+        q = query[0, :, group.token_index].transpose(0, 1)[:, :, None]  # (n, heads, 1, d)
+        # (n, max_blocks, block_size, kv_heads, d) -> (n, kv_heads, slots, d)
+        k = _gather(key_cache, group.block_tables).flatten(1, 2).transpose(1, 2)
+        v = _gather(value_cache, group.block_tables).flatten(1, 2).transpose(1, 2)
+        if group.token_index.numel() == 1 and sliding_window is None:
+            context_len = int(group.context_lens[0])
             o = F.scaled_dot_product_attention(
                 q, k[:, :, :context_len], v[:, :, :context_len], scale=scaling, enable_gqa=True
             )
         else:
-            mask = _decode_mask(meta, k.shape[2], sliding_window)
+            mask = _decode_mask(group, k.shape[2], sliding_window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
-        out[meta.decode_token_index] = o[:, :, 0]
+        out[group.token_index] = o[:, :, 0]
 
     return out[None], None  # (1, T, heads, head_dim), no attention weights
 

@@ -1,5 +1,7 @@
 """Greedy float32 output is token-identical to transformers' generate()."""
 
+import os
+
 import pytest
 
 from reference import reference_greedy, safe_prompts
@@ -13,7 +15,9 @@ LENGTHS = [1, 7, 16, 33, 150, 1000]
 
 
 def engine_for(model_dir: str, **overrides) -> LLMEngine:
-    config = dict(model=model_dir, dtype="float32", num_kv_blocks=512, load_tokenizer=False)
+    # SPLITSERVE_TEST_DEVICE=cuda runs the engine on a GPU against the CPU reference.
+    device = os.environ.get("SPLITSERVE_TEST_DEVICE", "cpu")
+    config = dict(model=model_dir, dtype="float32", device=device, num_kv_blocks=512, load_tokenizer=False)
     load_tokenizer = config.pop("load_tokenizer")
     config.update(overrides)
     return LLMEngine(EngineConfig(**config), load_tokenizer=load_tokenizer)
