@@ -26,6 +26,17 @@ def prefill_and_export(engine, prompt, params, layer_parts):
     return first[0].new_token_ids[0], parts
 
 
+def continue_elsewhere(model_dir, prompt, params, first_token, parts):
+    """Import the KV into a fresh engine and generate the rest; all tokens from the first on."""
+    target = make_engine(model_dir)
+    target.add_request("dst", prompt, params, output_token_ids=[first_token], kv=parts)
+    tokens = [first_token]
+    while target.has_unfinished_requests():
+        for out in target.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
 @pytest.fixture(scope="module")
 def case(default_model):
     engine = make_engine(default_model)
@@ -41,13 +52,7 @@ def test_import_continues_with_identical_tokens(default_model, case, layer_parts
     assert sum(p[1].num_bytes for p in parts) == sum(p[0].numel() * p[0].element_size() for p in parts)
     assert all(layout.num_tokens == len(prompt) for _, layout in parts)
 
-    target = make_engine(default_model, block_size=16)
-    target.add_request("dst", prompt, GREEDY, output_token_ids=[first_token], kv=parts)
-    tokens = [first_token]
-    while target.has_unfinished_requests():
-        for out in target.step():
-            tokens += out.new_token_ids
-    assert tokens == expected
+    assert continue_elsewhere(default_model, prompt, GREEDY, first_token, parts) == expected
 
 
 def test_seeded_sampling_continues_identically_after_import(default_model, case):
@@ -55,13 +60,7 @@ def test_seeded_sampling_continues_identically_after_import(default_model, case)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
     whole = make_engine(default_model).generate([prompt], params)[0].token_ids
     first_token, parts = prefill_and_export(make_engine(default_model), prompt, params, [(0, 4)])
-    target = make_engine(default_model)
-    target.add_request("dst", prompt, params, output_token_ids=[first_token], kv=parts)
-    tokens = [first_token]
-    while target.has_unfinished_requests():
-        for out in target.step():
-            tokens += out.new_token_ids
-    assert tokens == whole
+    assert continue_elsewhere(default_model, prompt, params, first_token, parts) == whole
 
 
 def test_import_rejects_incomplete_or_mismatched_kv(default_model, case):
