@@ -1,0 +1,19 @@
+"""The wire: typed msgpack messages and the subjects they travel on."""
+
+from contracts.codec import ContractError, Message, decode_one_of
+from contracts.messages import (
+    Assignment,
+    CancelRequest,
+    GenerateRequest,
+    HandoffReply,
+    RequestFailed,
+    ServiceInfo,
+    StatsRequest,
+    TokenChunk,
+)
+from contracts.subjects import Subjects, check_token
+
+__all__ = [
+    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "Message",
+    "RequestFailed", "ServiceInfo", "StatsRequest", "Subjects", "TokenChunk", "check_token", "decode_one_of",
+]

@@ -1,0 +1,109 @@
+"""Every message that crosses NATS, one class each. Field names carry their units."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from contracts.codec import Message
+
+
+@dataclass(slots=True, kw_only=True)
+class GenerateRequest(Message):
+    """gateway -> scheduler (JetStream, de-duplicated by request_id) -> worker."""
+
+    TYPE = "generate_request"
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # SamplingParams fields
+    reply_subject: str  # where the token stream and request events go
+    deadline_ms: int  # unix epoch ms after which nobody waits for the answer
+    created_ms: int
+    trace: dict[str, str] = field(default_factory=dict)  # W3C trace context (traceparent, ...)
+
+
+@dataclass(slots=True, kw_only=True)
+class Assignment(Message):
+    """scheduler -> gateway: the request is now owned by this worker."""
+
+    TYPE = "assignment"
+    request_id: str
+    worker_instance: str
+
+
+@dataclass(slots=True, kw_only=True)
+class HandoffReply(Message):
+    """worker -> scheduler: whether the worker took the request."""
+
+    TYPE = "handoff_reply"
+    request_id: str
+    accepted: bool
+    code: str = ""  # when not accepted: "overloaded" | "invalid_request" | "draining"
+    message: str = ""
+    param: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class TokenChunk(Message):
+    """worker -> gateway: the next tokens of a request; `seq` counts chunks from 0."""
+
+    TYPE = "token_chunk"
+    request_id: str
+    seq: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[str, Any]] | None = None  # per token: {token_id, logprob, top: [[id, logprob], ...]}
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class RequestFailed(Message):
+    """any service -> gateway: the request ended with an error."""
+
+    TYPE = "request_failed"
+    request_id: str
+    code: str  # "no_worker" | "invalid_request" | "overloaded" | "worker_failed" | "timeout" | "internal"
+    message: str
+    param: str | None = None
+    retry_after_s: float | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class CancelRequest(Message):
+    """gateway -> everyone: stop working on this request and free what it holds."""
+
+    TYPE = "cancel_request"
+    request_id: str
+    reason: str = "client_disconnected"
+
+
+@dataclass(slots=True, kw_only=True)
+class ServiceInfo(Message):
+    """A service's entry in the registry (heartbeated), also the reply to a stats request."""
+
+    TYPE = "service_info"
+    instance_id: str
+    role: str  # "gateway" | "scheduler" | "decode" | later "prefill" | "stage" | "kvstore"
+    model: str = ""
+    served_model_name: str = ""
+    pid: int = 0
+    host: str = ""
+    state: str = "starting"  # "starting" | "ready" | "draining"
+    started_ms: int = 0
+    heartbeat_ms: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    max_num_seqs: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    max_model_len: int = 0
+    http_port: int | None = None  # gateway API / metrics port, when the service serves HTTP
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class StatsRequest(Message):
+    TYPE = "stats_request"

@@ -1,0 +1,58 @@
+"""NATS subject, stream and bucket names, all built from one namespace prefix.
+
+Pools are `{ns}.{service}.{endpoint}`; one instance is
+`{ns}.{service}.{instance}.{endpoint}`. Several deployments can share one NATS
+cluster by using different namespaces.
+"""
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def check_token(value: str, what: str) -> str:
+    """Names used inside subjects may not contain '.', '*', '>' or spaces."""
+    if not _TOKEN.match(value or ""):
+        raise ValueError(f"{what} {value!r} may only contain letters, digits, '_' and '-'")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    namespace: str = "splitserve"
+
+    def __post_init__(self) -> None:
+        check_token(self.namespace, "namespace")
+
+    # JetStream: requests from gateways, taken by the scheduler pool.
+    @property
+    def requests_stream(self) -> str:
+        return f"{self.namespace}-requests"
+
+    @property
+    def submit(self) -> str:
+        return f"{self.namespace}.scheduler.submit"
+
+    @property
+    def scheduler_consumer(self) -> str:
+        return "scheduler"
+
+    # Core NATS.
+    def worker_generate(self, instance_id: str) -> str:
+        return f"{self.namespace}.worker.{check_token(instance_id, 'instance id')}.generate"
+
+    def stats(self, instance_id: str) -> str:
+        return f"{self.namespace}.stats.{check_token(instance_id, 'instance id')}"
+
+    @property
+    def cancel(self) -> str:
+        return f"{self.namespace}.control.cancel"
+
+    def tokens(self, request_id: str) -> str:
+        return f"{self.namespace}.tokens.{check_token(request_id, 'request id')}"
+
+    # JetStream KV bucket of heartbeated service entries.
+    @property
+    def registry_bucket(self) -> str:
+        return f"{self.namespace}-registry"
