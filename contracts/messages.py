@@ -23,11 +23,12 @@ class GenerateRequest(Message):
 
 @dataclass(slots=True, kw_only=True)
 class Assignment(Message):
-    """scheduler -> gateway: the request is now owned by this worker."""
+    """worker -> gateway, first on the reply subject: this worker process now owns the request."""
 
     TYPE = "assignment"
     request_id: str
     worker_instance: str
+    worker_boot_id: str  # changes when the worker restarts: the gateway fails requests of a dead boot
 
 
 @dataclass(slots=True, kw_only=True)
@@ -89,6 +90,7 @@ class ServiceInfo(Message):
     role: str  # "gateway" | "scheduler" | "decode" | later "prefill" | "stage" | "kvstore"
     model: str = ""
     served_model_name: str = ""
+    boot_id: str = ""  # unique per process start
     pid: int = 0
     host: str = ""
     state: str = "starting"  # "starting" | "ready" | "draining"

@@ -49,8 +49,12 @@ class Subjects:
     def cancel(self) -> str:
         return f"{self.namespace}.control.cancel"
 
-    def tokens(self, request_id: str) -> str:
-        return f"{self.namespace}.tokens.{check_token(request_id, 'request id')}"
+    def tokens(self, gateway_id: str, request_id: str) -> str:
+        """Where one request's events go; each gateway listens on its own wildcard."""
+        return f"{self.namespace}.tokens.{check_token(gateway_id, 'gateway id')}.{check_token(request_id, 'request id')}"
+
+    def tokens_wildcard(self, gateway_id: str) -> str:
+        return f"{self.namespace}.tokens.{check_token(gateway_id, 'gateway id')}.*"
 
     # JetStream KV bucket of heartbeated service entries.
     @property
