@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 if not args.json:
                     sys.stdout.write(out.new_text)
                     sys.stdout.flush()
-    except EngineError as exc:
+    except (EngineError, ValueError) as exc:
         print(f"splitserve generate: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -146,7 +146,7 @@ class IncrementalDetokenizer:
         while end > self._consumed and window_text[end - 1] == _REPLACEMENT_CHAR:
             end -= 1
         new_text = window_text[self._consumed : end]
-        if end == len(window_text) and new_text:
+        if end == len(window_text) and len(self._ids) > self._read_offset:
             # Everything in the window is out and the window ends on a whole
             # character: the unread tokens become the context for what follows.
             del self._ids[: self._read_offset]

@@ -6,6 +6,7 @@ new tokens into outputs (stop checks, incremental text). No I/O, no threads:
 services drive `step()` from their own loop.
 """
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import IncrementalDetokenizer
-from shared.engine.errors import EngineError, InvalidRequestError, ModelLoadError
+from shared.engine.errors import EngineError, EngineOverloadedError, InvalidRequestError, ModelLoadError
 from shared.engine.executor import ChainExecutor
 from shared.engine.kv_cache import KVLayout, PagedKVCache
 from shared.engine.model_loader import LayerRange, load_model, read_config, resolve_dtype
@@ -25,10 +26,6 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence
 from shared.engine.step_batch import build_step_batch
-
-
-class EngineOverloadedError(EngineError):
-    """The waiting queue is full; the caller should retry later."""
 
 
 @dataclass(slots=True)
@@ -113,6 +110,11 @@ class LLMEngine:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting")
         self._validate(prompt_token_ids, list(output_token_ids), params)
         prompt_len = len(prompt_token_ids)
+        if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
+            raise InvalidRequestError(
+                f"the request already has {len(output_token_ids)} output tokens; max_tokens is {params.max_tokens}",
+                "max_tokens",
+            )
         max_total = self.max_model_len
         if params.max_tokens is not None:
             max_total = min(max_total, prompt_len + params.max_tokens)
@@ -133,6 +135,8 @@ class LLMEngine:
             arrival_index=self._arrivals,
         )
         if kv:
+            if len(self.scheduler.running) >= self.config.max_num_seqs:
+                raise EngineOverloadedError(f"{len(self.scheduler.running)} sequences are already running")
             self._import_kv(seq, kv, num_cached_tokens)
         self._arrivals += 1
         self._sequences[request_id] = seq
@@ -141,7 +145,11 @@ class LLMEngine:
                 self.tokenizer, seq.token_ids, params.stop, params.skip_special_tokens
             )
             self._detokenizers[request_id] = detok
-        self.scheduler.add(seq)
+        if kv:
+            # It holds blocks already, so it runs (and can be preempted) like any running sequence.
+            self.scheduler.add_running(seq)
+        else:
+            self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request at once; its blocks are free when this returns."""
@@ -233,16 +241,23 @@ class LLMEngine:
             raise EngineError(
                 f"blocks [{block_start}, {block_end}) are outside the request's {num_full_or_partial} computed blocks"
             )
-        layer_end = self.model_config.num_hidden_layers if layer_end is None else layer_end
+        num_layers = self.model_config.num_hidden_layers
+        layer_end = num_layers if layer_end is None else layer_end
+        if not 0 <= layer_start < layer_end <= num_layers:
+            raise EngineError(f"layers [{layer_start}, {layer_end}) are outside the model's {num_layers} layers")
         num_tokens = min(seq.num_computed_tokens, block_end * self.config.block_size) - block_start * self.config.block_size
-        return self.executor.export_kv(seq.block_table[block_start:block_end], num_tokens, layer_start, layer_end)
+        data, layout = self.executor.export_kv(seq.block_table[block_start:block_end], num_tokens, layer_start, layer_end)
+        return data, dataclasses.replace(layout, block_start=block_start)
 
     def _import_kv(self, seq: Sequence, parts: list[tuple[torch.Tensor, KVLayout]], num_cached_tokens: int) -> None:
         num_tokens = parts[0][1].num_tokens
-        covered = sorted((layout.layer_start, layout.layer_end) for _, layout in parts)
+        if any(layout.block_start != 0 for _, layout in parts):
+            raise EngineError("imported KV must start at the sequence's first block")
+        if any(layout.num_tokens != num_tokens for _, layout in parts):
+            raise EngineError("imported KV parts must cover every layer once, for the same tokens")
         expected_start = 0
-        for start, end in covered:
-            if start != expected_start or any(layout.num_tokens != num_tokens for _, layout in parts):
+        for start, end in sorted((layout.layer_start, layout.layer_end) for _, layout in parts):
+            if start != expected_start:
                 raise EngineError("imported KV parts must cover every layer once, for the same tokens")
             expected_start = end
         if expected_start != self.model_config.num_hidden_layers:
@@ -266,13 +281,22 @@ class LLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[CompletedRequest]:
         """Run prompts to completion in one continuous batch; results in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling parameters")
         ids = [f"generate-{self._arrivals + i}" for i in range(len(prompts))]
         results = {rid: CompletedRequest(rid, [], "", None, [], len(p), 0) for rid, p in zip(ids, prompts)}
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
-        while self.has_unfinished_requests():
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list):
+                self.add_request(rid, prompt, p)
+        except EngineError:
+            for rid in ids:
+                self.abort_request(rid)
+            raise
+        while any(rid in self._sequences for rid in ids):
             for out in self.step():
-                result = results[out.request_id]
+                result = results.get(out.request_id)
+                if result is None:
+                    continue  # someone else's request sharing the engine
                 result.token_ids.extend(out.new_token_ids)
                 result.text += out.new_text
                 result.logprobs.extend(out.new_logprobs)

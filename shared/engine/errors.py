@@ -15,3 +15,7 @@ class InvalidRequestError(EngineError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class EngineOverloadedError(EngineError):
+    """The engine cannot take more work now; the caller should retry later."""

@@ -33,6 +33,7 @@ class KVLayout:
     head_dim: int
     dtype: str
     num_tokens: int  # tokens with valid KV, counted from the first exported block
+    block_start: int = 0  # index, in the sequence's block table, of the first exported block
 
     @property
     def shape(self) -> tuple[int, ...]:

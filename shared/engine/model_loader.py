@@ -22,6 +22,11 @@ from shared.engine.errors import ModelLoadError
 from shared.engine.kv_cache import DTYPES
 from shared.engine.paged_attention import ATTENTION_IMPLEMENTATION
 
+# Families whose transformers forward is exactly embed -> decoder layers -> norm -> head,
+# which the runner re-creates layer range by layer range. Others (e.g. Granite's
+# embedding and logit multipliers) would load but compute something else.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
 _FINGERPRINT_SAMPLES = 16
 _FINGERPRINT_SAMPLE_BYTES = 1 << 16
 
@@ -91,6 +96,11 @@ def read_config(model_dir: str | os.PathLike) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read the config of model directory {path}: {exc}") from exc
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING and config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"unsupported architecture in {path}: model_type {config.model_type!r} is a causal LM, but splitserve "
+            f"has only been verified token-exact for {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ModelLoadError(
             f"unsupported architecture in {path}: model_type {config.model_type!r} "

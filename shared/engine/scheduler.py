@@ -55,6 +55,13 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence that already holds its blocks (imported KV) straight into the batch."""
+        seq.status = SequenceStatus.RUNNING
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = 0
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

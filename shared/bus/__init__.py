@@ -1,0 +1,1 @@
+"""NATS runtime shared by every service: connection, provisioning, registry, actors, typed subscriptions."""

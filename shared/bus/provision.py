@@ -1,0 +1,143 @@
+"""JetStream streams and consumers, declared where they are used and provisioned idempotently.
+
+Every service that uses a stream or consumer calls `ensure_*` at start with the
+configuration it needs: the first creates it, the rest find it as declared, and
+one started with a new configuration updates it. Two processes doing this at
+once is harmless (the server accepts an identical create twice). A change the
+server cannot make in place (storage type, retention to or from work-queue)
+raises `ProvisionError` naming the stream and the fields.
+"""
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    ConsumerInfo,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamInfo,
+)
+from nats.js.errors import APIError, NotFoundError
+
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+_NS_PER_S = 1_000_000_000
+STREAM_NAME_IN_USE = 10058  # JetStream error code: a stream of that name exists with another config
+
+
+class ProvisionError(RuntimeError):
+    """A stream or consumer could not be brought to the declared configuration."""
+
+
+async def ensure_stream(
+    js: JetStreamContext,
+    *,
+    name: str,
+    subjects: list[str],
+    retention: str = "limits",
+    storage: str = "file",
+    max_msgs: int,
+    max_bytes: int,
+    max_age_s: float,
+    duplicate_window_s: float = 120.0,
+) -> StreamInfo:
+    """Create stream `name`, or update it to this configuration.
+
+    Limits are required so that every stream is bounded; -1 (or `max_age_s=0`) lifts one explicitly.
+    """
+    if max_age_s > 0:
+        duplicate_window_s = min(duplicate_window_s, max_age_s)  # the server refuses a window past max age
+    want = StreamConfig(
+        name=name,
+        subjects=list(subjects),
+        retention=RetentionPolicy(retention),
+        storage=StorageType(storage),
+        max_msgs=max_msgs,
+        max_bytes=max_bytes,
+        max_age=max_age_s,
+        duplicate_window=duplicate_window_s,
+    )
+    try:
+        have = await js.stream_info(name)
+    except NotFoundError:
+        try:
+            info = await js.add_stream(want)
+            log.info("stream created", stream=name, subjects=subjects, retention=retention, storage=storage)
+            return info
+        except APIError as exc:
+            if exc.err_code != STREAM_NAME_IN_USE:
+                raise ProvisionError(f"cannot create stream {name!r}: {exc.description}") from exc
+            have = await js.stream_info(name)  # another process created it meanwhile, differently
+    changed = _stream_changes(have.config, want)
+    if not changed:
+        return have
+    try:
+        info = await js.update_stream(want)
+    except APIError as exc:
+        raise ProvisionError(f"cannot update stream {name!r} ({', '.join(changed)}): {exc.description}") from exc
+    log.info("stream updated", stream=name, changed=changed)
+    return info
+
+
+async def ensure_pull_consumer(
+    js: JetStreamContext,
+    *,
+    stream: str,
+    durable: str,
+    filter_subject: str,
+    ack_wait_s: float,
+    max_deliver: int,
+    max_ack_pending: int,
+) -> ConsumerInfo:
+    """Create durable pull consumer `durable` on `stream`, or update it to this configuration."""
+    want = ConsumerConfig(
+        durable_name=durable,
+        filter_subject=filter_subject,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_deliver=max_deliver,
+        max_ack_pending=max_ack_pending,
+    )
+    try:
+        have = await js.consumer_info(stream, durable)
+    except NotFoundError:
+        have = None
+    changed = ["(new)"] if have is None else _consumer_changes(have.config, want)
+    if not changed:
+        return have
+    try:
+        # Creating a durable that exists with another config updates it, so create and update are one call.
+        info = await js.add_consumer(stream, want)
+    except APIError as exc:
+        raise ProvisionError(f"cannot provision consumer {durable!r} on stream {stream!r}: {exc.description}") from exc
+    log.info("consumer created" if have is None else "consumer updated", stream=stream, consumer=durable, changed=changed)
+    return info
+
+
+def _stream_changes(have: StreamConfig, want: StreamConfig) -> list[str]:
+    changes = []
+    if sorted(have.subjects or []) != sorted(want.subjects):
+        changes.append("subjects")
+    for field in ("retention", "storage", "max_msgs", "max_bytes"):
+        if getattr(have, field) != getattr(want, field):
+            changes.append(field)
+    for field in ("max_age", "duplicate_window"):
+        if _ns(getattr(have, field)) != _ns(getattr(want, field)):
+            changes.append(field)
+    return changes
+
+
+def _consumer_changes(have: ConsumerConfig, want: ConsumerConfig) -> list[str]:
+    changes = [f for f in ("filter_subject", "max_deliver", "max_ack_pending") if getattr(have, f) != getattr(want, f)]
+    if _ns(have.ack_wait) != _ns(want.ack_wait):
+        changes.append("ack_wait")
+    return changes
+
+
+def _ns(seconds: float | None) -> int:
+    return round((seconds or 0) * _NS_PER_S)

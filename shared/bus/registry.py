@@ -1,0 +1,158 @@
+"""The service registry: a JetStream KV bucket of `ServiceInfo`, one key per instance.
+
+Liveness is the bucket's max age (`ttl_s`): every put is a new message, the
+server deletes messages older than the max age, so an entry whose service stops
+heartbeating disappears about `ttl_s` after its last put. A `Heartbeat` puts
+the entry every `interval_s`, well inside the TTL, so one lost put is harmless.
+Readers never trust an entry blindly: one that does not decode as a
+`ServiceInfo` is skipped and counted in `Registry.num_malformed`.
+"""
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from contracts import ContractError, ServiceInfo, check_token
+from shared.bus.provision import STREAM_NAME_IN_USE
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class Registry:
+    def __init__(self, js: JetStreamContext, kv: KeyValue, bucket: str, ttl_s: float):
+        self.js = js
+        self.kv = kv
+        self.bucket = bucket
+        self.stream = f"KV_{bucket}"  # the stream behind a KV bucket, by JetStream's convention
+        self.ttl_s = ttl_s
+        self.num_malformed = 0  # entries skipped because they did not decode, counted on every read
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, bucket: str, ttl_s: float = 6.0) -> "Registry":
+        """Create the bucket, or bind to it (setting its TTL to `ttl_s` if it differs)."""
+        if ttl_s <= 0:
+            raise ValueError(f"registry ttl_s must be positive, got {ttl_s}")
+        try:
+            kv = await js.key_value(bucket)
+        except BucketNotFoundError:
+            try:
+                # Two services creating it at once with the same TTL both succeed.
+                kv = await js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1, storage=StorageType.FILE))
+                log.info("registry bucket created", bucket=bucket, ttl_s=ttl_s)
+                return cls(js, kv, bucket, ttl_s)
+            except APIError as exc:
+                if exc.err_code != STREAM_NAME_IN_USE:
+                    raise
+                kv = await js.key_value(bucket)  # created meanwhile with another TTL
+        await _set_ttl(js, bucket, kv, ttl_s)
+        return cls(js, kv, bucket, ttl_s)
+
+    async def put(self, info: ServiceInfo) -> None:
+        await self.kv.put(check_token(info.instance_id, "instance id"), info.encode())
+
+    async def remove(self, instance_id: str) -> None:
+        await self.kv.delete(check_token(instance_id, "instance id"))
+
+    async def get(self, instance_id: str) -> ServiceInfo | None:
+        try:
+            entry = await self.kv.get(check_token(instance_id, "instance id"))
+        except KeyNotFoundError:
+            return None
+        return self._decode(instance_id, entry.value)
+
+    async def list(self) -> list[ServiceInfo]:
+        """Every live entry, in key order."""
+        # The stream's subjects are the keys that hold a message: live entries and delete markers.
+        info = await self.js.stream_info(self.stream, subjects_filter=f"$KV.{self.bucket}.>")
+        prefix_len = len(f"$KV.{self.bucket}.")
+        keys = sorted(subject[prefix_len:] for subject in (info.state.subjects or {}))
+        found = await asyncio.gather(*(self._get_raw(key) for key in keys))
+        entries = (self._decode(key, value) for key, value in zip(keys, found) if value is not None)
+        return [entry for entry in entries if entry is not None]
+
+    async def _get_raw(self, key: str) -> bytes | None:
+        try:
+            entry = await self.kv.get(key, validate_keys=False)
+        except KeyNotFoundError:  # deleted, or expired since the listing
+            return None
+        return entry.value or b""
+
+    def _decode(self, key: str, value: bytes | None) -> ServiceInfo | None:
+        try:
+            info = ServiceInfo.decode(value or b"")
+            if info.instance_id != key:
+                raise ContractError(f"entry under key {key!r} names instance {info.instance_id!r}", "wrong_key")
+        except ContractError as exc:
+            self.num_malformed += 1
+            log.warning("malformed registry entry skipped", bucket=self.bucket, key=key, reason=exc.reason, error=str(exc))
+            return None
+        return info
+
+
+class Heartbeat:
+    """Keeps one service's entry alive: puts `make_info()` now and every `interval_s`."""
+
+    def __init__(self, registry: Registry, make_info: Callable[[], ServiceInfo], interval_s: float = 1.0):
+        if not 0 < interval_s < registry.ttl_s:
+            raise ValueError(f"heartbeat interval {interval_s}s must be positive and below the registry TTL {registry.ttl_s}s")
+        self.registry = registry
+        self.make_info = make_info
+        self.interval_s = interval_s
+        self.num_failed = 0
+        self._task: asyncio.Task | None = None
+        self._instance_id: str | None = None
+
+    def start(self) -> asyncio.Task:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="registry-heartbeat")
+        return self._task
+
+    async def stop(self, remove: bool = True) -> None:
+        """Stop beating; with `remove`, delete the entry now rather than letting it expire."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if remove and self._instance_id is not None:
+            try:
+                await asyncio.wait_for(self.registry.remove(self._instance_id), timeout=self.registry.ttl_s)
+            except Exception as exc:  # the entry expires by itself anyway
+                log.warning("registry entry not removed", instance_id=self._instance_id, error=str(exc) or type(exc).__name__)
+
+    async def _run(self) -> None:
+        next_beat = time.monotonic()
+        while True:
+            await self._beat()
+            next_beat += self.interval_s
+            await asyncio.sleep(max(0.0, next_beat - time.monotonic()))
+
+    async def _beat(self) -> None:
+        try:
+            info = self.make_info()
+            info.heartbeat_ms = int(time.time() * 1000)
+            self._instance_id = info.instance_id
+            await asyncio.wait_for(self.registry.put(info), timeout=self.registry.ttl_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # NATS away, a bad info: try again next tick, never end the task
+            self.num_failed += 1
+            log.warning("heartbeat failed", error=str(exc) or type(exc).__name__, num_failed=self.num_failed)
+
+
+async def _set_ttl(js: JetStreamContext, bucket: str, kv: KeyValue, ttl_s: float) -> None:
+    config = (await kv.status()).stream_info.config
+    if round((config.max_age or 0) * 1e9) == round(ttl_s * 1e9):
+        return
+    config.max_age = ttl_s
+    config.duplicate_window = min(config.duplicate_window or ttl_s, ttl_s)
+    try:
+        await js.update_stream(config)
+    except APIError as exc:
+        raise RuntimeError(f"cannot set the TTL of registry bucket {bucket!r} to {ttl_s}s: {exc.description}") from exc
+    log.info("registry bucket ttl updated", bucket=bucket, ttl_s=ttl_s)

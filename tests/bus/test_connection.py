@@ -1,0 +1,67 @@
+import asyncio
+import socket
+import time
+
+import pytest
+
+from shared.bus.connection import BusConnectionError, connect, drain
+
+pytestmark = pytest.mark.asyncio
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_dead_url_fails_fast_naming_the_url():
+    url = f"nats://127.0.0.1:{unused_port()}"
+    started = time.monotonic()
+    with pytest.raises(BusConnectionError, match=url):
+        await connect(url, name="test", connect_timeout_s=0.5)
+    assert time.monotonic() - started < 2.0
+
+
+async def test_reconnects_after_the_server_restarts(private_nats_server):
+    nc = await connect(private_nats_server.url, name="test", reconnect_wait_s=0.1)
+    try:
+        async def echo(msg):
+            await msg.respond(msg.data)
+
+        await nc.subscribe("echo", cb=echo)
+        assert (await nc.request("echo", b"before", timeout=2)).data == b"before"
+
+        private_nats_server.stop()
+        await asyncio.sleep(0.3)
+        assert not nc.is_connected
+        private_nats_server.start()
+
+        deadline = time.monotonic() + 10
+        while not nc.is_connected:
+            assert time.monotonic() < deadline, "did not reconnect"
+            await asyncio.sleep(0.05)
+        # The subscription is re-established on the new connection.
+        assert (await nc.request("echo", b"after", timeout=2)).data == b"after"
+    finally:
+        await drain(nc, timeout_s=2)
+    assert nc.is_closed
+
+
+async def test_drain_is_bounded_and_idempotent(nats_url):
+    nc = await connect(nats_url, name="test")
+    stuck = asyncio.Event()
+
+    async def never_finishes(msg):
+        await stuck.wait()
+
+    await nc.subscribe("stuck", cb=never_finishes)
+    await nc.publish("stuck", b"x")
+    await nc.flush()
+    await asyncio.sleep(0.05)
+
+    started = time.monotonic()
+    await drain(nc, timeout_s=0.5)
+    assert time.monotonic() - started < 2.5
+    assert nc.is_closed
+    await drain(nc)  # already closed: nothing to do

@@ -1,0 +1,130 @@
+import asyncio
+import time
+
+import msgpack
+import pytest
+
+from contracts import ServiceInfo
+from shared.bus.registry import Heartbeat, Registry
+
+pytestmark = pytest.mark.asyncio
+
+
+def info(instance_id: str, **fields) -> ServiceInfo:
+    return ServiceInfo(**({"instance_id": instance_id, "role": "decode", "state": "ready"} | fields))
+
+
+async def wait_until(predicate, timeout_s: float, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(interval_s)
+
+
+async def test_put_list_get_remove(js, unique):
+    registry = await Registry.open(js, unique("reg"))
+    assert await registry.list() == []
+    assert await registry.get("nobody") is None
+
+    await registry.put(info("decode-1", num_running=3))
+    await registry.put(info("decode-2"))
+    await registry.put(info("decode-1", num_running=4))  # a newer entry replaces the old one
+
+    listed = await registry.list()
+    assert [i.instance_id for i in listed] == ["decode-1", "decode-2"]
+    assert (await registry.get("decode-1")).num_running == 4
+
+    await registry.remove("decode-1")
+    assert [i.instance_id for i in await registry.list()] == ["decode-2"]
+    assert await registry.get("decode-1") is None
+    assert registry.num_malformed == 0
+
+
+async def test_open_is_idempotent_and_binds_to_the_existing_bucket(js, unique):
+    bucket = unique("reg")
+    first, second = await asyncio.gather(Registry.open(js, bucket), Registry.open(js, bucket))
+    await first.put(info("gw-1", role="gateway"))
+    assert [i.instance_id for i in await second.list()] == ["gw-1"]
+
+    third = await Registry.open(js, bucket, ttl_s=3.0)  # a new TTL is applied to the existing bucket
+    assert (await third.kv.status()).ttl == 3.0
+    assert [i.instance_id for i in await third.list()] == ["gw-1"]
+
+
+async def test_an_entry_expires_when_heartbeats_stop(js, unique):
+    registry = await Registry.open(js, unique("reg"), ttl_s=1.5)
+    await registry.put(info("decode-1"))
+    put_at = time.monotonic()
+    assert await registry.get("decode-1") is not None
+
+    await wait_until(lambda: _is_empty(registry), timeout_s=4.0)
+    assert 1.0 < time.monotonic() - put_at < 3.5
+    assert await registry.get("decode-1") is None
+
+
+async def _is_empty(registry):
+    return await registry.list() == []
+
+
+async def test_malformed_entries_are_skipped_and_counted(js, unique):
+    registry = await Registry.open(js, unique("reg"))
+    await registry.put(info("good-1"))
+    await registry.kv.put("garbage", b"\xc1 not msgpack")
+    await registry.kv.put("wrong-version", msgpack.packb({"type": "service_info", "v": 99, "instance_id": "wrong-version", "role": "x"}))
+    await registry.kv.put("wrong-type", msgpack.packb({"type": "token_chunk", "v": 1}))
+    await registry.kv.put("mismatch", info("someone-else").encode())
+    await registry.kv.put("empty", b"")
+
+    assert [i.instance_id for i in await registry.list()] == ["good-1"]
+    assert registry.num_malformed == 5
+    assert await registry.get("garbage") is None
+    assert registry.num_malformed == 6
+
+
+async def test_heartbeat_keeps_the_entry_alive_and_stop_removes_it(js, unique):
+    registry = await Registry.open(js, unique("reg"), ttl_s=1.5)
+    beats = 0
+
+    def make_info():
+        nonlocal beats
+        beats += 1
+        if beats == 2:
+            raise RuntimeError("a bad tick")  # logged; the next tick puts again
+        return info("decode-1", num_running=beats)
+
+    heartbeat = Heartbeat(registry, make_info, interval_s=0.3)
+    task = heartbeat.start()
+    first = await wait_until(lambda: registry.get("decode-1"), timeout_s=1.0, interval_s=0.02)
+    assert first.heartbeat_ms > 0
+
+    for _ in range(7):  # 2.8 s: almost twice the TTL
+        await asyncio.sleep(0.4)
+        assert await registry.get("decode-1") is not None
+    assert not task.done()
+    assert heartbeat.num_failed == 1
+    latest = await registry.get("decode-1")
+    assert latest.num_running > 5 and latest.heartbeat_ms > first.heartbeat_ms
+
+    await heartbeat.stop(remove=True)
+    assert task.done()
+    assert await registry.get("decode-1") is None
+
+
+async def test_heartbeat_stop_without_remove_lets_the_entry_expire(js, unique):
+    registry = await Registry.open(js, unique("reg"), ttl_s=1.5)
+    heartbeat = Heartbeat(registry, lambda: info("decode-1"), interval_s=0.3)
+    heartbeat.start()
+    await wait_until(lambda: registry.get("decode-1"), timeout_s=1.0, interval_s=0.02)
+    await heartbeat.stop(remove=False)
+    assert await registry.get("decode-1") is not None
+    await wait_until(lambda: _is_empty(registry), timeout_s=4.0)
+
+
+async def test_heartbeat_interval_must_be_inside_the_ttl(js, unique):
+    registry = await Registry.open(js, unique("reg"), ttl_s=1.5)
+    with pytest.raises(ValueError, match="TTL"):
+        Heartbeat(registry, lambda: info("x"), interval_s=2.0)

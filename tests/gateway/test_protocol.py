@@ -1,0 +1,557 @@
+"""The gateway's OpenAI surface without a server or NATS: request validation,
+max_tokens resolution, response and stream shapes (checked against the
+official openai package's types and client), and the error handlers."""
+
+import json
+import math
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from fastapi.testclient import TestClient
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from services.gateway.errors import (
+    RequestError,
+    error_body,
+    from_failure,
+    install_error_handlers,
+    model_not_found,
+)
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_prompt_token_ids,
+    parse_request,
+    resolve_max_tokens,
+    to_sampling_kwargs,
+)
+from services.gateway.responses import (
+    SSE_DONE,
+    chat_chunk,
+    chat_completion_response,
+    chat_logprobs,
+    chat_role_chunk,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    sse,
+    sse_error,
+    usage_chunk,
+)
+from shared.engine.errors import InvalidRequestError
+from shared.engine.sampling_params import SamplingParams
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def completion(**fields):
+    return {"model": "m", "prompt": "Hello", **fields}
+
+
+def chat(**fields):
+    return {"model": "m", "messages": USER, **fields}
+
+
+def rejected(model_cls, body) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        parse_request(model_cls, body)
+    assert info.value.status == 400
+    assert info.value.type == "invalid_request_error"
+    return info.value
+
+
+# --- request validation -----------------------------------------------------
+
+COMMON_BAD = [
+    ("temperature", -0.1), ("temperature", 2.01), ("temperature", "0.5"), ("temperature", float("nan")),
+    ("temperature", float("inf")), ("temperature", True),
+    ("top_p", 0), ("top_p", 1.5), ("top_p", -1),
+    ("top_k", -2), ("top_k", 1.5), ("top_k", "5"),
+    ("min_p", -0.1), ("min_p", 1.1),
+    ("presence_penalty", 2.5), ("presence_penalty", -2.5),
+    ("frequency_penalty", 3), ("frequency_penalty", -2.01),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
+    ("seed", 2**63), ("seed", -(2**63) - 1), ("seed", "7"), ("seed", 1.0),
+    ("stop", ["a", "b", "c", "d", "e"]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [1]), ("stop", 3),
+    ("stop", {"a": 1}),
+    ("stop_token_ids", [-1]), ("stop_token_ids", ["1"]), ("stop_token_ids", 5),
+    ("ignore_eos", "yes"), ("ignore_eos", 1),
+    ("skip_special_tokens", "no"),
+    ("n", 2), ("n", 0), ("n", "1"),
+    ("stream", "true"), ("stream", 1),
+    ("stream_options", {"include_usage": True}),  # without stream
+    ("logit_bias", {"50256": -100}),
+    ("user", 5),
+    ("model", 5), ("model", None),
+    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "10"),
+]
+
+
+@pytest.mark.parametrize("param,value", COMMON_BAD)
+def test_bad_sampling_values_name_their_field(param, value):
+    for make, cls in ((completion, CompletionRequest), (chat, ChatCompletionRequest)):
+        error = rejected(cls, make(**{param: value}))
+        # nested culprits are named OpenAI's way: stop_token_ids[0], messages[1].role
+        assert error.param.split("[")[0] == param, (cls.__name__, error)
+        assert error.message
+
+
+@pytest.mark.parametrize("param,value", [
+    ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("logprobs", 2.0),
+    ("echo", True), ("echo", "no"),
+    ("suffix", "tail"),
+    ("best_of", 2), ("best_of", 0),
+])
+def test_bad_completion_only_values(param, value):
+    assert rejected(CompletionRequest, completion(**{param: value})).param == param
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_completion_tokens": "5"}, "max_completion_tokens"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs=true, as OpenAI says
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"messages": []}, "messages"),
+    ({"messages": "Hi"}, "messages"),
+    ({"messages": None}, "messages"),
+    ({"messages": ["Hi"]}, "messages[0]"),
+    ({"messages": [{"content": "Hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}, "messages[1].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": ["Hi"]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "a", "name": 3}]}, "messages[0].name"),
+])
+def test_bad_chat_values(fields, param):
+    assert rejected(ChatCompletionRequest, chat(**fields)).param == param
+
+
+def test_missing_fields_are_400s_naming_them():
+    error = rejected(CompletionRequest, {"prompt": "x"})
+    assert (error.param, error.code) == ("model", "missing_required_parameter")
+    assert error.message == "Missing required parameter: 'model'."
+    assert rejected(CompletionRequest, {"model": "m"}).param == "prompt"
+    assert rejected(ChatCompletionRequest, {"model": "m"}).param == "messages"
+    body_error = rejected(CompletionRequest, ["not", "an", "object"])
+    assert body_error.param is None
+
+
+def test_n_other_than_one_says_so():
+    error = rejected(ChatCompletionRequest, chat(n=3))
+    assert error.param == "n" and "only n=1 is supported" in error.message.lower()
+
+
+def test_image_content_is_refused_by_type():
+    parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    error = rejected(ChatCompletionRequest, chat(messages=[{"role": "user", "content": parts}]))
+    assert error.param == "messages[0].content"
+    assert "image_url" in error.message and "part 1" in error.message
+
+
+def test_stream_options_need_stream():
+    error = rejected(CompletionRequest, completion(stream=False, stream_options={"include_usage": True}))
+    assert error.param == "stream_options"
+    bad_flag = rejected(CompletionRequest, completion(stream=True, stream_options={"include_usage": "yes"}))
+    assert bad_flag.param == "stream_options.include_usage"
+    req = parse_request(CompletionRequest, completion(stream=True, stream_options={"include_usage": True}))
+    assert req.include_usage
+    assert not parse_request(CompletionRequest, completion(stream=True)).include_usage
+    assert not parse_request(CompletionRequest, completion(stream=False, stream_options=None)).include_usage
+
+
+def test_accepted_edges_and_defaults():
+    req = parse_request(CompletionRequest, completion(
+        temperature=0, top_p=1, min_p=1, presence_penalty=-2, frequency_penalty=2, n=1, best_of=1, echo=False,
+        suffix="", logit_bias={}, logprobs=20, user="someone", seed=-(2**63), stop="\n",
+        stream_options=None, extra_thing={"a": 1}, metadata={"x": "y"}))
+    assert req.temperature == 0.0 and isinstance(req.temperature, float)
+    assert req.stop == ["\n"]
+    assert req.unknown_fields == ["extra_thing", "metadata"]  # ignored, as vLLM does
+    assert parse_request(CompletionRequest, completion(logprobs=0)).logprobs == 0
+    assert parse_request(CompletionRequest, completion(stop=None)).stop == []
+    assert parse_request(CompletionRequest, completion(stop=["a", "b", "c", "d"])).stop == ["a", "b", "c", "d"]
+    tools_off = parse_request(ChatCompletionRequest, chat(tools=[{"type": "function"}], tool_choice="none",
+                                                         response_format={"type": "text"}))
+    assert tools_off.tools
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("Hello", "Hello"),
+    ("", ""),
+    ([1, 2, 3], [1, 2, 3]),
+    ([[4, 5]], [4, 5]),
+    (["one"], "one"),
+])
+def test_prompt_forms(prompt, expected):
+    assert parse_request(CompletionRequest, completion(prompt=prompt)).prompt == expected
+
+
+@pytest.mark.parametrize("prompt", [
+    5, None, {"text": "x"}, [], [[]], [-1], [1, 2.0], [1, True], [1, "a"], ["a", "b"], [[1], [2]],
+    [["a"]], [[1, "a"]], [[-3]],
+])
+def test_bad_prompts_name_prompt(prompt):
+    assert rejected(CompletionRequest, completion(prompt=prompt)).param == "prompt"
+
+
+def test_batched_prompts_are_refused_clearly():
+    error = rejected(CompletionRequest, completion(prompt=["a", "b"]))
+    assert "one prompt per request" in error.message and error.code == "unsupported_value"
+
+
+def test_prompt_token_ids_against_the_vocabulary():
+    check_prompt_token_ids([0, 5, 9], vocab_size=10)
+    with pytest.raises(RequestError) as info:
+        check_prompt_token_ids([0, 10], vocab_size=10)
+    assert info.value.param == "prompt" and "10" in info.value.message
+
+
+def test_chat_content_parts_and_template_messages():
+    req = parse_request(ChatCompletionRequest, chat(messages=[
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "line one"}, {"type": "text", "text": "line two"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        {"role": "developer", "content": "dev"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}], "name": "bot"},
+    ]))
+    assert req.template_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "line one\nline two"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        {"role": "developer", "content": "dev"},
+        {"role": "assistant", "content": "no", "name": "bot"},
+    ]
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    req = parse_request(ChatCompletionRequest, chat(max_tokens=10, max_completion_tokens=20))
+    assert to_sampling_kwargs(req)["max_tokens"] == 20 and req.max_tokens_param == "max_completion_tokens"
+    req = parse_request(ChatCompletionRequest, chat(max_tokens=10))
+    assert to_sampling_kwargs(req)["max_tokens"] == 10 and req.max_tokens_param == "max_tokens"
+    assert to_sampling_kwargs(parse_request(ChatCompletionRequest, chat()))["max_tokens"] is None
+    assert to_sampling_kwargs(parse_request(CompletionRequest, completion()))["max_tokens"] is None
+
+
+def test_sampling_kwargs_build_sampling_params():
+    req = parse_request(CompletionRequest, completion(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.1,
+        frequency_penalty=0.2, repetition_penalty=1.1, seed=3, stop=["x", "y"], stop_token_ids=[2],
+        ignore_eos=True, logprobs=3, skip_special_tokens=False))
+    kwargs = to_sampling_kwargs(req)
+    assert kwargs == {
+        "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.1,
+        "frequency_penalty": 0.2, "repetition_penalty": 1.1, "seed": 3, "stop": ["x", "y"], "stop_token_ids": [2],
+        "ignore_eos": True, "logprobs": 3, "skip_special_tokens": False,
+    }
+    SamplingParams(**kwargs)
+    defaults = to_sampling_kwargs(parse_request(CompletionRequest, completion(top_k=-1)))
+    params = SamplingParams(**{**defaults, "max_tokens": 5})
+    assert (params.temperature, params.top_p, params.top_k, params.logprobs, params.stop) == (1.0, 1.0, 0, None, [])
+
+
+@pytest.mark.parametrize("fields,expected", [
+    ({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 5}, 5),
+    ({"logprobs": True, "top_logprobs": 20}, 20),
+])
+def test_chat_logprobs_map_to_sampling(fields, expected):
+    assert to_sampling_kwargs(parse_request(ChatCompletionRequest, chat(**fields)))["logprobs"] == expected
+
+
+# --- max_tokens against the context -----------------------------------------
+
+def test_max_tokens_defaults_to_the_rest_of_the_context():
+    assert resolve_max_tokens(None, prompt_len=100, max_model_len=4096) == 3996
+    assert resolve_max_tokens(3996, prompt_len=100, max_model_len=4096) == 3996
+    assert resolve_max_tokens(1, prompt_len=4095, max_model_len=4096) == 1
+
+
+def test_too_many_tokens_names_both_numbers():
+    with pytest.raises(RequestError) as info:
+        resolve_max_tokens(1000, prompt_len=4000, max_model_len=4096, prompt_param="messages")
+    error = info.value
+    assert (error.status, error.param, error.code) == (400, "max_tokens", "context_length_exceeded")
+    assert error.message.startswith("This model's maximum context length is 4096 tokens. However, you requested "
+                                    "5000 tokens (4000 in the messages, 1000 in the completion).")
+    with pytest.raises(RequestError) as info:
+        resolve_max_tokens(1000, 4000, 4096, prompt_param="messages", max_tokens_param="max_completion_tokens")
+    assert info.value.param == "max_completion_tokens"
+
+
+@pytest.mark.parametrize("requested", [None, 10])
+@pytest.mark.parametrize("prompt_param", ["prompt", "messages"])
+def test_a_prompt_too_long_by_itself_blames_the_prompt(requested, prompt_param):
+    for prompt_len in (4096, 5000):
+        with pytest.raises(RequestError) as info:
+            resolve_max_tokens(requested, prompt_len, 4096, prompt_param=prompt_param)
+        assert info.value.param == prompt_param
+        assert "4096" in info.value.message and str(prompt_len) in info.value.message
+        assert info.value.code == "context_length_exceeded"
+
+
+def test_an_empty_prompt_is_refused():
+    with pytest.raises(RequestError) as info:
+        resolve_max_tokens(None, 0, 4096)
+    assert info.value.param == "prompt"
+
+
+# --- response shapes --------------------------------------------------------
+
+VOCAB = {0: "Hello", 1: " world", 2: b"\xe2\x82", 3: "!", 4: "é"}
+ENTRIES = [
+    {"token_id": 0, "logprob": -0.1, "top": [[0, -0.1], [1, -2.5]]},
+    {"token_id": 2, "logprob": -1.0, "top": [[3, -0.5], [4, -0.9]]},  # sampled token not in the top 2
+    {"token_id": 4, "logprob": float("-inf"), "top": [[4, float("-inf")], [1, -3.0]]},
+]
+
+
+def token_text(token_id: int) -> str | bytes:
+    return VOCAB[token_id]
+
+
+def test_completion_response_validates_as_openai_completion():
+    logprobs = completion_logprobs(ENTRIES, token_text)
+    body = completion_response(request_id="cmpl-1", created=1700000000, model="m", text="Hello\ufffdé",
+                               finish_reason="length", prompt_tokens=5, completion_tokens=3, cached_tokens=2,
+                               logprobs=logprobs)
+    parsed = Completion.model_validate(json.loads(json.dumps(body, allow_nan=False)))
+    assert parsed.object == "text_completion" and parsed.choices[0].text == "Hello\ufffdé"
+    assert parsed.usage.total_tokens == 8 and parsed.usage.prompt_tokens_details.cached_tokens == 2
+    lp = parsed.choices[0].logprobs
+    assert lp.tokens == ["Hello", "\ufffd", "é"]
+    assert lp.token_logprobs == [-0.1, -1.0, -9999.0]
+    assert lp.text_offset == [0, 5, 6]
+    assert lp.top_logprobs[0] == {"Hello": -0.1, " world": -2.5}
+    assert lp.top_logprobs[1] == {"!": -0.5, "é": -0.9, "\ufffd": -1.0}  # up to N+1: the sampled one too
+    assert completion_logprobs(ENTRIES[:1], token_text, text_offset_start=7)["text_offset"] == [7]
+    zero = completion_logprobs([{"token_id": 3, "logprob": -0.2, "top": []}], token_text)
+    assert zero["top_logprobs"] == [{"!": -0.2}]
+
+
+def test_chat_completion_response_validates_as_openai_chat_completion():
+    body = chat_completion_response(request_id="chatcmpl-1", created=1700000000, model="m", content="Hi there",
+                                    finish_reason="stop", prompt_tokens=9, completion_tokens=3,
+                                    logprobs=chat_logprobs(ENTRIES, token_text), system_fingerprint="fp_1")
+    parsed = ChatCompletion.model_validate(json.loads(sse(body)[len("data: "):]))
+    assert parsed.choices[0].message.role == "assistant" and parsed.choices[0].message.content == "Hi there"
+    assert parsed.system_fingerprint == "fp_1" and parsed.usage.completion_tokens == 3
+    content = parsed.choices[0].logprobs.content
+    assert [t.token for t in content] == ["Hello", "\ufffd", "é"]
+    assert content[1].bytes == [0xE2, 0x82]  # the raw bytes, not those of U+FFFD
+    assert content[2].bytes == list("é".encode()) and content[2].logprob == -9999.0
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("Hello", -0.1), (" world", -2.5)]
+    assert len(content[1].top_logprobs) == 2
+    plain = chat_completion_response(request_id="chatcmpl-2", created=1, model="m", content="", finish_reason="length",
+                                     prompt_tokens=1, completion_tokens=0)
+    assert ChatCompletion.model_validate(plain).choices[0].logprobs is None
+
+
+def test_stream_chunks_validate_as_openai_types():
+    ids = dict(request_id="chatcmpl-1", created=1700000000, model="m")
+    first = chat_role_chunk(**ids, include_usage=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["usage"] is None
+    middle = chat_chunk(**ids, content="Hel", logprobs=chat_logprobs(ENTRIES[:1], token_text))
+    last = chat_chunk(**ids, content="lo", finish_reason="stop")
+    usage = usage_chunk(chat=True, **ids, prompt_tokens=4, completion_tokens=2)
+    for chunk in (first, middle, last, usage):
+        parsed = ChatCompletionChunk.model_validate(chunk)
+        assert parsed.object == "chat.completion.chunk"
+    assert ChatCompletionChunk.model_validate(last).choices[0].finish_reason == "stop"
+    assert ChatCompletionChunk.model_validate(usage).choices == [] and usage["usage"]["total_tokens"] == 6
+
+    ids = dict(request_id="cmpl-1", created=1700000000, model="m")
+    final = completion_chunk(**ids, text=" world", finish_reason="length",
+                             logprobs=completion_logprobs(ENTRIES[:1], token_text, text_offset_start=5))
+    assert Completion.model_validate(final).choices[0].logprobs.text_offset == [5]
+    assert Completion.model_validate(usage_chunk(chat=False, **ids, prompt_tokens=1, completion_tokens=2)).choices == []
+    # Intermediate completion chunks carry finish_reason null, as OpenAI streams them (the openai
+    # type requires a value, so check the rest of the shape with one filled in).
+    partial = completion_chunk(**ids, text="Hel")
+    assert partial["choices"][0]["finish_reason"] is None and "usage" not in partial
+    Completion.model_validate({**partial, "choices": [{**partial["choices"][0], "finish_reason": "stop"}]})
+
+
+def test_sse_framing():
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
+    assert SSE_DONE == "data: [DONE]\n\n"
+    with pytest.raises(ValueError):
+        sse({"x": math.nan})
+    event = json.loads(sse_error(RequestError("boom", status=503))[len("data: "):])
+    assert event == error_body("boom", "service_unavailable")
+    assert json.loads(sse_error("lost the worker", code="worker_failed")[6:])["error"]["code"] == "worker_failed"
+
+
+# --- through HTTP: error handlers and the openai client -----------------------
+
+def make_app() -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        ids = dict(request_id="cmpl-t", created=1700000000, model=req.model)
+        if not req.stream:
+            return completion_response(**ids, text="Hello world", finish_reason="stop", prompt_tokens=2,
+                                       completion_tokens=2)
+
+        def events():
+            yield sse(completion_chunk(**ids, text="Hello", include_usage=req.include_usage))
+            yield sse(completion_chunk(**ids, text=" world", finish_reason="stop", include_usage=req.include_usage))
+            if req.include_usage:
+                yield sse(usage_chunk(chat=False, **ids, prompt_tokens=2, completion_tokens=2))
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        ids = dict(request_id="chatcmpl-t", created=1700000000, model=req.model)
+        if not req.stream:
+            return chat_completion_response(**ids, content="Hi!", finish_reason="stop", prompt_tokens=3,
+                                            completion_tokens=2)
+
+        def events():
+            yield sse(chat_role_chunk(**ids))
+            yield sse(chat_chunk(**ids, content="Hi"))
+            if req.messages[-1].content == "fail":
+                yield sse_error(from_failure("worker_failed", "the worker stopped"))
+            else:
+                yield sse(chat_chunk(**ids, content="!", finish_reason="stop"))
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/v1/models/{name}")
+    async def get_model(name: str):
+        raise model_not_found(name)
+
+    @app.get("/busy")
+    async def busy():
+        raise from_failure("overloaded", "all workers are busy", retry_after_s=2.5)
+
+    @app.get("/engine")
+    async def engine():
+        SamplingParams(max_tokens=0)
+
+    @app.get("/crash")
+    async def crash():
+        raise RuntimeError("secret internals")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def http() -> TestClient:
+    return TestClient(make_app(), raise_server_exceptions=False)
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_malformed_json_is_a_400(http):
+    response = http.post("/v1/completions", content=b'{"model": "m", "prompt": ',
+                         headers={"content-type": "application/json"})
+    error = error_of(response, 400)
+    assert "could not parse the request body as json" in error["message"].lower()
+    assert error["param"] is None and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b'"text"', b"null"])
+def test_a_body_that_is_not_an_object_is_a_400(http, content):
+    response = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert error_of(response, 400)["param"] is None
+
+
+def test_validation_errors_are_400_with_the_field(http):
+    error = error_of(http.post("/v1/completions", json={"prompt": "x"}), 400)
+    assert error["param"] == "model" and error["code"] == "missing_required_parameter"
+    assert error_of(http.post("/v1/completions", json=completion(temperature="hot")), 400)["param"] == "temperature"
+    assert error_of(http.post("/v1/completions", json=completion(temperature=3)), 400)["param"] == "temperature"
+    assert error_of(http.post("/v1/completions", json=completion(n=2)), 400)["param"] == "n"
+    assert error_of(http.post("/v1/completions", json=completion(prompt=[["a"], ["b"]])), 400)["param"] == "prompt"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    error = error_of(http.post("/v1/chat/completions", json=chat(messages=image)), 400)
+    assert error["param"] == "messages[0].content"
+    assert error_of(http.post("/v1/chat/completions", content=b""), 400)["param"] is None
+
+
+def test_routing_errors_are_openai_shaped(http):
+    error = error_of(http.post("/v1/nothing-here", json={}), 404)
+    assert error["type"] == "invalid_request_error" and error["code"] == "unknown_url"
+    assert "/v1/nothing-here" in error["message"]
+    error_of(http.get("/v1/completions"), 405)
+    error = error_of(http.get("/v1/models/gpt-9"), 404)
+    assert (error["param"], error["code"]) == ("model", "model_not_found") and "gpt-9" in error["message"]
+
+
+def test_service_and_server_errors(http):
+    response = http.get("/busy")
+    assert error_of(response, 503)["type"] == "service_unavailable"
+    assert response.headers["retry-after"] == "3"
+    error = error_of(http.get("/engine"), 400)
+    assert error["param"] == "max_tokens"
+    response = http.get("/crash")
+    error = error_of(response, 500)
+    assert error["type"] == "server_error"
+    assert "secret" not in response.text and "Traceback" not in response.text
+
+
+def test_bus_failures_map_to_http():
+    invalid = from_failure("invalid_request", "bad stop token", param="stop_token_ids")
+    assert (invalid.status, invalid.param, invalid.headers) == (400, "stop_token_ids", {})
+    no_worker = from_failure("no_worker", "nobody home")
+    assert no_worker.status == 503 and no_worker.headers == {"Retry-After": "1"}
+    failed = from_failure("worker_failed", "died", retry_after_s=5)
+    assert (failed.status, failed.type, failed.headers) == (500, "server_error", {})
+    assert from_failure("timeout", "slow").status == 504
+    assert from_failure("something new", "?").status == 500
+
+
+@pytest.fixture(scope="module")
+def client(http) -> openai.OpenAI:
+    return openai.OpenAI(api_key="test", base_url="http://testserver/v1", http_client=http, max_retries=0)
+
+
+def test_openai_client_reads_our_responses_and_streams(client):
+    assert client.completions.create(model="m", prompt="Hi").choices[0].text == "Hello world"
+    assert client.chat.completions.create(model="m", messages=USER).choices[0].message.content == "Hi!"
+
+    chunks = list(client.completions.create(model="m", prompt="Hi", stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hello world"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 4
+
+    chunks = list(client.chat.completions.create(model="m", messages=USER, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hi!"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_openai_client_sees_our_errors(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=USER, temperature=5)
+    assert info.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("nope")
+    assert info.value.code == "model_not_found"
+    with pytest.raises(openai.APIError, match="the worker stopped"):
+        list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "fail"}], stream=True))
