@@ -1,0 +1,1 @@
+"""Pieces every service's entry point shares."""

@@ -1,0 +1,47 @@
+"""Flags every service takes; each also reads a SPLITSERVE_* environment variable."""
+
+import argparse
+import os
+import socket
+
+
+def env_default(name: str, default):
+    return os.environ.get(f"SPLITSERVE_{name}", default)
+
+
+def add_bus_options(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument("--nats", default=env_default("NATS_URL", "nats://127.0.0.1:4222"), help="NATS server URL")
+    parser.add_argument("--namespace", default=env_default("NAMESPACE", "splitserve"), help="subject prefix of this deployment")
+    parser.add_argument(
+        "--instance-id",
+        default=env_default("INSTANCE_ID", f"{role}-{socket.gethostname()}-{os.getpid()}"),
+        help="unique name of this service instance (letters, digits, '_' and '-')",
+    )
+    parser.add_argument("--log-level", default=env_default("LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"])
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=env_default("MODEL", None), help="local Hugging Face model directory (default: the built-in default model)")
+    parser.add_argument("--served-model-name", default=env_default("SERVED_MODEL_NAME", None), help="the name clients ask for")
+    parser.add_argument("--dtype", default=env_default("DTYPE", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
+    """(model directory, served model name), defaulting to the built-in default model."""
+    from shared.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+    if args.model:
+        model_dir = os.path.abspath(args.model)
+        return model_dir, args.served_model_name or os.path.basename(model_dir.rstrip("/"))
+    return str(default_model_dir()), args.served_model_name or DEFAULT_MODEL_NAME
+
+
+def run_async(coro) -> int:
+    """Run a service's main coroutine on uvloop (the design's event loop), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        return asyncio.run(coro)
+    return uvloop.run(coro)

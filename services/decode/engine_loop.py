@@ -1,0 +1,97 @@
+"""The engine's own thread: the one place that touches the LLMEngine.
+
+The asyncio side (NATS I/O) sends it commands; the thread applies them between
+steps, runs `engine.step()` while there is work, and hands every step's
+outputs back through `emit` (called on the engine thread: it must only
+schedule work on the event loop). Keeping the model's CPU/GPU work off the
+event loop keeps heartbeats, cancels and stats answered while a long prefill
+runs. If the thread dies, `crashed` is set and the service exits non-zero.
+"""
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.engine.engine import LLMEngine, RequestOutput
+from shared.engine.errors import EngineError
+from shared.engine.sampling_params import SamplingParams
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(slots=True)
+class RequestRejected:
+    """An add that the engine refused after the handoff was accepted."""
+
+    request_id: str
+    error: EngineError
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, emit: Callable[[list[RequestOutput | RequestRejected]], None]):
+        self.engine = engine
+        self._emit = emit
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self.crashed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(None)  # wake the thread
+        self._thread.join(timeout_s)
+
+    def add(self, command: AddRequest) -> None:
+        self._commands.put(command)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(AbortRequest(request_id))
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished_requests()
+                rejected = self._apply_commands(block=not busy)
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                if outputs or rejected:
+                    self._emit([*rejected, *outputs])
+        except BaseException as exc:  # the service must die with it, loudly
+            self.crashed = exc
+            log.exception("engine loop crashed")
+            self._emit([])  # wake the event loop so it notices
+
+    def _apply_commands(self, block: bool) -> list[RequestRejected]:
+        rejected = []
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            while True:
+                if isinstance(command, AddRequest):
+                    try:
+                        self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                    except EngineError as exc:
+                        rejected.append(RequestRejected(command.request_id, exc))
+                elif isinstance(command, AbortRequest):
+                    self.engine.abort_request(command.request_id)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        return rejected

@@ -1,0 +1,215 @@
+"""The decode worker's NATS side: takes handoffs, streams tokens, answers stats.
+
+In `colocated` mode it also prefills: every request it takes runs start to end
+in its engine's continuous batch. Per request it first publishes an
+`Assignment` on the request's reply subject, then `TokenChunk`s numbered from
+0, so the gateway can tell a gap or a duplicate from a healthy stream.
+"""
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+from contracts import (
+    Assignment,
+    CancelRequest,
+    GenerateRequest,
+    HandoffReply,
+    RequestFailed,
+    ServiceInfo,
+    StatsRequest,
+    Subjects,
+    TokenChunk,
+)
+from services.decode.engine_loop import AddRequest, EngineLoop, RequestRejected
+from shared.bus.registry import Heartbeat, Registry
+from shared.bus.subscribe import subscribe_typed
+from shared.engine.engine import LLMEngine, RequestOutput
+from shared.engine.errors import InvalidRequestError
+from shared.engine.sampling_params import SamplingParams
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class ActiveRequest:
+    reply_subject: str
+    next_seq: int = 0
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        *,
+        nc,
+        registry: Registry,
+        engine: LLMEngine,
+        subjects: Subjects,
+        instance_id: str,
+        model: str,
+        served_model_name: str,
+        mode: str,
+        max_active_requests: int,
+    ):
+        self.nc = nc
+        self.registry = registry
+        self.engine = engine
+        self.subjects = subjects
+        self.instance_id = instance_id
+        self.model = model
+        self.served_model_name = served_model_name
+        self.mode = mode
+        self.max_active_requests = max_active_requests
+        self.boot_id = uuid.uuid4().hex
+        self.started_ms = now_ms()
+        self.state = "starting"
+        self.requests: dict[str, ActiveRequest] = {}
+        # Filled once per engine step by the engine thread; drained in order by one publisher.
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self.engine_loop = EngineLoop(engine, self._emit_from_engine_thread)
+        self._heartbeat = Heartbeat(registry, self.info)
+        self._subscriptions = []
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def start(self) -> list[asyncio.Task]:
+        self.engine_loop.start()
+        self._subscriptions = [
+            await subscribe_typed(self.nc, self.subjects.worker_generate(self.instance_id), GenerateRequest, self._on_generate),
+            await subscribe_typed(self.nc, self.subjects.cancel, CancelRequest, self._on_cancel),
+            await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats),
+        ]
+        self.state = "ready"
+        self._heartbeat.start()
+        return [asyncio.create_task(self._publish_outputs(), name="publish-outputs")]
+
+    async def stop(self, drain_timeout_s: float = 5.0) -> None:
+        """Stop taking work, let running requests finish briefly, fail the rest, leave the registry."""
+        self.state = "draining"
+        for sub in self._subscriptions[:1]:
+            await sub.unsubscribe()
+        deadline = time.monotonic() + drain_timeout_s
+        while self.requests and time.monotonic() < deadline and not self.engine_loop.crashed:
+            await asyncio.sleep(0.05)
+        for request_id, active in list(self.requests.items()):
+            self.engine_loop.abort(request_id)
+            await self._fail(request_id, active, "worker_failed", "the worker is shutting down")
+        self.engine_loop.stop()
+        await self._heartbeat.stop(remove=True)
+
+    def info(self) -> ServiceInfo:
+        scheduler = self.engine.scheduler
+        block_manager = self.engine.block_manager
+        return ServiceInfo(
+            instance_id=self.instance_id,
+            role="decode",
+            model=self.model,
+            served_model_name=self.served_model_name,
+            boot_id=self.boot_id,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            state=self.state,
+            started_ms=self.started_ms,
+            heartbeat_ms=now_ms(),
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            max_num_seqs=scheduler.config.max_num_seqs,
+            kv_blocks_total=block_manager.num_blocks,
+            kv_blocks_free=block_manager.num_free_blocks,
+            max_model_len=self.engine.max_model_len,
+            details={"mode": self.mode, "active_requests": len(self.requests)},
+        )
+
+    # ---- handlers (event loop) --------------------------------------------------------
+    async def _on_generate(self, request: GenerateRequest, msg) -> None:
+        reply, params = self._admit(request)
+        if params is not None:
+            # The assignment goes out before any token, on the same connection, so it arrives first.
+            await self.nc.publish(
+                request.reply_subject,
+                Assignment(request_id=request.request_id, worker_instance=self.instance_id, worker_boot_id=self.boot_id).encode(),
+            )
+            self.requests[request.request_id] = ActiveRequest(request.reply_subject)
+            self.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params))
+        if msg.reply:
+            await msg.respond(reply.encode())
+
+    def _admit(self, request: GenerateRequest) -> tuple[HandoffReply, SamplingParams | None]:
+        """The reply to the scheduler, and the parameters when the request is newly taken."""
+
+        def refuse(code: str, message: str, param: str | None = None):
+            return HandoffReply(request_id=request.request_id, accepted=False, code=code, message=message, param=param), None
+
+        if request.request_id in self.requests:
+            return HandoffReply(request_id=request.request_id, accepted=True), None  # a redelivery: already ours
+        if self.state != "ready":
+            return refuse("draining", f"worker {self.instance_id} is {self.state}")
+        if request.deadline_ms and request.deadline_ms < now_ms():
+            return refuse("timeout", "the request's deadline has passed")
+        if len(self.requests) >= self.max_active_requests:
+            return refuse("overloaded", f"worker {self.instance_id} holds {len(self.requests)} requests")
+        try:
+            params = SamplingParams(**request.sampling)
+        except InvalidRequestError as exc:
+            return refuse("invalid_request", str(exc), exc.param)
+        except TypeError as exc:
+            return refuse("invalid_request", f"unknown sampling parameter: {exc}")
+        return HandoffReply(request_id=request.request_id, accepted=True), params
+
+    async def _on_cancel(self, cancel: CancelRequest, msg) -> None:
+        if self.requests.pop(cancel.request_id, None) is not None:
+            self.engine_loop.abort(cancel.request_id)
+            log.info("request cancelled", request_id=cancel.request_id, reason=cancel.reason)
+
+    async def _on_stats(self, _: StatsRequest, msg) -> None:
+        if msg.reply:
+            await msg.respond(self.info().encode())
+
+    # ---- outputs ----------------------------------------------------------------------
+    def _emit_from_engine_thread(self, items: list[RequestOutput | RequestRejected]) -> None:
+        self._loop.call_soon_threadsafe(self._outbox.put_nowait, items)
+
+    async def _publish_outputs(self) -> None:
+        while True:
+            items = await self._outbox.get()
+            if self.engine_loop.crashed is not None:
+                raise RuntimeError("the engine loop crashed") from self.engine_loop.crashed
+            for item in items:
+                active = self.requests.get(item.request_id)
+                if active is None:
+                    continue  # cancelled meanwhile
+                if isinstance(item, RequestRejected):
+                    param = getattr(item.error, "param", None)
+                    await self._fail(item.request_id, active, "invalid_request", str(item.error), param)
+                    continue
+                chunk = TokenChunk(
+                    request_id=item.request_id,
+                    seq=active.next_seq,
+                    token_ids=item.new_token_ids,
+                    text=item.new_text,
+                    logprobs=[{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                              for lp in item.new_logprobs] or None,
+                    finished=item.finished,
+                    finish_reason=item.finish_reason,
+                    prompt_tokens=item.num_prompt_tokens,
+                    completion_tokens=item.num_output_tokens,
+                    cached_tokens=item.num_cached_tokens,
+                )
+                active.next_seq += 1
+                if item.finished:
+                    del self.requests[item.request_id]
+                await self.nc.publish(active.reply_subject, chunk.encode())
+
+    async def _fail(self, request_id: str, active: ActiveRequest, code: str, message: str, param: str | None = None) -> None:
+        self.requests.pop(request_id, None)
+        await self.nc.publish(
+            active.reply_subject, RequestFailed(request_id=request_id, code=code, message=message, param=param).encode()
+        )

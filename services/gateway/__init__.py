@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front door: request models, errors, response shapes."""

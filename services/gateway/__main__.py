@@ -1,0 +1,49 @@
+"""`python -m services.gateway`: the OpenAI-compatible HTTP API."""
+
+import argparse
+import sys
+
+from services.common.options import add_bus_options, add_model_options, env_default, resolve_model
+
+
+def parse_expect(text: str) -> dict[str, int]:
+    """"decode=2,scheduler=1" -> {"decode": 2, "scheduler": 1}."""
+    expect = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        role, _, count = part.partition("=")
+        if not role or not count.isdigit():
+            raise argparse.ArgumentTypeError(f"expected ROLE=N[,ROLE=N...], got {text!r}")
+        expect[role] = int(count)
+    return expect
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve serve gateway", description="The OpenAI-compatible HTTP gateway.")
+    add_bus_options(parser, "gateway")
+    add_model_options(parser)
+    parser.add_argument("--host", default=env_default("HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(env_default("PORT", 8000)))
+    parser.add_argument("--expect", type=parse_expect, default=parse_expect(env_default("EXPECT", "scheduler=1,decode=1")),
+                        help="services that must be ready for /health to answer 200, e.g. scheduler=1,decode=2")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    from services.gateway.app import GatewaySettings, create_app
+    from shared.telemetry.logging import configure_logging
+
+    configure_logging("gateway", args.instance_id, args.log_level)
+    model_dir, served_name = resolve_model(args)
+    settings = GatewaySettings(nats_url=args.nats, namespace=args.namespace, instance_id=args.instance_id,
+                               model_dir=model_dir, served_model_name=served_name, expect=args.expect,
+                               http_port=args.port)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, loop="uvloop", log_level="warning",
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""The OpenAI-compatible HTTP API: validate, submit over NATS, stream back as SSE."""
+
+import asyncio
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from contracts import ServiceInfo, Subjects
+from services.gateway import responses
+from services.gateway.errors import (
+    RequestError,
+    from_failure,
+    from_invalid_request,
+    install_error_handlers,
+    model_not_found,
+)
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_info import ModelInfo
+from services.gateway.pipeline import Pipeline
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+    resolve_max_tokens,
+    to_sampling_kwargs,
+)
+from services.gateway.streams import RequestStream, StreamError, TokenStreams
+from shared.bus.connection import connect, drain
+from shared.bus.registry import Heartbeat, Registry
+from shared.engine.errors import InvalidRequestError
+from shared.engine.sampling_params import SamplingParams
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions API
+_REGISTRY_REFRESH_S = 1.0
+
+
+@dataclass(slots=True)
+class GatewaySettings:
+    nats_url: str
+    namespace: str
+    instance_id: str
+    model_dir: str
+    served_model_name: str
+    expect: dict[str, int] = field(default_factory=lambda: {"scheduler": 1, "decode": 1})
+    http_port: int | None = None
+
+
+class Gateway:
+    """The state behind the HTTP handlers (one per process)."""
+
+    def __init__(self, settings: GatewaySettings):
+        self.settings = settings
+        self.subjects = Subjects(settings.namespace)
+        self.model = ModelInfo.load(settings.model_dir, settings.served_model_name)
+        self.streams = TokenStreams()
+        self.services: list[ServiceInfo] = []
+        self.metrics = GatewayMetrics(lambda: self.services)
+        self.boot_id = uuid.uuid4().hex
+        self.started_ms = int(time.time() * 1000)
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self.nc = await connect(self.settings.nats_url, name=self.settings.instance_id)
+        self.registry = await Registry.open(self.nc.jetstream(), self.subjects.registry_bucket)
+        await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)
+        self.pipeline = Pipeline(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
+                                 streams=self.streams)
+        self.heartbeat = Heartbeat(self.registry, self.info)
+        self.heartbeat.start()
+        await self._refresh_services()
+        self.spawn(self._watch_services())
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await self.heartbeat.stop(remove=True)
+        await drain(self.nc)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def info(self) -> ServiceInfo:
+        return ServiceInfo(
+            instance_id=self.settings.instance_id, role="gateway", model=self.settings.model_dir,
+            served_model_name=self.settings.served_model_name, boot_id=self.boot_id, pid=os.getpid(),
+            host=socket.gethostname(), state="ready", started_ms=self.started_ms,
+            heartbeat_ms=int(time.time() * 1000), http_port=self.settings.http_port,
+            details={"active_requests": len(self.streams)},
+        )
+
+    async def _watch_services(self) -> None:
+        while True:
+            await asyncio.sleep(_REGISTRY_REFRESH_S)
+            listed_at = time.monotonic()
+            if await self._refresh_services():
+                self.streams.fail_orphans(self.services, listed_at)
+
+    async def _refresh_services(self) -> bool:
+        try:
+            self.services = await self.registry.list()
+            return True
+        except Exception as exc:
+            log.warning("registry read failed", error=repr(exc))
+            return False
+
+    # ---- deployment state -------------------------------------------------------------
+    def readiness(self) -> tuple[bool, dict]:
+        ready_counts: dict[str, int] = {}
+        for entry in self.services:
+            if entry.state == "ready":
+                ready_counts[entry.role] = ready_counts.get(entry.role, 0) + 1
+        missing = {role: n for role, n in self.settings.expect.items() if ready_counts.get(role, 0) < n}
+        return not missing, {"ready": ready_counts, "expected": self.settings.expect, "missing": missing}
+
+    @property
+    def max_model_len(self) -> int:
+        """The tightest context length among the model's workers (their --max-model-len), else the model's."""
+        lengths = [e.max_model_len for e in self.services
+                   if e.served_model_name == self.model.served_name and e.max_model_len > 0 and e.role != "gateway"]
+        return min(lengths, default=self.model.max_model_len)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    gateway = Gateway(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        yield
+        await gateway.stop()
+
+    app = FastAPI(title="splitserve", lifespan=lifespan)
+    app.state.gateway = gateway
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def request_id_header(request: Request, call_next):
+        request.state.request_id = uuid.uuid4().hex
+        response = await call_next(request)
+        response.headers["x-request-id"] = request.state.request_id
+        return response
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok, details = gateway.readiness()
+        return JSONResponse({"status": "ok" if ok else "unavailable", **details}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": gateway.model.served_name, "object": "model", "created": gateway.started_ms // 1000,
+                "owned_by": "splitserve", "max_model_len": gateway.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await read_json(request))
+        check_model(gateway, req.model)
+        prompt_ids = gateway.model.encode_prompt(req.prompt)
+        return await generate(gateway, request, req, prompt_ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(ChatCompletionRequest, await read_json(request))
+        check_model(gateway, req.model)
+        prompt_ids = gateway.model.encode_chat(req.template_messages())
+        return await generate(gateway, request, req, prompt_ids, chat=True)
+
+    return app
+
+
+async def read_json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError("Could not parse the request body as JSON.", code="invalid_json") from None
+
+
+def check_model(gateway: Gateway, name: str) -> None:
+    if name != gateway.model.served_name:
+        raise model_not_found(name)
+
+
+async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int], chat: bool):
+    endpoint = "chat" if chat else "completions"
+    arrived = time.monotonic()
+    sampling = to_sampling_kwargs(req)
+    requested = sampling["max_tokens"]
+    if requested is None and not chat:
+        requested = COMPLETIONS_DEFAULT_MAX_TOKENS
+    sampling["max_tokens"] = resolve_max_tokens(
+        requested, len(prompt_ids), gateway.max_model_len,
+        prompt_param="messages" if chat else "prompt", max_tokens_param=req.max_tokens_param,
+    )
+    try:
+        SamplingParams(**sampling)
+    except InvalidRequestError as exc:
+        raise from_invalid_request(exc) from None
+
+    request_id = request.state.request_id
+    response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+    try:
+        stream = await gateway.pipeline.submit(request_id, req.model, prompt_ids, sampling)
+    except StreamError as exc:
+        gateway.metrics.requests.labels(endpoint, exc.code).inc()
+        raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
+    renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage)
+    if req.stream:
+        events = _sse_events(gateway, stream, renderer, endpoint, arrived)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "x-request-id": request_id})
+    return await _collect_until_done(gateway, request, stream, renderer, endpoint, arrived)
+
+
+class _Renderer:
+    """Turns token chunks into OpenAI responses (whole or as SSE chunks)."""
+
+    def __init__(self, gateway: Gateway, response_id: str, model: str, chat: bool, include_usage: bool):
+        self.gateway, self.chat, self.include_usage = gateway, chat, include_usage
+        self.common = {"request_id": response_id, "created": int(time.time()), "model": model}
+        self.text_sent = 0
+        self.usage = (0, 0, 0)
+        self.finish_reason = None
+
+    def logprobs(self, chunk) -> dict | None:
+        if not chunk.logprobs:
+            return None
+        token_text = self.gateway.model.token_text
+        if self.chat:
+            return responses.chat_logprobs(chunk.logprobs, token_text)
+        return responses.completion_logprobs(chunk.logprobs, token_text, self.text_sent)
+
+    def note(self, chunk) -> None:
+        self.usage = (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens)
+        self.finish_reason = chunk.finish_reason
+
+    def chunk(self, chunk) -> dict:
+        logprobs = self.logprobs(chunk)
+        self.text_sent += len(chunk.text)
+        if self.chat:
+            return responses.chat_chunk(**self.common, content=chunk.text, finish_reason=chunk.finish_reason,
+                                        logprobs=logprobs, include_usage=self.include_usage)
+        return responses.completion_chunk(**self.common, text=chunk.text, finish_reason=chunk.finish_reason,
+                                          logprobs=logprobs, include_usage=self.include_usage)
+
+    def usage_chunk(self) -> dict:
+        prompt, completion, cached = self.usage
+        return responses.usage_chunk(chat=self.chat, **self.common, prompt_tokens=prompt,
+                                     completion_tokens=completion, cached_tokens=cached)
+
+    def whole(self, text: str, logprob_entries: list) -> dict:
+        prompt, completion, cached = self.usage
+        token_text = self.gateway.model.token_text
+        usage = dict(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+        if self.chat:
+            logprobs = responses.chat_logprobs(logprob_entries, token_text) if logprob_entries else None
+            return responses.chat_completion_response(**self.common, content=text, finish_reason=self.finish_reason,
+                                                      logprobs=logprobs, **usage)
+        logprobs = responses.completion_logprobs(logprob_entries, token_text) if logprob_entries else None
+        return responses.completion_response(**self.common, text=text, finish_reason=self.finish_reason,
+                                             logprobs=logprobs, **usage)
+
+
+async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Renderer, endpoint: str,
+                      arrived: float) -> AsyncIterator[str]:
+    metrics = gateway.metrics
+    status = "cancelled"
+    last = None
+    try:
+        if renderer.chat:
+            yield responses.sse(responses.chat_role_chunk(**renderer.common, include_usage=renderer.include_usage))
+        async for chunk in gateway.pipeline.chunks(stream):
+            now = time.monotonic()
+            if last is None:
+                metrics.ttft.observe(now - arrived)
+            else:
+                metrics.itl.observe(now - last)
+            last = now
+            renderer.note(chunk)
+            if chunk.text or chunk.finished or chunk.logprobs:  # a token still inside a character: nothing to say
+                yield responses.sse(renderer.chunk(chunk))
+        if renderer.include_usage:
+            yield responses.sse(renderer.usage_chunk())
+        yield responses.SSE_DONE
+        status = "ok"
+        metrics.e2e.observe(time.monotonic() - arrived)
+    except StreamError as exc:
+        status = exc.code
+        yield responses.sse_error(from_failure(exc.code, str(exc), exc.param, exc.retry_after_s))
+        yield responses.SSE_DONE
+    finally:
+        metrics.requests.labels(endpoint, status).inc()
+        # Runs on client disconnect too (the generator is cancelled): cancel it everywhere.
+        gateway.spawn(gateway.pipeline.release(stream))
+
+
+async def _collect_until_done(gateway: Gateway, request: Request, stream: RequestStream, renderer: _Renderer,
+                              endpoint: str, arrived: float):
+    async def collect() -> tuple[str, list]:
+        text, logprob_entries = [], []
+        async for chunk in gateway.pipeline.chunks(stream):
+            if not text:
+                gateway.metrics.ttft.observe(time.monotonic() - arrived)
+            renderer.note(chunk)
+            text.append(chunk.text)
+            logprob_entries.extend(chunk.logprobs or [])
+        return "".join(text), logprob_entries
+
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                gateway.metrics.requests.labels(endpoint, "cancelled").inc()
+                return Response(status_code=499)
+        try:
+            text, logprob_entries = task.result()
+        except StreamError as exc:
+            gateway.metrics.requests.labels(endpoint, exc.code).inc()
+            raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
+    finally:
+        task.cancel()
+        await gateway.pipeline.release(stream)
+    gateway.metrics.requests.labels(endpoint, "ok").inc()
+    gateway.metrics.e2e.observe(time.monotonic() - arrived)
+    return JSONResponse(renderer.whole(text, logprob_entries))

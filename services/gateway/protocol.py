@@ -1,0 +1,345 @@
+"""The OpenAI request bodies the gateway accepts: /v1/completions and /v1/chat/completions.
+
+Fields and defaults follow the OpenAI API reference; extensions that vLLM also
+accepts (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos,
+skip_special_tokens) sit beside them. Values are checked strictly (no "0.5"
+strings for numbers, no 0/1 for booleans, no NaN or infinity) and every bad
+value becomes a `RequestError` 400 naming its field: pydantic's type errors
+through `from_validation_errors`, range and support checks raised directly by
+the validators below. Features splitserve does not have (n > 1, best_of, echo,
+suffix, logit_bias, tools, structured output) are refused, not silently
+dropped. Unknown fields are ignored, as vLLM does; they are kept in
+`model_extra` so the gateway can log them.
+"""
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from services.gateway.errors import RequestError, from_validation_errors
+from shared.engine.sampling_params import MAX_TOP_LOGPROBS
+
+MAX_STOP_SEQUENCES = 4
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+def _unsupported(param: str, message: str) -> RequestError:
+    return RequestError(message, param, code="unsupported_parameter")
+
+
+def _invalid(param: str, message: str) -> RequestError:
+    return RequestError(message, param, code="invalid_value")
+
+
+class _SamplingRequest(_Strict):
+    """Fields both endpoints share."""
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension: <= 0 (or -1) is off
+    min_p: float | None = None  # extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (transformers semantics)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)  # also a single str, or null
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False  # extension
+    skip_special_tokens: bool = True  # extension
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> list[str]:
+        if value is None:
+            return []
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _invalid("stop", "stop must be a string or a list of strings")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise _invalid("stop", f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise _invalid("stop", "stop sequences must not be empty strings")
+        return stops
+
+    def _check_sampling(self) -> None:
+        def out_of_range(param: str, value: float | None, low: float, high: float, low_open: bool = False):
+            if value is None:
+                return
+            if value < low or value > high or (low_open and value == low):
+                bracket = "(" if low_open else "["
+                raise _invalid(param, f"{param} must be in {bracket}{low:g}, {high:g}], got {value:g}")
+
+        out_of_range("temperature", self.temperature, 0.0, 2.0)
+        out_of_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        out_of_range("min_p", self.min_p, 0.0, 1.0)
+        out_of_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        out_of_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0.0:
+            raise _invalid("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
+        if self.top_k is not None and self.top_k < -1:
+            raise _invalid("top_k", f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise _invalid("seed", f"seed must fit in a signed 64-bit integer, got {self.seed}")
+        if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
+            raise _invalid("stop_token_ids", "stop_token_ids must be non-negative token ids")
+        if self.n is not None and self.n != 1:
+            raise RequestError(f"Only n=1 is supported, got n={self.n}.", "n", code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise _invalid("stream_options", "stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", "logit_bias is not supported")
+
+    def _check_max_tokens(self, param: str, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise _invalid(param, f"{param} must be at least 1, got {value}")
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+def _token_ids(value: list) -> list[int]:
+    if not value:
+        raise _invalid("prompt", "prompt must not be empty")
+    if not all(type(v) is int and v >= 0 for v in value):
+        raise _invalid("prompt", "prompt must be a string or a list of non-negative token ids")
+    return value
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions (the legacy text completion API)."""
+
+    prompt: Any  # str | list[int]; normalised by the validator
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> str | list[int]:
+        # OpenAI takes a string, token ids, or a batch of either; here one prompt per request.
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise _invalid("prompt", "prompt must be a string or a list of token ids")
+        if len(value) == 1 and isinstance(value[0], str):
+            return value[0]
+        if len(value) == 1 and isinstance(value[0], list):
+            return _token_ids(value[0])
+        if value and all(isinstance(v, (str, list)) for v in value):
+            raise RequestError(f"Batched prompts are not supported: send one prompt per request (got {len(value)}).",
+                               "prompt", code="unsupported_value")
+        return _token_ids(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> "CompletionRequest":
+        self._check_max_tokens("max_tokens", self.max_tokens)
+        self._check_sampling()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise _invalid("logprobs", f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        if self.echo:
+            raise RequestError("echo=true is not supported.", "echo", code="unsupported_value")
+        if self.suffix:
+            raise _unsupported("suffix", "suffix is not supported")
+        if self.best_of is not None and self.best_of != 1:
+            raise RequestError(f"Only best_of=1 is supported, got best_of={self.best_of}.", "best_of",
+                               code="unsupported_value")
+        return self
+
+    @property
+    def sampling_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # str | list of text parts, joined into one str; None only for assistant messages (e.g. tool calls)
+    content: Any = Field(default=None, validate_default=True)
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_parts(cls, value: Any, info: ValidationInfo) -> str | None:
+        if value is None:
+            if info.data.get("role", "assistant") != "assistant":
+                raise PydanticCustomError("missing", "content is required")
+            return None
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise PydanticCustomError("invalid_type", "expected a string or a list of content parts")
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = {"text": "text", "refusal": "refusal"}.get(kind)
+            if key is None:
+                raise PydanticCustomError(
+                    "unsupported_value", "content part {index} has type '{kind}'; only text parts are supported",
+                    {"index": i, "kind": kind})
+            if not isinstance(part.get(key), str):
+                raise PydanticCustomError("invalid_type", "content part {index} needs a string '{key}'",
+                                          {"index": i, "key": key})
+            texts.append(part[key])
+        return "\n".join(texts)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it (content always a string)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI, still accepted
+    max_completion_tokens: int | None = None  # wins over max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatCompletionRequest":
+        if not self.messages:
+            raise _invalid("messages", "messages must contain at least one message")
+        self._check_max_tokens("max_tokens", self.max_tokens)
+        self._check_max_tokens("max_completion_tokens", self.max_completion_tokens)
+        self._check_sampling()
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise _invalid("top_logprobs",
+                               f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+            if not self.logprobs:
+                raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise _unsupported("response_format",
+                               f"response_format type {self.response_format.get('type')!r} is not supported")
+        if self.tools and self.tool_choice != "none":
+            raise _unsupported("tools", "tool calling is not supported")
+        if self.tool_choice not in (None, "none"):
+            raise _unsupported("tool_choice", "tool calling is not supported")
+        if self.functions:
+            raise _unsupported("functions", "function calling is not supported")
+        if self.function_call not in (None, "none"):
+            raise _unsupported("function_call", "function calling is not supported")
+        return self
+
+    @property
+    def sampling_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field the completion limit came from, for error messages."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+
+def parse_request(model_cls: type[RequestT], body: Any) -> RequestT:
+    """Validate a decoded JSON body; any problem is a RequestError 400 naming the field."""
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+def to_sampling_kwargs(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """Keyword arguments for `SamplingParams(**kwargs)` (plain types: they also cross the bus).
+
+    max_tokens is None when the client gave none; `resolve_max_tokens` fills it in.
+    """
+    return {
+        "max_tokens": req.requested_max_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": max(req.top_k or 0, 0),
+        "min_p": req.min_p or 0.0,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "seed": req.seed,
+        "stop": list(req.stop),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "ignore_eos": req.ignore_eos,
+        "logprobs": req.sampling_logprobs,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, *,
+                       prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> int:
+    """The completion budget: what was asked for, or the rest of the context when nothing was.
+
+    `prompt_param` is "messages" for chat, so errors point at the right field.
+    """
+    where = "messages" if prompt_param == "messages" else "prompt"
+    if prompt_len < 1:
+        raise _invalid(prompt_param, f"The {where} is empty after tokenization.")
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if requested is not None and prompt_len + requested > max_model_len:
+        too_long = prompt_len >= max_model_len
+        advice = f"the {where}" if too_long else f"the {where} or completion"
+        raise RequestError(
+            head + f"you requested {prompt_len + requested} tokens ({prompt_len} in the {where}, {requested} in the "
+            f"completion). Please reduce the length of {advice}.",
+            prompt_param if too_long else max_tokens_param, code="context_length_exceeded")
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            head + f"your {where} resulted in {prompt_len} tokens, which leaves no room for the completion. "
+            f"Please reduce the length of the {where}.",
+            prompt_param, code="context_length_exceeded")
+    return requested if requested is not None else max_model_len - prompt_len
+
+
+def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Reject a token-id prompt the model cannot embed."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _invalid("prompt", f"token id {bad} in the prompt is outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,117 @@
+"""Per-request event streams arriving at this gateway over NATS.
+
+One wildcard subscription receives every event for this gateway's requests;
+each is decoded and routed to its request's bounded queue. A `RequestStream`
+checks the chunk sequence numbers, so a gap or a duplicate becomes an error
+instead of wrong text. The worker that owns a request is watched through the
+registry: if it disappears or restarts, its requests fail at once rather than
+waiting out their deadline.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from contracts import Assignment, ContractError, RequestFailed, ServiceInfo, TokenChunk, decode_one_of
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+MAX_QUEUED_EVENTS = 4096  # per request; a consumer this far behind is failed, not buffered forever
+
+
+class StreamError(Exception):
+    """The request ended badly; `code` is a RequestFailed code."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class RequestStream:
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED_EVENTS))
+    worker_instance: str | None = None
+    worker_boot_id: str | None = None
+    assigned_at: float = 0.0
+    next_seq: int = 0
+    finished: bool = False
+
+    async def next_event(self, timeout_s: float) -> Assignment | TokenChunk:
+        """The next event in order; raises StreamError on failure, gap, duplicate or timeout."""
+        try:
+            event = await asyncio.wait_for(self.queue.get(), timeout_s)
+        except TimeoutError:
+            raise StreamError("timeout", f"no progress from the worker within {timeout_s:.0f} s") from None
+        if isinstance(event, RequestFailed):
+            self.finished = True
+            raise StreamError(event.code, event.message, event.param, event.retry_after_s)
+        if isinstance(event, Assignment):
+            self.worker_instance, self.worker_boot_id = event.worker_instance, event.worker_boot_id
+            self.assigned_at = time.monotonic()
+            return event
+        if event.seq != self.next_seq:
+            self.finished = True
+            kind = "duplicate" if event.seq < self.next_seq else "gap"
+            raise StreamError("internal", f"token stream {kind}: expected chunk {self.next_seq}, got {event.seq}")
+        self.next_seq += 1
+        self.finished = event.finished
+        return event
+
+
+class TokenStreams:
+    def __init__(self):
+        self._streams: dict[str, RequestStream] = {}
+        self.num_rejected = 0
+
+    def open(self, request_id: str) -> RequestStream:
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        return stream
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    async def on_message(self, msg) -> None:
+        """Subscription callback for `{ns}.tokens.{gateway}.*`."""
+        try:
+            event = decode_one_of(msg.data, Assignment, TokenChunk, RequestFailed)
+        except ContractError as exc:
+            self.num_rejected += 1
+            log.warning("rejected token stream message", subject=msg.subject, reason=exc.reason, error=str(exc))
+            return
+        stream = self._streams.get(event.request_id)
+        if stream is None:
+            return  # the request is gone (finished or client left)
+        try:
+            stream.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self._fail(stream, "internal", "the client is reading too slowly; the stream overflowed")
+
+    def fail_orphans(self, services: list[ServiceInfo], listed_at: float) -> None:
+        """Fail requests whose worker has left the registry or restarted since taking them.
+
+        `listed_at` (time.monotonic) is when the registry was read: requests
+        assigned after that are judged by the next reading.
+        """
+        boots = {s.instance_id: s.boot_id for s in services}
+        for stream in list(self._streams.values()):
+            if stream.worker_instance is None or stream.finished or stream.assigned_at >= listed_at:
+                continue
+            if boots.get(stream.worker_instance) != stream.worker_boot_id:
+                self._fail(stream, "worker_failed", f"worker {stream.worker_instance} stopped while serving the request")
+
+    def _fail(self, stream: RequestStream, code: str, message: str) -> None:
+        failure = RequestFailed(request_id=stream.request_id, code=code, message=message)
+        while True:
+            try:
+                stream.queue.put_nowait(failure)
+                return
+            except asyncio.QueueFull:
+                stream.queue.get_nowait()  # make room: the failure matters more than what it displaces

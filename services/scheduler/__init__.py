@@ -1,0 +1,1 @@
+"""The scheduler service: routes each request to a worker."""

@@ -1,0 +1,128 @@
+"""The scheduler's request loop: take a request off JetStream, hand it to a worker, ack.
+
+A request is acked only once a worker has taken it (or it has failed for
+good), so a scheduler that dies mid-handoff leaves it to be redelivered; the
+same request id is recognised (here and by the worker) and never run twice.
+"""
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from collections import OrderedDict
+
+from contracts import ContractError, GenerateRequest, HandoffReply, RequestFailed, ServiceInfo, Subjects
+from services.scheduler.routing import eligible_workers, rank_by_load
+from shared.bus.registry import Heartbeat, Registry
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+_RECENT_REQUESTS = 10_000  # request ids remembered for de-duplication
+_REFRESH_S = 0.5
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Router:
+    def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str,
+                 handoff_timeout_s: float = 5.0, max_concurrent_handoffs: int = 64):
+        self.nc = nc
+        self.registry = registry
+        self.subjects = subjects
+        self.instance_id = instance_id
+        self.handoff_timeout_s = handoff_timeout_s
+        self.workers: list[ServiceInfo] = []
+        self._recent: OrderedDict[str, str] = OrderedDict()
+        self._slots = asyncio.Semaphore(max_concurrent_handoffs)
+        self._heartbeat = Heartbeat(registry, self.info)
+        self.boot_id = uuid.uuid4().hex
+        self.started_ms = now_ms()
+        self.counts: dict[str, int] = {}
+
+    def info(self) -> ServiceInfo:
+        return ServiceInfo(
+            instance_id=self.instance_id, role="scheduler", boot_id=self.boot_id, pid=os.getpid(),
+            host=socket.gethostname(), state="ready", started_ms=self.started_ms, heartbeat_ms=now_ms(),
+            details={"routed": dict(self.counts)},
+        )
+
+    async def start(self) -> list[asyncio.Task]:
+        await self._refresh()
+        self._heartbeat.start()
+        return [asyncio.create_task(self._refresh_forever(), name="refresh-workers")]
+
+    async def stop(self) -> None:
+        await self._heartbeat.stop(remove=True)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_REFRESH_S)
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        self.workers = await self.registry.list()
+
+    # ---- one request --------------------------------------------------------------------
+    async def on_request(self, request: GenerateRequest, msg) -> None:
+        """Called by the fetch loop; routes concurrently, bounded by the handoff slots."""
+        await self._slots.acquire()
+        task = asyncio.create_task(self._route(request, msg))
+        task.add_done_callback(lambda _: self._slots.release())
+
+    async def _route(self, request: GenerateRequest, msg) -> None:
+        try:
+            outcome = await self._hand_over(request)
+        except Exception:
+            log.exception("routing failed", request_id=request.request_id)
+            outcome = "internal"
+            await self._fail(request, "internal", "the scheduler failed to route the request")
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        await msg.ack()
+
+    async def _hand_over(self, request: GenerateRequest) -> str:
+        if request.request_id in self._recent:
+            return "duplicate"
+        if request.deadline_ms and request.deadline_ms < now_ms():
+            await self._fail(request, "timeout", "the request expired before a worker could take it")
+            return "expired"
+        candidates = rank_by_load(eligible_workers(self.workers, "decode", request.model))
+        for worker in candidates:
+            reply = await self._offer(worker, request)
+            if reply is None or not reply.accepted and reply.code in ("overloaded", "draining", "timeout"):
+                continue
+            if not reply.accepted:
+                await self._fail(request, reply.code or "invalid_request", reply.message, reply.param)
+                return "rejected"
+            worker.num_waiting += 1  # until the next refresh shows the real load
+            self._remember(request.request_id, worker.instance_id)
+            return "assigned"
+        await self._fail(request, "no_worker", f"no {request.model!r} worker can take the request now",
+                         retry_after_s=1.0)
+        return "no_worker"
+
+    async def _offer(self, worker: ServiceInfo, request: GenerateRequest) -> HandoffReply | None:
+        try:
+            response = await self.nc.request(
+                self.subjects.worker_generate(worker.instance_id), request.encode(), timeout=self.handoff_timeout_s
+            )
+            return HandoffReply.decode(response.data)
+        except ContractError as exc:
+            log.warning("bad handoff reply", worker=worker.instance_id, error=str(exc))
+        except Exception as exc:  # timeout, no responders: try the next worker
+            log.warning("handoff failed", worker=worker.instance_id, error=type(exc).__name__)
+        return None
+
+    def _remember(self, request_id: str, worker_id: str) -> None:
+        self._recent[request_id] = worker_id
+        while len(self._recent) > _RECENT_REQUESTS:
+            self._recent.popitem(last=False)
+
+    async def _fail(self, request: GenerateRequest, code: str, message: str, param: str | None = None,
+                    retry_after_s: float | None = None) -> None:
+        failure = RequestFailed(request_id=request.request_id, code=code, message=message, param=param,
+                                retry_after_s=retry_after_s)
+        await self.nc.publish(request.reply_subject, failure.encode())
