@@ -26,7 +26,7 @@ from contracts import (
 )
 from services.decode.engine_loop import AddRequest, EngineLoop, RequestRejected
 from shared.bus.registry import Heartbeat, Registry
-from shared.bus.subscribe import subscribe_typed
+from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
@@ -125,7 +125,7 @@ class DecodeWorker:
             kv_blocks_total=block_manager.num_blocks,
             kv_blocks_free=block_manager.num_free_blocks,
             max_model_len=self.engine.max_model_len,
-            details={"mode": self.mode, "active_requests": len(self.requests)},
+            details={"mode": self.mode, "active_requests": len(self.requests), "rejected_messages": dict(REJECTED)},
         )
 
     # ---- handlers (event loop) --------------------------------------------------------

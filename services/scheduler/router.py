@@ -15,6 +15,7 @@ from collections import OrderedDict
 from contracts import ContractError, GenerateRequest, HandoffReply, RequestFailed, ServiceInfo, Subjects
 from services.scheduler.routing import eligible_workers, rank_by_load
 from shared.bus.registry import Heartbeat, Registry
+from shared.bus.subscribe import REJECTED
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -47,7 +48,7 @@ class Router:
         return ServiceInfo(
             instance_id=self.instance_id, role="scheduler", boot_id=self.boot_id, pid=os.getpid(),
             host=socket.gethostname(), state="ready", started_ms=self.started_ms, heartbeat_ms=now_ms(),
-            details={"routed": dict(self.counts)},
+            details={"routed": dict(self.counts), "rejected_messages": dict(REJECTED)},
         )
 
     async def start(self) -> list[asyncio.Task]:

@@ -1,0 +1,86 @@
+"""Client disconnects free KV at once; malformed bus messages are rejected, never fatal."""
+
+import asyncio
+import time
+
+import httpx
+import msgpack
+import nats
+import pytest
+
+from contracts import GenerateRequest, RequestFailed, ServiceInfo, StatsRequest, Subjects
+
+MODEL = "splitserve-default-llama"
+
+
+async def worker_stats(nc, subjects: Subjects, instance: str = "decode-0") -> ServiceInfo:
+    reply = await nc.request(subjects.stats(instance), StatsRequest().encode(), timeout=5)
+    return ServiceInfo.decode(reply.data)
+
+
+def test_client_disconnect_frees_the_requests_blocks_within_a_second(colocated):
+    async def scenario():
+        nc = await nats.connect(colocated.nats_url)
+        subjects = Subjects(colocated.namespace)
+        try:
+            body = {"model": MODEL, "prompt": "Tell me a long story about a lighthouse", "max_tokens": 3000,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            async with httpx.AsyncClient(base_url=colocated.base_url, timeout=60) as http:
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    events = 0
+                    async for line in response.aiter_lines():
+                        events += line.startswith("data: ")
+                        if events >= 5:
+                            break
+                    busy = await worker_stats(nc, subjects)
+                    assert busy.num_running == 1 and busy.kv_blocks_free < busy.kv_blocks_total
+            closed_at = time.monotonic()
+            while True:
+                stats = await worker_stats(nc, subjects)
+                if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total:
+                    break
+                assert time.monotonic() - closed_at < 1.0, f"blocks still held a second after disconnect: {stats}"
+                await asyncio.sleep(0.05)
+        finally:
+            await nc.close()
+
+    asyncio.run(scenario())
+
+
+def test_malformed_and_wrong_version_messages_are_rejected(colocated):
+    async def scenario():
+        nc = await nats.connect(colocated.nats_url)
+        subjects = Subjects(colocated.namespace)
+        try:
+            generate = subjects.worker_generate("decode-0")
+            good = GenerateRequest(request_id="r1", model=MODEL, prompt_token_ids=[1, 2], sampling={},
+                                   reply_subject="_INBOX.none", deadline_ms=0, created_ms=0)
+            wrong_version = msgpack.packb({**msgpack.unpackb(good.encode()), "v": 99})
+            for payload in (b"\xc1\x00garbage", msgpack.packb([1, 2, 3]), wrong_version,
+                            msgpack.packb({"type": "generate_request", "v": 1, "request_id": "r2"})):
+                reply = await nc.request(generate, payload, timeout=5)
+                failure = RequestFailed.decode(reply.data)
+                assert failure.code == "invalid_request"
+            # The JetStream request queue: the scheduler terminates what does not decode.
+            js = nc.jetstream()
+            await js.publish(subjects.submit, b"not msgpack at all", headers={"Nats-Msg-Id": "bad-1"})
+            await js.publish(subjects.submit, wrong_version, headers={"Nats-Msg-Id": "bad-2"})
+            deadline = time.monotonic() + 5
+            kv = await js.key_value(subjects.registry_bucket)
+            while True:
+                scheduler = ServiceInfo.decode((await kv.get("scheduler-0")).value)
+                if sum(scheduler.details.get("rejected_messages", {}).values()) >= 2:
+                    break
+                assert time.monotonic() < deadline, scheduler.details
+                await asyncio.sleep(0.2)
+            stats = await worker_stats(nc, subjects)
+            assert sum(stats.details["rejected_messages"].values()) >= 4
+        finally:
+            await nc.close()
+
+    asyncio.run(scenario())
+    # Both receivers still serve.
+    response = httpx.post(f"{colocated.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+                          timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
