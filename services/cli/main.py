@@ -3,13 +3,16 @@
 import argparse
 import sys
 
-from services.cli import generate
+from services.cli import generate, ps, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving over NATS.")
     subcommands = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(subcommands)
+    up.add_parser(subcommands)
+    ps.add_parser(subcommands)
+    serve.add_parser(subcommands)
     return parser
 
 

@@ -1,6 +1,7 @@
 """`python -m services.gateway`: the OpenAI-compatible HTTP API."""
 
 import argparse
+import signal
 import sys
 
 from services.common.options import add_bus_options, add_model_options, env_default, resolve_model
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = GatewaySettings(nats_url=args.nats, namespace=args.namespace, instance_id=args.instance_id,
                                model_dir=model_dir, served_model_name=served_name, expect=args.expect,
                                http_port=args.port)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal into the
+    # handler that was installed before it; a no-op one lets the gateway exit 0 like every service.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, loop="uvloop", log_level="warning",
                 timeout_graceful_shutdown=5)
     return 0

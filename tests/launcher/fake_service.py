@@ -1,0 +1,57 @@
+"""Stands in for `python -m services.ROLE FLAGS...` in the launcher tests.
+
+The gateway fake answers GET /health with $FAKE_HEALTH (default 200). A role
+named in $FAKE_CRASH exits 1 at once. Every fake exits 0 on SIGTERM.
+"""
+
+import argparse
+import http.server
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def main(argv: list[str]) -> int:
+    assert argv[0] == "-m" and argv[1].startswith("services."), argv
+    role = argv[1].split(".", 1)[1]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--instance-id")
+    args, _ = parser.parse_known_args(argv[2:])
+    print(f"fake {role} {args.instance_id}: {' '.join(argv)}", flush=True)
+    if role in os.environ.get("FAKE_CRASH", "").split(","):
+        print("fake crash", flush=True)
+        return 1
+
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    server = None
+    if role == "gateway":
+        status = int(os.environ.get("FAKE_HEALTH", "200"))
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(status if self.path == "/health" else 404)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *a):
+                pass
+
+        server = http.server.ThreadingHTTPServer((args.host, args.port), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    while not stopping:
+        time.sleep(0.05)
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+    print("fake stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

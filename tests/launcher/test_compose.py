@@ -1,0 +1,137 @@
+"""compose/docker-compose.yml and the Dockerfile: valid, and every command a real CLI invocation.
+
+The services' own flags are checked with their own parsers
+(`services.NAME.__main__.build_parser()`); a service whose `__main__` does not
+exist yet is skipped, not failed.
+"""
+
+import importlib.util
+import re
+import subprocess
+import sys
+import tomllib
+from collections import Counter
+
+import pytest
+import yaml
+from launcher_helpers import ROOT
+
+from services.cli import main as cli_main
+from services.cli import serve
+from shared.engine.default_model import DEFAULT_MODEL_NAME
+
+COMPOSE = ROOT / "compose" / "docker-compose.yml"
+PROJECT_SERVICES = ("scheduler", "decode", "gateway")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    data = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _flag(command: list[str], name: str) -> str:
+    assert name in command, f"{name} missing from {command}"
+    return command[command.index(name) + 1]
+
+
+def _service_main(role: str):
+    """services.ROLE.__main__, or skip if that service is not written yet."""
+    try:
+        spec = importlib.util.find_spec(f"services.{role}.__main__")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None:
+        pytest.skip(f"services/{role}/__main__.py does not exist yet")
+    return pytest.importorskip(f"services.{role}.__main__")
+
+
+def test_the_compose_file_is_sane_compose_yaml(compose):
+    assert set(compose) <= {"name", "services", "volumes", "networks"} | {k for k in compose if k.startswith("x-")}
+    services = compose["services"]
+    assert set(services) == {"nats", *PROJECT_SERVICES}
+    for name, svc in services.items():
+        assert isinstance(svc, dict), name
+        assert set(svc) <= {"image", "build", "command", "ports", "volumes", "environment", "depends_on",
+                            "restart", "healthcheck"}, name
+        assert isinstance(svc.get("command"), list) and all(isinstance(a, str) for a in svc["command"]), name
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if not source.startswith((".", "/", "~")):
+                assert source in (compose.get("volumes") or {}), f"{name}: undeclared volume {source}"
+
+    nats = services["nats"]
+    assert nats["image"].startswith("nats:") and "build" not in nats
+    assert "--jetstream" in nats["command"] or "-js" in nats["command"]
+
+    images = set()
+    for name in PROJECT_SERVICES:
+        svc = services[name]
+        build = svc["build"]
+        assert (COMPOSE.parent / build["context"]).resolve() == ROOT, name
+        assert (ROOT / build.get("dockerfile", "Dockerfile")).is_file(), name
+        images.add(svc["image"])
+        depends = svc["depends_on"]
+        assert "nats" in (depends if isinstance(depends, list) else list(depends)), name
+        assert "ports" in svc if name == "gateway" else "ports" not in svc, name
+    assert len(images) == 1  # one project image
+
+
+def test_the_commands_describe_one_consistent_deployment(compose):
+    services = compose["services"]
+    commands = {name: services[name]["command"] for name in PROJECT_SERVICES}
+    roles = Counter()
+    instance_ids = []
+    for name, command in commands.items():
+        assert command[:2] == ["serve", name]
+        roles[command[1]] += 1
+        instance_ids.append(_flag(command, "--instance-id"))
+        nats = re.fullmatch(r"nats://([\w-]+):(\d+)", _flag(command, "--nats"))
+        assert nats and nats.group(1) in services and nats.group(2) == "4222"
+        assert _flag(command, "--namespace") == "splitserve"
+    assert len(set(instance_ids)) == len(instance_ids)
+
+    gateway = commands["gateway"]
+    assert _flag(gateway, "--host") == "0.0.0.0"  # inside the container; published on loopback below
+    expect = dict(item.split("=") for item in _flag(gateway, "--expect").split(","))
+    assert {role: int(n) for role, n in expect.items()} == {"decode": roles["decode"], "scheduler": roles["scheduler"]}
+    for name in ("gateway", "decode"):
+        assert _flag(commands[name], "--served-model-name") == DEFAULT_MODEL_NAME  # the model baked into the image
+    port = _flag(gateway, "--port")
+    for mapping in services["gateway"]["ports"]:
+        parts = str(mapping).split(":")
+        assert parts[-1] == port and parts[-2].isdigit()
+
+
+def test_the_dockerfile_builds_the_splitserve_entrypoint():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\s*$", dockerfile, re.M)
+    assert re.search(r'^ENTRYPOINT \["splitserve"\]\s*$', dockerfile, re.M)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"]["splitserve"] == "services.cli.main:main"
+    torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
+    assert f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu" in dockerfile
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert {".git", ".venv"} <= ignored
+    for needed in ("pyproject.toml", "README.md", "services", "shared", "contracts"):
+        assert needed not in ignored and (ROOT / needed).exists()
+
+
+@pytest.mark.parametrize("name", PROJECT_SERVICES)
+def test_each_compose_command_is_a_real_cli_invocation(compose, name):
+    command = compose["services"][name]["command"]
+    # `splitserve serve NAME ARGS...` parses with the splitserve CLI...
+    args = cli_main.build_parser().parse_args(command)
+    assert args.run is serve.run and args.name == name and args.args == command[2:]
+    # ...the service answers --help, directly and through `splitserve serve`...
+    module = _service_main(name)
+    for argv in (["-m", f"services.{name}", "--help"], ["-m", "services.cli.main", "serve", name, "--help"]):
+        result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        assert "usage:" in result.stdout and "--nats" in result.stdout
+    # ...and its own parser takes the actual flags.
+    parsed = module.build_parser().parse_args(command[2:])
+    assert parsed.nats == _flag(command, "--nats")
+    assert parsed.namespace == _flag(command, "--namespace")
+    assert parsed.instance_id == _flag(command, "--instance-id")

@@ -1,0 +1,65 @@
+"""What `splitserve up` starts, and that every planned command line parses with the service's own parser."""
+
+import importlib.util
+import sys
+
+import pytest
+
+from services.launcher.topology import UpConfig, connect_host, http_url, plan
+
+CONFIG = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", decode=2,
+                  host="127.0.0.1", port=8123, namespace="ns1", dtype="float32")
+
+
+def test_colocated_plan():
+    specs = plan(CONFIG)
+    assert [(s.name, s.role, s.instance_id) for s in specs] == [
+        ("scheduler-0", "scheduler", "scheduler-0"),
+        ("decode-0", "decode", "decode-0"),
+        ("decode-1", "decode", "decode-1"),
+        ("gateway-0", "gateway", "gateway-0"),  # last: it waits for the others anyway
+    ]
+    gateway = specs[-1]
+    assert gateway.argv()[:3] == [sys.executable, "-m", "services.gateway"]
+    assert gateway.args == (
+        "--nats", "nats://127.0.0.1:4999", "--namespace", "ns1", "--model", "/models/m", "--served-model-name", "m",
+        "--host", "127.0.0.1", "--port", "8123", "--expect", "decode=2,scheduler=1", "--instance-id", "gateway-0",
+    )
+    assert gateway.url == "http://127.0.0.1:8123"
+    assert specs[1].args == (
+        "--nats", "nats://127.0.0.1:4999", "--namespace", "ns1", "--model", "/models/m", "--served-model-name", "m",
+        "--mode", "colocated", "--instance-id", "decode-0", "--dtype", "float32",
+    )
+    assert specs[0].args == ("--nats", "nats://127.0.0.1:4999", "--namespace", "ns1", "--instance-id", "scheduler-0")
+
+
+def test_plan_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="unknown topology 'pipeline'"):
+        plan(UpConfig(model="m", served_model_name="m", nats_url="n", topology="pipeline"))
+    with pytest.raises(ValueError, match="at least 1"):
+        plan(UpConfig(model="m", served_model_name="m", nats_url="n", decode=0))
+
+
+def test_urls_for_wildcard_and_ipv6_hosts():
+    assert connect_host("0.0.0.0") == "127.0.0.1" and connect_host("::") == "::1"
+    assert http_url("0.0.0.0", 80) == "http://127.0.0.1:80"
+    assert http_url("::1", 8000) == "http://[::1]:8000"
+
+
+@pytest.mark.parametrize("role", ["scheduler", "decode", "gateway"])
+def test_every_planned_command_line_parses(role):
+    try:
+        found = importlib.util.find_spec(f"services.{role}.__main__")
+    except ModuleNotFoundError:
+        found = None
+    if found is None:
+        pytest.skip(f"services/{role}/__main__.py does not exist yet")
+    module = pytest.importorskip(f"services.{role}.__main__")
+    for spec in plan(CONFIG):
+        if spec.role != role:
+            continue
+        parsed = module.build_parser().parse_args(list(spec.args))
+        assert parsed.nats == CONFIG.nats_url and parsed.namespace == CONFIG.namespace
+        assert parsed.instance_id == spec.instance_id
+        if role in ("decode", "gateway"):
+            assert parsed.model == CONFIG.model and parsed.served_model_name == CONFIG.served_model_name

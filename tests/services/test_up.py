@@ -1,0 +1,112 @@
+"""`splitserve up` end to end: serve, survive a kill -9 of the worker, stop leaving nothing behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+
+from support.processes import ROOT, free_port, service_env
+
+MODEL = "splitserve-default-llama"
+
+
+def splitserve(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli.main", *args], capture_output=True, text=True,
+                          env=service_env(), cwd=ROOT, timeout=60, **kwargs)
+
+
+def ps(run_dir) -> dict:
+    result = splitserve("ps", "--run-dir", str(run_dir), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def up(tmp_path, default_model):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up", "--port", str(port), "--run-dir", str(run_dir),
+         "--namespace", "up" + uuid.uuid4().hex[:8]],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(), cwd=ROOT,
+        start_new_session=True,
+    )
+    lines = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("splitserve ready:"):
+            break
+    assert lines and lines[-1].startswith(f"splitserve ready: http://127.0.0.1:{port}/v1"), "".join(lines)
+    yield proc, f"http://127.0.0.1:{port}", run_dir
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_up_survives_a_worker_kill_and_stops_cleanly(up):
+    proc, base_url, run_dir = up
+    state = ps(run_dir)
+    decode = next(s for s in state["services"] if s["role"] == "decode")
+    all_pids = [s["pid"] for s in state["services"]] + [state["nats"]["pid"]]
+    assert all(pid_alive(pid) for pid in all_pids)
+
+    # A long stream is in flight when the worker is killed: it must end with an error event, not hang.
+    body = {"model": MODEL, "prompt": "A story", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        started = time.monotonic()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:
+                os.kill(decode["pid"], signal.SIGKILL)
+            assert time.monotonic() - started < 30
+    assert events[-1] == "[DONE]"
+    assert "error" in json.loads(events[-2]), events[-2]
+
+    # The supervisor restarts the worker and the deployment is healthy again.
+    def restarted():
+        entry = next(s for s in ps(run_dir)["services"] if s["role"] == "decode")
+        return entry["pid"] != decode["pid"] and pid_alive(entry["pid"]) and entry
+    new_decode = wait_until(restarted, 60, "the decode worker to be restarted")
+    wait_until(lambda: httpx.get(f"{base_url}/health", timeout=5).status_code == 200, 60, "/health 200")
+    wait_until(lambda: httpx.post(f"{base_url}/v1/completions", timeout=30,
+                                  json={"model": MODEL, "prompt": "again", "max_tokens": 4}).status_code == 200,
+               60, "a completion after the restart")
+
+    # SIGTERM stops every child and NATS within 10 s, leaving nothing behind.
+    all_pids.append(new_decode["pid"])
+    stopping = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    assert time.monotonic() - stopping < 10
+    assert not [pid for pid in all_pids if pid_alive(pid)]
