@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from support.processes import ROOT
 
 
 def test_bench_engine_help():

@@ -3,6 +3,8 @@
 import httpx
 import pytest
 
+from support.deployment import start_deployment
+
 MODEL = "splitserve-default-llama"
 
 
@@ -73,8 +75,6 @@ def test_every_response_has_a_request_id(http):
 
 
 def test_no_worker_is_503_with_retry_after(nats_server, default_model, tmp_path):
-    from conftest import start_deployment
-
     # A deployment whose only worker serves nothing: the gateway is up, no decode worker exists.
     deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=0, expect="scheduler=1")
     try:
