@@ -43,7 +43,8 @@ class RequestStream:
     async def next_event(self, timeout_s: float) -> Assignment | TokenChunk:
         """The next event in order; raises StreamError on failure, gap, duplicate or timeout."""
         try:
-            event = await asyncio.wait_for(self.queue.get(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # unlike 3.11's wait_for, never swallows a cancel
+                event = await self.queue.get()
         except TimeoutError:
             raise StreamError("timeout", f"no progress from the worker within {timeout_s:.0f} s") from None
         if isinstance(event, RequestFailed):

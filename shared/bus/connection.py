@@ -15,6 +15,7 @@ import ssl
 import nats
 from nats.aio.client import Client
 
+from shared.bus.service import within
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -53,7 +54,8 @@ async def connect(
 
     nc = Client()
     try:
-        await asyncio.wait_for(
+        await within(
+            connect_timeout_s,
             nc.connect(
                 servers=[u.strip() for u in url.split(",")],
                 name=name,
@@ -70,9 +72,8 @@ async def connect(
                 error_cb=on_error,
                 closed_cb=on_closed,
             ),
-            timeout=connect_timeout_s,
         )
-    except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
         last_error = nc.last_error or exc
         await _close_quietly(nc)
         reason = str(last_error) or type(last_error).__name__
@@ -87,8 +88,8 @@ async def drain(nc: Client, timeout_s: float = 5.0) -> None:
         return
     try:
         if nc.is_connected:
-            await asyncio.wait_for(nc.drain(), timeout=timeout_s)
-    except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            await within(timeout_s, nc.drain())
+    except (TimeoutError, nats.errors.Error) as exc:
         log.warning("nats drain did not finish; closing", error=str(exc) or type(exc).__name__, timeout_s=timeout_s)
     await _close_quietly(nc, timeout_s=1.0)
 
@@ -131,6 +132,6 @@ def _server_of(nc: Client) -> str:
 
 async def _close_quietly(nc: Client, timeout_s: float = 1.0) -> None:
     try:
-        await asyncio.wait_for(nc.close(), timeout=timeout_s)
+        await within(timeout_s, nc.close())
     except Exception as exc:  # closing a half-open client can fail in several ways; it is gone either way
         log.debug("nats close failed", error=str(exc) or type(exc).__name__)

@@ -19,6 +19,7 @@ from nats.js.kv import KeyValue
 
 from contracts import ContractError, ServiceInfo, check_token
 from shared.bus.provision import STREAM_NAME_IN_USE
+from shared.bus.service import cancel_and_wait, within
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -106,28 +107,30 @@ class Heartbeat:
         self.interval_s = interval_s
         self.num_failed = 0
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._instance_id: str | None = None
 
     def start(self) -> asyncio.Task:
         if self._task is None:
+            self._stopping = False
             self._task = asyncio.create_task(self._run(), name="registry-heartbeat")
         return self._task
 
     async def stop(self, remove: bool = True) -> None:
         """Stop beating; with `remove`, delete the entry now rather than letting it expire."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            self._stopping = True  # ends the loop even if a cancellation gets swallowed
+            await cancel_and_wait(self._task, timeout_s=self.registry.ttl_s)
             self._task = None
         if remove and self._instance_id is not None:
             try:
-                await asyncio.wait_for(self.registry.remove(self._instance_id), timeout=self.registry.ttl_s)
+                await within(self.registry.ttl_s, self.registry.remove(self._instance_id))
             except Exception as exc:  # the entry expires by itself anyway
                 log.warning("registry entry not removed", instance_id=self._instance_id, error=str(exc) or type(exc).__name__)
 
     async def _run(self) -> None:
         next_beat = time.monotonic()
-        while True:
+        while not self._stopping:
             await self._beat()
             next_beat += self.interval_s
             await asyncio.sleep(max(0.0, next_beat - time.monotonic()))
@@ -137,9 +140,7 @@ class Heartbeat:
             info = self.make_info()
             info.heartbeat_ms = int(time.time() * 1000)
             self._instance_id = info.instance_id
-            await asyncio.wait_for(self.registry.put(info), timeout=self.registry.ttl_s)
-        except asyncio.CancelledError:
-            raise
+            await within(self.registry.ttl_s, self.registry.put(info))
         except Exception as exc:  # NATS away, a bad info: try again next tick, never end the task
             self.num_failed += 1
             log.warning("heartbeat failed", error=str(exc) or type(exc).__name__, num_failed=self.num_failed)

@@ -4,9 +4,9 @@ import pytest
 
 from shared.bus.actor import Actor, MailboxFull
 from shared.bus.connection import ShutdownSignal
-from shared.bus.service import run_until_stopped
+from shared.bus.service import cancel_and_wait, run_until_stopped, within
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 
 class Recorder(Actor):
@@ -90,3 +90,41 @@ async def test_a_loop_that_returns_stops_the_service_with_0():
         shutdown.remove()
     assert code == 0
     assert forever.cancelled()
+
+
+async def test_cancel_and_wait_gets_past_a_swallowed_cancellation():
+    async def swallows_twice():
+        for _ in range(2):
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass  # what Python 3.11's wait_for does when the cancel races its result
+        await asyncio.sleep(10)
+
+    released = False
+
+    async def ignores_cancellation():
+        while not released:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass
+
+    stubborn = asyncio.create_task(swallows_twice())
+    await asyncio.sleep(0)
+    assert await cancel_and_wait(stubborn, timeout_s=2)
+    assert stubborn.cancelled()
+
+    hopeless = asyncio.create_task(ignores_cancellation())
+    await asyncio.sleep(0)
+    assert not await cancel_and_wait(hopeless, timeout_s=0.3)
+    released = True
+    assert await cancel_and_wait(hopeless, timeout_s=1)
+
+
+async def test_within_bounds_a_wait_and_cancels_what_it_waited_for():
+    assert await within(1.0, asyncio.sleep(0.01, result="done")) == "done"
+    slow = asyncio.ensure_future(asyncio.sleep(10))
+    with pytest.raises(TimeoutError, match="0.1s"):
+        await within(0.1, slow)
+    assert slow.cancelled()

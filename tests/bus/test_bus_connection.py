@@ -6,7 +6,7 @@ import pytest
 
 from shared.bus.connection import BusConnectionError, connect, drain
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 
 def unused_port() -> int:

@@ -4,7 +4,7 @@ import pytest
 
 from shared.bus.provision import ProvisionError, ensure_pull_consumer, ensure_stream
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 
 def stream_args(name, **overrides):

@@ -7,7 +7,7 @@ import pytest
 from contracts import ServiceInfo
 from shared.bus.registry import Heartbeat, Registry
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 
 def info(instance_id: str, **fields) -> ServiceInfo:

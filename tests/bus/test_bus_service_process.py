@@ -12,7 +12,7 @@ import pytest
 from contracts import CancelRequest
 from shared.bus.registry import Registry
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 TINY_SERVICE = Path(__file__).with_name("tiny_service.py")
 

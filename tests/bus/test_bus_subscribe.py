@@ -6,9 +6,10 @@ import pytest
 from contracts import CancelRequest, GenerateRequest, RequestFailed, StatsRequest
 from shared.bus import subscribe
 from shared.bus.provision import ensure_pull_consumer, ensure_stream
+from shared.bus.service import cancel_and_wait
 from shared.bus.subscribe import fetch_loop, subscribe_typed
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 
 def generate_request(request_id: str) -> GenerateRequest:
@@ -131,8 +132,7 @@ async def test_fetch_loop_terms_malformed_messages_and_hands_over_good_ones(js, 
         await asyncio.sleep(1.5)  # three ack waits: anything not terminated would be back by now
         assert not task.done()
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        assert await cancel_and_wait(task, timeout_s=2)
 
     assert handled == ["good-1", "good-2", "nak-once", "nak-once"]
     # Each bad message was seen once over three ack waits: terminated, never redelivered.

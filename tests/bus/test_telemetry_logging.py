@@ -6,6 +6,8 @@ import structlog
 
 from shared.telemetry import logging as telemetry
 
+pytestmark = pytest.mark.timeout(30)
+
 
 @pytest.fixture
 def configured(capsys):
