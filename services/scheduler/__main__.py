@@ -14,10 +14,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    import asyncio
+
     from contracts import GenerateRequest, Subjects
     from services.scheduler.router import Router
     from shared.bus.connection import ShutdownSignal, connect, drain
-    from shared.bus.provision import ensure_pull_consumer, ensure_stream
     from shared.bus.registry import Registry
     from shared.bus.service import run_until_stopped
     from shared.bus.subscribe import fetch_loop
@@ -35,7 +36,7 @@ async def serve(args: argparse.Namespace) -> int:
                     handoff_timeout_s=args.handoff_timeout)
     tasks = await router.start()
     consumer = await js.pull_subscribe(subjects.submit, durable=subjects.scheduler_consumer, stream=subjects.requests_stream)
-    tasks.append(__import__("asyncio").create_task(fetch_loop(consumer, GenerateRequest, router.on_request), name="fetch"))
+    tasks.append(asyncio.create_task(fetch_loop(consumer, GenerateRequest, router.on_request), name="fetch"))
     log.info("scheduler ready", instance_id=args.instance_id)
     code = await run_until_stopped(*tasks, shutdown=shutdown)
     await router.stop()
