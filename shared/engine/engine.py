@@ -85,6 +85,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config.model, model_config, self.tokenizer)
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._held: dict[str, Sequence] = {}  # finished hold_kv requests whose blocks are kept
         self._arrivals = 0
         self._rng = random.Random()
 
@@ -97,12 +98,20 @@ class LLMEngine:
         *,
         output_token_ids: list[int] = (),
         kv: list[tuple[torch.Tensor, KVLayout]] = (),
+        reserved: tuple[list[int], int] | None = None,
         num_cached_tokens: int = 0,
+        seed: int | None = None,
+        hold_kv: bool = False,
     ) -> None:
-        """Queue a request. `output_token_ids` and `kv` continue one computed elsewhere.
+        """Queue a request. `output_token_ids` with `kv` or `reserved` continue one computed elsewhere.
 
         With `kv`, the imported tensors hold the KV of the first `layout.num_tokens`
         tokens (all layers of this engine, possibly split in several layer parts).
+        With `reserved=(block_ids, num_tokens)`, blocks from `reserve_blocks` that
+        already hold (were written with) the KV of the first `num_tokens` tokens
+        become the request's own. `seed` overrides the drawn seed of an unseeded
+        request (so a continuation samples as its origin would). With `hold_kv`,
+        the request's blocks outlive it until `release_held`.
         """
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -130,14 +139,18 @@ class LLMEngine:
             token_ids=list(prompt_token_ids) + list(output_token_ids),
             num_prompt_tokens=prompt_len,
             params=params,
-            seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
+            seed=seed if seed is not None else params.seed if params.seed is not None else self._rng.getrandbits(63),
             max_total_tokens=max_total,
             arrival_index=self._arrivals,
+            hold_kv=hold_kv,
         )
+        continued = bool(kv) or reserved is not None
+        if continued and len(self.scheduler.running) >= self.config.max_num_seqs:
+            raise EngineOverloadedError(f"{len(self.scheduler.running)} sequences are already running")
         if kv:
-            if len(self.scheduler.running) >= self.config.max_num_seqs:
-                raise EngineOverloadedError(f"{len(self.scheduler.running)} sequences are already running")
             self._import_kv(seq, kv, num_cached_tokens)
+        elif reserved is not None:
+            self._adopt_blocks(seq, *reserved, num_cached_tokens)
         self._arrivals += 1
         self._sequences[request_id] = seq
         if self.tokenizer is not None:
@@ -145,20 +158,34 @@ class LLMEngine:
                 self.tokenizer, seq.token_ids, params.stop, params.skip_special_tokens
             )
             self._detokenizers[request_id] = detok
-        if kv:
+        if continued:
             # It holds blocks already, so it runs (and can be preempted) like any running sequence.
             self.scheduler.add_running(seq)
         else:
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
-        """Drop a request at once; its blocks are free when this returns."""
+        """Drop a request at once (running, waiting or held); its blocks are free when this returns."""
+        if self.release_held(request_id):
+            return True
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
         self._detokenizers.pop(request_id, None)
         self.scheduler.finish(seq)
         return True
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished `hold_kv` request kept."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -219,7 +246,9 @@ class LLMEngine:
         if output.finished:
             self._sequences.pop(seq.request_id, None)
             self._detokenizers.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq, free_blocks=not seq.hold_kv)
+            if seq.hold_kv:
+                self._held[seq.request_id] = seq
         return output
 
     # ---- KV export / import -------------------------------------------------------
@@ -232,7 +261,7 @@ class LLMEngine:
         layer_end: int | None = None,
     ) -> tuple[torch.Tensor, KVLayout]:
         """Copy a request's computed KV for blocks [block_start, block_end) and layers [layer_start, layer_end)."""
-        seq = self._sequences.get(request_id)
+        seq = self._sequences.get(request_id) or self._held.get(request_id)
         if seq is None:
             raise EngineError(f"unknown request {request_id!r}")
         num_full_or_partial = self.block_manager.blocks_needed(seq.num_computed_tokens)
@@ -249,10 +278,27 @@ class LLMEngine:
         data, layout = self.executor.export_kv(seq.block_table[block_start:block_end], num_tokens, layer_start, layer_end)
         return data, dataclasses.replace(layout, block_start=block_start)
 
+    def reserve_blocks(self, num_tokens: int) -> list[int]:
+        """Blocks for the KV of `num_tokens` tokens that will be written from outside (a KV transfer)."""
+        block_ids = self.block_manager.allocate_blocks(self.block_manager.blocks_needed(num_tokens))
+        if block_ids is None:
+            raise EngineOverloadedError(f"not enough free KV blocks for {num_tokens} tokens")
+        return block_ids
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Give back reserved blocks that will not be adopted (a failed or cancelled transfer)."""
+        self.block_manager.release(block_ids)
+
+    def write_kv(self, block_ids: list[int], data: torch.Tensor, layout: KVLayout) -> None:
+        """Copy received KV into reserved blocks (the one copy on the receiving side)."""
+        if layout.block_start != 0:
+            raise EngineError("imported KV must start at the sequence's first block")
+        if layout.num_blocks != len(block_ids):
+            raise EngineError(f"KV for {layout.num_blocks} blocks does not fit {len(block_ids)} reserved blocks")
+        self.executor.import_kv(block_ids, data, layout)
+
     def _import_kv(self, seq: Sequence, parts: list[tuple[torch.Tensor, KVLayout]], num_cached_tokens: int) -> None:
         num_tokens = parts[0][1].num_tokens
-        if any(layout.block_start != 0 for _, layout in parts):
-            raise EngineError("imported KV must start at the sequence's first block")
         if any(layout.num_tokens != num_tokens for _, layout in parts):
             raise EngineError("imported KV parts must cover every layer once, for the same tokens")
         expected_start = 0
@@ -264,15 +310,19 @@ class LLMEngine:
             raise EngineError("imported KV parts must cover every layer once, for the same tokens")
         if not 0 < num_tokens < seq.num_tokens:
             raise EngineError(f"imported KV covers {num_tokens} tokens; the request has {seq.num_tokens}")
-        block_ids = self.block_manager.allocate_blocks(self.block_manager.blocks_needed(num_tokens))
-        if block_ids is None:
-            raise EngineOverloadedError("not enough free KV blocks to import the request's KV")
+        block_ids = self.reserve_blocks(num_tokens)
         try:
             for data, layout in parts:
-                self.executor.import_kv(block_ids, data, layout)
+                self.write_kv(block_ids, data, layout)
         except Exception:
-            self.block_manager.release(block_ids)
+            self.release_blocks(block_ids)
             raise
+        self._adopt_blocks(seq, block_ids, num_tokens, num_cached_tokens)
+
+    def _adopt_blocks(self, seq: Sequence, block_ids: list[int], num_tokens: int, num_cached_tokens: int) -> None:
+        if not 0 < num_tokens < seq.num_tokens or len(block_ids) != self.block_manager.blocks_needed(num_tokens):
+            raise EngineError(f"{len(block_ids)} blocks of KV for {num_tokens} tokens do not fit a request "
+                              f"of {seq.num_tokens} tokens")
         seq.block_table.extend(block_ids)
         seq.num_computed_tokens = num_tokens
         seq.num_cached_tokens = num_cached_tokens

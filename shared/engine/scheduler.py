@@ -110,14 +110,15 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence (finished or aborted) and free its blocks at once."""
+    def finish(self, seq: Sequence, free_blocks: bool = True) -> None:
+        """Remove a sequence (finished or aborted); its blocks are freed at once unless the caller keeps them."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.block_manager.free(seq)
+        if free_blocks:
+            self.block_manager.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -35,6 +35,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_hashed_blocks: int = 0  # blocks of block_table registered in the prefix cache
     num_preemptions: int = 0
+    hold_kv: bool = False  # keep the blocks after finishing, until released (a prefill worker ships them)
 
     @property
     def num_tokens(self) -> int:

@@ -75,3 +75,35 @@ def test_import_rejects_incomplete_or_mismatched_kv(default_model, case):
     # Nothing leaked: the failed imports hold no blocks and no requests.
     assert target.block_manager.num_used_blocks == 0 and not target.has_unfinished_requests()
     assert other_block_size.block_manager.num_used_blocks == 0 and not other_block_size.has_unfinished_requests()
+
+
+def test_prefill_decode_handoff_through_held_and_reserved_blocks(default_model, case):
+    """The PD path inside the engine: prefill holds its KV, decode writes it into reserved blocks."""
+    prompt, expected = case
+    prefill = make_engine(default_model)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prefill.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), hold_kv=True)
+    first = [o for o in prefill.step()]
+    assert first[0].finished and prefill.num_held == 1
+    held_blocks = prefill.block_manager.num_used_blocks
+    parts = [prefill.export_kv("p", layer_start=a, layer_end=b) for a, b in [(0, 2), (2, 4)]]
+    assert prefill.release_held("p") and prefill.block_manager.num_used_blocks == 0 and held_blocks > 0
+
+    decode = make_engine(default_model)
+    block_ids = decode.reserve_blocks(len(prompt))
+    for data, layout in reversed(parts):  # layers may arrive in any order
+        decode.write_kv(block_ids, data, layout)
+    decode.add_request("d", prompt, params, output_token_ids=first[0].new_token_ids, reserved=(block_ids, len(prompt)))
+    tokens = list(first[0].new_token_ids)
+    while decode.has_unfinished_requests():
+        tokens += [t for o in decode.step() for t in o.new_token_ids]
+    assert tokens == expected
+    assert decode.block_manager.num_used_blocks == 0
+
+
+def test_released_reservation_returns_its_blocks(default_model):
+    engine = make_engine(default_model)
+    block_ids = engine.reserve_blocks(40)
+    assert engine.block_manager.num_used_blocks == 3
+    engine.release_blocks(block_ids)
+    assert engine.block_manager.num_used_blocks == 0
