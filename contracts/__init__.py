@@ -6,6 +6,8 @@ from contracts.messages import (
     CancelRequest,
     GenerateRequest,
     HandoffReply,
+    PrefillJob,
+    PrefillResult,
     RequestFailed,
     ServiceInfo,
     StatsRequest,
@@ -14,6 +16,6 @@ from contracts.messages import (
 from contracts.subjects import Subjects, check_token
 
 __all__ = [
-    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "Message",
+    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "Message", "PrefillJob", "PrefillResult",
     "RequestFailed", "ServiceInfo", "StatsRequest", "Subjects", "TokenChunk", "check_token", "decode_one_of",
 ]

@@ -19,6 +19,40 @@ class GenerateRequest(Message):
     deadline_ms: int  # unix epoch ms after which nobody waits for the answer
     created_ms: int
     trace: dict[str, str] = field(default_factory=dict)  # W3C trace context (traceparent, ...)
+    prefill: str = "local"  # the scheduler's decision: "local" (the worker prefills) or "remote" (a prefill worker does)
+
+
+@dataclass(slots=True, kw_only=True)
+class PrefillJob(Message):
+    """decode worker -> prefill pool (JetStream work queue): compute this prompt's KV and first token."""
+
+    TYPE = "prefill_job"
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # the request's SamplingParams fields, seed always set
+    ticket: dict[str, Any]  # shared.transfer TransferTicket: where and how to ship the KV
+    reply_subject: str  # where the PrefillResult goes (the decode worker)
+    block_size: int  # the decode worker's KV block size; a prefill worker with another one refuses
+    deadline_ms: int  # after this the decode worker has given up (and prefilled locally)
+    created_ms: int
+    trace: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class PrefillResult(Message):
+    """prefill worker -> decode worker, before the KV itself: the first token, or why there is none."""
+
+    TYPE = "prefill_result"
+    request_id: str
+    ok: bool
+    prefill_instance: str
+    first_token_id: int = -1
+    first_logprobs: dict[str, Any] | None = None  # {token_id, logprob, top: [[id, logprob], ...]}
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    will_transfer: bool = True  # False when the request already ended at its first token
+    error: str = ""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -38,7 +38,23 @@ class Subjects:
     def scheduler_consumer(self) -> str:
         return "scheduler"
 
+    # JetStream: prefill jobs from decode workers, taken by the prefill pool.
+    @property
+    def prefill_stream(self) -> str:
+        return f"{self.namespace}-prefill"
+
+    @property
+    def prefill_jobs(self) -> str:
+        return f"{self.namespace}.prefill.jobs"
+
+    @property
+    def prefill_consumer(self) -> str:
+        return "prefill"
+
     # Core NATS.
+    def prefill_results(self, instance_id: str) -> str:
+        return f"{self.namespace}.decode.{check_token(instance_id, 'instance id')}.prefill_result"
+
     def worker_generate(self, instance_id: str) -> str:
         return f"{self.namespace}.worker.{check_token(instance_id, 'instance id')}.generate"
 

@@ -24,7 +24,7 @@ from contracts import (
     Subjects,
     TokenChunk,
 )
-from services.decode.engine_loop import AddRequest, EngineLoop, RequestRejected
+from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput

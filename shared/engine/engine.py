@@ -102,6 +102,7 @@ class LLMEngine:
         num_cached_tokens: int = 0,
         seed: int | None = None,
         hold_kv: bool = False,
+        detokenizer: IncrementalDetokenizer | None = None,
     ) -> None:
         """Queue a request. `output_token_ids` with `kv` or `reserved` continue one computed elsewhere.
 
@@ -111,7 +112,9 @@ class LLMEngine:
         already hold (were written with) the KV of the first `num_tokens` tokens
         become the request's own. `seed` overrides the drawn seed of an unseeded
         request (so a continuation samples as its origin would). With `hold_kv`,
-        the request's blocks outlive it until `release_held`.
+        the request's blocks outlive it until `release_held`. `detokenizer`
+        continues text already streamed for `output_token_ids` (else a new one
+        starts after them).
         """
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -124,9 +127,7 @@ class LLMEngine:
                 f"the request already has {len(output_token_ids)} output tokens; max_tokens is {params.max_tokens}",
                 "max_tokens",
             )
-        max_total = self.max_model_len
-        if params.max_tokens is not None:
-            max_total = min(max_total, prompt_len + params.max_tokens)
+        max_total = self.max_total_tokens(prompt_len, params)
         needed_blocks = self.block_manager.blocks_needed(max_total)
         if needed_blocks > self.block_manager.num_blocks:
             raise InvalidRequestError(
@@ -153,10 +154,8 @@ class LLMEngine:
             self._adopt_blocks(seq, *reserved, num_cached_tokens)
         self._arrivals += 1
         self._sequences[request_id] = seq
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, seq.token_ids, params.stop, params.skip_special_tokens
-            )
+        detok = detokenizer or self.new_detokenizer(seq.token_ids, params)
+        if detok is not None:
             self._detokenizers[request_id] = detok
         if continued:
             # It holds blocks already, so it runs (and can be preempted) like any running sequence.
@@ -216,21 +215,9 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.token_ids.append(token_id)
         detok = self._detokenizers.get(seq.request_id)
-        params = seq.params
-        finish_reason = stop_reason = None
-        new_text = ""
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            finish_reason, stop_reason = "stop", token_id
-        elif token_id in params.stop_token_ids:
-            finish_reason, stop_reason = "stop", token_id
-        elif detok is not None:
-            new_text = detok.add_token(token_id)
-            if detok.matched_stop is not None:
-                finish_reason, stop_reason = "stop", detok.matched_stop
-        if finish_reason is None and seq.num_tokens >= seq.max_total_tokens:
-            finish_reason = "length"
-        if finish_reason is not None and detok is not None and detok.matched_stop is None:
-            new_text += detok.finish()
+        new_text, finish_reason, stop_reason = self.judge_token(
+            seq.params, token_id, detok, seq.num_tokens, seq.max_total_tokens
+        )
         output = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token_id],
@@ -250,6 +237,41 @@ class LLMEngine:
             if seq.hold_kv:
                 self._held[seq.request_id] = seq
         return output
+
+    def judge_token(
+        self, params: SamplingParams, token_id: int, detok: IncrementalDetokenizer | None,
+        num_tokens: int, max_total_tokens: int,
+    ) -> tuple[str, str | None, str | int | None]:
+        """(text released, finish reason, stop reason) after a sequence's new token.
+
+        Pure but for `detok`, which it advances: also usable for a first token
+        sampled elsewhere (a prefill worker's), before the request is here.
+        """
+        finish_reason = stop_reason = None
+        new_text = ""
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            finish_reason, stop_reason = "stop", token_id
+        elif token_id in params.stop_token_ids:
+            finish_reason, stop_reason = "stop", token_id
+        elif detok is not None:
+            new_text = detok.add_token(token_id)
+            if detok.matched_stop is not None:
+                finish_reason, stop_reason = "stop", detok.matched_stop
+        if finish_reason is None and num_tokens >= max_total_tokens:
+            finish_reason = "length"
+        if finish_reason is not None and detok is not None and detok.matched_stop is None:
+            new_text += detok.finish()
+        return new_text, finish_reason, stop_reason
+
+    def new_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens)
+
+    def max_total_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        if params.max_tokens is None:
+            return self.max_model_len
+        return min(self.max_model_len, prompt_len + params.max_tokens)
 
     # ---- KV export / import -------------------------------------------------------
     def export_kv(

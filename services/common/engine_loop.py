@@ -8,6 +8,7 @@ event loop keeps heartbeats, cancels and stats answered while a long prefill
 runs. If the thread dies, `crashed` is set and the service exits non-zero.
 """
 
+import asyncio
 import queue
 import threading
 from collections.abc import Callable
@@ -33,6 +34,14 @@ class AddRequest:
 @dataclass(slots=True)
 class AbortRequest:
     request_id: str
+
+
+@dataclass(slots=True)
+class EngineCall:
+    """Run `fn(engine)` on the engine thread; its result or exception resolves `future`."""
+
+    fn: Callable
+    future: "asyncio.Future"
 
 
 @dataclass(slots=True)
@@ -66,6 +75,12 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
 
+    def call(self, fn: Callable) -> "asyncio.Future":
+        """Run `fn(engine)` between steps; await the returned future (from the event loop)."""
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(EngineCall(fn, future))
+        return future
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -91,7 +106,29 @@ class EngineLoop:
                         rejected.append(RequestRejected(command.request_id, exc))
                 elif isinstance(command, AbortRequest):
                     self.engine.abort_request(command.request_id)
+                elif isinstance(command, EngineCall):
+                    _resolve(command, self.engine)
                 command = self._commands.get_nowait()
         except queue.Empty:
             pass
         return rejected
+
+
+def _resolve(call: EngineCall, engine: LLMEngine) -> None:
+    loop = call.future.get_loop()
+    try:
+        result = call.fn(engine)
+    except Exception as exc:  # the caller decides what a failed call means
+        loop.call_soon_threadsafe(_set_exception, call.future, exc)
+    else:
+        loop.call_soon_threadsafe(_set_result, call.future, result)
+
+
+def _set_result(future: "asyncio.Future", result) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: "asyncio.Future", exc: Exception) -> None:
+    if not future.done():
+        future.set_exception(exc)
