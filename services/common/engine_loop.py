@@ -12,7 +12,7 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import EngineError
@@ -29,6 +29,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    options: dict = field(default_factory=dict)  # more LLMEngine.add_request keywords (continuations, hold_kv)
 
 
 @dataclass(slots=True)
@@ -101,7 +102,9 @@ class EngineLoop:
             while True:
                 if isinstance(command, AddRequest):
                     try:
-                        self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                        self.engine.add_request(
+                            command.request_id, command.prompt_token_ids, command.params, **command.options
+                        )
                     except EngineError as exc:
                         rejected.append(RequestRejected(command.request_id, exc))
                 elif isinstance(command, AbortRequest):

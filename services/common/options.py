@@ -45,3 +45,29 @@ def run_async(coro) -> int:
 
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The model runner's settings, shared by every worker that embeds the engine."""
+    parser.add_argument("--device", default=env_default("DEVICE", "cpu"), help="cpu, cuda or cuda:N")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--kv-cache-bytes", type=int, default=int(env_default("KV_CACHE_BYTES", 512 << 20)),
+                        help="memory for the paged KV cache")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int)
+
+
+def engine_config(args: argparse.Namespace, model_dir: str):
+    from shared.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )

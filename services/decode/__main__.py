@@ -4,21 +4,30 @@ import argparse
 import asyncio
 import sys
 
-from services.common.options import add_bus_options, add_model_options, env_default, resolve_model, run_async
+from services.common.options import (
+    add_bus_options,
+    add_engine_options,
+    add_model_options,
+    engine_config,
+    env_default,
+    resolve_model,
+    run_async,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve decode", description="A decode worker.")
     add_bus_options(parser, "decode")
     add_model_options(parser)
-    parser.add_argument("--mode", default="colocated", choices=["colocated"], help="colocated: also prefills its requests")
-    parser.add_argument("--device", default=env_default("DEVICE", "cpu"))
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-bytes", type=int, default=int(env_default("KV_CACHE_BYTES", 512 << 20)))
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int)
+    add_engine_options(parser)
+    parser.add_argument("--mode", default="colocated", choices=["colocated", "disagg"],
+                        help="colocated: prefills every request itself; disagg: long prompts are prefilled remotely")
     parser.add_argument("--max-active-requests", type=int, default=512, help="running plus queued requests taken at most")
+    parser.add_argument("--kv-receiver-host", default=env_default("KV_RECEIVER_HOST", "127.0.0.1"),
+                        help="address the KV side channel listens on (disagg mode)")
+    parser.add_argument("--kv-receiver-port", type=int, default=0, help="0: any free port")
+    parser.add_argument("--prefill-timeout", type=float, default=30.0,
+                        help="seconds a remote prefill (first token and KV) may take before the worker prefills locally")
     return parser
 
 
@@ -28,7 +37,6 @@ async def serve(args: argparse.Namespace) -> int:
     from shared.bus.connection import ShutdownSignal, connect, drain
     from shared.bus.registry import Registry
     from shared.bus.service import run_until_stopped
-    from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     from shared.telemetry.logging import configure_logging, get_logger
 
@@ -37,20 +45,19 @@ async def serve(args: argparse.Namespace) -> int:
     shutdown = ShutdownSignal()
     subjects = Subjects(args.namespace)
     model_dir, served_name = resolve_model(args)
-    config = EngineConfig(
-        model=model_dir,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-    )
-    engine = await asyncio.to_thread(LLMEngine, config)
+    engine = await asyncio.to_thread(LLMEngine, engine_config(args, model_dir))
     log.info("engine loaded", model=model_dir, kv_blocks=engine.block_manager.num_blocks)
     nc = await connect(args.nats, name=args.instance_id)
-    registry = await Registry.open(nc.jetstream(), subjects.registry_bucket)
+    js = nc.jetstream()
+    registry = await Registry.open(js, subjects.registry_bucket)
+    receiver = None
+    if args.mode == "disagg":
+        from services.common.queues import provision_prefill_queue
+        from shared.transfer import KVReceiver
+
+        await provision_prefill_queue(js, subjects)
+        receiver = KVReceiver()
+        await receiver.start(args.kv_receiver_host, args.kv_receiver_port)
     worker = DecodeWorker(
         nc=nc,
         registry=registry,
@@ -61,11 +68,15 @@ async def serve(args: argparse.Namespace) -> int:
         served_model_name=served_name,
         mode=args.mode,
         max_active_requests=args.max_active_requests,
+        receiver=receiver,
+        prefill_timeout_s=args.prefill_timeout,
     )
     tasks = await worker.start()
     log.info("decode worker ready", instance_id=args.instance_id)
     code = await run_until_stopped(*tasks, shutdown=shutdown)
     await worker.stop()
+    if receiver is not None:
+        await receiver.stop()
     await drain(nc)
     return code
 

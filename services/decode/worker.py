@@ -18,6 +18,7 @@ from contracts import (
     CancelRequest,
     GenerateRequest,
     HandoffReply,
+    PrefillResult,
     RequestFailed,
     ServiceInfo,
     StatsRequest,
@@ -25,6 +26,7 @@ from contracts import (
     TokenChunk,
 )
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
+from services.decode.remote_prefill import remote_prefill
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
@@ -39,6 +41,7 @@ log = get_logger(__name__)
 class ActiveRequest:
     reply_subject: str
     next_seq: int = 0
+    remote_prefill: asyncio.Task | None = None  # while a prefill worker computes its prompt
 
 
 def now_ms() -> int:
@@ -58,6 +61,8 @@ class DecodeWorker:
         served_model_name: str,
         mode: str,
         max_active_requests: int,
+        receiver=None,
+        prefill_timeout_s: float = 30.0,
     ):
         self.nc = nc
         self.registry = registry
@@ -68,6 +73,11 @@ class DecodeWorker:
         self.served_model_name = served_model_name
         self.mode = mode
         self.max_active_requests = max_active_requests
+        self.receiver = receiver  # the KV side channel (disagg mode)
+        self.prefill_timeout_s = prefill_timeout_s
+        self.prefill_results: dict[str, asyncio.Future] = {}
+        self.prefill_counts: dict[str, int] = {}
+        self.transfer_stats = {"bytes": 0, "seconds": 0.0, "count": 0}
         self.boot_id = uuid.uuid4().hex
         self.started_ms = now_ms()
         self.state = "starting"
@@ -87,6 +97,9 @@ class DecodeWorker:
             await subscribe_typed(self.nc, self.subjects.cancel, CancelRequest, self._on_cancel),
             await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats),
         ]
+        if self.receiver is not None:
+            self._subscriptions.append(await subscribe_typed(
+                self.nc, self.subjects.prefill_results(self.instance_id), PrefillResult, self._on_prefill_result))
         self.state = "ready"
         self._heartbeat.start()
         return [asyncio.create_task(self._publish_outputs(), name="publish-outputs")]
@@ -100,6 +113,8 @@ class DecodeWorker:
         while self.requests and time.monotonic() < deadline and not self.engine_loop.crashed:
             await asyncio.sleep(0.05)
         for request_id, active in list(self.requests.items()):
+            if active.remote_prefill is not None:
+                active.remote_prefill.cancel()
             self.engine_loop.abort(request_id)
             await self._fail(request_id, active, "worker_failed", "the worker is shutting down")
         self.engine_loop.stop()
@@ -125,7 +140,8 @@ class DecodeWorker:
             kv_blocks_total=block_manager.num_blocks,
             kv_blocks_free=block_manager.num_free_blocks,
             max_model_len=self.engine.max_model_len,
-            details={"mode": self.mode, "active_requests": len(self.requests), "rejected_messages": dict(REJECTED)},
+            details={"mode": self.mode, "active_requests": len(self.requests), "rejected_messages": dict(REJECTED),
+                     "prefill_decisions": dict(self.prefill_counts), "kv_transfer": dict(self.transfer_stats)},
         )
 
     # ---- handlers (event loop) --------------------------------------------------------
@@ -137,8 +153,12 @@ class DecodeWorker:
                 request.reply_subject,
                 Assignment(request_id=request.request_id, worker_instance=self.instance_id, worker_boot_id=self.boot_id).encode(),
             )
-            self.requests[request.request_id] = ActiveRequest(request.reply_subject)
-            self.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params))
+            active = ActiveRequest(request.reply_subject)
+            self.requests[request.request_id] = active
+            if request.prefill == "remote" and self.receiver is not None:
+                active.remote_prefill = asyncio.create_task(remote_prefill(self, request, params, active))
+            else:
+                self.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params))
         if msg.reply:
             await msg.respond(reply.encode())
 
@@ -165,9 +185,30 @@ class DecodeWorker:
         return HandoffReply(request_id=request.request_id, accepted=True), params
 
     async def _on_cancel(self, cancel: CancelRequest, msg) -> None:
-        if self.requests.pop(cancel.request_id, None) is not None:
+        active = self.requests.pop(cancel.request_id, None)
+        if active is not None:
+            if active.remote_prefill is not None:
+                active.remote_prefill.cancel()  # releases its reserved blocks and the expected transfer
             self.engine_loop.abort(cancel.request_id)
             log.info("request cancelled", request_id=cancel.request_id, reason=cancel.reason)
+
+    async def _on_prefill_result(self, result: PrefillResult, msg) -> None:
+        future = self.prefill_results.get(result.request_id)
+        if future is not None and not future.done():
+            future.set_result(result)  # later duplicates (a redelivered job) are ignored
+
+    async def publish_chunk(self, active: ActiveRequest, chunk: TokenChunk) -> None:
+        active.next_seq += 1
+        await self.nc.publish(active.reply_subject, chunk.encode())
+
+    def count_prefill(self, outcome: str) -> None:
+        self.prefill_counts[outcome] = self.prefill_counts.get(outcome, 0) + 1
+
+    def record_transfer(self, result) -> None:
+        self.transfer_stats["bytes"] += result.num_bytes
+        self.transfer_stats["seconds"] += result.seconds
+        self.transfer_stats["count"] += 1
+        self.transfer_stats[f"bytes_{result.backend}"] = self.transfer_stats.get(f"bytes_{result.backend}", 0) + result.num_bytes
 
     async def _on_stats(self, _: StatsRequest, msg) -> None:
         if msg.reply:

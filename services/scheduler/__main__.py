@@ -10,6 +10,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve scheduler", description="The request scheduler.")
     add_bus_options(parser, "scheduler")
     parser.add_argument("--handoff-timeout", type=float, default=5.0, help="seconds a worker has to take a request")
+    parser.add_argument("--max-local-prefill", type=int, default=256,
+                        help="prompts with more uncached tokens than this are prefilled remotely (0: always remote)")
+    parser.add_argument("--max-prefill-queue", type=int, default=64,
+                        help="prefill locally when this many prefill jobs are already queued")
     return parser
 
 
@@ -17,6 +21,7 @@ async def serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from contracts import GenerateRequest, Subjects
+    from services.common.queues import provision_request_queue
     from services.scheduler.router import Router
     from shared.bus.connection import ShutdownSignal, connect, drain
     from shared.bus.registry import Registry
@@ -30,10 +35,11 @@ async def serve(args: argparse.Namespace) -> int:
     subjects = Subjects(args.namespace)
     nc = await connect(args.nats, name=args.instance_id)
     js = nc.jetstream()
-    await provision_requests(js, subjects)
+    await provision_request_queue(js, subjects)
     registry = await Registry.open(js, subjects.registry_bucket)
     router = Router(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id,
-                    handoff_timeout_s=args.handoff_timeout)
+                    handoff_timeout_s=args.handoff_timeout, max_local_prefill=args.max_local_prefill,
+                    max_prefill_queue=args.max_prefill_queue)
     tasks = await router.start()
     consumer = await js.pull_subscribe(subjects.submit, durable=subjects.scheduler_consumer, stream=subjects.requests_stream)
     tasks.append(asyncio.create_task(fetch_loop(consumer, GenerateRequest, router.on_request), name="fetch"))
@@ -42,16 +48,6 @@ async def serve(args: argparse.Namespace) -> int:
     await router.stop()
     await drain(nc)
     return code
-
-
-async def provision_requests(js, subjects) -> None:
-    """The request queue: work-queue retention, bounded, de-duplicated by request id."""
-    from shared.bus.provision import ensure_pull_consumer, ensure_stream
-
-    await ensure_stream(js, name=subjects.requests_stream, subjects=[subjects.submit], retention="workqueue",
-                        max_msgs=100_000, max_bytes=1 << 30, max_age_s=600, duplicate_window_s=120)
-    await ensure_pull_consumer(js, stream=subjects.requests_stream, durable=subjects.scheduler_consumer,
-                               filter_subject=subjects.submit, ack_wait_s=30, max_deliver=5, max_ack_pending=10_000)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import uuid
 from collections import OrderedDict
 
 from contracts import ContractError, GenerateRequest, HandoffReply, RequestFailed, ServiceInfo, Subjects
-from services.scheduler.routing import eligible_workers, rank_by_load
+from services.scheduler.routing import decide_prefill, eligible_workers, rank_by_load
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED
 from shared.telemetry.logging import get_logger
@@ -30,7 +30,8 @@ def now_ms() -> int:
 
 class Router:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str,
-                 handoff_timeout_s: float = 5.0, max_concurrent_handoffs: int = 64):
+                 handoff_timeout_s: float = 5.0, max_concurrent_handoffs: int = 64,
+                 max_local_prefill: int = 256, max_prefill_queue: int = 64):
         self.nc = nc
         self.registry = registry
         self.subjects = subjects
@@ -43,12 +44,17 @@ class Router:
         self.boot_id = uuid.uuid4().hex
         self.started_ms = now_ms()
         self.counts: dict[str, int] = {}
+        self.decisions: dict[str, int] = {}
+        self.max_local_prefill = max_local_prefill
+        self.max_prefill_queue = max_prefill_queue
+        self.prefill_queue_depth = 0
 
     def info(self) -> ServiceInfo:
         return ServiceInfo(
             instance_id=self.instance_id, role="scheduler", boot_id=self.boot_id, pid=os.getpid(),
             host=socket.gethostname(), state="ready", started_ms=self.started_ms, heartbeat_ms=now_ms(),
-            details={"routed": dict(self.counts), "rejected_messages": dict(REJECTED)},
+            details={"routed": dict(self.counts), "rejected_messages": dict(REJECTED),
+                     "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth},
         )
 
     async def start(self) -> list[asyncio.Task]:
@@ -66,6 +72,12 @@ class Router:
 
     async def _refresh(self) -> None:
         self.workers = await self.registry.list()
+        if any(w.role == "prefill" for w in self.workers):
+            try:
+                info = await self.nc.jetstream().consumer_info(self.subjects.prefill_stream, self.subjects.prefill_consumer)
+                self.prefill_queue_depth = info.num_pending + info.num_ack_pending
+            except Exception as exc:  # the queue may not exist yet
+                log.debug("prefill queue depth unknown", error=repr(exc))
 
     # ---- one request --------------------------------------------------------------------
     async def on_request(self, request: GenerateRequest, msg) -> None:
@@ -91,6 +103,14 @@ class Router:
             await self._fail(request, "timeout", "the request expired before a worker could take it")
             return "expired"
         candidates = rank_by_load(eligible_workers(self.workers, "decode", request.model))
+        request.prefill = decide_prefill(
+            len(request.prompt_token_ids), self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,
+            max_prefill_queue=self.max_prefill_queue,
+            prefill_workers_ready=len(eligible_workers(self.workers, "prefill", request.model)),
+        )
+        self.decisions[request.prefill] = self.decisions.get(request.prefill, 0) + 1
+        if request.prefill == "remote":
+            self.prefill_queue_depth += 1  # until the next refresh shows the real depth
         for worker in candidates:
             reply = await self._offer(worker, request)
             if reply is None or not reply.accepted and reply.code in ("overloaded", "draining", "timeout"):

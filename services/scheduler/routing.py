@@ -17,3 +17,21 @@ def load_score(worker: ServiceInfo) -> tuple[float, float]:
 def rank_by_load(workers: list[ServiceInfo]) -> list[ServiceInfo]:
     """Least loaded first; ties broken by instance id so the order is deterministic."""
     return sorted(workers, key=lambda w: (load_score(w), w.instance_id))
+
+
+def decide_prefill(uncached_prompt_tokens: int, prefill_queue_depth: int, *, max_local_prefill: int,
+                   max_prefill_queue: int, prefill_workers_ready: int) -> str:
+    """"remote" or "local": where a request's prompt is computed.
+
+    Remote only when there is a prefill pool, the part of the prompt not
+    already cached is longer than `max_local_prefill` tokens (0: every
+    prompt), and the prefill queue is short enough that waiting in it beats
+    prefilling on the decode worker.
+    """
+    if prefill_workers_ready == 0:
+        return "local"
+    if uncached_prompt_tokens <= max_local_prefill:
+        return "local"
+    if prefill_queue_depth >= max_prefill_queue:
+        return "local"
+    return "remote"

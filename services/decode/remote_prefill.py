@@ -1,0 +1,152 @@
+"""A decode worker's side of a remotely prefilled request.
+
+    reserve blocks -> expect the KV on the side channel -> queue a PrefillJob
+    -> first token arrives: stream it at once -> KV arrives: adopt the blocks
+    and decode on
+
+Any step that fails or misses its deadline ends in a local prefill (counted),
+never a hang: with the first token if it was already streamed (sampling is
+stateless per position, so the tokens are the same either way), without it
+otherwise. Cancelling the task releases everything it holds.
+"""
+
+import asyncio
+import dataclasses
+import random
+import time
+
+from contracts import GenerateRequest, PrefillJob, PrefillResult, TokenChunk
+from services.common.engine_loop import AddRequest
+from shared.engine.kv_cache import KVLayout, dtype_name
+from shared.engine.sampling_params import SamplingParams
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class _Held:
+    """What a remote prefill holds, released whatever the ending."""
+
+    def __init__(self):
+        self.block_ids: list[int] | None = None
+        self.first_token: int | None = None
+        self.detok = None
+        self.adopted = False
+
+
+async def remote_prefill(worker, request: GenerateRequest, params: SamplingParams, active) -> None:
+    rid = request.request_id
+    if params.seed is None:  # fix the seed here, so prefill, decode and any fallback sample alike
+        params = dataclasses.replace(params, seed=random.getrandbits(63))
+    held = _Held()
+    try:
+        await _run(worker, request, params, active, held)
+    except Exception:
+        log.exception("remote prefill failed; prefilling locally", request_id=rid)
+        worker.count_prefill("local_fallback_error")
+        _prefill_locally(worker, request, params, held)
+    finally:
+        worker.prefill_results.pop(rid, None)
+        if not held.adopted:
+            worker.receiver.cancel(rid)
+            if held.block_ids is not None:
+                block_ids = held.block_ids
+                worker.engine_loop.call(lambda e: e.release_blocks(block_ids))
+
+
+async def _run(worker, request: GenerateRequest, params: SamplingParams, active, held: _Held) -> None:
+    engine = worker.engine
+    rid = request.request_id
+    prompt = request.prompt_token_ids
+    deadline = time.monotonic() + worker.prefill_timeout_s
+    try:
+        held.block_ids = await worker.engine_loop.call(lambda e: e.reserve_blocks(len(prompt)))
+    except Exception as exc:
+        worker.count_prefill("local_no_blocks")
+        log.info("no blocks for a remote prefill; prefilling locally", request_id=rid, error=str(exc))
+        return _prefill_locally(worker, request, params, held)
+
+    block_ids = held.block_ids
+    layout_of = _layout_factory(engine, len(block_ids), len(prompt))
+    ticket = worker.receiver.expect(
+        rid,
+        on_part=lambda start, end, data: engine.write_kv(block_ids, data, layout_of(start, end)),
+        total_layers=(0, engine.model_config.num_hidden_layers),
+        deadline_s=worker.prefill_timeout_s,
+    )
+    result_future = asyncio.get_running_loop().create_future()
+    worker.prefill_results[rid] = result_future
+    job = PrefillJob(
+        request_id=rid, model=request.model, prompt_token_ids=prompt, sampling=dataclasses.asdict(params),
+        ticket=ticket.to_dict(), reply_subject=worker.subjects.prefill_results(worker.instance_id),
+        block_size=engine.config.block_size, deadline_ms=int((time.time() + worker.prefill_timeout_s) * 1000),
+        created_ms=int(time.time() * 1000), trace=request.trace,
+    )
+    await worker.nc.jetstream().publish(worker.subjects.prefill_jobs, job.encode(), timeout=5.0,
+                                        headers={"Nats-Msg-Id": rid})
+
+    result: PrefillResult | None = None
+    try:
+        result = await asyncio.wait_for(result_future, max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        log.warning("no prefill result in time", request_id=rid)
+    if result is None or not result.ok:
+        worker.count_prefill("local_fallback_no_result")
+        return _prefill_locally(worker, request, params, held)
+
+    # The first token: streamed now, before the KV arrives.
+    held.first_token = result.first_token_id
+    held.detok = engine.new_detokenizer(prompt, params)
+    text, finish_reason, _ = engine.judge_token(params, held.first_token, held.detok, len(prompt) + 1,
+                                                engine.max_total_tokens(len(prompt), params))
+    await worker.publish_chunk(active, TokenChunk(
+        request_id=rid, seq=active.next_seq, token_ids=[held.first_token], text=text,
+        logprobs=[result.first_logprobs] if result.first_logprobs else None,
+        finished=finish_reason is not None, finish_reason=finish_reason, prompt_tokens=len(prompt),
+        completion_tokens=1, cached_tokens=result.num_cached_tokens,
+    ))
+    if finish_reason is not None:
+        worker.count_prefill("remote_finished_at_first_token")
+        worker.requests.pop(rid, None)
+        held.adopted = True  # nothing to adopt; the finally must not fall back
+        return _release(worker, held)
+
+    transfer = await worker.receiver.wait(rid)
+    if not transfer.ok:
+        worker.count_prefill("local_fallback_transfer")
+        log.warning("kv transfer failed; prefilling locally", request_id=rid, error=transfer.error)
+        return _prefill_locally(worker, request, params, held)
+    worker.record_transfer(transfer)
+    worker.engine_loop.add(AddRequest(rid, prompt, params, {
+        "output_token_ids": [held.first_token], "reserved": (block_ids, len(prompt)), "seed": params.seed,
+        "detokenizer": held.detok, "num_cached_tokens": result.num_cached_tokens,
+    }))
+    held.adopted = True
+    worker.count_prefill("remote")
+
+
+def _release(worker, held: _Held) -> None:
+    if held.block_ids is not None:
+        block_ids, held.block_ids = held.block_ids, None
+        worker.engine_loop.call(lambda e: e.release_blocks(block_ids))
+
+
+def _prefill_locally(worker, request: GenerateRequest, params: SamplingParams, held: _Held) -> None:
+    """Give back what the remote attempt held, then run the request here (continuing after a streamed first token)."""
+    worker.receiver.cancel(request.request_id)
+    _release(worker, held)
+    held.adopted = True  # the request now lives in the engine
+    options = {"seed": params.seed}
+    if held.first_token is not None:
+        options.update(output_token_ids=[held.first_token], detokenizer=held.detok)
+    worker.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params, options))
+
+
+def _layout_factory(engine, num_blocks: int, num_tokens: int):
+    cache = engine.executor.runners[0].kv_cache
+
+    def layout(layer_start: int, layer_end: int) -> KVLayout:
+        return KVLayout(layer_start, layer_end, num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim,
+                        dtype_name(cache.dtype), num_tokens)
+
+    return layout

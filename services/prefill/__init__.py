@@ -1,0 +1,1 @@
+"""The prefill service: prompt -> KV blocks and first token, shipped to a decode worker."""

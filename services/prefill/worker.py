@@ -1,0 +1,228 @@
+"""The prefill worker: pull a job, compute the prompt's KV and first token, ship both.
+
+A job is pulled only when the worker has room for it (a busy worker simply
+does not pull), kept alive with in-progress acks while it runs, and acked only
+once its KV is delivered, so a worker killed mid-job leaves the job to be
+redelivered to another one. The first token goes to the decode worker before
+the KV does, so the client's time to first token does not wait for the
+transfer; the KV then streams layer by layer.
+"""
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+
+import nats.errors
+
+from contracts import CancelRequest, ContractError, PrefillJob, PrefillResult, ServiceInfo, Subjects
+from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
+from shared.bus.registry import Heartbeat, Registry
+from shared.bus.subscribe import REJECTED, decode, subscribe_typed
+from shared.engine.engine import LLMEngine, RequestOutput
+from shared.engine.errors import EngineError
+from shared.engine.sampling_params import SamplingParams
+from shared.telemetry.logging import get_logger
+from shared.transfer import KVSender, TransferTicket
+
+log = get_logger(__name__)
+
+_KEEPALIVE_S = 1.0  # in-progress acks while a job runs (the consumer's ack wait is a few seconds)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class PrefillWorker:
+    def __init__(self, *, nc, registry: Registry, engine: LLMEngine, subjects: Subjects, instance_id: str,
+                 model: str, served_model_name: str, max_concurrent_jobs: int, kv_transport: str):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.registry = registry
+        self.engine = engine
+        self.subjects = subjects
+        self.instance_id = instance_id
+        self.model = model
+        self.served_model_name = served_model_name
+        self.max_concurrent_jobs = max_concurrent_jobs
+        self.kv_transport = kv_transport
+        self.boot_id = uuid.uuid4().hex
+        self.started_ms = now_ms()
+        self.state = "starting"
+        self.sender = KVSender()
+        self.jobs: dict[str, asyncio.Task] = {}
+        self._cancelled: dict[str, bool] = {}
+        self._first_tokens: dict[str, asyncio.Future] = {}
+        self._loop = asyncio.get_running_loop()
+        self.engine_loop = EngineLoop(engine, self._from_engine_thread)
+        self._heartbeat = Heartbeat(registry, self.info)
+        self.counts: dict[str, int] = {}
+
+    async def start(self) -> list[asyncio.Task]:
+        self.engine_loop.start()
+        await subscribe_typed(self.nc, self.subjects.cancel, CancelRequest, self._on_cancel)
+        self._consumer = await self.js.pull_subscribe(
+            self.subjects.prefill_jobs, durable=self.subjects.prefill_consumer, stream=self.subjects.prefill_stream
+        )
+        self.state = "ready"
+        self._heartbeat.start()
+        return [asyncio.create_task(self._pull_jobs(), name="pull-jobs"),
+                asyncio.create_task(self._watch_engine(), name="watch-engine")]
+
+    async def stop(self) -> None:
+        self.state = "draining"
+        for task in list(self.jobs.values()):
+            task.cancel()  # their jobs are redelivered to another worker
+        await asyncio.gather(*self.jobs.values(), return_exceptions=True)
+        self.engine_loop.stop()
+        await self._heartbeat.stop(remove=True)
+
+    def info(self) -> ServiceInfo:
+        block_manager = self.engine.block_manager
+        return ServiceInfo(
+            instance_id=self.instance_id, role="prefill", model=self.model, served_model_name=self.served_model_name,
+            boot_id=self.boot_id, pid=os.getpid(), host=socket.gethostname(), state=self.state,
+            started_ms=self.started_ms, heartbeat_ms=now_ms(), num_running=len(self.jobs),
+            max_num_seqs=self.max_concurrent_jobs, kv_blocks_total=block_manager.num_blocks,
+            kv_blocks_free=block_manager.num_free_blocks, max_model_len=self.engine.max_model_len,
+            details={"jobs": dict(self.counts), "rejected_messages": dict(REJECTED),
+                     "kv_transfer": self.sender.stats if isinstance(self.sender.stats, dict) else {}},
+        )
+
+    # ---- the job loop -------------------------------------------------------------------
+    async def _pull_jobs(self) -> None:
+        while True:
+            if len(self.jobs) >= self.max_concurrent_jobs:
+                await asyncio.sleep(0.005)
+                continue
+            try:
+                msgs = await self._consumer.fetch(1, timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            for msg in msgs:
+                try:
+                    job = decode(msg.data, PrefillJob)
+                except ContractError as exc:
+                    REJECTED[exc.reason] += 1
+                    await msg.term()
+                    continue
+                if job.request_id in self.jobs:
+                    continue  # a redelivery of a job this worker is still running
+                task = asyncio.create_task(self._run(job, msg), name=f"prefill-{job.request_id}")
+                self.jobs[job.request_id] = task
+                task.add_done_callback(lambda _, rid=job.request_id: self.jobs.pop(rid, None))
+
+    async def _watch_engine(self) -> None:
+        while self.engine_loop.crashed is None:
+            await asyncio.sleep(0.5)
+        raise RuntimeError("the engine loop crashed") from self.engine_loop.crashed
+
+    async def _run(self, job: PrefillJob, msg) -> None:
+        keepalive = asyncio.create_task(self._keep_alive(msg))
+        try:
+            outcome = await self._prefill_and_ship(job)
+            self._count(outcome)
+            await msg.ack() if outcome in ("shipped", "finished_at_first_token") else await msg.term()
+        except asyncio.CancelledError:
+            # Cancelled by the client: the job is over. Stopped with the worker: someone else takes it.
+            cancelled = self._cancelled.pop(job.request_id, False)
+            self._count("cancelled" if cancelled else "interrupted")
+            await (msg.term() if cancelled else msg.nak())
+            raise
+        except Exception:
+            log.exception("prefill job failed", request_id=job.request_id)
+            self._count("failed")
+            await self._report(job, ok=False, error="the prefill worker failed")
+            await msg.term()
+        finally:
+            keepalive.cancel()
+            self.engine_loop.abort(job.request_id)  # frees its held KV (no-op once released)
+
+    async def _prefill_and_ship(self, job: PrefillJob) -> str:
+        if job.deadline_ms < now_ms():
+            return "expired"  # its decode worker has already prefilled locally
+        if job.block_size != self.engine.config.block_size:
+            await self._report(job, ok=False, error=f"block size {job.block_size} != {self.engine.config.block_size}")
+            return "refused"
+        try:
+            params = SamplingParams(**job.sampling)
+            first_only = SamplingParams(**{**job.sampling, "max_tokens": 1})
+        except (EngineError, TypeError) as exc:
+            await self._report(job, ok=False, error=f"bad sampling parameters: {exc}")
+            return "refused"
+        future = self._loop.create_future()
+        self._first_tokens[job.request_id] = future
+        try:
+            self.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only,
+                                            {"hold_kv": True, "seed": params.seed}))
+            remaining_s = max(0.0, (job.deadline_ms - now_ms()) / 1000)
+            output = await asyncio.wait_for(future, remaining_s)
+        except TimeoutError:
+            return "expired"
+        finally:
+            self._first_tokens.pop(job.request_id, None)
+        if isinstance(output, RequestRejected):
+            await self._report(job, ok=False, error=str(output.error))
+            return "refused"
+        prompt_len = len(job.prompt_token_ids)
+        # The request goes on only if it stopped because of the one-token limit, not at its real end.
+        goes_on = (output.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1)
+                   and prompt_len + 1 < self.engine.max_model_len)
+        await self._report(job, ok=True, output=output, will_transfer=goes_on)
+        if not goes_on:
+            return "finished_at_first_token"
+        result = await self.sender.send(TransferTicket.from_dict(job.ticket), self._layers(job.request_id),
+                                        backend=self.kv_transport)
+        if not result.ok:
+            log.warning("kv transfer failed", request_id=job.request_id, error=result.error, backend=result.backend)
+            return "transfer_failed"
+        log.info("kv shipped", request_id=job.request_id, backend=result.backend, bytes=result.num_bytes,
+                 seconds=round(result.seconds, 4))
+        return "shipped"
+
+    async def _layers(self, request_id: str):
+        """The held KV, one layer at a time: the receiver imports layer i while layer i+1 is copied out."""
+        for layer in range(self.engine.model_config.num_hidden_layers):
+            data, layout = await asyncio.to_thread(self.engine.export_kv, request_id, 0, None, layer, layer + 1)
+            yield layer, layer + 1, data
+
+    async def _keep_alive(self, msg) -> None:
+        while True:
+            await asyncio.sleep(_KEEPALIVE_S)
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # the job will be redelivered; nothing else to do
+                log.warning("in-progress ack failed", error=repr(exc))
+
+    async def _report(self, job: PrefillJob, ok: bool, output: RequestOutput | None = None,
+                      will_transfer: bool = False, error: str = "") -> None:
+        result = PrefillResult(request_id=job.request_id, ok=ok, prefill_instance=self.instance_id, error=error,
+                               will_transfer=will_transfer)
+        if output is not None:
+            result.first_token_id = output.new_token_ids[0]
+            result.num_prompt_tokens = output.num_prompt_tokens
+            result.num_cached_tokens = output.num_cached_tokens
+            if output.new_logprobs:
+                lp = output.new_logprobs[0]
+                result.first_logprobs = {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+        await self.nc.publish(job.reply_subject, result.encode())
+
+    async def _on_cancel(self, cancel: CancelRequest, msg) -> None:
+        task = self.jobs.get(cancel.request_id)
+        if task is not None:
+            self._cancelled[cancel.request_id] = True
+            task.cancel()
+
+    def _from_engine_thread(self, items: list) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, items)
+
+    def _deliver(self, items: list) -> None:
+        for item in items:
+            future = self._first_tokens.get(item.request_id)
+            if future is not None and not future.done():
+                future.set_result(item)
+
+    def _count(self, outcome: str) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
