@@ -90,7 +90,21 @@ class LLMEngine:
         self._rng = random.Random()
 
     # ---- requests -----------------------------------------------------------------
-    def add_request(
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs) -> None:
+        """Queue a request (see `_add_request` for the keywords).
+
+        Reserved blocks passed in belong to the engine from here on: if the
+        request is refused, they are released.
+        """
+        try:
+            self._add_request(request_id, prompt_token_ids, params, **kwargs)
+        except BaseException:
+            reserved = kwargs.get("reserved")
+            if reserved is not None and request_id not in self._sequences:
+                self.release_blocks(reserved[0])
+            raise
+
+    def _add_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
