@@ -68,8 +68,16 @@ def add_parser(subcommands) -> None:
         metavar="NAME",
         help="the model name clients ask for (default: the default model's name, else the directory's name)",
     )
-    parser.add_argument("--topology", default="colocated", choices=["colocated"], help="how inference is split (default: colocated)")
+    parser.add_argument("--topology", default="colocated", choices=["colocated", "disagg"],
+                        help="how inference is split: colocated workers, or separate prefill and decode pools "
+                             "(default: colocated)")
     parser.add_argument("--decode", type=_positive_int, default=1, metavar="N", help="number of decode workers (default: 1)")
+    parser.add_argument("--prefill", type=_positive_int, default=1, metavar="N",
+                        help="number of prefill workers with --topology disagg (default: 1)")
+    parser.add_argument("--max-local-prefill", type=int, metavar="N",
+                        help="disagg: prompts with more uncached tokens than N are prefilled remotely (0: always)")
+    parser.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp"],
+                        help="disagg: how KV moves from prefill to decode workers (default: auto)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000, help="port the gateway listens on (default: 8000)")
     parser.add_argument("--nats", metavar="URL", help="use this NATS server (with JetStream) instead of starting one")
@@ -96,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         topology=args.topology,
         decode=args.decode,
+        prefill=args.prefill,
+        max_local_prefill=args.max_local_prefill,
+        kv_transport=args.kv_transport,
         host=args.host,
         port=args.port,
         nats=args.nats,

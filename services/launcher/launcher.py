@@ -71,6 +71,9 @@ class UpOptions:
     served_model_name: str | None = None
     topology: str = "colocated"
     decode: int = 1
+    prefill: int = 1  # disagg only
+    max_local_prefill: int | None = None  # disagg only; None: the scheduler's default
+    kv_transport: str = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
     nats: str | None = None
@@ -314,7 +317,8 @@ class Launcher:
 
         config = topology.UpConfig(
             model=model_dir, served_model_name=served_name, nats_url=nats_url, topology=o.topology,
-            decode=o.decode, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
+            decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill, kv_transport=o.kv_transport,
+            host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
         )
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy)
@@ -423,6 +427,8 @@ class Launcher:
         self.deployment.state = READY
         self._record(force=True)
         workers = f"{o.decode} decode worker" + ("" if o.decode == 1 else "s")
+        if o.topology == "disagg":
+            workers = f"{o.prefill} prefill worker" + ("" if o.prefill == 1 else "s") + ", " + workers
         try:
             print(
                 f"splitserve ready: {self.deployment.api_url} (model {served_name}, topology {o.topology}, {workers})",

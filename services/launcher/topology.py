@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-TOPOLOGIES = ("colocated",)  # later: "disagg", "pipeline"
+TOPOLOGIES = ("colocated", "disagg")  # later: "pipeline"
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,9 @@ class UpConfig:
     nats_url: str
     topology: str = "colocated"
     decode: int = 1
+    prefill: int = 1  # disagg: prefill workers
+    max_local_prefill: int | None = None  # disagg: the scheduler's threshold (None: its default)
+    kv_transport: str = "auto"  # disagg: how prefill workers ship KV
     host: str = "127.0.0.1"
     port: int = 8000
     namespace: str = "splitserve"
@@ -71,22 +74,36 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
         raise ValueError(f"unknown topology {config.topology!r} (choose from {', '.join(TOPOLOGIES)})")
     if config.decode < 1:
         raise ValueError("--decode must be at least 1")
+    disagg = config.topology == "disagg"
+    if disagg and config.prefill < 1:
+        raise ValueError("--prefill must be at least 1")
     bus = ("--nats", config.nats_url, "--namespace", config.namespace)
     model = ("--model", config.model, "--served-model-name", config.served_model_name)
-    specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0", (*bus, "--instance-id", "scheduler-0"))]
+    scheduler_args = (*bus, "--instance-id", "scheduler-0")
+    if disagg and config.max_local_prefill is not None:
+        scheduler_args += ("--max-local-prefill", str(config.max_local_prefill))
+    specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0", scheduler_args)]
+    counts = {"decode": config.decode, "scheduler": 1}
+    if disagg:
+        counts["prefill"] = config.prefill
+        for i in range(config.prefill):
+            iid = f"prefill-{i}"
+            specs.append(ServiceSpec(iid, "prefill", iid, (*bus, *model, "--instance-id", iid, "--dtype", config.dtype,
+                                                           "--kv-transport", config.kv_transport)))
     for i in range(config.decode):
         iid = f"decode-{i}"
         specs.append(
             ServiceSpec(
                 iid, "decode", iid,
-                (*bus, *model, "--mode", "colocated", "--instance-id", iid, "--dtype", config.dtype),
+                (*bus, *model, "--mode", "disagg" if disagg else "colocated", "--instance-id", iid,
+                 "--dtype", config.dtype),
             )
         )
     gateway_args = (
         *bus, *model,
         "--host", config.host,
         "--port", str(config.port),
-        "--expect", expect_arg({"decode": config.decode, "scheduler": 1}),
+        "--expect", expect_arg(counts),
         "--instance-id", "gateway-0",
     )
     specs.append(ServiceSpec("gateway-0", "gateway", "gateway-0", gateway_args, url=http_url(config.host, config.port)))

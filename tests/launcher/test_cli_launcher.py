@@ -91,7 +91,7 @@ def test_serve_runs_the_module_as_python_dash_m_would(tmp_path, monkeypatch, cap
 
 def test_serve_help_lists_the_services():
     result = cli("serve", "--help")
-    assert result.returncode == 0 and "gateway, scheduler, decode" in result.stdout
+    assert result.returncode == 0 and "gateway, scheduler, decode, prefill" in result.stdout
 
 
 def _written_deployment(run_dir, sleeper_pid):

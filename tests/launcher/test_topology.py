@@ -46,8 +46,24 @@ def test_urls_for_wildcard_and_ipv6_hosts():
     assert http_url("::1", 8000) == "http://[::1]:8000"
 
 
-@pytest.mark.parametrize("role", ["scheduler", "decode", "gateway"])
-def test_every_planned_command_line_parses(role):
+DISAGG = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", topology="disagg",
+                  prefill=2, decode=1, max_local_prefill=0, kv_transport="tcp", namespace="ns1")
+
+
+def test_disagg_plan():
+    specs = plan(DISAGG)
+    assert [s.name for s in specs] == ["scheduler-0", "prefill-0", "prefill-1", "decode-0", "gateway-0"]
+    assert specs[0].args[-2:] == ("--max-local-prefill", "0")
+    assert ("--kv-transport", "tcp") == specs[1].args[-2:]
+    decode_args = specs[3].args
+    assert decode_args[decode_args.index("--mode") + 1] == "disagg"
+    gateway_args = specs[-1].args
+    assert gateway_args[gateway_args.index("--expect") + 1] == "decode=1,scheduler=1,prefill=2"
+
+
+@pytest.mark.parametrize("config", [CONFIG, DISAGG], ids=["colocated", "disagg"])
+@pytest.mark.parametrize("role", ["scheduler", "decode", "gateway", "prefill"])
+def test_every_planned_command_line_parses(role, config):
     try:
         found = importlib.util.find_spec(f"services.{role}.__main__")
     except ModuleNotFoundError:
@@ -55,11 +71,11 @@ def test_every_planned_command_line_parses(role):
     if found is None:
         pytest.skip(f"services/{role}/__main__.py does not exist yet")
     module = pytest.importorskip(f"services.{role}.__main__")
-    for spec in plan(CONFIG):
+    for spec in plan(config):
         if spec.role != role:
             continue
         parsed = module.build_parser().parse_args(list(spec.args))
-        assert parsed.nats == CONFIG.nats_url and parsed.namespace == CONFIG.namespace
+        assert parsed.nats == config.nats_url and parsed.namespace == config.namespace
         assert parsed.instance_id == spec.instance_id
-        if role in ("decode", "gateway"):
-            assert parsed.model == CONFIG.model and parsed.served_model_name == CONFIG.served_model_name
+        if role in ("decode", "gateway", "prefill"):
+            assert parsed.model == config.model and parsed.served_model_name == config.served_model_name
