@@ -25,20 +25,32 @@ class Deployment:
 
 
 def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int = 1,
-                     expect: str | None = None) -> Deployment:
+                     expect: str | None = None, prefill: int = 0, scheduler_args: tuple = (),
+                     decode_args: tuple = (), prefill_args: tuple = ()) -> Deployment:
+    """scheduler-0, `prefill` prefill workers, `workers` decode workers and gateway-0 on a fresh namespace.
+
+    With prefill workers, the decode workers run in disagg mode.
+    """
     namespace = "t" + uuid.uuid4().hex[:10]
     port = free_port()
     bus = ["--nats", nats_url, "--namespace", namespace]
+    model = ["--model", model_dir, "--served-model-name", "splitserve-default-llama"]
     deployment = Deployment(nats_url, namespace, f"http://127.0.0.1:{port}", log_dir)
-    deployment.procs["scheduler"] = start_service("scheduler", [*bus, "--instance-id", "scheduler-0"], log_dir)
+    deployment.procs["scheduler"] = start_service(
+        "scheduler", [*bus, "--instance-id", "scheduler-0", *scheduler_args], log_dir)
+    for i in range(prefill):
+        deployment.procs[f"prefill-{i}"] = start_service(
+            "prefill", [*bus, "--instance-id", f"prefill-{i}", *model, "--kv-cache-bytes", str(64 << 20),
+                        *prefill_args], log_dir)
+    mode = ["--mode", "disagg" if prefill else "colocated"]
     for i in range(workers):
         deployment.procs[f"decode-{i}"] = start_service(
-            "decode", [*bus, "--instance-id", f"decode-{i}", "--model", model_dir,
-                       "--served-model-name", "splitserve-default-llama", "--kv-cache-bytes", str(64 << 20)], log_dir)
+            "decode", [*bus, "--instance-id", f"decode-{i}", *model, *mode, "--kv-cache-bytes", str(64 << 20),
+                       *decode_args], log_dir)
+    counts = f"scheduler=1,decode={workers}" + (f",prefill={prefill}" if prefill else "")
     deployment.procs["gateway"] = start_service(
-        "gateway", [*bus, "--instance-id", "gateway-0", "--model", model_dir, "--served-model-name",
-                    "splitserve-default-llama", "--port", str(port),
-                    "--expect", expect or f"scheduler=1,decode={workers}"], log_dir)
+        "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts],
+        log_dir)
     try:
         wait_for_http(f"{deployment.base_url}/health", 120, list(deployment.procs.values()))
     except BaseException:

@@ -1,0 +1,150 @@
+"""Prefill/decode disaggregation end to end: same tokens as colocated and transformers, and its failure paths."""
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import nats
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from contracts import ServiceInfo, StatsRequest, Subjects
+from reference import safe_prompts
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from support.deployment import start_deployment
+
+MODEL = "splitserve-default-llama"
+LENGTHS = [3, 20, 64, 150, 400, 1000]
+
+
+@pytest.fixture(scope="module")
+def disagg(nats_server, default_model, tmp_path_factory):
+    """Remote prefill forced for every prompt (--max-local-prefill 0)."""
+    deployment = start_deployment(nats_server.url, tmp_path_factory.mktemp("logs"), default_model, prefill=1,
+                                  scheduler_args=("--max-local-prefill", "0"), decode_args=("--prefill-timeout", "10"))
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def cases(default_model):
+    return safe_prompts(default_model, 2048, LENGTHS, 16, seed=3)
+
+
+def complete(base_url: str, prompt, **kwargs) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **kwargs}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stats(deployment, instance: str) -> ServiceInfo:
+    async def ask():
+        nc = await nats.connect(deployment.nats_url)
+        try:
+            reply = await nc.request(Subjects(deployment.namespace).stats(instance), StatsRequest().encode(), timeout=5)
+            return ServiceInfo.decode(reply.data)
+        finally:
+            await nc.close()
+    return asyncio.run(ask())
+
+
+def decoded_ids(tokenizer, body) -> str:
+    return body["choices"][0]["text"]
+
+
+def test_remote_prefill_matches_transformers_alone_and_concurrently(disagg, cases, default_model):
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    for prompt, expected in cases:
+        body = complete(disagg.base_url, prompt)
+        assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert body["usage"]["completion_tokens"] == 16 and body["usage"]["prompt_tokens"] == len(prompt)
+    decode = stats(disagg, "decode-0")
+    assert decode.details["prefill_decisions"].get("remote", 0) >= len(cases)
+    assert decode.details["kv_transfer"]["bytes"] > 0
+
+    # 16 concurrent requests of mixed lengths.
+    batch = (cases * 3)[:16]
+    with ThreadPoolExecutor(16) as pool:
+        bodies = list(pool.map(lambda case: complete(disagg.base_url, case[0]), batch))
+    assert [b["choices"][0]["text"] for b in bodies] == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
+    assert stats(disagg, "decode-0").kv_blocks_free == stats(disagg, "decode-0").kv_blocks_total
+
+
+def test_seeded_sampling_is_the_same_as_colocated(disagg, default_model):
+    prompt = list(range(100, 180))
+    params = dict(temperature=0.8, top_p=0.9, seed=1234)
+    engine = LLMEngine(EngineConfig(model=default_model, dtype="float32", num_kv_blocks=64))
+    expected = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, **params))[0].text
+    assert complete(disagg.base_url, prompt, **params)["choices"][0]["text"] == expected
+
+
+def test_transfer_that_never_arrives_falls_back_locally(nats_server, default_model, tmp_path, cases):
+    """A frozen prefill worker: the decode worker gives up at its deadline and prefills itself."""
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1,
+                                  scheduler_args=("--max-local-prefill", "0"), decode_args=("--prefill-timeout", "3"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(default_model)
+        prompt, expected = cases[3]
+        os.kill(deployment.procs["prefill-0"].pid, signal.SIGSTOP)
+        started = time.monotonic()
+        body = complete(deployment.base_url, prompt)
+        assert time.monotonic() - started < 15
+        assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert stats(deployment, "decode-0").details["prefill_decisions"].get("local_fallback_no_result", 0) == 1
+
+        # Client disconnect while the prefill is pending frees the decode worker's reserved blocks.
+        with httpx.stream("POST", f"{deployment.base_url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": 50, "stream": True}) as response:
+            assert response.status_code == 200
+            time.sleep(0.5)
+            assert stats(deployment, "decode-0").kv_blocks_free < stats(deployment, "decode-0").kv_blocks_total
+        closed = time.monotonic()
+        while stats(deployment, "decode-0").kv_blocks_free != stats(deployment, "decode-0").kv_blocks_total:
+            assert time.monotonic() - closed < 1.0, "reserved blocks still held a second after the disconnect"
+            time.sleep(0.05)
+        os.kill(deployment.procs["prefill-0"].pid, signal.SIGCONT)
+        # The prefill worker drops the cancelled job and holds nothing.
+        deadline = time.monotonic() + 10
+        while True:
+            prefill = stats(deployment, "prefill-0")
+            if prefill.num_running == 0 and prefill.kv_blocks_free == prefill.kv_blocks_total:
+                break
+            assert time.monotonic() < deadline, prefill
+            time.sleep(0.2)
+    finally:
+        os.kill(deployment.procs["prefill-0"].pid, signal.SIGCONT)
+        deployment.stop()
+
+
+def test_prefill_worker_killed_mid_job_completes_once(nats_server, default_model, tmp_path, cases):
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=2,
+                                  scheduler_args=("--max-local-prefill", "0"), decode_args=("--prefill-timeout", "20"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(default_model)
+        prompt, expected = cases[-1]
+        # Freeze one worker so that it takes the job and dies with it; the other must redo it.
+        os.kill(deployment.procs["prefill-1"].pid, signal.SIGSTOP)
+        os.kill(deployment.procs["prefill-0"].pid, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(complete, deployment.base_url, prompt, stream=False)
+            time.sleep(1.0)
+            os.kill(deployment.procs["prefill-1"].pid, signal.SIGCONT)
+            time.sleep(0.05)
+            os.kill(deployment.procs["prefill-0"].pid, signal.SIGKILL)
+            body = future.result(timeout=60)
+        assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert body["usage"]["completion_tokens"] == 16
+    finally:
+        for name in ("prefill-0", "prefill-1"):
+            try:
+                os.kill(deployment.procs[name].pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        deployment.stop()
