@@ -16,7 +16,7 @@ import uuid
 
 import nats.errors
 
-from contracts import CancelRequest, ContractError, PrefillJob, PrefillResult, ServiceInfo, Subjects
+from contracts import CancelRequest, ContractError, PrefillJob, PrefillResult, ServiceInfo, StatsRequest, Subjects
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, decode, subscribe_typed
@@ -63,6 +63,7 @@ class PrefillWorker:
     async def start(self) -> list[asyncio.Task]:
         self.engine_loop.start()
         await subscribe_typed(self.nc, self.subjects.cancel, CancelRequest, self._on_cancel)
+        await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
         self._consumer = await self.js.pull_subscribe(
             self.subjects.prefill_jobs, durable=self.subjects.prefill_consumer, stream=self.subjects.prefill_stream
         )
@@ -88,7 +89,7 @@ class PrefillWorker:
             max_num_seqs=self.max_concurrent_jobs, kv_blocks_total=block_manager.num_blocks,
             kv_blocks_free=block_manager.num_free_blocks, max_model_len=self.engine.max_model_len,
             details={"jobs": dict(self.counts), "rejected_messages": dict(REJECTED),
-                     "kv_transfer": self.sender.stats if isinstance(self.sender.stats, dict) else {}},
+                     "kv_transfer": self.sender.stats.snapshot()},
         )
 
     # ---- the job loop -------------------------------------------------------------------
@@ -208,6 +209,10 @@ class PrefillWorker:
                 lp = output.new_logprobs[0]
                 result.first_logprobs = {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
         await self.nc.publish(job.reply_subject, result.encode())
+
+    async def _on_stats(self, _: StatsRequest, msg) -> None:
+        if msg.reply:
+            await msg.respond(self.info().encode())
 
     async def _on_cancel(self, cancel: CancelRequest, msg) -> None:
         task = self.jobs.get(cancel.request_id)
