@@ -1,0 +1,585 @@
+"""`KVReceiver`: the decode side of the side channel. One per process, on its asyncio loop.
+
+The service calls `expect` for each transfer it wants (getting a ticket to send
+to the prefill worker over NATS), then `wait`s for it. A sender connects to
+the receiver's TCP port and runs transfers over the connection one after
+another (it keeps the connection for the next one, saving a connect and a
+round trip):
+
+    receiver -> {v, nonce: nonce_r, host_id}                                once per connection
+    sender   -> {v, transfer_id, nonce: nonce_s, backend,
+                 mac: HMAC-SHA256(token, sender|nonce_r|nonce_s|transfer_id)}  per transfer
+    receiver -> {status: "ready", mac: HMAC-SHA256(token, receiver|...), max_part_bytes}
+             |  {status: "finished", outcome, detail, mac}   an earlier connection already ended it
+             |  {status: "rejected"}, then close             unknown transfer or wrong mac
+    sender   -> {op: "part", seq, layer_start, layer_end, dtype, shape, nbytes, alg, sum
+                 [, shm, offset]}  [+ nbytes raw payload bytes when tcp]      as parts come
+    receiver -> {op: "ack", seq}  once on_part returned  |  {op: "error", reason, detail}, then close
+    sender   -> {op: "end", parts}               receiver -> {op: "done"}
+    sender   -> {op: "abort", detail}            its part producer failed
+
+A wrong or unknown token closes the connection and is counted in
+`stats.unauthenticated`; the expectation itself is untouched, so a stranger
+cannot fail someone else's transfer. Once authenticated, anything wrong on the
+connection (a corrupted payload, a malformed frame, the connection dropping)
+fails the transfer at once, so the decode worker can fall back to a local
+prefill without waiting for the deadline. A second authenticated connection
+for the same transfer (a redelivered prefill job) replaces the first, and the
+transfer starts over. Every expectation ends by its deadline at the latest:
+a timer fails it and closes its connection.
+"""
+
+import asyncio
+import inspect
+import math
+import secrets
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.telemetry.logging import get_logger
+from shared.transfer import checksum as checksums
+from shared.transfer.shm import MappingCache, host_id, shm_available, sweep_orphan_segments
+from shared.transfer.types import (
+    BACKENDS,
+    CANCELLED,
+    CONNECTION,
+    CORRUPTED,
+    DEADLINE,
+    INCOMPLETE,
+    ON_PART_ERROR,
+    PROTOCOL,
+    SENDER_ABORTED,
+    SHM_ERROR,
+    STOPPED,
+    TOO_LARGE,
+    TransferFailed,
+    TransferResult,
+    TransferStats,
+    TransferTicket,
+)
+from shared.transfer.wire import (
+    DTYPES,
+    MAC_BYTES,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    Channel,
+    configure_socket,
+    receiver_proof,
+    sender_proof,
+)
+
+log = get_logger(__name__)
+
+OnPart = Callable[[int, int, torch.Tensor], None]
+
+_MAX_DIMS = 8
+_MAX_TRANSFER_ID = 256
+
+
+@dataclass(eq=False)
+class _Expectation:
+    transfer_id: str
+    token: bytes
+    on_part: OnPart
+    layer_start: int
+    layer_end: int
+    deadline_unix_s: float
+    done: asyncio.Future
+    created: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when a sender authenticated
+    backend: str = "none"
+    num_bytes: int = 0
+    received: set[int] = field(default_factory=set)  # absolute layer indices applied
+    connection: "asyncio.Task | None" = None
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.received) == self.layer_end - self.layer_start
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - (self.started if self.started is not None else self.created)
+
+
+class _BufferPool:
+    """Receive buffers for `tcp` payloads: reused across connections, all of them together at most `cap` bytes."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.in_use = 0
+        self._free: list[torch.Tensor] = []  # least recently released first
+        self._waiters: list[asyncio.Future] = []
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(b.numel() for b in self._free)
+
+    async def acquire(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least `nbytes` (`nbytes` <= cap), waiting while others hold too much."""
+        while self.in_use + nbytes > self.cap:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        best = None
+        for i, buf in enumerate(self._free):  # tensors compare elementwise: pick by index
+            if buf.numel() >= nbytes and (best is None or buf.numel() < self._free[best].numel()):
+                best = i
+        if best is not None:
+            best = self._free.pop(best)
+        else:
+            while self._free and self.in_use + self.free_bytes + nbytes > self.cap:
+                self._free.pop(0)
+            best = torch.empty(nbytes, dtype=torch.uint8)
+        self.in_use += best.numel()
+        return best
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.in_use -= buf.numel()
+        self._free.append(buf)
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+class KVReceiver:
+    """Receives KV tensors for expected transfers; see the module docstring for the protocol.
+
+    Limits: `max_part_bytes` (one part), `max_buffer_bytes` (all tcp receive
+    buffers together, pooled), `shm_cache_bytes` (mappings of senders'
+    segments kept for reuse), `max_connections`, `handshake_timeout_s` (a
+    new connection must authenticate within it), `idle_connection_s` (a
+    sender's connection is kept this long between its transfers),
+    `io_timeout_s` (a read or write that waits must make progress within it), `finished_memory` (ended
+    transfers remembered, to answer a late duplicate sender).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_part_bytes: int = 256 << 20,
+        max_buffer_bytes: int = 512 << 20,
+        shm_cache_bytes: int = 1 << 30,
+        max_connections: int = 256,
+        handshake_timeout_s: float = 5.0,
+        idle_connection_s: float = 60.0,
+        io_timeout_s: float = 10.0,
+        finished_memory: int = 4096,
+    ):
+        if max_part_bytes > max_buffer_bytes:
+            raise ValueError("max_part_bytes must not exceed max_buffer_bytes")
+        self.max_part_bytes = max_part_bytes
+        self.max_buffer_bytes = max_buffer_bytes
+        self.max_connections = max_connections
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_connection_s = idle_connection_s
+        self.io_timeout_s = io_timeout_s
+        self.finished_memory = finished_memory
+        self.stats = TransferStats()
+        self.host_id = host_id()
+        self.endpoint: dict | None = None
+        self._shm_cache = MappingCache(shm_cache_bytes)
+        self._buffers: _BufferPool | None = None
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._connections: set[asyncio.Task] = set()
+        self._active: dict[str, _Expectation] = {}
+        self._finished: OrderedDict[str, tuple[bytes, TransferResult]] = OrderedDict()
+        self._last_shm_check = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, advertise_host: str | None = None) -> None:
+        """Listen on `host:port` (port 0: any free port). Tickets name `advertise_host`, default `host`."""
+        if self._listener is not None:
+            raise RuntimeError("receiver already started")
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = infos[0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(128)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        bound_port = listener.getsockname()[1]
+        if advertise_host is None:
+            if host in ("0.0.0.0", "::", ""):
+                raise ValueError(f"listening on {host!r} needs advertise_host: the address senders should dial")
+            advertise_host = host
+        self.endpoint = {"host": advertise_host, "port": bound_port, "host_id": self.host_id}
+        self._buffers = _BufferPool(self.max_buffer_bytes)
+        sweep_orphan_segments()
+        self._accept_task = asyncio.create_task(self._accept_loop(), name="kv-receiver-accept")
+        log.info("kv receiver listening", host=host, port=bound_port, advertise_host=advertise_host,
+                 shm=shm_available())
+
+    async def stop(self) -> None:
+        """Stop listening, fail every pending transfer (`stopped`), close every connection."""
+        for exp in list(self._active.values()):
+            self._finish(exp, failure=TransferFailed(STOPPED, "the receiver stopped"))
+        tasks = [t for t in (self._accept_task, *self._connections) if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._accept_task = None
+        self._shm_cache.close()
+        if self._buffers is not None:
+            self._buffers.clear()
+
+    # -- the API the decode worker uses ------------------------------------------------------------------
+
+    def expect(self, transfer_id: str, *, on_part: OnPart, total_layers: tuple[int, int],
+               deadline_s: float) -> TransferTicket:
+        """Register a transfer of layers `[total_layers[0], total_layers[1])` due within `deadline_s` seconds.
+
+        `on_part(layer_start, layer_end, tensor)` is called on this loop for each
+        part as it arrives, in any order; `tensor` (shape `[layer_end - layer_start, ...]`)
+        is a view over the receive buffer or the sender's segment, valid only during
+        the call: copy it. If it raises, the transfer fails (`on-part-error`).
+        """
+        if self.endpoint is None:
+            raise RuntimeError("start the receiver before expecting transfers")
+        if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= _MAX_TRANSFER_ID:
+            raise ValueError(f"transfer_id must be a string of 1..{_MAX_TRANSFER_ID} characters")
+        if transfer_id in self._active:
+            raise ValueError(f"transfer {transfer_id!r} is already expected")
+        start, end = total_layers
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end):
+            raise ValueError(f"total_layers must be (start, end) with 0 <= start < end, got {total_layers!r}")
+        if not (isinstance(deadline_s, (int, float)) and math.isfinite(deadline_s) and deadline_s > 0):
+            raise ValueError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
+        if not callable(on_part):
+            raise ValueError("on_part must be callable")
+        loop = asyncio.get_running_loop()
+        self._finished.pop(transfer_id, None)
+        exp = _Expectation(transfer_id, secrets.token_bytes(32), on_part, start, end,
+                           time.time() + deadline_s, loop.create_future())
+        exp.timer = loop.call_at(loop.time() + deadline_s, self._on_deadline, exp)
+        self._active[transfer_id] = exp
+        return TransferTicket(transfer_id, exp.token, dict(self.endpoint), exp.deadline_unix_s)
+
+    async def wait(self, transfer_id: str) -> TransferResult:
+        """The outcome of an expected transfer: ok once every layer arrived, else the failure. Ends by the deadline."""
+        exp = self._active.get(transfer_id)
+        if exp is not None:
+            return await asyncio.shield(exp.done)
+        if transfer_id in self._finished:
+            return self._finished[transfer_id][1]
+        raise KeyError(f"no transfer {transfer_id!r} is expected or recently finished")
+
+    def cancel(self, transfer_id: str) -> None:
+        """Drop the expectation: its `wait` returns `cancelled`, its connection closes, late parts are discarded."""
+        exp = self._active.get(transfer_id)
+        if exp is not None:
+            self._finish(exp, failure=TransferFailed(CANCELLED, "the receiver cancelled the transfer"))
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    # -- bookkeeping -----------------------------------------------------------------------------------
+
+    def _on_deadline(self, exp: _Expectation) -> None:
+        if self._active.get(exp.transfer_id) is exp:
+            self._finish(exp, failure=TransferFailed(DEADLINE, "the transfer's deadline passed"))
+
+    def _finish(self, exp: _Expectation, *, failure: TransferFailed | None = None) -> None:
+        """End `exp` once: settle `wait`, remember the outcome, close its connection unless we run in it."""
+        if self._active.get(exp.transfer_id) is not exp:
+            return
+        del self._active[exp.transfer_id]
+        if exp.timer is not None:
+            exp.timer.cancel()
+        if failure is None:
+            result = TransferResult(True, None, exp.backend, exp.num_bytes, exp.elapsed())
+        else:
+            result = TransferResult.failed(failure, exp.backend, exp.num_bytes, exp.elapsed())
+            log.info("kv transfer failed", transfer_id=exp.transfer_id, reason=failure.reason, error=str(failure),
+                     backend=exp.backend, received_layers=len(exp.received))
+        self.stats.record(result)
+        self._finished[exp.transfer_id] = (exp.token, result)
+        while len(self._finished) > self.finished_memory:
+            self._finished.popitem(last=False)
+        if not exp.done.done():
+            exp.done.set_result(result)
+        conn = exp.connection
+        if failure is not None and conn is not None and not conn.done() and conn is not asyncio.current_task():
+            conn.cancel()
+
+    # -- connections -----------------------------------------------------------------------------------
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                log.warning("kv receiver accept failed", error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._connections) >= self.max_connections:
+                self.stats.refused_connections += 1
+                sock.close()
+                continue
+            self.stats.connections += 1
+            configure_socket(sock)
+            task = asyncio.create_task(self._serve(sock), name="kv-receiver-connection")
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        """One connection: a hello, then transfers one after another until the sender leaves or one fails."""
+        channel = Channel(sock, self.io_timeout_s)
+        receiver_nonce = secrets.token_bytes(NONCE_BYTES)
+        exp = None
+        try:
+            first = True
+            while True:
+                exp = None
+                # A new connection must authenticate promptly; a kept one may idle between transfers.
+                try:
+                    async with asyncio.timeout(self.handshake_timeout_s if first else self.idle_connection_s):
+                        if first:
+                            await channel.send_msg({"v": PROTOCOL_VERSION, "nonce": receiver_nonce,
+                                                    "host_id": self.host_id})
+                        auth = await channel.recv_msg(idle_ok=True)
+                except (TransferFailed, TimeoutError):
+                    if first:
+                        self.stats.unauthenticated += 1
+                    return
+                first = False
+                exp, backend, keep = await self._authenticate(channel, auth, receiver_nonce)
+                if exp is None:
+                    if keep:
+                        continue
+                    return
+                await self._receive(channel, exp, backend)
+        except TransferFailed as failure:
+            if exp is not None:
+                channel.try_send_msg({"op": "error", "reason": failure.reason, "detail": str(failure)})
+                self._finish(exp, failure=failure)
+        except asyncio.CancelledError:
+            # Cancelled by `_finish` (deadline, cancel, a newer connection) or `stop`: say why, if we can.
+            if exp is not None and exp.transfer_id in self._finished:
+                result = self._finished[exp.transfer_id][1]
+                if not result.ok:
+                    channel.try_send_msg({"op": "error", "reason": result.reason, "detail": result.error})
+        except Exception as exc:  # a bug here must not take the receiver down; it fails this transfer
+            log.exception("kv receiver connection crashed")
+            if exp is not None:
+                self._finish(exp, failure=TransferFailed(PROTOCOL, f"receiver error: {exc!r}"))
+        finally:
+            channel.close()
+
+    async def _authenticate(self, channel: Channel, auth: dict,
+                            receiver_nonce: bytes) -> tuple[_Expectation | None, str, bool]:
+        """Check a sender's claim to a transfer. Returns (expectation, backend, keep the connection)."""
+        transfer_id, mac, sender_nonce, backend = (
+            auth.get("transfer_id"), auth.get("mac"), auth.get("nonce"), auth.get("backend"))
+        well_formed = (
+            auth.get("v") == PROTOCOL_VERSION and isinstance(transfer_id, str)
+            and 0 < len(transfer_id) <= _MAX_TRANSFER_ID and isinstance(mac, bytes) and len(mac) == MAC_BYTES
+            and isinstance(sender_nonce, bytes) and len(sender_nonce) == NONCE_BYTES and backend in BACKENDS
+        )
+        exp = self._active.get(transfer_id) if well_formed else None
+        finished = self._finished.get(transfer_id) if well_formed and exp is None else None
+        token = exp.token if exp is not None else finished[0] if finished is not None else None
+        if token is None or not secrets.compare_digest(
+            mac, sender_proof(token, transfer_id, receiver_nonce, sender_nonce)
+        ):
+            self.stats.unauthenticated += 1
+            channel.try_send_msg({"status": "rejected"})
+            return None, "", False
+        proof = receiver_proof(token, transfer_id, receiver_nonce, sender_nonce)
+        if exp is None:
+            result = finished[1]
+            await channel.send_msg({"status": "finished", "outcome": "ok" if result.ok else result.reason,
+                                    "detail": result.error, "mac": proof})
+            return None, "", True
+        if backend == "shm" and not shm_available():
+            await channel.send_msg({"status": "unsupported-backend", "detail": "no /dev/shm here", "mac": proof})
+            return None, "", True
+        previous = exp.connection
+        if previous is not None and not previous.done():
+            previous.cancel()  # a newer sender for the same transfer: it starts over
+            log.info("kv transfer restarted by a new connection", transfer_id=transfer_id)
+        exp.connection = asyncio.current_task()
+        exp.received.clear()
+        exp.num_bytes = 0
+        exp.backend = backend
+        exp.started = time.perf_counter()
+        await channel.send_msg({"status": "ready", "mac": proof, "max_part_bytes": self.max_part_bytes})
+        return exp, backend, True
+
+    async def _receive(self, channel: Channel, exp: _Expectation, backend: str) -> None:
+        shm_names: set[str] = set()
+        buffer = None
+        try:
+            while True:
+                # Between parts the sender may be computing the next layer: only the deadline bounds
+                # that wait. After the last part, the closing "end" must come promptly.
+                msg = await channel.recv_msg(idle_ok=not exp.complete)
+                if self._active.get(exp.transfer_id) is not exp and not exp.complete:
+                    self.stats.discarded_parts += 1
+                    return  # ended meanwhile (cancelled, deadline): late parts are not applied
+                op = msg.get("op")
+                if op == "part":
+                    header = _check_part(msg, exp, backend, self.max_part_bytes)
+                    if backend == "tcp":
+                        if buffer is None or buffer.numel() < header.nbytes:
+                            if buffer is not None:
+                                self._buffers.release(buffer)
+                                buffer = None
+                            buffer = await self._buffers.acquire(header.nbytes)
+                        payload = buffer[: header.nbytes]
+                        await channel.recv_payload(memoryview(payload.numpy()))
+                    else:
+                        payload = self._map_shm(header, shm_names)
+                    if self._active.get(exp.transfer_id) is not exp:
+                        self.stats.discarded_parts += 1
+                        return
+                    self._apply(exp, header, payload)
+                    del payload
+                    await channel.send_msg({"op": "ack", "seq": header.seq})
+                    if exp.complete:
+                        self._finish(exp)
+                elif op == "end":
+                    if not exp.complete:
+                        missing = exp.layer_end - exp.layer_start - len(exp.received)
+                        raise TransferFailed(INCOMPLETE, f"the sender ended the transfer with {missing} layers missing")
+                    await channel.send_msg({"op": "done"})
+                    return
+                elif op == "abort":
+                    detail = msg.get("detail")
+                    raise TransferFailed(SENDER_ABORTED, f"the sender gave up: {str(detail)[:500]}")
+                else:
+                    raise TransferFailed(PROTOCOL, f"unexpected message op {str(op)[:40]!r}")
+        except TransferFailed as failure:
+            if failure.reason == CONNECTION and exp.complete:
+                return  # the sender went away after the last part; nothing is lost
+            for name in shm_names:  # the sender unlinks them on failure; let go of the memory now
+                self._shm_cache.drop(name)
+            raise
+        finally:
+            if buffer is not None:
+                self._buffers.release(buffer)
+            self._shm_cache.trim()
+
+    def _map_shm(self, header: "_PartHeader", names: set[str]) -> torch.Tensor:
+        now = time.monotonic()
+        if now - self._last_shm_check > 5.0:
+            self._last_shm_check = now
+            self._shm_cache.drop_unlinked()
+        try:
+            seg = self._shm_cache.get(header.shm)
+        except (OSError, ValueError) as exc:
+            raise TransferFailed(SHM_ERROR, f"cannot map shared-memory segment {header.shm!r}: {exc}") from None
+        names.add(header.shm)
+        if header.offset + header.nbytes > seg.size:
+            raise TransferFailed(PROTOCOL, f"part of {header.nbytes} bytes at {header.offset} overruns its "
+                                           f"{seg.size}-byte segment")
+        return seg.bytes[header.offset : header.offset + header.nbytes]
+
+    def _apply(self, exp: _Expectation, header: "_PartHeader", payload: torch.Tensor) -> None:
+        if checksums.checksum(header.alg, payload) != header.sum:
+            self.stats.corrupted_parts += 1
+            raise TransferFailed(CORRUPTED, f"layers [{header.layer_start}, {header.layer_end}) failed their "
+                                            f"{header.alg} checksum")
+        tensor = payload.view(header.dtype).view(header.shape)
+        try:
+            returned = exp.on_part(header.layer_start, header.layer_end, tensor)
+            if inspect.isawaitable(returned):
+                if inspect.iscoroutine(returned):
+                    returned.close()
+                raise TypeError("on_part must be a plain function, not a coroutine function")
+        except Exception as exc:
+            raise TransferFailed(ON_PART_ERROR, f"on_part failed for layers [{header.layer_start}, "
+                                                f"{header.layer_end}): {exc!r}") from None
+        finally:
+            del tensor
+        exp.received.update(range(header.layer_start, header.layer_end))
+        exp.num_bytes += header.nbytes
+        self.stats.bytes_by_backend[exp.backend] += header.nbytes
+
+
+@dataclass(slots=True)
+class _PartHeader:
+    seq: int
+    layer_start: int
+    layer_end: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    alg: str
+    sum: int
+    shm: str | None
+    offset: int
+
+
+def _check_part(msg: dict, exp: _Expectation, backend: str, max_part_bytes: int) -> _PartHeader:
+    """Validate a part header against the expectation; raises TransferFailed(PROTOCOL / TOO_LARGE)."""
+
+    def bad(what: str) -> TransferFailed:
+        return TransferFailed(PROTOCOL, f"bad part header: {what}")
+
+    def integer(key: str, lo: int = 0, hi: int = 1 << 62) -> int:
+        value = msg.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise bad(f"{key} must be an integer in [{lo}, {hi}]")
+        return value
+
+    seq = integer("seq")
+    layer_start, layer_end = integer("layer_start"), integer("layer_end")
+    if not exp.layer_start <= layer_start < layer_end <= exp.layer_end:
+        raise bad(f"layers [{layer_start}, {layer_end}) are not within the expected "
+                  f"[{exp.layer_start}, {exp.layer_end})")
+    if any(layer in exp.received for layer in range(layer_start, layer_end)):
+        raise bad(f"layers [{layer_start}, {layer_end}) overlap layers already received")
+    dtype = DTYPES.get(msg.get("dtype"))
+    if dtype is None:
+        raise bad(f"dtype {str(msg.get('dtype'))[:40]!r} is not one of {', '.join(DTYPES)}")
+    shape = msg.get("shape")
+    if (not isinstance(shape, list) or not 1 <= len(shape) <= _MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
+        raise bad("shape must be a list of 1..8 non-negative integers")
+    if shape[0] != layer_end - layer_start:
+        raise bad(f"shape {shape} does not start with the {layer_end - layer_start} layers it claims")
+    nbytes = integer("nbytes")
+    if math.prod(shape) * dtype.itemsize != nbytes:
+        raise bad(f"nbytes {nbytes} is not the size of {msg.get('dtype')} {shape}")
+    if nbytes > max_part_bytes:
+        raise TransferFailed(TOO_LARGE, f"a part of {nbytes} bytes; this receiver takes at most {max_part_bytes}")
+    alg = msg.get("alg")
+    if alg not in checksums.ALGORITHMS:
+        raise bad(f"checksum algorithm {str(alg)[:40]!r} is not one of {', '.join(checksums.ALGORITHMS)}")
+    total = integer("sum", 0, (1 << 64) - 1)
+    shm, offset = None, 0
+    if backend == "shm":
+        shm = msg.get("shm")
+        if not isinstance(shm, str):
+            raise bad("an shm part must name its segment")
+        offset = integer("offset")
+        if offset % 64:
+            raise bad("an shm part's offset must be a multiple of 64")
+    return _PartHeader(seq, layer_start, layer_end, dtype, tuple(shape), nbytes, alg, total, shm, offset)

@@ -1,0 +1,438 @@
+"""`KVSender`: the prefill side of the side channel. One per process, on its asyncio loop.
+
+`send` connects to the ticket's endpoint, authenticates (see `receiver.py` for
+the protocol) and streams the parts as the iterator yields them, so layer i
+travels while the model computes layer i+1. Writing and ack-reading run
+concurrently: a part is sent as soon as the bytes in flight (sent, not yet
+acked) leave room for it under `max_inflight_bytes` (one part always fits).
+A part bigger than `split_bytes` is cut along its first (layer) dimension
+into several, so that a large one-piece KV tensor is still pipelined.
+
+Backends: `tcp` sends each payload inline, straight from the tensor's memory;
+`shm` copies it into a pooled shared-memory segment (see `shm.py`) and sends
+the segment's name. `auto` takes `shm` when the ticket's `host_id` equals ours.
+"""
+
+import asyncio
+import hmac
+import secrets
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from shared.bus.service import cancel_and_wait
+from shared.telemetry.logging import get_logger
+from shared.transfer import checksum as checksums
+from shared.transfer.shm import Segment, SegmentPool, shm_available, shm_usable_with, sweep_orphan_segments
+from shared.transfer.types import (
+    BAD_INPUT,
+    CONNECTION,
+    DEADLINE,
+    PROTOCOL,
+    REASONS,
+    REJECTED,
+    SENDER_ABORTED,
+    SHM_ERROR,
+    UNAUTHENTICATED_RECEIVER,
+    TransferFailed,
+    TransferResult,
+    TransferStats,
+    TransferTicket,
+)
+from shared.transfer.wire import (
+    MAC_BYTES,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    DTYPES,
+    Channel,
+    configure_socket,
+    receiver_proof,
+    sender_proof,
+)
+
+log = get_logger(__name__)
+
+Part = tuple[int, int, torch.Tensor]
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(slots=True)
+class _InFlight:
+    seq: int
+    nbytes: int
+    segment: Segment | None
+
+
+class _Flow:
+    """One transfer's parts in flight, oldest first, and the room they leave."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.parts: deque[_InFlight] = deque()
+        self.bytes = 0
+        self.acked_bytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    async def wait_room(self, nbytes: int) -> None:
+        # Two parts may always be in flight (else parts above half the cap would not pipeline).
+        while len(self.parts) >= 2 and self.bytes + nbytes > self.cap:
+            self._room.clear()
+            await self._room.wait()
+
+    def push(self, entry: _InFlight) -> None:
+        self.parts.append(entry)
+        self.bytes += entry.nbytes
+
+    def pop(self, seq: int) -> _InFlight:
+        if not self.parts or self.parts[0].seq != seq:
+            raise TransferFailed(PROTOCOL, f"the receiver acked part {seq}, which is not the oldest in flight")
+        entry = self.parts.popleft()
+        self.bytes -= entry.nbytes
+        self.acked_bytes += entry.nbytes
+        self._room.set()
+        return entry
+
+
+class KVSender:
+    """Sends KV parts to a `KVReceiver`.
+
+    `max_inflight_bytes`: sent-but-unacked bytes per transfer, or two parts if
+    they are larger (for `shm`, this bounds the shared memory a transfer holds;
+    small, it also keeps the segments in cache). `split_bytes`: larger parts
+    are cut by layers (small pieces pipeline better: the receiver applies one
+    while the sender prepares the next). `checksum`: "fold64" (default) or "crc32". `io_timeout_s`: a
+    single read or write that makes no progress this long fails the transfer.
+    `shm_pool_bytes`: idle segments kept for reuse. `max_idle_connections`
+    per receiver endpoint are kept open for `keep_connections_s` (below the
+    receiver's `idle_connection_s`) for the next transfers.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_inflight_bytes: int = 8 << 20,
+        split_bytes: int = 2 << 20,
+        checksum: str = "fold64",
+        io_timeout_s: float = 10.0,
+        connect_timeout_s: float = 5.0,
+        shm_pool_bytes: int = 256 << 20,
+        max_idle_connections: int = 4,
+        keep_connections_s: float = 20.0,
+    ):
+        if checksum not in checksums.ALGORITHMS:
+            raise ValueError(f"unknown checksum {checksum!r}; known: {', '.join(checksums.ALGORITHMS)}")
+        if max_inflight_bytes <= 0 or split_bytes <= 0:
+            raise ValueError("max_inflight_bytes and split_bytes must be positive")
+        self.max_inflight_bytes = max_inflight_bytes
+        self.split_bytes = split_bytes
+        self.checksum = checksum
+        self.io_timeout_s = io_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.stats = TransferStats()
+        self.max_idle_connections = max_idle_connections
+        self.keep_connections_s = keep_connections_s
+        self._pool = SegmentPool(shm_pool_bytes)
+        self._idle: dict[tuple[str, int], list[Channel]] = {}
+        self._swept = False
+
+    @property
+    def shm_pool(self) -> SegmentPool:
+        return self._pool
+
+    def close(self) -> None:
+        """Close kept connections and unlink every shared-memory segment this sender made.
+
+        Call it when no `send` is running (at shutdown)."""
+        for kept in self._idle.values():
+            for channel in kept:
+                channel.close()
+        self._idle.clear()
+        self._pool.close()
+
+    async def send(self, ticket: TransferTicket, parts: "AsyncIterable[Part] | Iterable[Part]", *,
+                   backend: str = "auto") -> TransferResult:
+        """Send every part to the ticket's receiver; ok once the receiver applied them all. Ends by the deadline.
+
+        `parts` yields `(layer_start, layer_end, tensor)` with `tensor.shape[0] ==
+        layer_end - layer_start`, in any order, each layer once; an async iterator
+        is consumed as it produces. The tensors are only read, and not kept after
+        `send` returns. If the transfer fails while an async generator is
+        producing, the generator is interrupted (cancelled at its `await`).
+        """
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        flow = _Flow(self.max_inflight_bytes)
+        chosen = backend
+        try:
+            chosen = self._choose_backend(ticket, backend)
+            remaining = ticket.deadline_unix_s - time.time()
+            if remaining <= 0:
+                raise TransferFailed(DEADLINE, "the transfer's deadline had passed before it started")
+            channel = None
+            try:
+                async with asyncio.timeout_at(loop.time() + remaining) as deadline:
+                    channel = await self._open(ticket)
+                    await self._transfer(channel, ticket, parts, chosen, flow)
+                self._park(ticket, channel)
+                channel = None
+            except TimeoutError:
+                if deadline.expired():
+                    raise TransferFailed(DEADLINE, "the transfer's deadline passed") from None
+                raise
+            finally:
+                if channel is not None:
+                    channel.close()
+                for entry in flow.parts:  # never acked: the receiver may still read them, so never reuse them
+                    if entry.segment is not None:
+                        self._pool.release(entry.segment, reusable=False)
+                flow.parts.clear()
+        except TransferFailed as failure:
+            result = TransferResult.failed(failure, chosen, flow.acked_bytes, time.perf_counter() - started)
+            log.info("kv send failed", transfer_id=ticket.transfer_id, reason=failure.reason, error=str(failure),
+                     backend=chosen)
+        else:
+            result = TransferResult(True, None, chosen, flow.acked_bytes, time.perf_counter() - started)
+        self.stats.record(result)
+        return result
+
+    def _choose_backend(self, ticket: TransferTicket, backend: str) -> str:
+        if backend == "auto":
+            backend = "shm" if shm_usable_with(ticket.endpoint.get("host_id", "")) else "tcp"
+        elif backend == "shm" and not shm_available():
+            raise TransferFailed(SHM_ERROR, "shm was asked for but this process has no /dev/shm")
+        elif backend not in ("shm", "tcp"):
+            raise TransferFailed(BAD_INPUT, f"unknown backend {backend!r}; use auto, shm or tcp")
+        if backend == "shm" and not self._swept:
+            self._swept = True
+            sweep_orphan_segments()
+        return backend
+
+    # -- connections -----------------------------------------------------------------------------------
+
+    async def _open(self, ticket: TransferTicket) -> Channel:
+        """A kept connection to the ticket's receiver if one is alive, else a new one (hello read)."""
+        kept = self._idle.get(_endpoint_key(ticket))
+        while kept:
+            channel = kept.pop()
+            if time.monotonic() - channel.last_used < self.keep_connections_s and not channel.peer_closed_or_chatty():
+                channel.reused = True
+                return channel
+            channel.close()
+        return await self._connect(ticket)
+
+    def _park(self, ticket: TransferTicket, channel: Channel) -> None:
+        kept = self._idle.setdefault(_endpoint_key(ticket), [])
+        if len(kept) >= self.max_idle_connections or channel.has_buffered():
+            channel.close()
+            return
+        channel.last_used = time.monotonic()
+        kept.append(channel)
+
+    async def _connect(self, ticket: TransferTicket) -> Channel:
+        loop = asyncio.get_running_loop()
+        host, port = ticket.endpoint["host"], ticket.endpoint["port"]
+        self.stats.connections += 1
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                family, _, _, _, address = infos[0]
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                try:
+                    sock.setblocking(False)
+                    await loop.sock_connect(sock, address)
+                except BaseException:
+                    sock.close()
+                    raise
+        except (OSError, TimeoutError) as exc:
+            raise TransferFailed(CONNECTION, f"cannot connect to the receiver at {host}:{port}: "
+                                             f"{exc or type(exc).__name__}") from None
+        configure_socket(sock)
+        channel = Channel(sock, self.io_timeout_s)
+        try:
+            hello = await channel.recv_msg()
+        except BaseException:
+            channel.close()
+            raise
+        nonce = hello.get("nonce")
+        if hello.get("v") != PROTOCOL_VERSION or not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+            channel.close()
+            raise TransferFailed(PROTOCOL, f"the receiver speaks another protocol (version {hello.get('v')!r})")
+        channel.receiver_nonce = nonce
+        return channel
+
+    # -- one transfer ----------------------------------------------------------------------------------
+
+    async def _transfer(self, channel: Channel, ticket: TransferTicket, parts, backend: str, flow: _Flow) -> None:
+        """Authenticate, then stream. The writer prepares the first part while the handshake's answer travels."""
+        sender_nonce = secrets.token_bytes(NONCE_BYTES)
+        tid = ticket.transfer_id
+        await channel.send_msg({"v": PROTOCOL_VERSION, "transfer_id": tid, "nonce": sender_nonce, "backend": backend,
+                                "mac": sender_proof(ticket.token, tid, channel.receiver_nonce, sender_nonce)})
+        ready = asyncio.get_running_loop().create_future()  # True: go; False: already delivered, send nothing
+        writer = asyncio.create_task(self._write(channel, parts, backend, flow, ready), name="kv-send-write")
+        reader = asyncio.create_task(self._read(channel, ticket, sender_nonce, backend, flow, ready),
+                                     name="kv-send-read")
+        try:
+            done, _ = await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in (reader, writer):  # the receiver's word first: it says why, the writer's error follows
+                if task in done and task.exception() is not None:
+                    raise task.exception()
+            await writer
+            await reader
+        finally:
+            ready.cancel()
+            await cancel_and_wait(writer, reader, timeout_s=2.0)
+
+    async def _read(self, channel: Channel, ticket: TransferTicket, sender_nonce: bytes, backend: str, flow: _Flow,
+                    ready: asyncio.Future) -> None:
+        reply = await channel.recv_msg()
+        status = reply.get("status")
+        if status == "rejected":
+            raise TransferFailed(REJECTED, "the receiver does not expect this transfer with this token "
+                                           "(unknown, expired or wrong token)")
+        mac = reply.get("mac")
+        expected = receiver_proof(ticket.token, ticket.transfer_id, channel.receiver_nonce, sender_nonce)
+        if not isinstance(mac, bytes) or len(mac) != MAC_BYTES or not hmac.compare_digest(mac, expected):
+            raise TransferFailed(UNAUTHENTICATED_RECEIVER, "the receiver could not prove it knows the token")
+        if status == "finished":
+            if reply.get("outcome") == "ok":
+                ready.set_result(False)  # delivered by an earlier connection: this was a retry
+                return
+            raise _remote_failure(reply.get("outcome"), reply.get("detail"))
+        if status == "unsupported-backend":
+            raise TransferFailed(SHM_ERROR, f"the receiver cannot use {backend}: {str(reply.get('detail'))[:200]}")
+        if status != "ready":
+            raise TransferFailed(PROTOCOL, f"unexpected handshake status {str(status)[:40]!r}")
+        ready.set_result(True)
+        while True:
+            msg = await channel.recv_msg(idle_ok=True)
+            op = msg.get("op")
+            if op == "ack":
+                entry = flow.pop(msg.get("seq"))
+                if entry.segment is not None:
+                    self._pool.release(entry.segment, reusable=True)
+                self.stats.bytes_by_backend[backend] += entry.nbytes
+            elif op == "done":
+                if flow.parts:
+                    raise TransferFailed(PROTOCOL, f"the receiver said done with {len(flow.parts)} parts unacked")
+                return
+            elif op == "error":
+                raise _remote_failure(msg.get("reason"), msg.get("detail"))
+            else:
+                raise TransferFailed(PROTOCOL, f"unexpected message op {str(op)[:40]!r}")
+
+    async def _write(self, channel: Channel, parts, backend: str, flow: _Flow, ready: asyncio.Future) -> None:
+        seq = 0
+        iterator = _each(parts).__aiter__()
+        try:
+            while True:
+                try:
+                    layer_start, layer_end, tensor = await iterator.__anext__()
+                except StopAsyncIteration:
+                    break
+                except TransferFailed:
+                    raise
+                except Exception as exc:  # the caller's producer failed: tell the receiver so it fails now
+                    raise TransferFailed(SENDER_ABORTED, f"the part producer raised {exc!r}") from exc
+                for piece in self._split(layer_start, layer_end, tensor):
+                    nbytes = piece[2].numel() * piece[2].element_size()
+                    await flow.wait_room(nbytes)
+                    try:
+                        header, payload = self._prepare(backend, flow, seq, *piece)
+                    except TransferFailed:
+                        raise
+                    except Exception as exc:  # torch refused the tensor (a view it cannot copy, ...)
+                        raise TransferFailed(BAD_INPUT, f"cannot send layers [{piece[0]}, {piece[1]}): {exc!r}") from exc
+                    if not await ready:
+                        return  # already delivered; the prepared part is released with the flow
+                    await channel.send_msg(header)
+                    if payload is not None:
+                        await channel.send_payload(payload)
+                    del payload
+                    seq += 1
+        except TransferFailed as failure:
+            already_delivered = ready.done() and not ready.cancelled() and ready.result() is False
+            if failure.reason in (BAD_INPUT, SENDER_ABORTED, SHM_ERROR) and not already_delivered:
+                channel.try_send_msg({"op": "abort", "detail": str(failure)})
+            raise
+        if await ready:
+            await channel.send_msg({"op": "end", "parts": seq})
+
+    def _split(self, layer_start, layer_end, tensor):
+        if not isinstance(tensor, torch.Tensor):
+            raise TransferFailed(BAD_INPUT, f"a part's tensor is a {type(tensor).__name__}")
+        if not (isinstance(layer_start, int) and isinstance(layer_end, int) and 0 <= layer_start < layer_end):
+            raise TransferFailed(BAD_INPUT, f"a part's layers [{layer_start!r}, {layer_end!r}) are not a range")
+        if tensor.dim() < 1 or tensor.shape[0] != layer_end - layer_start:
+            raise TransferFailed(BAD_INPUT, f"a part of layers [{layer_start}, {layer_end}) has shape "
+                                            f"{tuple(tensor.shape)}: its first dimension must be the layers")
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise TransferFailed(BAD_INPUT, f"dtype {tensor.dtype} cannot be sent")
+        num_layers = layer_end - layer_start
+        layer_bytes = tensor[0].numel() * tensor.element_size()
+        per_piece = max(1, min(num_layers, self.split_bytes // max(layer_bytes, 1)))
+        for first in range(0, num_layers, per_piece):
+            last = min(first + per_piece, num_layers)
+            yield layer_start + first, layer_start + last, tensor[first:last]
+
+    def _prepare(self, backend: str, flow: _Flow, seq: int, layer_start: int, layer_end: int,
+                 tensor: torch.Tensor) -> tuple[dict, memoryview | None]:
+        """The part's header and (tcp) its payload bytes; for shm, the bytes are copied into a segment here."""
+        nbytes = tensor.numel() * tensor.element_size()
+        header = {"op": "part", "seq": seq, "layer_start": layer_start, "layer_end": layer_end,
+                  "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "nbytes": nbytes,
+                  "alg": self.checksum}
+        if backend == "tcp":
+            data = tensor.detach()
+            if data.device.type != "cpu":
+                data = data.to("cpu")
+            data = data.contiguous()
+            payload = checksums.as_bytes(data)
+            header["sum"] = checksums.checksum(self.checksum, payload)
+            flow.push(_InFlight(seq, nbytes, None))
+            return header, memoryview(payload.numpy())
+        try:
+            segment = self._pool.acquire(nbytes)
+        except OSError as exc:
+            raise TransferFailed(SHM_ERROR, f"cannot create a shared-memory segment of {nbytes} bytes: {exc}") from None
+        flow.push(_InFlight(seq, nbytes, segment))
+        payload = segment.bytes[:nbytes]
+        if nbytes:
+            payload.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+        header["sum"] = checksums.checksum(self.checksum, payload)
+        header["shm"] = segment.name
+        header["offset"] = 0
+        return header, None
+
+
+async def _each(parts):
+    """Iterate sync or async iterables alike."""
+    if hasattr(parts, "__aiter__"):
+        async for part in parts:
+            yield _unpack(part)
+    else:
+        for part in parts:
+            yield _unpack(part)
+            await asyncio.sleep(0)  # let acks in between parts of a plain list
+
+
+def _unpack(part) -> Part:
+    try:
+        layer_start, layer_end, tensor = part
+    except (TypeError, ValueError):
+        raise TransferFailed(BAD_INPUT, f"a part must be (layer_start, layer_end, tensor), got {type(part).__name__}") from None
+    return layer_start, layer_end, tensor
+
+
+def _endpoint_key(ticket: TransferTicket) -> tuple[str, int]:
+    return ticket.endpoint["host"], int(ticket.endpoint["port"])
+
+
+def _remote_failure(reason, detail) -> TransferFailed:
+    reason = reason if reason in REASONS else PROTOCOL
+    return TransferFailed(reason, f"the receiver failed the transfer: {str(detail)[:500]}")
