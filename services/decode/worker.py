@@ -32,9 +32,12 @@ from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
+from shared.telemetry.histogram import CumulativeHistogram
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
+
+TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 @dataclass(slots=True)
@@ -77,7 +80,7 @@ class DecodeWorker:
         self.prefill_timeout_s = prefill_timeout_s
         self.prefill_results: dict[str, asyncio.Future] = {}
         self.prefill_counts: dict[str, int] = {}
-        self.transfer_stats = {"bytes": 0, "seconds": 0.0, "count": 0}
+        self.transfer_seconds = CumulativeHistogram(TRANSFER_BUCKETS_S)
         self.boot_id = uuid.uuid4().hex
         self.started_ms = now_ms()
         self.state = "starting"
@@ -141,7 +144,7 @@ class DecodeWorker:
             kv_blocks_free=block_manager.num_free_blocks,
             max_model_len=self.engine.max_model_len,
             details={"mode": self.mode, "active_requests": len(self.requests), "rejected_messages": dict(REJECTED),
-                     "prefill_decisions": dict(self.prefill_counts), "kv_transfer": dict(self.transfer_stats)},
+                     "prefill_decisions": dict(self.prefill_counts), "kv_transfer": self._transfer_details()},
         )
 
     # ---- handlers (event loop) --------------------------------------------------------
@@ -201,14 +204,16 @@ class DecodeWorker:
         active.next_seq += 1
         await self.nc.publish(active.reply_subject, chunk.encode())
 
+    def _transfer_details(self) -> dict:
+        if self.receiver is None:
+            return {}
+        return {**self.receiver.stats.snapshot(), "seconds_histogram": self.transfer_seconds.snapshot()}
+
     def count_prefill(self, outcome: str) -> None:
         self.prefill_counts[outcome] = self.prefill_counts.get(outcome, 0) + 1
 
     def record_transfer(self, result) -> None:
-        self.transfer_stats["bytes"] += result.num_bytes
-        self.transfer_stats["seconds"] += result.seconds
-        self.transfer_stats["count"] += 1
-        self.transfer_stats[f"bytes_{result.backend}"] = self.transfer_stats.get(f"bytes_{result.backend}", 0) + result.num_bytes
+        self.transfer_seconds.observe(result.seconds)
 
     async def _on_stats(self, _: StatsRequest, msg) -> None:
         if msg.reply:

@@ -283,13 +283,14 @@ async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Render
                       arrived: float) -> AsyncIterator[str]:
     metrics = gateway.metrics
     status = "cancelled"
-    last = None
+    last = first = None
     try:
         if renderer.chat:
             yield responses.sse(responses.chat_role_chunk(**renderer.common, include_usage=renderer.include_usage))
         async for chunk in gateway.pipeline.chunks(stream):
             now = time.monotonic()
             if last is None:
+                first = now
                 metrics.ttft.observe(now - arrived)
             else:
                 metrics.itl.observe(now - last)
@@ -301,7 +302,7 @@ async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Render
             yield responses.sse(renderer.usage_chunk())
         yield responses.SSE_DONE
         status = "ok"
-        metrics.e2e.observe(time.monotonic() - arrived)
+        metrics.observe_finished(arrived, first, renderer.usage[1])
     except StreamError as exc:
         status = exc.code
         yield responses.sse_error(from_failure(exc.code, str(exc), exc.param, exc.retry_after_s))
@@ -314,11 +315,14 @@ async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Render
 
 async def _collect_until_done(gateway: Gateway, request: Request, stream: RequestStream, renderer: _Renderer,
                               endpoint: str, arrived: float):
+    first_at = []
+
     async def collect() -> tuple[str, list]:
         text, logprob_entries = [], []
         async for chunk in gateway.pipeline.chunks(stream):
-            if not text:
-                gateway.metrics.ttft.observe(time.monotonic() - arrived)
+            if not first_at:
+                first_at.append(time.monotonic())
+                gateway.metrics.ttft.observe(first_at[0] - arrived)
             renderer.note(chunk)
             text.append(chunk.text)
             logprob_entries.extend(chunk.logprobs or [])
@@ -341,5 +345,5 @@ async def _collect_until_done(gateway: Gateway, request: Request, stream: Reques
         task.cancel()
         await gateway.pipeline.release(stream)
     gateway.metrics.requests.labels(endpoint, "ok").inc()
-    gateway.metrics.e2e.observe(time.monotonic() - arrived)
+    gateway.metrics.observe_finished(arrived, first_at[0] if first_at else None, renderer.usage[1])
     return JSONResponse(renderer.whole(text, logprob_entries))

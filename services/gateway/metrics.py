@@ -1,7 +1,9 @@
 """The gateway's Prometheus series, and the workers' state as the registry reports it."""
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -18,7 +20,15 @@ class GatewayMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("splitserve_time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_RegistryCollector(services_snapshot))
+
+    def observe_finished(self, arrived: float, first_token_at: float | None, completion_tokens: int) -> None:
+        now = time.monotonic()
+        self.e2e.observe(now - arrived)
+        if first_token_at is not None and completion_tokens > 1:
+            self.tpot.observe((now - first_token_at) / (completion_tokens - 1))
 
 
 class _RegistryCollector:
@@ -36,9 +46,30 @@ class _RegistryCollector:
         }
         families = {name: GaugeMetricFamily(metric, doc, labels=["service", "instance"])
                     for name, (metric, doc) in fields.items()}
+        transfer_bytes = CounterMetricFamily("splitserve_kv_transfer_bytes", "KV bytes received over the side channel",
+                                             labels=["service", "instance", "backend"])
+        transfer_seconds = HistogramMetricFamily("splitserve_kv_transfer_seconds", "Duration of KV transfers",
+                                                 labels=["service", "instance"])
+        decisions = CounterMetricFamily("splitserve_disagg_decisions", "Remote or local prefill, as the scheduler decided",
+                                        labels=["service", "instance", "decision"])
+        outcomes = CounterMetricFamily("splitserve_prefill_outcomes", "How a decode worker's requests were prefilled",
+                                       labels=["service", "instance", "outcome"])
         for entry in self._snapshot():
+            labels = [entry.role, entry.instance_id]
+            details = entry.details or {}
+            for decision, count in details.get("disagg_decisions", {}).items():
+                decisions.add_metric([*labels, decision], count)
             if entry.role in ("gateway", "scheduler"):
                 continue
             for name, family in families.items():
-                family.add_metric([entry.role, entry.instance_id], getattr(entry, name))
+                family.add_metric(labels, getattr(entry, name))
+            for outcome, count in details.get("prefill_decisions", {}).items():
+                outcomes.add_metric([*labels, outcome], count)
+            transfer = details.get("kv_transfer", {})
+            for backend, count in transfer.get("bytes_by_backend", {}).items():
+                transfer_bytes.add_metric([*labels, backend], count)
+            histogram = transfer.get("seconds_histogram")
+            if histogram:
+                transfer_seconds.add_metric(labels, [(str(le), n) for le, n in histogram["buckets"]], histogram["sum"])
         yield from families.values()
+        yield from (transfer_bytes, transfer_seconds, decisions, outcomes)
