@@ -68,9 +68,9 @@ def add_parser(subcommands) -> None:
         metavar="NAME",
         help="the model name clients ask for (default: the default model's name, else the directory's name)",
     )
-    parser.add_argument("--topology", default="colocated", choices=["colocated", "disagg"],
+    parser.add_argument("--topology", default="disagg", choices=["colocated", "disagg"],
                         help="how inference is split: colocated workers, or separate prefill and decode pools "
-                             "(default: colocated)")
+                             "(default: disagg, one prefill and one decode worker)")
     parser.add_argument("--decode", type=_positive_int, default=1, metavar="N", help="number of decode workers (default: 1)")
     parser.add_argument("--prefill", type=_positive_int, default=1, metavar="N",
                         help="number of prefill workers with --topology disagg (default: 1)")

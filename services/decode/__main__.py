@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-receiver-host", default=env_default("KV_RECEIVER_HOST", "127.0.0.1"),
                         help="address the KV side channel listens on (disagg mode)")
     parser.add_argument("--kv-receiver-port", type=int, default=0, help="0: any free port")
+    parser.add_argument("--kv-receiver-advertise", default=env_default("KV_RECEIVER_ADVERTISE", None),
+                        help="the address prefill workers dial (needed when listening on 0.0.0.0)")
     parser.add_argument("--prefill-timeout", type=float, default=30.0,
                         help="seconds a remote prefill (first token and KV) may take before the worker prefills locally")
     return parser
@@ -57,7 +59,7 @@ async def serve(args: argparse.Namespace) -> int:
 
         await provision_prefill_queue(js, subjects)
         receiver = KVReceiver()
-        await receiver.start(args.kv_receiver_host, args.kv_receiver_port)
+        await receiver.start(args.kv_receiver_host, args.kv_receiver_port, advertise_host=args.kv_receiver_advertise)
     worker = DecodeWorker(
         nc=nc,
         registry=registry,

@@ -69,7 +69,7 @@ class UpOptions:
     run_dir: Path
     model: str | None = None
     served_model_name: str | None = None
-    topology: str = "colocated"
+    topology: str = "disagg"
     decode: int = 1
     prefill: int = 1  # disagg only
     max_local_prefill: int | None = None  # disagg only; None: the scheduler's default

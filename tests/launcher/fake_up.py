@@ -15,7 +15,7 @@ from services.launcher.supervisor import RestartPolicy  # noqa: E402
 
 def main() -> int:
     run_dir, port, python, model, decode, ready_timeout = sys.argv[1:7]
-    options = UpOptions(run_dir=Path(run_dir), model=model, port=int(port), decode=int(decode),
+    options = UpOptions(run_dir=Path(run_dir), model=model, port=int(port), decode=int(decode), topology="colocated",
                         ready_timeout_s=float(ready_timeout))
     policy = RestartPolicy(base_delay_s=0.05, max_delay_s=0.2, max_restarts=int(os.environ.get("FAKE_MAX_RESTARTS", "5")))
     launcher = Launcher(options, policy=policy, python=python, poll_interval_s=0.05)

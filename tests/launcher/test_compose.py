@@ -21,7 +21,7 @@ from services.cli import serve
 from shared.engine.default_model import DEFAULT_MODEL_NAME
 
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
-PROJECT_SERVICES = ("scheduler", "decode", "gateway")
+PROJECT_SERVICES = ("scheduler", "prefill", "decode", "gateway")
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +95,13 @@ def test_the_commands_describe_one_consistent_deployment(compose):
     gateway = commands["gateway"]
     assert _flag(gateway, "--host") == "0.0.0.0"  # inside the container; published on loopback below
     expect = dict(item.split("=") for item in _flag(gateway, "--expect").split(","))
-    assert {role: int(n) for role, n in expect.items()} == {"decode": roles["decode"], "scheduler": roles["scheduler"]}
-    for name in ("gateway", "decode"):
+    assert {role: int(n) for role, n in expect.items()} == {
+        "decode": roles["decode"], "scheduler": roles["scheduler"], "prefill": roles["prefill"]}
+    # Disagg: decode workers listen for KV on the compose network and tell prefill workers where.
+    decode = commands["decode"]
+    assert _flag(decode, "--mode") == "disagg" and _flag(decode, "--kv-receiver-host") == "0.0.0.0"
+    assert _flag(decode, "--kv-receiver-advertise") == "decode"
+    for name in ("gateway", "decode", "prefill"):
         assert _flag(commands[name], "--served-model-name") == DEFAULT_MODEL_NAME  # the model baked into the image
     port = _flag(gateway, "--port")
     for mapping in services["gateway"]["ports"]:
