@@ -107,10 +107,12 @@ class _Expectation:
 
 
 class _BufferPool:
-    """Receive buffers for `tcp` payloads: reused across connections, all of them together at most `cap` bytes."""
+    """Receive buffers for `tcp` payloads: reused across connections, all of them together at most `cap` bytes,
+    of which at most `idle_cap` are kept while unused."""
 
-    def __init__(self, cap: int):
+    def __init__(self, cap: int, idle_cap: int):
         self.cap = cap
+        self.idle_cap = idle_cap
         self.in_use = 0
         self._free: list[torch.Tensor] = []  # least recently released first
         self._waiters: list[asyncio.Future] = []
@@ -145,6 +147,8 @@ class _BufferPool:
     def release(self, buf: torch.Tensor) -> None:
         self.in_use -= buf.numel()
         self._free.append(buf)
+        while self.free_bytes > self.idle_cap:
+            self._free.pop(0)
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -158,12 +162,14 @@ class KVReceiver:
     """Receives KV tensors for expected transfers; see the module docstring for the protocol.
 
     Limits: `max_part_bytes` (one part), `max_buffer_bytes` (all tcp receive
-    buffers together, pooled), `shm_cache_bytes` (mappings of senders'
+    buffers together; a connection waits for room), `idle_buffer_bytes` (of
+    which kept for reuse while unused), `shm_cache_bytes` (mappings of senders'
     segments kept for reuse), `max_connections`, `handshake_timeout_s` (a
     new connection must authenticate within it), `idle_connection_s` (a
     sender's connection is kept this long between its transfers),
-    `io_timeout_s` (a read or write that waits must make progress within it), `finished_memory` (ended
-    transfers remembered, to answer a late duplicate sender).
+    `io_timeout_s` (a read or write that waits must make progress within
+    it), `finished_memory` (ended transfers remembered, to answer a late
+    duplicate sender).
     """
 
     def __init__(
@@ -171,6 +177,7 @@ class KVReceiver:
         *,
         max_part_bytes: int = 256 << 20,
         max_buffer_bytes: int = 512 << 20,
+        idle_buffer_bytes: int = 64 << 20,
         shm_cache_bytes: int = 1 << 30,
         max_connections: int = 256,
         handshake_timeout_s: float = 5.0,
@@ -182,6 +189,7 @@ class KVReceiver:
             raise ValueError("max_part_bytes must not exceed max_buffer_bytes")
         self.max_part_bytes = max_part_bytes
         self.max_buffer_bytes = max_buffer_bytes
+        self.idle_buffer_bytes = idle_buffer_bytes
         self.max_connections = max_connections
         self.handshake_timeout_s = handshake_timeout_s
         self.idle_connection_s = idle_connection_s
@@ -224,7 +232,7 @@ class KVReceiver:
                 raise ValueError(f"listening on {host!r} needs advertise_host: the address senders should dial")
             advertise_host = host
         self.endpoint = {"host": advertise_host, "port": bound_port, "host_id": self.host_id}
-        self._buffers = _BufferPool(self.max_buffer_bytes)
+        self._buffers = _BufferPool(self.max_buffer_bytes, self.idle_buffer_bytes)
         sweep_orphan_segments()
         self._accept_task = asyncio.create_task(self._accept_loop(), name="kv-receiver-accept")
         log.info("kv receiver listening", host=host, port=bound_port, advertise_host=advertise_host,
@@ -243,6 +251,7 @@ class KVReceiver:
             self._listener.close()
             self._listener = None
         self._accept_task = None
+        self.endpoint = None
         self._shm_cache.close()
         if self._buffers is not None:
             self._buffers.clear()

@@ -144,6 +144,17 @@ class KVSender:
     def shm_pool(self) -> SegmentPool:
         return self._pool
 
+    def prewarm_shm(self) -> None:
+        """Create and fault in the segments one transfer at the in-flight cap uses, so that the first
+        transfers do not pay for fresh shared-memory pages (on some VMs slower than copying them)."""
+        if not shm_available():
+            return
+        count = max(2, -(-self.max_inflight_bytes // self.split_bytes) + 1)
+        segments = [self._pool.acquire(self.split_bytes) for _ in range(count)]
+        for segment in segments:
+            segment.bytes.zero_()
+            self._pool.release(segment, reusable=True)
+
     def close(self) -> None:
         """Close kept connections and unlink every shared-memory segment this sender made.
 

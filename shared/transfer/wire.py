@@ -154,11 +154,12 @@ class Channel:
         if self.closed or self.has_buffered():
             return True
         try:
-            return len(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)) >= 0
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            return False
+            return False  # nothing to read: alive and quiet
         except OSError:
             return True
+        return True  # end of stream, or bytes nobody asked for
 
     def close(self) -> None:
         if not self.closed:
