@@ -62,6 +62,8 @@ class PrefillWorker:
 
     async def start(self) -> list[asyncio.Task]:
         self.engine_loop.start()
+        if self.kv_transport in ("auto", "shm"):
+            self.sender.prewarm_shm()  # the first transfers would otherwise pay for fresh shared-memory pages
         await subscribe_typed(self.nc, self.subjects.cancel, CancelRequest, self._on_cancel)
         await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
         self._consumer = await self.js.pull_subscribe(
@@ -78,6 +80,7 @@ class PrefillWorker:
             task.cancel()  # their jobs are redelivered to another worker
         await asyncio.gather(*self.jobs.values(), return_exceptions=True)
         self.engine_loop.stop()
+        self.sender.close()
         await self._heartbeat.stop(remove=True)
 
     def info(self) -> ServiceInfo:

@@ -1,12 +1,14 @@
 """`KVSender`: the prefill side of the side channel. One per process, on its asyncio loop.
 
-`send` connects to the ticket's endpoint, authenticates (see `receiver.py` for
-the protocol) and streams the parts as the iterator yields them, so layer i
-travels while the model computes layer i+1. Writing and ack-reading run
-concurrently: a part is sent as soon as the bytes in flight (sent, not yet
-acked) leave room for it under `max_inflight_bytes` (one part always fits).
-A part bigger than `split_bytes` is cut along its first (layer) dimension
-into several, so that a large one-piece KV tensor is still pipelined.
+`send` authenticates to the ticket's receiver (see `receiver.py` for the
+protocol) over a kept connection when it has one, and streams the parts as
+the iterator yields them, so layer i travels while the model computes layer
+i+1. The first part is prepared while the handshake's answer is on its way.
+Writing and ack-reading run concurrently: a part goes out as soon as the bytes
+in flight (sent, not yet acked) leave room for it under `max_inflight_bytes`
+(two parts always may be in flight). A part bigger than `split_bytes` is cut
+along its first (layer) dimension, so that a one-piece KV tensor still
+pipelines: the receiver applies one piece while the sender prepares the next.
 
 Backends: `tcp` sends each payload inline, straight from the tensor's memory;
 `shm` copies it into a pooled shared-memory segment (see `shm.py`) and sends
@@ -231,7 +233,6 @@ class KVSender:
         while kept:
             channel = kept.pop()
             if time.monotonic() - channel.last_used < self.keep_connections_s and not channel.peer_closed_or_chatty():
-                channel.reused = True
                 return channel
             channel.close()
         return await self._connect(ticket)

@@ -2,8 +2,8 @@
 
 Why a pool and not one fresh segment per part: on the machines measured here,
 the first touch of fresh shared-memory pages costs more than copying the bytes
-(64 MiB: ~25 ms to create and fill a new segment, ~6 ms to fault an existing one
-into a second process, ~5 ms to copy). So a sender keeps its segments and
+(64 MiB on the 2-core VM this was built on: 30-50 ms to create and fill a new
+segment, ~6 ms to fault an existing one into a second process, ~5 ms to copy). So a sender keeps its segments and
 reuses each one once the receiver has acked the part it carried, and a
 receiver keeps its mappings of a sender's segments. In steady state neither
 side faults a page and each byte is copied exactly twice: once by the sender
@@ -16,7 +16,8 @@ was still in flight (it is never reused then, so a slow receiver can never
 read bytes of another transfer), and at `close()`. A sender that dies
 without closing leaves its segments behind: their names carry the sender's
 pid-namespace, pid and process start time, so `sweep_orphan_segments()` (run by
-every sender and receiver at start) unlinks those whose process is gone.
+a receiver at start and by a sender before its first shm transfer) unlinks those
+whose process is gone.
 
 Segments live in /dev/shm and are opened with plain `os.open` there, as
 `shm_open(3)` does on Linux. `multiprocessing.shared_memory` is not used: on
@@ -24,6 +25,7 @@ Python 3.11 it registers every *attach* with a resource-tracker process, which
 then unlinks (and warns about) segments the attaching process never owned.
 """
 
+import atexit
 import functools
 import mmap
 import os
@@ -112,14 +114,13 @@ def is_segment_name(name: str) -> bool:
 class Segment:
     """One mapped shared-memory segment; `bytes` is a uint8 tensor over the whole mapping."""
 
-    __slots__ = ("name", "size", "bytes", "_mmap", "last_used")
+    __slots__ = ("name", "size", "bytes", "_mmap")
 
     def __init__(self, name: str, size: int, mapping: mmap.mmap):
         self.name = name
         self.size = size
         self._mmap = mapping
         self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)
-        self.last_used = 0
 
     @classmethod
     def create(cls, name: str, size: int) -> "Segment":
@@ -132,6 +133,7 @@ class Segment:
             raise
         finally:
             os.close(fd)
+        _created_here.add(name)
         return cls(name, size, mapping)
 
     @classmethod
@@ -147,6 +149,7 @@ class Segment:
         return cls(name, st.st_size, mapping)
 
     def unlink(self) -> None:
+        _created_here.discard(self.name)
         try:
             os.unlink(_path(self.name))
         except FileNotFoundError:
@@ -170,6 +173,24 @@ def _size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+_created_here: set[str] = set()  # names of segments this process created and has not unlinked
+
+
+@atexit.register
+def _unlink_created_here() -> None:
+    """A process that exits without closing its sender (but is not killed) still leaves /dev/shm clean."""
+    me = str(os.getpid())
+    for name in list(_created_here):
+        match = _NAME_RE.match(name)
+        if match is None or match.group(2) != me:
+            continue  # a forked child inherits the set; the segments are its parent's
+        try:
+            os.unlink(_path(name))
+        except OSError:
+            pass
+    _created_here.clear()
+
+
 class SegmentPool:
     """A sender's segments: `acquire` one for a part, `release` it when acked (kept) or failed (unlinked)."""
 
@@ -178,7 +199,6 @@ class SegmentPool:
         self.prefix = f"{NAME_PREFIX}{_pid_namespace()}-{os.getpid()}-{_start_time(os.getpid()) or 0}-"
         self._idle: list[Segment] = []  # least recently used first
         self._in_use: dict[str, Segment] = {}
-        self._clock = 0
 
     @property
     def idle_bytes(self) -> int:
@@ -215,8 +235,6 @@ class SegmentPool:
         if self._in_use.pop(seg.name, None) is None:
             return
         if reusable and seg.size <= self.idle_bytes_cap:
-            self._clock += 1
-            seg.last_used = self._clock
             self._idle.append(seg)
             self._trim(self.idle_bytes_cap)
         else:

@@ -4,7 +4,8 @@ A control message is a 4-byte big-endian length then a msgpack map (at most
 `MAX_MESSAGE_BYTES`). A `tcp` part's payload follows its header message as raw
 bytes. Reads and writes go through the event loop's `sock_*` calls on a
 non-blocking socket, so a payload is received straight into the caller's
-buffer (no intermediate copy) and sent straight from the tensor's memory.
+buffer (only what arrived together with its header, at most 128 KiB, passes
+through the message buffer) and sent straight from the tensor's memory.
 
 Time bounds: the caller runs the whole conversation under the transfer's
 deadline; on top of that, every read or write that has to wait must make
@@ -84,7 +85,6 @@ class Channel:
         self.closed = False
         # Kept by a sender that reuses the connection for several transfers.
         self.receiver_nonce: bytes | None = None
-        self.reused = False
         self.last_used = 0.0
 
     # -- writing ---------------------------------------------------------------------------------------

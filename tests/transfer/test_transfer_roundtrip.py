@@ -1,0 +1,148 @@
+"""Round trips over tcp and shm: dtypes, several parts in any order, streamed parts, reuse, ticket encoding."""
+
+import asyncio
+
+import msgpack
+import pytest
+import torch
+
+from shared.transfer import KVSender, TransferTicket, host_id
+from transfer_helpers import Sink, kv, segments_with_prefix
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+async def test_parts_in_any_order_arrive_intact(receiver, sender, backend, dtype):
+    src = kv(8, dtype, seed=1)
+    sink = Sink(src, layer_start=4)
+    ticket = receiver.expect("t1", on_part=sink, total_layers=(4, 12), deadline_s=10)
+    parts = [(8, 12, src[4:8]), (4, 6, src[0:2]), (6, 8, src[2:4])]
+
+    sent, got = await asyncio.gather(sender.send(ticket, parts, backend=backend), receiver.wait("t1"))
+
+    assert sent.ok and got.ok, (sent, got)
+    assert sent.backend == got.backend == backend
+    nbytes = src.numel() * src.element_size()
+    assert sent.num_bytes == got.num_bytes == nbytes
+    assert torch.equal(sink.dst, src)  # bit-exact, bfloat16 included
+    assert sink.calls == [(8, 12), (4, 6), (6, 8)]  # applied in the order sent
+    assert receiver.stats.ok_by_backend[backend] == 1 and receiver.stats.bytes_by_backend[backend] == nbytes
+    assert sender.stats.ok_by_backend[backend] == 1 and sender.stats.bytes_by_backend[backend] == nbytes
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+async def test_layers_stream_while_later_ones_are_still_computed(receiver, sender, backend):
+    src = kv(4, torch.bfloat16, seed=2)
+    sink = Sink(src)
+    ticket = receiver.expect("stream", on_part=sink, total_layers=(0, 4), deadline_s=10)
+    produced_last_at = []
+
+    async def layer_by_layer():
+        for layer in range(3):
+            yield layer, layer + 1, src[layer : layer + 1]
+        await asyncio.sleep(0.3)  # the model is still computing the last layer
+        produced_last_at.append(asyncio.get_running_loop().time())
+        yield 3, 4, src[3:4]
+
+    sent, got = await asyncio.gather(sender.send(ticket, layer_by_layer(), backend=backend), receiver.wait("stream"))
+
+    assert sent.ok and got.ok, (sent, got)
+    assert torch.equal(sink.dst, src)
+    # The first three layers were applied before the last one even existed.
+    assert len(sink.times) == 4 and max(sink.times[:3]) < produced_last_at[0] <= sink.times[3]
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+async def test_a_big_part_is_split_by_layers_and_pipelined(receiver, backend):
+    layer_bytes = 2 * 6 * 4 * 2 * 8 * 4  # one layer of kv(blocks=6), float32
+    sender = KVSender(split_bytes=2 * layer_bytes, max_inflight_bytes=4 * layer_bytes)
+    try:
+        src = kv(9, seed=3, blocks=6)
+        sink = Sink(src)
+        ticket = receiver.expect("split", on_part=sink, total_layers=(0, 9), deadline_s=10)
+        sent, got = await asyncio.gather(sender.send(ticket, [(0, 9, src)], backend=backend), receiver.wait("split"))
+        assert sent.ok and got.ok, (sent, got)
+        assert torch.equal(sink.dst, src)
+        assert sink.calls == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 9)]
+        if backend == "shm":  # pieces in flight are bounded, so few segments were ever needed
+            assert len(sender.shm_pool.names()) <= 3
+    finally:
+        sender.close()
+
+
+async def test_auto_takes_shm_on_one_host_and_tcp_across_hosts(receiver, sender):
+    src = kv(2)
+    assert receiver.endpoint["host_id"] == host_id()
+    local = receiver.expect("local", on_part=Sink(src), total_layers=(0, 2), deadline_s=10)
+    remote = receiver.expect("remote", on_part=Sink(src), total_layers=(0, 2), deadline_s=10)
+    remote.endpoint["host_id"] = "boot:another-machine/shm:1.2"
+
+    assert (await sender.send(local, [(0, 2, src)])).backend == "shm"
+    assert (await sender.send(remote, [(0, 2, src)])).backend == "tcp"
+    assert (await receiver.wait("local")).backend == "shm"
+    assert (await receiver.wait("remote")).backend == "tcp"
+
+
+async def test_one_connection_carries_consecutive_transfers(receiver, sender):
+    src = kv(2)
+    for i in range(3):
+        ticket = receiver.expect(f"seq-{i}", on_part=Sink(src), total_layers=(0, 2), deadline_s=10)
+        assert (await sender.send(ticket, [(0, 2, src)], backend="tcp")).ok
+        assert (await receiver.wait(f"seq-{i}")).ok
+    assert receiver.stats.connections == 1 and sender.stats.connections == 1
+
+
+async def test_a_repeated_send_of_a_delivered_transfer_is_ok_without_resending(receiver, sender):
+    src = kv(2)
+    sink = Sink(src)
+    ticket = receiver.expect("again", on_part=sink, total_layers=(0, 2), deadline_s=10)
+    assert (await sender.send(ticket, [(0, 2, src)], backend="tcp")).ok
+    second = KVSender()  # e.g. the prefill job redelivered to another worker
+    try:
+        again = await second.send(ticket, [(0, 2, src)], backend="tcp")
+    finally:
+        second.close()
+    assert again.ok and again.num_bytes == 0
+    assert len(sink.calls) == 1
+
+
+async def test_non_contiguous_views_are_sent_by_value(receiver, sender):
+    # Non-contiguous views (a transposed tensor, a strided slice) are sent by value.
+    base = kv(4, seed=5)
+    view = base.transpose(1, 2).contiguous().transpose(1, 2)[:, :, ::1]
+    strided = kv(8, seed=6)[::2]
+    for i, (backend, tensor) in enumerate([("tcp", view), ("shm", view), ("tcp", strided), ("shm", strided)]):
+        sink = Sink(tensor)
+        ticket = receiver.expect(f"views-{i}", on_part=sink, total_layers=(0, 4), deadline_s=10)
+        assert (await sender.send(ticket, [(0, 4, tensor)], backend=backend)).ok
+        assert torch.equal(sink.dst, tensor)
+
+
+async def test_the_ticket_survives_msgpack_and_rejects_malformed_input(receiver):
+    ticket = receiver.expect("tk", on_part=lambda *a: None, total_layers=(0, 1), deadline_s=10)
+    decoded = TransferTicket.from_dict(msgpack.unpackb(msgpack.packb(ticket.to_dict(), use_bin_type=True), raw=False))
+    assert decoded == ticket
+    assert len(ticket.token) == 32 and set(ticket.endpoint) == {"host", "port", "host_id"}
+    for broken in ({}, {**ticket.to_dict(), "token": "not-bytes"}, {**ticket.to_dict(), "endpoint": {"host": "x"}},
+                   {**ticket.to_dict(), "deadline_unix_s": "soon"}, {**ticket.to_dict(), "transfer_id": ""}):
+        with pytest.raises(ValueError):
+            TransferTicket.from_dict(broken)
+
+
+async def test_shm_segments_are_reused_and_gone_after_close(receiver):
+    sender = KVSender()
+    src = kv(4, seed=7)
+    try:
+        sender.prewarm_shm()
+        prewarmed = segments_with_prefix(sender.shm_pool.prefix)
+        assert len(prewarmed) >= 2 and sender.shm_pool.in_use_bytes == 0
+        for i in range(3):
+            ticket = receiver.expect(f"reuse-{i}", on_part=Sink(src), total_layers=(0, 4), deadline_s=10)
+            assert (await sender.send(ticket, [(0, 4, src)], backend="shm")).ok
+        assert segments_with_prefix(sender.shm_pool.prefix) == prewarmed  # the prewarmed ones served all three
+        assert sender.shm_pool.in_use_bytes == 0
+    finally:
+        sender.close()
+    assert segments_with_prefix(sender.shm_pool.prefix) == []
