@@ -102,6 +102,8 @@ class Router:
         if request.deadline_ms and request.deadline_ms < now_ms():
             await self._fail(request, "timeout", "the request expired before a worker could take it")
             return "expired"
+        if not eligible_workers(self.workers, "decode", request.model):
+            await self._refresh()  # the snapshot may predate a worker that just registered
         candidates = rank_by_load(eligible_workers(self.workers, "decode", request.model))
         request.prefill = decide_prefill(
             len(request.prompt_token_ids), self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,

@@ -170,3 +170,45 @@ def test_gateway_metrics_show_the_disaggregation(disagg, cases):
     assert any(l.startswith('splitserve_kv_transfer_seconds_count{') for l in lines)
     assert any(l.startswith("splitserve_time_per_output_token_seconds_count") for l in lines)
     assert any(l.startswith("splitserve_time_to_first_token_seconds_count") for l in lines)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_each_kv_transport_decodes_identically(nats_server, default_model, tmp_path, cases, transport):
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1,
+                                  scheduler_args=("--max-local-prefill", "0"), prefill_args=("--kv-transport", transport))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(default_model)
+        for prompt, expected in cases[2:5]:
+            body = complete(deployment.base_url, prompt)
+            assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        moved = stats(deployment, "decode-0").details["kv_transfer"]["bytes_by_backend"]
+        assert set(moved) == {transport} and moved[transport] > 0
+    finally:
+        deployment.stop()
+
+
+def test_default_threshold_prefills_short_prompts_locally(nats_server, default_model, tmp_path, cases):
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(default_model)
+        for prompt, expected in cases:  # 3 .. 1000 tokens: both sides of the 256-token default
+            body = complete(deployment.base_url, prompt)
+            assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        deadline = time.monotonic() + 5  # the registry entry is refreshed every second
+        while True:
+            decisions = asyncio.run(_scheduler_entry(deployment)).details["disagg_decisions"]
+            if decisions.get("local", 0) >= 3 and decisions.get("remote", 0) >= 2:
+                break
+            assert time.monotonic() < deadline, decisions
+            time.sleep(0.3)
+    finally:
+        deployment.stop()
+
+
+async def _scheduler_entry(deployment) -> ServiceInfo:
+    nc = await nats.connect(deployment.nats_url)
+    try:
+        kv = await nc.jetstream().key_value(Subjects(deployment.namespace).registry_bucket)
+        return ServiceInfo.decode((await kv.get("scheduler-0")).value)
+    finally:
+        await nc.close()
