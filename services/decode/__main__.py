@@ -34,53 +34,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from contracts import Subjects
+    from services.common.runner import run_service
     from services.decode.worker import DecodeWorker
-    from shared.bus.connection import ShutdownSignal, connect, drain
-    from shared.bus.registry import Registry
-    from shared.bus.service import run_until_stopped
     from shared.engine.engine import LLMEngine
-    from shared.telemetry.logging import configure_logging, get_logger
 
-    configure_logging("decode", args.instance_id, args.log_level)
-    log = get_logger("decode")
-    shutdown = ShutdownSignal()
-    subjects = Subjects(args.namespace)
     model_dir, served_name = resolve_model(args)
-    engine = await asyncio.to_thread(LLMEngine, engine_config(args, model_dir))
-    log.info("engine loaded", model=model_dir, kv_blocks=engine.block_manager.num_blocks)
-    nc = await connect(args.nats, name=args.instance_id)
-    js = nc.jetstream()
-    registry = await Registry.open(js, subjects.registry_bucket)
-    receiver = None
-    if args.mode == "disagg":
-        from services.common.queues import provision_prefill_queue
-        from shared.transfer import KVReceiver
 
-        await provision_prefill_queue(js, subjects)
-        receiver = KVReceiver()
-        await receiver.start(args.kv_receiver_host, args.kv_receiver_port, advertise_host=args.kv_receiver_advertise)
-    worker = DecodeWorker(
-        nc=nc,
-        registry=registry,
-        engine=engine,
-        subjects=subjects,
-        instance_id=args.instance_id,
-        model=model_dir,
-        served_model_name=served_name,
-        mode=args.mode,
-        max_active_requests=args.max_active_requests,
-        receiver=receiver,
-        prefill_timeout_s=args.prefill_timeout,
-    )
-    tasks = await worker.start()
-    log.info("decode worker ready", instance_id=args.instance_id)
-    code = await run_until_stopped(*tasks, shutdown=shutdown)
-    await worker.stop()
-    if receiver is not None:
-        await receiver.stop()
-    await drain(nc)
-    return code
+    async def build(nc, js, registry, subjects):
+        engine = await asyncio.to_thread(LLMEngine, engine_config(args, model_dir))
+        receiver = None
+        if args.mode == "disagg":
+            from services.common.queues import provision_prefill_queue
+            from shared.transfer import KVReceiver
+
+            await provision_prefill_queue(js, subjects)
+            receiver = KVReceiver()
+            await receiver.start(args.kv_receiver_host, args.kv_receiver_port,
+                                 advertise_host=args.kv_receiver_advertise)
+        return DecodeWorker(nc=nc, registry=registry, engine=engine, subjects=subjects, instance_id=args.instance_id,
+                            model=model_dir, served_model_name=served_name, mode=args.mode,
+                            max_active_requests=args.max_active_requests, receiver=receiver,
+                            prefill_timeout_s=args.prefill_timeout)
+
+    return await run_service(args, "decode", build)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,10 +7,7 @@ in its engine's continuous batch. Per request it first publishes an
 """
 
 import asyncio
-import os
-import socket
 import time
-import uuid
 from dataclasses import dataclass
 
 from contracts import (
@@ -26,6 +23,7 @@ from contracts import (
     TokenChunk,
 )
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
+from services.common.identity import ServiceIdentity, now_ms
 from services.decode.remote_prefill import remote_prefill
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
@@ -45,10 +43,6 @@ class ActiveRequest:
     reply_subject: str
     next_seq: int = 0
     remote_prefill: asyncio.Task | None = None  # while a prefill worker computes its prompt
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class DecodeWorker:
@@ -81,8 +75,7 @@ class DecodeWorker:
         self.prefill_results: dict[str, asyncio.Future] = {}
         self.prefill_counts: dict[str, int] = {}
         self.transfer_seconds = CumulativeHistogram(TRANSFER_BUCKETS_S)
-        self.boot_id = uuid.uuid4().hex
-        self.started_ms = now_ms()
+        self.identity = ServiceIdentity(instance_id, "decode")
         self.state = "starting"
         self.requests: dict[str, ActiveRequest] = {}
         # Filled once per engine step by the engine thread; drained in order by one publisher.
@@ -121,22 +114,17 @@ class DecodeWorker:
             self.engine_loop.abort(request_id)
             await self._fail(request_id, active, "worker_failed", "the worker is shutting down")
         self.engine_loop.stop()
+        if self.receiver is not None:
+            await self.receiver.stop()
         await self._heartbeat.stop(remove=True)
 
     def info(self) -> ServiceInfo:
         scheduler = self.engine.scheduler
         block_manager = self.engine.block_manager
-        return ServiceInfo(
-            instance_id=self.instance_id,
-            role="decode",
+        return self.identity.info(
             model=self.model,
             served_model_name=self.served_model_name,
-            boot_id=self.boot_id,
-            pid=os.getpid(),
-            host=socket.gethostname(),
             state=self.state,
-            started_ms=self.started_ms,
-            heartbeat_ms=now_ms(),
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             max_num_seqs=scheduler.config.max_num_seqs,
@@ -154,7 +142,8 @@ class DecodeWorker:
             # The assignment goes out before any token, on the same connection, so it arrives first.
             await self.nc.publish(
                 request.reply_subject,
-                Assignment(request_id=request.request_id, worker_instance=self.instance_id, worker_boot_id=self.boot_id).encode(),
+                Assignment(request_id=request.request_id, worker_instance=self.instance_id,
+                           worker_boot_id=self.identity.boot_id).encode(),
             )
             active = ActiveRequest(request.reply_subject)
             self.requests[request.request_id] = active

@@ -2,8 +2,6 @@
 
 import asyncio
 import json
-import os
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from contracts import ServiceInfo, Subjects
+from services.common.identity import ServiceIdentity
 from services.gateway import responses
 from services.gateway.errors import (
     RequestError,
@@ -67,8 +66,7 @@ class Gateway:
         self.streams = TokenStreams()
         self.services: list[ServiceInfo] = []
         self.metrics = GatewayMetrics(lambda: self.services)
-        self.boot_id = uuid.uuid4().hex
-        self.started_ms = int(time.time() * 1000)
+        self.identity = ServiceIdentity(settings.instance_id, "gateway")
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -94,11 +92,9 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
     def info(self) -> ServiceInfo:
-        return ServiceInfo(
-            instance_id=self.settings.instance_id, role="gateway", model=self.settings.model_dir,
-            served_model_name=self.settings.served_model_name, boot_id=self.boot_id, pid=os.getpid(),
-            host=socket.gethostname(), state="ready", started_ms=self.started_ms,
-            heartbeat_ms=int(time.time() * 1000), http_port=self.settings.http_port,
+        return self.identity.info(
+            model=self.settings.model_dir, served_model_name=self.settings.served_model_name, state="ready",
+            http_port=self.settings.http_port,
             details={"active_requests": len(self.streams)},
         )
 
@@ -161,7 +157,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": gateway.model.served_name, "object": "model", "created": gateway.started_ms // 1000,
+        card = {"id": gateway.model.served_name, "object": "model", "created": gateway.identity.started_ms // 1000,
                 "owned_by": "splitserve", "max_model_len": gateway.max_model_len}
         return {"object": "list", "data": [card]}
 

@@ -5,6 +5,7 @@ import time
 from collections.abc import AsyncIterator
 
 from contracts import Assignment, CancelRequest, GenerateRequest, Subjects, TokenChunk
+from services.common.identity import now_ms
 from services.gateway.streams import RequestStream, StreamError, TokenStreams
 from shared.telemetry.logging import get_logger
 
@@ -30,15 +31,15 @@ class Pipeline:
         left behind in that case.
         """
         stream = self.streams.open(request_id)
-        now_ms = int(time.time() * 1000)
+        created_ms = now_ms()
         request = GenerateRequest(
             request_id=request_id,
             model=model,
             prompt_token_ids=prompt_token_ids,
             sampling=sampling,
             reply_subject=self.subjects.tokens(self.gateway_id, request_id),
-            deadline_ms=now_ms + int(self.assign_timeout_s * 1000),
-            created_ms=now_ms,
+            deadline_ms=created_ms + int(self.assign_timeout_s * 1000),
+            created_ms=created_ms,
             trace=trace or {},
         )
         try:

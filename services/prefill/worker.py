@@ -9,15 +9,12 @@ transfer; the KV then streams layer by layer.
 """
 
 import asyncio
-import os
-import socket
-import time
-import uuid
 
 import nats.errors
 
 from contracts import CancelRequest, ContractError, PrefillJob, PrefillResult, ServiceInfo, StatsRequest, Subjects
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
+from services.common.identity import ServiceIdentity, now_ms
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, decode, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
@@ -29,10 +26,6 @@ from shared.transfer import KVSender, TransferTicket
 log = get_logger(__name__)
 
 _KEEPALIVE_S = 1.0  # in-progress acks while a job runs (the consumer's ack wait is a few seconds)
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class PrefillWorker:
@@ -48,8 +41,7 @@ class PrefillWorker:
         self.served_model_name = served_model_name
         self.max_concurrent_jobs = max_concurrent_jobs
         self.kv_transport = kv_transport
-        self.boot_id = uuid.uuid4().hex
-        self.started_ms = now_ms()
+        self.identity = ServiceIdentity(instance_id, "prefill")
         self.state = "starting"
         self.sender = KVSender()
         self.jobs: dict[str, asyncio.Task] = {}
@@ -85,10 +77,8 @@ class PrefillWorker:
 
     def info(self) -> ServiceInfo:
         block_manager = self.engine.block_manager
-        return ServiceInfo(
-            instance_id=self.instance_id, role="prefill", model=self.model, served_model_name=self.served_model_name,
-            boot_id=self.boot_id, pid=os.getpid(), host=socket.gethostname(), state=self.state,
-            started_ms=self.started_ms, heartbeat_ms=now_ms(), num_running=len(self.jobs),
+        return self.identity.info(
+            model=self.model, served_model_name=self.served_model_name, state=self.state, num_running=len(self.jobs),
             max_num_seqs=self.max_concurrent_jobs, kv_blocks_total=block_manager.num_blocks,
             kv_blocks_free=block_manager.num_free_blocks, max_model_len=self.engine.max_model_len,
             details={"jobs": dict(self.counts), "rejected_messages": dict(REJECTED),

@@ -18,36 +18,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from contracts import GenerateRequest, Subjects
     from services.common.queues import provision_request_queue
+    from services.common.runner import run_service
     from services.scheduler.router import Router
-    from shared.bus.connection import ShutdownSignal, connect, drain
-    from shared.bus.registry import Registry
-    from shared.bus.service import run_until_stopped
-    from shared.bus.subscribe import fetch_loop
-    from shared.telemetry.logging import configure_logging, get_logger
 
-    configure_logging("scheduler", args.instance_id, args.log_level)
-    log = get_logger("scheduler")
-    shutdown = ShutdownSignal()
-    subjects = Subjects(args.namespace)
-    nc = await connect(args.nats, name=args.instance_id)
-    js = nc.jetstream()
-    await provision_request_queue(js, subjects)
-    registry = await Registry.open(js, subjects.registry_bucket)
-    router = Router(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id,
-                    handoff_timeout_s=args.handoff_timeout, max_local_prefill=args.max_local_prefill,
-                    max_prefill_queue=args.max_prefill_queue)
-    tasks = await router.start()
-    consumer = await js.pull_subscribe(subjects.submit, durable=subjects.scheduler_consumer, stream=subjects.requests_stream)
-    tasks.append(asyncio.create_task(fetch_loop(consumer, GenerateRequest, router.on_request), name="fetch"))
-    log.info("scheduler ready", instance_id=args.instance_id)
-    code = await run_until_stopped(*tasks, shutdown=shutdown)
-    await router.stop()
-    await drain(nc)
-    return code
+    async def build(nc, js, registry, subjects):
+        await provision_request_queue(js, subjects)
+        return Router(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id,
+                      handoff_timeout_s=args.handoff_timeout, max_local_prefill=args.max_local_prefill,
+                      max_prefill_queue=args.max_prefill_queue)
+
+    return await run_service(args, "scheduler", build)
 
 
 def main(argv: list[str] | None = None) -> int:

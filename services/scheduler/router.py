@@ -6,26 +6,19 @@ same request id is recognised (here and by the worker) and never run twice.
 """
 
 import asyncio
-import os
-import socket
-import time
-import uuid
 from collections import OrderedDict
 
 from contracts import ContractError, GenerateRequest, HandoffReply, RequestFailed, ServiceInfo, Subjects
+from services.common.identity import ServiceIdentity, now_ms
 from services.scheduler.routing import decide_prefill, eligible_workers, rank_by_load
 from shared.bus.registry import Heartbeat, Registry
-from shared.bus.subscribe import REJECTED
+from shared.bus.subscribe import REJECTED, fetch_loop
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
 
 _RECENT_REQUESTS = 10_000  # request ids remembered for de-duplication
 _REFRESH_S = 0.5
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class Router:
@@ -41,8 +34,7 @@ class Router:
         self._recent: OrderedDict[str, str] = OrderedDict()
         self._slots = asyncio.Semaphore(max_concurrent_handoffs)
         self._heartbeat = Heartbeat(registry, self.info)
-        self.boot_id = uuid.uuid4().hex
-        self.started_ms = now_ms()
+        self.identity = ServiceIdentity(instance_id, "scheduler")
         self.counts: dict[str, int] = {}
         self.decisions: dict[str, int] = {}
         self.max_local_prefill = max_local_prefill
@@ -50,9 +42,8 @@ class Router:
         self.prefill_queue_depth = 0
 
     def info(self) -> ServiceInfo:
-        return ServiceInfo(
-            instance_id=self.instance_id, role="scheduler", boot_id=self.boot_id, pid=os.getpid(),
-            host=socket.gethostname(), state="ready", started_ms=self.started_ms, heartbeat_ms=now_ms(),
+        return self.identity.info(
+            state="ready",
             details={"routed": dict(self.counts), "rejected_messages": dict(REJECTED),
                      "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth},
         )
@@ -60,7 +51,11 @@ class Router:
     async def start(self) -> list[asyncio.Task]:
         await self._refresh()
         self._heartbeat.start()
-        return [asyncio.create_task(self._refresh_forever(), name="refresh-workers")]
+        consumer = await self.nc.jetstream().pull_subscribe(
+            self.subjects.submit, durable=self.subjects.scheduler_consumer, stream=self.subjects.requests_stream
+        )
+        return [asyncio.create_task(self._refresh_forever(), name="refresh-workers"),
+                asyncio.create_task(fetch_loop(consumer, GenerateRequest, self.on_request), name="fetch-requests")]
 
     async def stop(self) -> None:
         await self._heartbeat.stop(remove=True)

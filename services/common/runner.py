@@ -1,0 +1,32 @@
+"""The life of every bus service: connect, build, run until told to stop (or crashed), drain."""
+
+import argparse
+from collections.abc import Awaitable, Callable
+
+from contracts import Subjects
+from shared.bus.connection import ShutdownSignal, connect, drain
+from shared.bus.registry import Registry
+from shared.bus.service import run_until_stopped
+from shared.telemetry.logging import configure_logging, get_logger
+
+
+async def run_service(args: argparse.Namespace, role: str, build: Callable[..., Awaitable]) -> int:
+    """`build(nc=, js=, registry=, subjects=)` returns an object with `async start() -> tasks` and `async stop()`.
+
+    Exit code 0 after SIGTERM/SIGINT, 70 when one of the service's tasks crashed
+    (so the supervisor restarts it).
+    """
+    configure_logging(role, args.instance_id, args.log_level)
+    log = get_logger(role)
+    shutdown = ShutdownSignal()
+    subjects = Subjects(args.namespace)
+    nc = await connect(args.nats, name=args.instance_id)
+    js = nc.jetstream()
+    registry = await Registry.open(js, subjects.registry_bucket)
+    service = await build(nc=nc, js=js, registry=registry, subjects=subjects)
+    tasks = await service.start()
+    log.info(f"{role} ready", instance_id=args.instance_id)
+    code = await run_until_stopped(*tasks, shutdown=shutdown)
+    await service.stop()
+    await drain(nc)
+    return code
