@@ -3,9 +3,10 @@
 A job is pulled only when the worker has room for it (a busy worker simply
 does not pull), kept alive with in-progress acks while it runs, and acked only
 once its KV is delivered, so a worker killed mid-job leaves the job to be
-redelivered to another one. The first token goes to the decode worker before
-the KV does, so the client's time to first token does not wait for the
-transfer; the KV then streams layer by layer.
+redelivered to another one. The KV streams out layer by layer while the
+prompt's last step is still computing the next layers, and the first token
+goes to the decode worker as soon as it is sampled, so neither waits for the
+other.
 """
 
 import asyncio
@@ -132,7 +133,7 @@ class PrefillWorker:
             await msg.term()
         finally:
             keepalive.cancel()
-            self.engine_loop.abort(job.request_id)  # frees its held KV (no-op once released)
+            self.engine_loop.abort(job.request_id)  # no-op once it finished
 
     async def _prefill_and_ship(self, job: PrefillJob) -> str:
         if job.deadline_ms < now_ms():
@@ -146,41 +147,50 @@ class PrefillWorker:
         except (EngineError, TypeError) as exc:
             await self._report(job, ok=False, error=f"bad sampling parameters: {exc}")
             return "refused"
+        # The KV streams out layer by layer while the prompt's last step computes the next layers.
+        layers: asyncio.Queue = asyncio.Queue()
+        num_layers = self.engine.model_config.num_hidden_layers
+
+        def on_prompt_kv(data, layout) -> None:  # on the engine thread, between two layers
+            self._loop.call_soon_threadsafe(layers.put_nowait, (layout.layer_start, layout.layer_end, data))
+
+        async def parts():
+            for _ in range(num_layers):
+                yield await layers.get()
+
+        sending = asyncio.create_task(
+            self.sender.send(TransferTicket.from_dict(job.ticket), parts(), backend=self.kv_transport))
         future = self._loop.create_future()
         self._first_tokens[job.request_id] = future
         try:
             self.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only,
-                                            {"hold_kv": True, "seed": params.seed}))
+                                            {"seed": params.seed, "on_prompt_kv": on_prompt_kv}))
             remaining_s = max(0.0, (job.deadline_ms - now_ms()) / 1000)
-            output = await asyncio.wait_for(future, remaining_s)
-        except TimeoutError:
-            return "expired"
+            try:
+                output = await asyncio.wait_for(future, remaining_s)
+            except TimeoutError:
+                return "expired"
+            if isinstance(output, RequestRejected):
+                await self._report(job, ok=False, error=str(output.error))
+                return "refused"
+            prompt_len = len(job.prompt_token_ids)
+            # The request goes on only if it stopped because of the one-token limit, not at its real end.
+            goes_on = (output.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1)
+                       and prompt_len + 1 < self.engine.max_model_len)
+            await self._report(job, ok=True, output=output, will_transfer=goes_on)
+            if not goes_on:
+                return "finished_at_first_token"
+            result = await sending
         finally:
             self._first_tokens.pop(job.request_id, None)
-        if isinstance(output, RequestRejected):
-            await self._report(job, ok=False, error=str(output.error))
-            return "refused"
-        prompt_len = len(job.prompt_token_ids)
-        # The request goes on only if it stopped because of the one-token limit, not at its real end.
-        goes_on = (output.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1)
-                   and prompt_len + 1 < self.engine.max_model_len)
-        await self._report(job, ok=True, output=output, will_transfer=goes_on)
-        if not goes_on:
-            return "finished_at_first_token"
-        result = await self.sender.send(TransferTicket.from_dict(job.ticket), self._layers(job.request_id),
-                                        backend=self.kv_transport)
+            if not sending.done():
+                sending.cancel()
         if not result.ok:
             log.warning("kv transfer failed", request_id=job.request_id, error=result.error, backend=result.backend)
             return "transfer_failed"
         log.info("kv shipped", request_id=job.request_id, backend=result.backend, bytes=result.num_bytes,
                  seconds=round(result.seconds, 4))
         return "shipped"
-
-    async def _layers(self, request_id: str):
-        """The held KV, one layer at a time: the receiver imports layer i while layer i+1 is copied out."""
-        for layer in range(self.engine.model_config.num_hidden_layers):
-            data, layout = await asyncio.to_thread(self.engine.export_kv, request_id, 0, None, layer, layer + 1)
-            yield layer, layer + 1, data
 
     async def _keep_alive(self, msg) -> None:
         while True:

@@ -7,6 +7,7 @@ services drive `step()` from their own loop.
 """
 
 import dataclasses
+from collections.abc import Callable
 import random
 from dataclasses import dataclass, field
 
@@ -86,6 +87,7 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, Sequence] = {}  # finished hold_kv requests whose blocks are kept
+        self._kv_streams: dict[str, Callable] = {}  # request id -> on_prompt_kv(data, layout), per layer
         self._arrivals = 0
         self._rng = random.Random()
 
@@ -117,6 +119,7 @@ class LLMEngine:
         seed: int | None = None,
         hold_kv: bool = False,
         detokenizer: IncrementalDetokenizer | None = None,
+        on_prompt_kv: Callable[[torch.Tensor, KVLayout], None] | None = None,
     ) -> None:
         """Queue a request. `output_token_ids` with `kv` or `reserved` continue one computed elsewhere.
 
@@ -128,7 +131,9 @@ class LLMEngine:
         request (so a continuation samples as its origin would). With `hold_kv`,
         the request's blocks outlive it until `release_held`. `detokenizer`
         continues text already streamed for `output_token_ids` (else a new one
-        starts after them).
+        starts after them). `on_prompt_kv(data, layout)` receives the prompt's
+        KV one layer at a time, on the engine's thread, as each layer of the
+        step that completes the prompt finishes (layer-wise streaming).
         """
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -171,6 +176,8 @@ class LLMEngine:
         detok = detokenizer or self.new_detokenizer(seq.token_ids, params)
         if detok is not None:
             self._detokenizers[request_id] = detok
+        if on_prompt_kv is not None:
+            self._kv_streams[request_id] = on_prompt_kv
         if continued:
             # It holds blocks already, so it runs (and can be preempted) like any running sequence.
             self.scheduler.add_running(seq)
@@ -185,6 +192,7 @@ class LLMEngine:
         if seq is None:
             return False
         self._detokenizers.pop(request_id, None)
+        self._kv_streams.pop(request_id, None)
         self.scheduler.finish(seq)
         return True
 
@@ -212,7 +220,7 @@ class LLMEngine:
         if not scheduled.scheduled:
             return []
         batch = build_step_batch(scheduled, self.config.block_size)
-        logits = self.executor.execute(batch)
+        logits = self.executor.execute(batch, self._layer_streamer(scheduled))
 
         for item in scheduled.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -225,6 +233,26 @@ class LLMEngine:
         for seq, token_id, logprobs in zip(to_sample, sampled.token_ids, sampled.logprobs):
             outputs.append(self._append_token(seq, token_id, logprobs))
         return outputs
+
+    def _layer_streamer(self, scheduled) -> Callable[[int], None] | None:
+        """For requests whose prompt completes this step and asked for their KV layer by layer:
+        after each layer, hand that layer's prompt KV to their callback (still inside the step)."""
+        completing = [item.seq for item in scheduled.scheduled
+                      if item.seq.request_id in self._kv_streams
+                      and item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_prompt_tokens]
+        if not completing:
+            return None
+
+        def after_layer(layer: int) -> None:
+            for seq in completing:
+                blocks = seq.block_table[: self.block_manager.blocks_needed(seq.num_prompt_tokens)]
+                data, layout = self.executor.export_kv(blocks, seq.num_prompt_tokens, layer, layer + 1)
+                self._kv_streams[seq.request_id](data, layout)
+            if layer == self.model_config.num_hidden_layers - 1:
+                for seq in completing:
+                    self._kv_streams.pop(seq.request_id, None)
+
+        return after_layer
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.token_ids.append(token_id)
@@ -247,6 +275,7 @@ class LLMEngine:
         if output.finished:
             self._sequences.pop(seq.request_id, None)
             self._detokenizers.pop(seq.request_id, None)
+            self._kv_streams.pop(seq.request_id, None)
             self.scheduler.finish(seq, free_blocks=not seq.hold_kv)
             if seq.hold_kv:
                 self._held[seq.request_id] = seq

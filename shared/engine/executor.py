@@ -18,10 +18,10 @@ class ChainExecutor:
                 raise ValueError("layer ranges must be contiguous")
         self.runners = runners
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def execute(self, batch: StepBatch, after_layer=None) -> torch.Tensor:
         hidden = None
         for runner in self.runners:
-            hidden = runner.execute(batch, hidden)
+            hidden = runner.execute(batch, hidden, after_layer)
         return hidden
 
     def export_kv(self, block_ids: list[int], num_tokens: int, layer_start: int, layer_end: int) -> tuple[torch.Tensor, KVLayout]:

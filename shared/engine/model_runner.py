@@ -1,5 +1,7 @@
 """Runs one step of one layer range over the paged KV cache."""
 
+from collections.abc import Callable
+
 import torch
 
 from shared.engine.kv_cache import PagedKVCache
@@ -38,8 +40,13 @@ class ModelRunner:
         self.lm_head = loaded.model.lm_head if loaded.is_last else None
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits `(num_samples, vocab)` for the last range, else hidden states `(tokens, hidden)`."""
+    def execute(self, batch: StepBatch, hidden_states: torch.Tensor | None = None,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Logits `(num_samples, vocab)` for the last range, else hidden states `(tokens, hidden)`.
+
+        `after_layer(absolute_layer_index)` runs as soon as a layer's KV for this
+        step is in the cache (layer-wise KV streaming hooks in here).
+        """
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)[None]  # (1, T)
         if self.loaded.is_first:
             token_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)[None]
@@ -48,7 +55,7 @@ class ModelRunner:
             hidden = hidden_states.to(device=self.device, dtype=self.loaded.dtype)[None]
         position_embeddings = self.rotary_emb(hidden, positions)
         metadata = self._attention_metadata(batch)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers, start=self.loaded.layer_range.start):
             hidden = layer(
                 hidden,
                 attention_mask=None,
@@ -58,6 +65,8 @@ class ModelRunner:
             )
             if isinstance(hidden, tuple):  # older decoder layers return (hidden, ...)
                 hidden = hidden[0]
+            if after_layer is not None:
+                after_layer(index)
         hidden = hidden[0]  # (T, hidden)
         if self.lm_head is None:
             return hidden

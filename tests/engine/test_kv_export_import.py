@@ -1,6 +1,7 @@
 """A sequence's KV exported from one engine continues identically in another."""
 
 import pytest
+import torch
 
 from reference import safe_prompts
 from shared.engine.config import EngineConfig
@@ -107,3 +108,33 @@ def test_released_reservation_returns_its_blocks(default_model):
     assert engine.block_manager.num_used_blocks == 3
     engine.release_blocks(block_ids)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_prompt_kv_streams_layer_by_layer_during_the_completing_step(default_model, case):
+    prompt, expected = case
+    engine = make_engine(default_model, max_num_batched_tokens=16)  # 45 tokens: chunks of 16, 16, 13
+    streamed = []
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request("p", prompt, params, hold_kv=True, on_prompt_kv=lambda data, layout: streamed.append((data, layout)))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        assert len(streamed) in (0, 4)  # nothing until the step that completes the prompt, then every layer
+    assert steps == 3
+    assert [layout.layer_start for _, layout in streamed] == [0, 1, 2, 3]
+    for data, layout in streamed:  # identical to exporting afterwards
+        again, _ = engine.export_kv("p", layer_start=layout.layer_start, layer_end=layout.layer_end)
+        assert layout.num_tokens == len(prompt) and torch.equal(data, again)
+    # And they continue generation elsewhere like any export.
+    target = make_engine(default_model)
+    block_ids = target.reserve_blocks(len(prompt))
+    for data, layout in streamed:
+        target.write_kv(block_ids, data, layout)
+    first_token = expected[0]
+    target.add_request("d", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                       output_token_ids=[first_token], reserved=(block_ids, len(prompt)))
+    tokens = [first_token]
+    while target.has_unfinished_requests():
+        tokens += [t for o in target.step() for t in o.new_token_ids]
+    assert tokens == expected
