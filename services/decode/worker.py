@@ -113,7 +113,7 @@ class DecodeWorker:
                 active.remote_prefill.cancel()
             self.engine_loop.abort(request_id)
             await self._fail(request_id, active, "worker_failed", "the worker is shutting down")
-        self.engine_loop.stop()
+        await asyncio.to_thread(self.engine_loop.stop, 1.0)  # a step in flight may not finish: the thread is a daemon
         if self.receiver is not None:
             await self.receiver.stop()
         await self._heartbeat.stop(remove=True)

@@ -72,7 +72,7 @@ class PrefillWorker:
         for task in list(self.jobs.values()):
             task.cancel()  # their jobs are redelivered to another worker
         await asyncio.gather(*self.jobs.values(), return_exceptions=True)
-        self.engine_loop.stop()
+        await asyncio.to_thread(self.engine_loop.stop, 1.0)  # a step in flight may not finish: the thread is a daemon
         self.sender.close()
         await self._heartbeat.stop(remove=True)
 
