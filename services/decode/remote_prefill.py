@@ -59,8 +59,13 @@ async def _run(worker, request: GenerateRequest, params: SamplingParams, active,
     rid = request.request_id
     prompt = request.prompt_token_ids
     deadline = time.monotonic() + worker.prefill_timeout_s
+    reserving = worker.engine_loop.call(lambda e: e.reserve_blocks(len(prompt)))
     try:
-        held.block_ids = await worker.engine_loop.call(lambda e: e.reserve_blocks(len(prompt)))
+        # Shielded: if this task is cancelled meanwhile, the blocks still get reserved, and must be given back.
+        held.block_ids = await asyncio.shield(reserving)
+    except asyncio.CancelledError:
+        reserving.add_done_callback(lambda f: _release_result(worker, f))
+        raise
     except Exception as exc:
         worker.count_prefill("local_no_blocks")
         log.info("no blocks for a remote prefill; prefilling locally", request_id=rid, error=str(exc))
@@ -108,8 +113,11 @@ async def _run(worker, request: GenerateRequest, params: SamplingParams, active,
     if finish_reason is not None:
         worker.count_prefill("remote_finished_at_first_token")
         worker.requests.pop(rid, None)
-        held.adopted = True  # nothing to adopt; the finally must not fall back
-        return _release(worker, held)
+        return  # the finally cancels the expected transfer and releases the blocks
+    if not result.will_transfer:
+        # The prefill worker judged the request over at its first token, this worker does not: go on locally.
+        worker.count_prefill("local_fallback_no_transfer")
+        return _prefill_locally(worker, request, params, held)
 
     transfer = await worker.receiver.wait(rid)
     if not transfer.ok:
@@ -123,6 +131,12 @@ async def _run(worker, request: GenerateRequest, params: SamplingParams, active,
     }))
     held.adopted = True
     worker.count_prefill("remote")
+
+
+def _release_result(worker, future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        block_ids = future.result()
+        worker.engine_loop.call(lambda e: e.release_blocks(block_ids))
 
 
 def _release(worker, held: _Held) -> None:

@@ -116,24 +116,35 @@ class PrefillWorker:
 
     async def _run(self, job: PrefillJob, msg) -> None:
         keepalive = asyncio.create_task(self._keep_alive(msg))
+        outcome = "failed"
         try:
             outcome = await self._prefill_and_ship(job)
-            self._count(outcome)
-            await msg.ack() if outcome in ("shipped", "finished_at_first_token") else await msg.term()
         except asyncio.CancelledError:
             # Cancelled by the client: the job is over. Stopped with the worker: someone else takes it.
-            cancelled = self._cancelled.pop(job.request_id, False)
-            self._count("cancelled" if cancelled else "interrupted")
-            await (msg.term() if cancelled else msg.nak())
+            outcome = "cancelled" if self._cancelled.get(job.request_id) else "interrupted"
             raise
         except Exception:
             log.exception("prefill job failed", request_id=job.request_id)
-            self._count("failed")
             await self._report(job, ok=False, error="the prefill worker failed")
-            await msg.term()
         finally:
             keepalive.cancel()
+            self._cancelled.pop(job.request_id, None)
+            self._count(outcome)
             self.engine_loop.abort(job.request_id)  # no-op once it finished
+            await self._settle(msg, outcome)
+
+    @staticmethod
+    async def _settle(msg, outcome: str) -> None:
+        """Ack only delivered work; hand an interrupted job to another worker; end every other one."""
+        try:
+            if outcome in ("shipped", "finished_at_first_token"):
+                await msg.ack()
+            elif outcome == "interrupted":
+                await msg.nak()
+            else:
+                await msg.term()
+        except Exception as exc:  # the connection is going: the ack wait will sort it out
+            log.warning("could not settle the job", outcome=outcome, error=repr(exc))
 
     async def _prefill_and_ship(self, job: PrefillJob) -> str:
         if job.deadline_ms < now_ms():

@@ -8,7 +8,9 @@ same request id is recognised (here and by the worker) and never run twice.
 import asyncio
 from collections import OrderedDict
 
-from contracts import ContractError, GenerateRequest, HandoffReply, RequestFailed, ServiceInfo, Subjects
+import nats.errors
+
+from contracts import CancelRequest, ContractError, GenerateRequest, HandoffReply, RequestFailed, ServiceInfo, Subjects
 from services.common.identity import ServiceIdentity, now_ms
 from services.scheduler.routing import decide_prefill, eligible_workers, rank_by_load
 from shared.bus.registry import Heartbeat, Registry
@@ -72,6 +74,7 @@ class Router:
                 info = await self.nc.jetstream().consumer_info(self.subjects.prefill_stream, self.subjects.prefill_consumer)
                 self.prefill_queue_depth = info.num_pending + info.num_ack_pending
             except Exception as exc:  # the queue may not exist yet
+                self.prefill_queue_depth = 0  # unknown: do not let local increments pile up
                 log.debug("prefill queue depth unknown", error=repr(exc))
 
     # ---- one request --------------------------------------------------------------------
@@ -110,6 +113,12 @@ class Router:
             self.prefill_queue_depth += 1  # until the next refresh shows the real depth
         for worker in candidates:
             reply = await self._offer(worker, request)
+            if reply == "timeout":
+                # It may have taken the request after all: offering it elsewhere could run it twice.
+                await self.nc.publish(self.subjects.cancel, CancelRequest(request_id=request.request_id,
+                                                                          reason="handoff_timeout").encode())
+                await self._fail(request, "worker_failed", f"worker {worker.instance_id} did not answer the handoff")
+                return "handoff_timeout"
             if reply is None or not reply.accepted and reply.code in ("overloaded", "draining", "timeout"):
                 continue
             if not reply.accepted:
@@ -122,7 +131,8 @@ class Router:
                          retry_after_s=1.0)
         return "no_worker"
 
-    async def _offer(self, worker: ServiceInfo, request: GenerateRequest) -> HandoffReply | None:
+    async def _offer(self, worker: ServiceInfo, request: GenerateRequest) -> HandoffReply | str | None:
+        """The worker's reply; None when it is not there (try the next); "timeout" when it did not answer."""
         try:
             response = await self.nc.request(
                 self.subjects.worker_generate(worker.instance_id), request.encode(), timeout=self.handoff_timeout_s
@@ -130,7 +140,10 @@ class Router:
             return HandoffReply.decode(response.data)
         except ContractError as exc:
             log.warning("bad handoff reply", worker=worker.instance_id, error=str(exc))
-        except Exception as exc:  # timeout, no responders: try the next worker
+        except nats.errors.TimeoutError:
+            log.warning("handoff timed out", worker=worker.instance_id)
+            return "timeout"
+        except Exception as exc:  # no responders, connection trouble: try the next worker
             log.warning("handoff failed", worker=worker.instance_id, error=type(exc).__name__)
         return None
 

@@ -98,11 +98,13 @@ class LLMEngine:
         Reserved blocks passed in belong to the engine from here on: if the
         request is refused, they are released.
         """
+        reserved = kwargs.get("reserved")
         try:
             self._add_request(request_id, prompt_token_ids, params, **kwargs)
         except BaseException:
-            reserved = kwargs.get("reserved")
-            if reserved is not None and request_id not in self._sequences:
+            seq = self._sequences.get(request_id)
+            adopted = seq is not None and reserved is not None and seq.block_table[: len(reserved[0])] == reserved[0]
+            if reserved is not None and not adopted:
                 self.release_blocks(reserved[0])
             raise
 
@@ -166,7 +168,10 @@ class LLMEngine:
         )
         continued = bool(kv) or reserved is not None
         if continued and len(self.scheduler.running) >= self.config.max_num_seqs:
-            raise EngineOverloadedError(f"{len(self.scheduler.running)} sequences are already running")
+            # No room in the batch now: recompute it later like any waiting request rather than refuse it.
+            if reserved is not None:
+                self.release_blocks(reserved[0])
+            kv, reserved, continued = (), None, False
         if kv:
             self._import_kv(seq, kv, num_cached_tokens)
         elif reserved is not None:

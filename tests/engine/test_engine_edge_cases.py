@@ -96,3 +96,34 @@ def test_unverified_causal_lm_families_are_refused(tmp_path, default_model):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="granite"):
         load_model(tmp_path / "m")
+
+
+def test_continuation_into_a_full_batch_is_recomputed_not_refused(default_model):
+    prompt = list(range(10, 22))
+    first, parts, _ = exported_prompt_kv(default_model, prompt)
+    reference = make_engine(default_model, block_size=4).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+    engine = make_engine(default_model, block_size=4, max_num_seqs=1)
+    engine.add_request("busy", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    block_ids = engine.reserve_blocks(len(prompt))
+    for data, layout in parts:
+        engine.write_kv(block_ids, data, layout)
+    used_before = engine.block_manager.num_used_blocks
+    engine.add_request("cont", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                       output_token_ids=[first], reserved=(block_ids, len(prompt)))
+    assert engine.block_manager.num_used_blocks == used_before - len(block_ids)  # given back, to recompute later
+    tokens = [first]
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() if o.request_id == "cont" for t in o.new_token_ids]
+    assert tokens == reference
+
+
+def test_refused_continuation_gives_its_reserved_blocks_back(default_model):
+    engine = make_engine(default_model)
+    engine.add_request("dup", [1, 2, 3], GREEDY)
+    block_ids = engine.reserve_blocks(12)
+    used = engine.block_manager.num_used_blocks
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("dup", list(range(12)), GREEDY, output_token_ids=[4], reserved=(block_ids, 12))
+    assert engine.block_manager.num_used_blocks == used - len(block_ids)
