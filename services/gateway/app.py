@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -169,14 +170,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def completions(request: Request):
         req = parse_request(CompletionRequest, await read_json(request))
         check_model(gateway, req.model)
-        prompt_ids = gateway.model.encode_prompt(req.prompt)
+        prompt_ids = await run_in_threadpool(gateway.model.encode_prompt, req.prompt)
         return await generate(gateway, request, req, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse_request(ChatCompletionRequest, await read_json(request))
         check_model(gateway, req.model)
-        prompt_ids = gateway.model.encode_chat(req.template_messages())
+        prompt_ids = await run_in_threadpool(gateway.model.encode_chat, req.template_messages())
         return await generate(gateway, request, req, prompt_ids, chat=True)
 
     return app
@@ -186,7 +187,7 @@ async def read_json(request: Request):
     raw = await request.body()
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise RequestError("Could not parse the request body as JSON.", code="invalid_json") from None
 
 
@@ -218,12 +219,36 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     except StreamError as exc:
         gateway.metrics.requests.labels(endpoint, exc.code).inc()
         raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
-    renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage)
-    if req.stream:
-        events = _sse_events(gateway, stream, renderer, endpoint, arrived)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "x-request-id": request_id})
+    try:
+        renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage)
+        if req.stream:
+            events = _sse_events(gateway, stream, renderer, endpoint, arrived)
+            return _EventStream(events, gateway, stream, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "x-request-id": request_id})
+    except BaseException:
+        gateway.spawn(gateway.pipeline.release(stream))
+        raise
     return await _collect_until_done(gateway, request, stream, renderer, endpoint, arrived)
+
+
+class _EventStream(StreamingResponse):
+    """SSE whose request is released on the bus however the response ends.
+
+    Starlette cancels the sending task on a client disconnect, which may leave
+    the event generator suspended (or never started); closing it here runs its
+    cleanup, and releasing the stream cancels the request everywhere.
+    """
+
+    def __init__(self, events, gateway: "Gateway", stream: RequestStream, **kwargs):
+        super().__init__(events, **kwargs)
+        self._events, self._gateway, self._stream = events, gateway, stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            self._gateway.spawn(self._gateway.pipeline.release(self._stream))
 
 
 class _Renderer:
@@ -303,10 +328,13 @@ async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Render
         status = exc.code
         yield responses.sse_error(from_failure(exc.code, str(exc), exc.param, exc.retry_after_s))
         yield responses.SSE_DONE
+    except Exception:
+        log.exception("stream failed", request_id=stream.request_id)
+        status = "internal"
+        yield responses.sse_error(from_failure("internal", "the gateway failed while streaming"))
+        yield responses.SSE_DONE
     finally:
         metrics.requests.labels(endpoint, status).inc()
-        # Runs on client disconnect too (the generator is cancelled): cancel it everywhere.
-        gateway.spawn(gateway.pipeline.release(stream))
 
 
 async def _collect_until_done(gateway: Gateway, request: Request, stream: RequestStream, renderer: _Renderer,

@@ -169,4 +169,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises after sending this, so the server logs the traceback;
         # the client sees only a generic message.
-        return RequestError(INTERNAL_ERROR_MESSAGE, status=500, code="internal_error").response()
+        response = RequestError(INTERNAL_ERROR_MESSAGE, status=500, code="internal_error").response()
+        # This handler runs outside the app's middleware, which would otherwise add the header.
+        request_id = getattr(request.state, "request_id", None)
+        if request_id:
+            response.headers["x-request-id"] = request_id
+        return response
