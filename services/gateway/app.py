@@ -82,6 +82,10 @@ class Gateway:
         self.spawn(self._watch_services())
 
     async def stop(self) -> None:
+        # Open requests end with an error now rather than at their idle timeout; their cancels still go out.
+        self.streams.fail_all("no_worker", "the gateway is shutting down")
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=2.0)
         for task in list(self._background):
             task.cancel()
         await self.heartbeat.stop(remove=True)
@@ -215,7 +219,10 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     request_id = request.state.request_id
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
     try:
-        stream = await gateway.pipeline.submit(request_id, req.model, prompt_ids, sampling)
+        stream = await _unless_disconnected(request, gateway.pipeline.submit(request_id, req.model, prompt_ids, sampling))
+        if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
+            gateway.metrics.requests.labels(endpoint, "cancelled").inc()
+            return Response(status_code=499)
     except StreamError as exc:
         gateway.metrics.requests.labels(endpoint, exc.code).inc()
         raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
@@ -249,6 +256,21 @@ class _EventStream(StreamingResponse):
         finally:
             await self._events.aclose()
             self._gateway.spawn(self._gateway.pipeline.release(self._stream))
+
+
+async def _unless_disconnected(request: Request, coro, poll_s: float = 0.25):
+    """Await `coro`, or cancel it and return None if the client disconnects first."""
+    task = asyncio.create_task(coro)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll_s)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return None
+        return task.result()
+    finally:
+        task.cancel()
 
 
 class _Renderer:

@@ -108,6 +108,11 @@ class TokenStreams:
             if boots.get(stream.worker_instance) != stream.worker_boot_id:
                 self._fail(stream, "worker_failed", f"worker {stream.worker_instance} stopped while serving the request")
 
+    def fail_all(self, code: str, message: str) -> None:
+        """End every open request (the gateway is shutting down)."""
+        for stream in list(self._streams.values()):
+            self._fail(stream, code, message)
+
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:
         failure = RequestFailed(request_id=stream.request_id, code=code, message=message)
         while True:
