@@ -374,22 +374,20 @@ async def _collect_until_done(gateway: Gateway, request: Request, stream: Reques
             logprob_entries.extend(chunk.logprobs or [])
         return "".join(text), logprob_entries
 
-    task = asyncio.create_task(collect())
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                gateway.metrics.requests.labels(endpoint, "cancelled").inc()
-                return Response(status_code=499)
-        try:
-            text, logprob_entries = task.result()
-        except StreamError as exc:
-            gateway.metrics.requests.labels(endpoint, exc.code).inc()
-            raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
+        collected = await _unless_disconnected(request, collect())
+        if collected is None:
+            gateway.metrics.requests.labels(endpoint, "cancelled").inc()
+            return Response(status_code=499)
+        body = renderer.whole(*collected)
+    except StreamError as exc:
+        gateway.metrics.requests.labels(endpoint, exc.code).inc()
+        raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
+    except Exception:
+        gateway.metrics.requests.labels(endpoint, "internal").inc()
+        raise
     finally:
-        task.cancel()
         await gateway.pipeline.release(stream)
     gateway.metrics.requests.labels(endpoint, "ok").inc()
     gateway.metrics.observe_finished(arrived, first_at[0] if first_at else None, renderer.usage[1])
-    return JSONResponse(renderer.whole(text, logprob_entries))
+    return JSONResponse(body)

@@ -114,10 +114,7 @@ class TokenStreams:
             self._fail(stream, code, message)
 
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:
-        failure = RequestFailed(request_id=stream.request_id, code=code, message=message)
-        while True:
-            try:
-                stream.queue.put_nowait(failure)
-                return
-            except asyncio.QueueFull:
-                stream.queue.get_nowait()  # make room: the failure matters more than what it displaces
+        # What was queued no longer matters: the reader's next event is the reason it ends.
+        while not stream.queue.empty():
+            stream.queue.get_nowait()
+        stream.queue.put_nowait(RequestFailed(request_id=stream.request_id, code=code, message=message))
