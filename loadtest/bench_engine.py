@@ -161,14 +161,14 @@ def prepare_model(args: argparse.Namespace) -> str:
     """The model directory: --model, or the preset's random model (built once, cached)."""
     if args.model:
         return str(Path(args.model).resolve())
-    from shared.engine.default_model import _cache_root, _file_lock, build_random_model
+    from shared.engine.default_model import cache_root, file_lock, build_random_model
 
-    models = _cache_root() / "models"
+    models = cache_root() / "models"
     final = models / f"bench-{args.preset}-{MODEL_CACHE_VERSION}"
     if final.is_dir():
         return str(final)
     models.mkdir(parents=True, exist_ok=True)
-    with _file_lock(models / f".{final.name}.lock"):
+    with file_lock(models / f".{final.name}.lock"):
         if not final.is_dir():
             print(f"building random {args.preset} model in {final} ...", flush=True)
             tmp = models / f".{final.name}.tmp-{os.getpid()}"

@@ -10,34 +10,24 @@ from services.launcher.deployment import DEFAULT_RUN_DIR, RUN_DIR_ENV
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
+def _checked(convert, ok, kind: str):
+    """An argparse type: `convert` the text, then require `ok(value)`, naming `kind` in the error."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {kind}")
+        return value
+
+    return parse
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"{value} is not a port number (1-65535)")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "a whole number of at least 1")
+_port = _checked(int, lambda v: 0 < v < 65536, "a port number (1-65535)")
+_seconds = _checked(float, lambda v: v > 0, "a positive number of seconds")
 
 
 def add_run_dir_option(parser: argparse.ArgumentParser) -> None:

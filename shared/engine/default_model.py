@@ -395,14 +395,14 @@ def build_random_model(
     return out_dir
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     """`$SPLITSERVE_CACHE_DIR`, or `~/.cache/splitserve`."""
     env = os.environ.get("SPLITSERVE_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "splitserve"
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive fcntl lock on `path` (created if missing)."""
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -442,12 +442,12 @@ def default_model_dir() -> Path:
     The directory only ever appears complete (it is renamed into place), and
     a file lock makes concurrent first callers build it once.
     """
-    models = _cache_root() / "models"
+    models = cache_root() / "models"
     final = models / DEFAULT_MODEL_DIRNAME
     if final.is_dir():
         return final
     models.mkdir(parents=True, exist_ok=True)
-    with _file_lock(models / f".{DEFAULT_MODEL_DIRNAME}.lock"):
+    with file_lock(models / f".{DEFAULT_MODEL_DIRNAME}.lock"):
         if not final.is_dir():  # another process may have built it meanwhile
             _build_atomically(final)
     return final
