@@ -4,12 +4,20 @@ For each payload size:
 
 - memcpy: `dst.copy_(src)` of the same bytes between two warm tensors in one
   process, the physical limit of moving them once on this machine.
-- shm, tcp: a real transfer. The sender (`KVSender`) runs in a separate
-  process, the receiver (`KVReceiver`) in this one; the receiver's `on_part`
-  copies each part into a preallocated destination tensor, as a decode worker
-  copies into its paged cache. Latency is from the sender calling `send` to the
-  receiver having copied the last part, measured on CLOCK_MONOTONIC (one
-  clock for both processes on one machine); bandwidth is size / latency.
+- shm, shm-staged, tcp: a real transfer of a paged cache's blocks, as a
+  prefill worker ships a prompt's KV. The sender (`KVSender`) runs in a
+  separate process, the receiver (`KVReceiver`) in this one; the payload is
+  `[layers, 2, blocks, block]` (a block of 32 KiB per layer and K/V at most,
+  16 tokens of 8 heads of 128 in bfloat16), sent as `BlockSlice` parts, and the
+  receiver's `on_part` copies each part into the same blocks of a destination
+  cache, as a decode worker's `write_kv` does. `shm`: the sender's cache lives
+  in a shared-memory region, as a prefill worker's does, so the receiver copies
+  the blocks straight out of it (one copy). `shm-staged`: the sender's cache is
+  private, so the blocks go through a pooled segment (two copies). `tcp`: the
+  blocks are gathered and streamed over loopback. Latency is from the sender
+  calling `send` to the receiver having copied the last part, measured on
+  CLOCK_MONOTONIC (one clock for both processes on one machine); bandwidth is
+  size / latency.
 
 Each figure is the median of --repeats runs after --warmup runs (warm runs: the
 sender's shared-memory pool and the receiver's mappings and buffers are reused,
@@ -38,12 +46,16 @@ from typing import Any
 
 import torch
 
+from shared.engine.block_slice import BlockSlice
 from shared.transfer import KVReceiver, KVSender, TransferTicket, host_id
 from shared.transfer.checksum import as_bytes, checksum
+from shared.transfer.shm import shared_zeros
 
 ROOT = Path(__file__).resolve().parent.parent
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 RESULT_KEYS = ("machine", "settings", "checksums", "results")
+BACKENDS = ("shm", "shm-staged", "tcp")
+BLOCK_BYTES = 32 << 10  # per layer and K/V: 16 tokens x 8 KV heads x 128 dims x 2 bytes
 
 
 def parse_size(text: str) -> int:
@@ -68,10 +80,19 @@ def now() -> float:
 
 
 def make_payload(size: int, layers: int, seed: int) -> torch.Tensor:
-    """A `[layers, size / layers / 2]` bfloat16 tensor of random bits (exactly `size` bytes)."""
+    """A paged-cache-shaped `[layers, 2, blocks, block]` bfloat16 tensor of random bits (exactly `size` bytes)."""
     generator = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
-    return raw.view(torch.bfloat16).view(layers, -1)
+    block_bytes = min(BLOCK_BYTES, size // layers // 2)
+    return raw.view(torch.bfloat16).view(layers, 2, -1, block_bytes // 2)
+
+
+def block_parts(cache: torch.Tensor, per_layer: bool) -> list:
+    """All of the cache's blocks, in order, as BlockSlice parts: one per layer, or one in all."""
+    blocks = tuple(range(cache.shape[2]))
+    if per_layer:
+        return [(i, i + 1, BlockSlice(cache[i : i + 1], blocks)) for i in range(cache.shape[0])]
+    return [(0, cache.shape[0], BlockSlice(cache, blocks))]
 
 
 def layers_for(size: int, wanted: int) -> int:
@@ -118,7 +139,7 @@ async def worker_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     options = {"split_bytes": args.split_bytes, "max_inflight_bytes": args.inflight_bytes}
     sender = KVSender(checksum=args.checksum, **{k: v for k, v in options.items() if v})
-    payloads: dict[int, torch.Tensor] = {}
+    payloads: dict[str, torch.Tensor] = {}
     try:
         while True:
             line = await asyncio.to_thread(sys.stdin.readline)
@@ -127,20 +148,19 @@ async def worker_main(args: argparse.Namespace) -> None:
             cmd = json.loads(line)
             if cmd["cmd"] == "prepare":
                 payloads.clear()
-                tensor = make_payload(cmd["size"], cmd["layers"], cmd["seed"])
-                payloads[cmd["size"]] = tensor
-                replies.write(json.dumps({"sum": checksum("fold64", as_bytes(tensor))}) + "\n")
+                private = make_payload(cmd["size"], cmd["layers"], cmd["seed"])
+                region = shared_zeros(private.shape, private.dtype)  # as a prefill worker's cache lives
+                region.copy_(private)
+                payloads.update(private=private, region=region)
+                replies.write(json.dumps({"sum": checksum("fold64", as_bytes(private))}) + "\n")
             elif cmd["cmd"] == "send":
-                tensor = payloads[cmd["size"]]
+                cache = payloads["region" if cmd["backend"] == "shm" else "private"]
                 data = dict(cmd["ticket"])
                 data["token"] = bytes.fromhex(data["token"])
                 ticket = TransferTicket.from_dict(data)
-                if cmd["parts"] == "layers":
-                    parts = [(i, i + 1, tensor[i : i + 1]) for i in range(tensor.shape[0])]
-                else:
-                    parts = [(0, tensor.shape[0], tensor)]
+                parts = block_parts(cache, per_layer=cmd["parts"] == "layers")
                 start = now()
-                result = await sender.send(ticket, parts, backend=cmd["backend"])
+                result = await sender.send(ticket, parts, backend=cmd["backend"].removesuffix("-staged"))
                 replies.write(json.dumps({"t0": start, "ok": result.ok, "error": result.error,
                                           "seconds": result.seconds}) + "\n")
             elif cmd["cmd"] == "exit":
@@ -234,8 +254,11 @@ async def one_transfer(args, receiver: KVReceiver, worker: Worker, backend: str,
         dst.zero_()
     finished = {"at": 0.0}
 
-    def on_part(start: int, end: int, tensor: torch.Tensor) -> None:
-        dst[start:end].copy_(tensor)
+    def on_part(start: int, end: int, part) -> None:
+        if isinstance(part, BlockSlice):
+            part.copy_into(dst[start:end], part.block_ids)
+        else:
+            dst[start:end].copy_(part)
         finished["at"] = now()
 
     tid = f"bench-{backend}-{size}-{i}"
@@ -276,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="64K,1M,16M,64M,256M",
                         help="comma-separated payload sizes (K, M, G suffixes: powers of 1024)")
-    parser.add_argument("--backends", default="shm,tcp", help="comma-separated: shm, tcp")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: " + ", ".join(BACKENDS))
     parser.add_argument("--repeats", type=int, default=7, help="timed transfers per size and backend (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed transfers before them")
     parser.add_argument("--layers", type=int, default=32, help="layers in the payload (fewer for tiny sizes)")
@@ -304,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or min(sizes) < 1024:
         raise SystemExit("--sizes must list sizes of at least 1K")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not set(args.backends) <= {"shm", "tcp"}:
+    if not set(args.backends) <= set(BACKENDS):
         raise SystemExit(f"unknown backend in {args.backends}")
     if args.repeats < 1 or args.warmup < 0:
         raise SystemExit("--repeats must be >= 1 and --warmup >= 0")

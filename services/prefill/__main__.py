@@ -22,13 +22,14 @@ async def serve(args: argparse.Namespace) -> int:
 
     from services.common.queues import provision_prefill_queue
     from services.common.runner import run_service
-    from services.prefill.worker import PrefillWorker
+    from services.prefill.worker import PrefillWorker, kv_cache_allocator
     from shared.engine.engine import LLMEngine
 
     model_dir, served_name = resolve_model(args)
 
     async def build(nc, js, registry, subjects):
-        engine = await asyncio.to_thread(LLMEngine, engine_config(args, model_dir))
+        engine = await asyncio.to_thread(LLMEngine, engine_config(args, model_dir),
+                                         kv_allocator=kv_cache_allocator(args.kv_transport, args.device))
         await provision_prefill_queue(js, subjects)
         return PrefillWorker(nc=nc, registry=registry, engine=engine, subjects=subjects, instance_id=args.instance_id,
                              model=model_dir, served_model_name=served_name,

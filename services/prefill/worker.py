@@ -7,11 +7,17 @@ redelivered to another one. The KV streams out layer by layer while the
 prompt's last step is still computing the next layers, and the first token
 goes to the decode worker as soon as it is sampled, so neither waits for the
 other.
+
+The KV is shipped from the engine's cache in place (the request holds its
+blocks until the transfer ends). With the cache in a shared-memory region
+(`kv_cache_allocator`), a decode worker on this host copies the blocks straight
+into its own cache: one copy in all.
 """
 
 import asyncio
 
 import nats.errors
+import torch
 
 from contracts import CancelRequest, ContractError, PrefillJob, PrefillResult, ServiceInfo, StatsRequest, Subjects
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
@@ -22,11 +28,29 @@ from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import EngineError
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
-from shared.transfer import KVSender, TransferTicket
+from shared.transfer import KVSender, TransferTicket, shm_available
+from shared.transfer.shm import region_of, shared_zeros
 
 log = get_logger(__name__)
 
 _KEEPALIVE_S = 1.0  # in-progress acks while a job runs (the consumer's ack wait is a few seconds)
+
+
+def kv_cache_allocator(kv_transport: str, device: str):
+    """Where the prefill engine's KV cache lives: in a shared-memory region when its KV may leave over shm
+    (see the module docstring), else (None) in private memory."""
+    if kv_transport == "tcp" or torch.device(device).type != "cpu" or not shm_available():
+        return None
+
+    def allocate(shape, dtype, device):
+        try:
+            return shared_zeros(shape, dtype, device)
+        except OSError as exc:
+            log.warning("no room in /dev/shm for the KV cache: it stays private, and shm transfers copy it twice",
+                        error=str(exc))
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+    return allocate
 
 
 class PrefillWorker:
@@ -55,8 +79,9 @@ class PrefillWorker:
 
     async def start(self) -> list[asyncio.Task]:
         self.engine_loop.start()
-        if self.kv_transport in ("auto", "shm"):
-            self.sender.prewarm_shm()  # the first transfers would otherwise pay for fresh shared-memory pages
+        cache_in_region = region_of(self.engine.executor.runners[0].kv_cache.tensor) is not None
+        if self.kv_transport in ("auto", "shm") and not cache_in_region:
+            self.sender.prewarm_shm()  # the first staged transfers would otherwise pay for fresh shared-memory pages
         await subscribe_typed(self.nc, self.subjects.cancel, CancelRequest, self._on_cancel)
         await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
         self._consumer = await self.js.pull_subscribe(
@@ -130,7 +155,7 @@ class PrefillWorker:
             keepalive.cancel()
             self._cancelled.pop(job.request_id, None)
             self._count(outcome)
-            self.engine_loop.abort(job.request_id)  # no-op once it finished
+            self.engine_loop.abort(job.request_id)  # frees the blocks it held for the transfer
             await self._settle(msg, outcome)
 
     @staticmethod
@@ -162,7 +187,7 @@ class PrefillWorker:
         layers: asyncio.Queue = asyncio.Queue()
         num_layers = self.engine.model_config.num_hidden_layers
 
-        def on_prompt_kv(data, layout) -> None:  # on the engine thread, between two layers
+        def on_prompt_kv(data, layout) -> None:  # on the engine thread, between two layers; data: a BlockSlice
             self._loop.call_soon_threadsafe(layers.put_nowait, (layout.layer_start, layout.layer_end, data))
 
         async def parts():
@@ -175,7 +200,7 @@ class PrefillWorker:
         self._first_tokens[job.request_id] = future
         try:
             self.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only,
-                                            {"seed": params.seed, "on_prompt_kv": on_prompt_kv}))
+                                            {"seed": params.seed, "on_prompt_kv": on_prompt_kv, "hold_kv": True}))
             remaining_s = max(0.0, (job.deadline_ms - now_ms()) / 1000)
             try:
                 output = await asyncio.wait_for(future, remaining_s)

@@ -19,7 +19,8 @@ from shared.engine.config import EngineConfig
 from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.errors import EngineError, EngineOverloadedError, InvalidRequestError, ModelLoadError
 from shared.engine.executor import ChainExecutor
-from shared.engine.kv_cache import KVLayout, PagedKVCache
+from shared.engine.block_slice import BlockSlice
+from shared.engine.kv_cache import KVAllocator, KVLayout, PagedKVCache
 from shared.engine.model_loader import LayerRange, load_model, read_config, resolve_dtype
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampler import SamplingRow, TokenLogprobs, sample
@@ -59,7 +60,7 @@ class CompletedRequest:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, load_tokenizer: bool = True):
+    def __init__(self, config: EngineConfig, load_tokenizer: bool = True, kv_allocator: KVAllocator | None = None):
         self.config = config
         model_config = read_config(config.model)
         self.model_config = model_config
@@ -74,7 +75,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or 1 << 62, getattr(model_config, "max_position_embeddings", 1 << 62))
         per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, first.num_kv_heads, first.head_dim, dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
-        self.executor = ChainExecutor([ModelRunner(m, num_blocks, config.block_size) for m in loaded])
+        self.executor = ChainExecutor([ModelRunner(m, num_blocks, config.block_size, kv_allocator) for m in loaded])
         self.fingerprint = first.fingerprint
         self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -121,7 +122,7 @@ class LLMEngine:
         seed: int | None = None,
         hold_kv: bool = False,
         detokenizer: IncrementalDetokenizer | None = None,
-        on_prompt_kv: Callable[[torch.Tensor, KVLayout], None] | None = None,
+        on_prompt_kv: Callable[[BlockSlice, KVLayout], None] | None = None,
     ) -> None:
         """Queue a request. `output_token_ids` with `kv` or `reserved` continue one computed elsewhere.
 
@@ -135,7 +136,10 @@ class LLMEngine:
         continues text already streamed for `output_token_ids` (else a new one
         starts after them). `on_prompt_kv(data, layout)` receives the prompt's
         KV one layer at a time, on the engine's thread, as each layer of the
-        step that completes the prompt finishes (layer-wise streaming).
+        step that completes the prompt finishes (layer-wise streaming). `data`
+        is a `BlockSlice`, a view of the cache's blocks rather than a copy:
+        valid as long as the blocks are (with `hold_kv`, until `release_held`);
+        `data.gather()` copies it out.
         """
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -251,7 +255,7 @@ class LLMEngine:
         def after_layer(layer: int) -> None:
             for seq in completing:
                 blocks = seq.block_table[: self.block_manager.blocks_needed(seq.num_prompt_tokens)]
-                data, layout = self.executor.export_kv(blocks, seq.num_prompt_tokens, layer, layer + 1)
+                data, layout = self.executor.view_kv(blocks, seq.num_prompt_tokens, layer, layer + 1)
                 self._kv_streams[seq.request_id](data, layout)
             if layer == self.model_config.num_hidden_layers - 1:
                 for seq in completing:
@@ -359,8 +363,9 @@ class LLMEngine:
         """Give back reserved blocks that will not be adopted (a failed or cancelled transfer)."""
         self.block_manager.release(block_ids)
 
-    def write_kv(self, block_ids: list[int], data: torch.Tensor, layout: KVLayout) -> None:
-        """Copy received KV into reserved blocks (the one copy on the receiving side)."""
+    def write_kv(self, block_ids: list[int], data: "torch.Tensor | BlockSlice", layout: KVLayout) -> None:
+        """Copy received KV (a tensor, or blocks of another cache) into reserved blocks: the one copy on
+        the receiving side."""
         if layout.block_start != 0:
             raise EngineError("imported KV must start at the sequence's first block")
         if layout.num_blocks != len(block_ids):

@@ -2,6 +2,7 @@
 
 import torch
 
+from shared.engine.block_slice import BlockSlice
 from shared.engine.kv_cache import KVLayout
 from shared.engine.model_runner import ModelRunner
 from shared.engine.step_batch import StepBatch
@@ -38,12 +39,21 @@ class ChainExecutor:
             layout.num_kv_heads, layout.head_dim, layout.dtype, num_tokens,
         )
 
-    def import_kv(self, block_ids: list[int], data: torch.Tensor, layout: KVLayout) -> None:
+    def view_kv(self, block_ids: list[int], num_tokens: int, layer_start: int, layer_end: int) -> tuple[BlockSlice, KVLayout]:
+        """The blocks of layers [layer_start, layer_end), in place; the layers must lie in one runner."""
+        for runner in self.runners:
+            cache = runner.kv_cache
+            if cache.layer_start <= layer_start and layer_end <= cache.layer_end:
+                return cache.view_blocks(block_ids, num_tokens, layer_start, layer_end)
+        raise ValueError(f"layers [{layer_start}, {layer_end}) span more than one layer range")
+
+    def import_kv(self, block_ids: list[int], data: "torch.Tensor | BlockSlice", layout: KVLayout) -> None:
         for runner in self.runners:
             cache = runner.kv_cache
             start, end = max(layout.layer_start, cache.layer_start), min(layout.layer_end, cache.layer_end)
             if start < end:
-                part = data[start - layout.layer_start : end - layout.layer_start]
+                first, last = start - layout.layer_start, end - layout.layer_start
+                part = data.narrow(first, last) if isinstance(data, BlockSlice) else data[first:last]
                 sub = KVLayout(start, end, layout.num_blocks, layout.block_size,
                                layout.num_kv_heads, layout.head_dim, layout.dtype, layout.num_tokens)
                 cache.import_blocks(block_ids, part, sub)

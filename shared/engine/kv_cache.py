@@ -8,11 +8,17 @@ contiguous tensor in the same order; import writes such a tensor back into
 move exactly these tensors plus their `KVLayout`.
 """
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
+from shared.engine.block_slice import BlockSlice
 from shared.engine.errors import EngineError
+
+# Makes a cache's storage: (shape, dtype, device) -> a zeroed tensor. The default is `torch.zeros`; a
+# prefill worker passes one that puts the cache in shared memory, so the side channel can read blocks in place.
+KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device | str], torch.Tensor]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,6 +71,7 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        allocator: KVAllocator | None = None,
     ):
         self.layer_start = layer_start
         self.layer_end = layer_end
@@ -75,9 +82,14 @@ class PagedKVCache:
         self.dtype = dtype
         num_layers = layer_end - layer_start
         # (layers, 2, blocks, block_size, kv_heads, head_dim)
-        self.tensor = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        if allocator is None:
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            self.tensor = allocator(shape, dtype, device)
+            if tuple(self.tensor.shape) != shape or self.tensor.dtype != dtype or not self.tensor.is_contiguous():
+                raise EngineError(f"the KV allocator returned a {self.tensor.dtype} tensor of shape "
+                                  f"{tuple(self.tensor.shape)}; expected a contiguous {dtype} one of shape {shape}")
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -109,7 +121,18 @@ class PagedKVCache:
         )
         return data, layout
 
-    def import_blocks(self, block_ids: list[int], data: torch.Tensor, layout: KVLayout) -> None:
+    def view_blocks(
+        self, block_ids: list[int], num_tokens: int, layer_start: int | None = None, layer_end: int | None = None
+    ) -> tuple[BlockSlice, KVLayout]:
+        """Like `export_blocks`, without copying: valid while the blocks are not reused."""
+        start, end = self._layer_slice(layer_start, layer_end)
+        local = self.tensor[start - self.layer_start : end - self.layer_start]
+        layout = KVLayout(
+            start, end, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim, dtype_name(self.dtype), num_tokens
+        )
+        return BlockSlice(local, tuple(block_ids), 2), layout
+
+    def import_blocks(self, block_ids: list[int], data: "torch.Tensor | BlockSlice", layout: KVLayout) -> None:
         start, end = self._layer_slice(layout.layer_start, layout.layer_end)
         expected = (end - start, 2, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim)
         if layout.num_blocks != len(block_ids) or tuple(data.shape) != expected:
@@ -126,6 +149,9 @@ class PagedKVCache:
                 f"KV layout (block_size {layout.block_size}, {layout.dtype}) does not match this cache "
                 f"(block_size {self.block_size}, {dtype_name(self.dtype)})"
             )
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
         local = self.tensor[start - self.layer_start : end - self.layer_start]
+        if isinstance(data, BlockSlice):
+            data.copy_into(local, block_ids)  # straight from the source's blocks: one copy
+            return
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
         local.index_copy_(2, index, data.to(device=self.tensor.device, dtype=self.dtype))

@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 import torch
 
-from shared.engine.kv_cache import PagedKVCache
+from shared.engine.kv_cache import KVAllocator, PagedKVCache
 from shared.engine.model_loader import LoadedModel
 from shared.engine.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSpan, group_decodes_by_length
 from shared.engine.step_batch import StepBatch
@@ -18,7 +18,7 @@ class ModelRunner:
     float32 logits of the sampled positions; others return hidden states.
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_allocator: KVAllocator | None = None):
         self.loaded = loaded
         self.device = loaded.device
         self.block_size = block_size
@@ -31,6 +31,7 @@ class ModelRunner:
             loaded.head_dim,
             loaded.dtype,
             loaded.device,
+            kv_allocator,
         )
         decoder = loaded.decoder
         self.embed_tokens = decoder.embed_tokens

@@ -92,3 +92,4 @@ def checksum(algorithm: str, buf: torch.Tensor) -> int:
     except KeyError:
         raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}") from None
     return fn(buf)
+

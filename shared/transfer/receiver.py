@@ -14,6 +14,8 @@ round trip):
              |  {status: "rejected"}, then close             unknown transfer or wrong mac
     sender   -> {op: "part", seq, layer_start, layer_end, dtype, shape, nbytes, alg, sum
                  [, shm, offset]}  [+ nbytes raw payload bytes when tcp]      as parts come
+             |  {op: "part", seq, layer_start, layer_end, dtype, shape, nbytes, shm, offset,
+                 source_shape, block_dim, block_runs, lease}   blocks read in place from the sender's region
     receiver -> {op: "ack", seq}  once on_part returned  |  {op: "error", reason, detail}, then close
     sender   -> {op: "end", parts}               receiver -> {op: "done"}
     sender   -> {op: "abort", detail}            its part producer failed
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine.block_slice import BlockSlice
 from shared.telemetry.logging import get_logger
 from shared.transfer import checksum as checksums
 from shared.transfer.shm import MappingCache, host_id, shm_available, sweep_orphan_segments
@@ -55,6 +58,7 @@ from shared.transfer.types import (
     PROTOCOL,
     SENDER_ABORTED,
     SHM_ERROR,
+    SOURCE_RELEASED,
     STOPPED,
     TOO_LARGE,
     TransferFailed,
@@ -75,10 +79,11 @@ from shared.transfer.wire import (
 
 log = get_logger(__name__)
 
-OnPart = Callable[[int, int, torch.Tensor], None]
+OnPart = Callable[[int, int, "torch.Tensor | BlockSlice"], None]
 
 _MAX_DIMS = 8
 _MAX_TRANSFER_ID = 256
+_MAX_RUNS = 4096  # block runs in one part's header
 
 
 @dataclass(eq=False)
@@ -164,7 +169,8 @@ class KVReceiver:
     Limits: `max_part_bytes` (one part), `max_buffer_bytes` (all tcp receive
     buffers together; a connection waits for room), `idle_buffer_bytes` (of
     which kept for reuse while unused), `shm_cache_bytes` (mappings of senders'
-    segments kept for reuse), `max_connections`, `handshake_timeout_s` (a
+    pool segments kept for reuse), `region_cache_bytes` (mappings of senders'
+    shared regions, their KV caches: address space, not memory), `max_connections`, `handshake_timeout_s` (a
     new connection must authenticate within it), `idle_connection_s` (a
     sender's connection is kept this long between its transfers),
     `io_timeout_s` (a read or write that waits must make progress within
@@ -179,6 +185,7 @@ class KVReceiver:
         max_buffer_bytes: int = 512 << 20,
         idle_buffer_bytes: int = 64 << 20,
         shm_cache_bytes: int = 1 << 30,
+        region_cache_bytes: int = 1 << 40,
         max_connections: int = 256,
         handshake_timeout_s: float = 5.0,
         idle_connection_s: float = 60.0,
@@ -199,6 +206,7 @@ class KVReceiver:
         self.host_id = host_id()
         self.endpoint: dict | None = None
         self._shm_cache = MappingCache(shm_cache_bytes)
+        self._region_cache = MappingCache(region_cache_bytes)
         self._buffers: _BufferPool | None = None
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
@@ -253,6 +261,7 @@ class KVReceiver:
         self._accept_task = None
         self.endpoint = None
         self._shm_cache.close()
+        self._region_cache.close()
         if self._buffers is not None:
             self._buffers.clear()
 
@@ -265,7 +274,11 @@ class KVReceiver:
         `on_part(layer_start, layer_end, tensor)` is called on this loop for each
         part as it arrives, in any order; `tensor` (shape `[layer_end - layer_start, ...]`)
         is a view over the receive buffer or the sender's segment, valid only during
-        the call: copy it. If it raises, the transfer fails (`on-part-error`).
+        the call: copy it. It is a `BlockSlice` when the sender sent blocks of its
+        shared-memory cache: copy them with `copy_into` (one pass, straight into the
+        destination). Such a part is checked after `on_part` too (the sender must
+        still hold its blocks, see `shm.LeaseTable`): when the transfer then fails,
+        what `on_part` wrote is garbage. If it raises, the transfer fails (`on-part-error`).
         """
         if self.endpoint is None:
             raise RuntimeError("start the receiver before expecting transfers")
@@ -463,6 +476,8 @@ class KVReceiver:
                             buffer = await self._buffers.acquire(header.nbytes)
                         payload = buffer[: header.nbytes]
                         await channel.recv_payload(memoryview(payload.numpy()))
+                    elif header.block_ids is not None:
+                        payload = self._map_region(header)
                     else:
                         payload = self._map_shm(header, shm_names)
                     if self._active.get(exp.transfer_id) is not exp:
@@ -495,11 +510,37 @@ class KVReceiver:
                 self._buffers.release(buffer)
             self._shm_cache.trim()
 
-    def _map_shm(self, header: "_PartHeader", names: set[str]) -> torch.Tensor:
+    def _drop_unlinked_now_and_then(self) -> None:
         now = time.monotonic()
         if now - self._last_shm_check > 5.0:
             self._last_shm_check = now
             self._shm_cache.drop_unlinked()
+            self._region_cache.drop_unlinked()
+
+    def _map_region(self, header: "_PartHeader") -> BlockSlice:
+        """The part's blocks, in place in the sender's shared region."""
+        self._drop_unlinked_now_and_then()
+        try:
+            seg = self._region_cache.get(header.shm)
+        except (OSError, ValueError) as exc:
+            raise TransferFailed(SHM_ERROR, f"cannot map shared-memory region {header.shm!r}: {exc}") from None
+        source_bytes = math.prod(header.source_shape) * header.dtype.itemsize
+        if header.offset + source_bytes > seg.size:
+            raise TransferFailed(PROTOCOL, f"a source of {source_bytes} bytes at {header.offset} overruns its "
+                                           f"{seg.size}-byte region")
+        source = seg.bytes[header.offset : header.offset + source_bytes].view(header.dtype).view(header.source_shape)
+        lease_name, lease_offset, _ = header.lease
+        try:
+            lease_seg = self._region_cache.get(lease_name)
+        except (OSError, ValueError) as exc:
+            raise TransferFailed(SHM_ERROR, f"cannot map the sender's lease table {lease_name!r}: {exc}") from None
+        if lease_offset + 8 > lease_seg.size:
+            raise TransferFailed(PROTOCOL, f"a lease at {lease_offset} is outside its {lease_seg.size}-byte table")
+        header.lease_slot = lease_seg.bytes[lease_offset : lease_offset + 8].view(torch.int64)
+        return BlockSlice(source, header.block_ids, header.block_dim)
+
+    def _map_shm(self, header: "_PartHeader", names: set[str]) -> torch.Tensor:
+        self._drop_unlinked_now_and_then()
         try:
             seg = self._shm_cache.get(header.shm)
         except (OSError, ValueError) as exc:
@@ -510,12 +551,13 @@ class KVReceiver:
                                            f"{seg.size}-byte segment")
         return seg.bytes[header.offset : header.offset + header.nbytes]
 
-    def _apply(self, exp: _Expectation, header: "_PartHeader", payload: torch.Tensor) -> None:
-        if checksums.checksum(header.alg, payload) != header.sum:
-            self.stats.corrupted_parts += 1
-            raise TransferFailed(CORRUPTED, f"layers [{header.layer_start}, {header.layer_end}) failed their "
-                                            f"{header.alg} checksum")
-        tensor = payload.view(header.dtype).view(header.shape)
+    def _apply(self, exp: _Expectation, header: "_PartHeader", payload: "torch.Tensor | BlockSlice") -> None:
+        if isinstance(payload, BlockSlice):
+            self._check_lease(header)
+            tensor = payload
+        else:
+            self._verify(header, payload)
+            tensor = payload.view(header.dtype).view(header.shape)
         try:
             returned = exp.on_part(header.layer_start, header.layer_end, tensor)
             if inspect.isawaitable(returned):
@@ -527,9 +569,25 @@ class KVReceiver:
                                                 f"{header.layer_end}): {exc!r}") from None
         finally:
             del tensor
+        if isinstance(payload, BlockSlice):
+            self._check_lease(header)  # still held after the copy: the blocks were held throughout it
+            self.stats.in_place_parts += 1
         exp.received.update(range(header.layer_start, header.layer_end))
         exp.num_bytes += header.nbytes
         self.stats.bytes_by_backend[exp.backend] += header.nbytes
+
+
+    @staticmethod
+    def _check_lease(header: "_PartHeader") -> None:
+        if int(header.lease_slot[0]) != header.lease[2]:
+            raise TransferFailed(SOURCE_RELEASED, f"the sender let go of layers [{header.layer_start}, "
+                                                  f"{header.layer_end}) while they were being read")
+
+    def _verify(self, header: "_PartHeader", payload: torch.Tensor) -> None:
+        if checksums.checksum(header.alg, payload) != header.sum:
+            self.stats.corrupted_parts += 1
+            raise TransferFailed(CORRUPTED, f"layers [{header.layer_start}, {header.layer_end}) failed their "
+                                            f"{header.alg} checksum")
 
 
 @dataclass(slots=True)
@@ -544,6 +602,11 @@ class _PartHeader:
     sum: int
     shm: str | None
     offset: int
+    source_shape: tuple[int, ...] | None = None  # blocks of a shared region: the region tensor's shape,
+    block_dim: int = 0  # the dimension the blocks are on,
+    block_ids: tuple[int, ...] | None = None  # and which of them, in order,
+    lease: tuple[str, int, int] | None = None  # guarded by this lease (region, byte offset, generation)
+    lease_slot: torch.Tensor | None = None  # the lease's slot, once mapped
 
 
 def _check_part(msg: dict, exp: _Expectation, backend: str, max_part_bytes: int) -> _PartHeader:
@@ -579,16 +642,58 @@ def _check_part(msg: dict, exp: _Expectation, backend: str, max_part_bytes: int)
         raise bad(f"nbytes {nbytes} is not the size of {msg.get('dtype')} {shape}")
     if nbytes > max_part_bytes:
         raise TransferFailed(TOO_LARGE, f"a part of {nbytes} bytes; this receiver takes at most {max_part_bytes}")
-    alg = msg.get("alg")
-    if alg not in checksums.ALGORITHMS:
-        raise bad(f"checksum algorithm {str(alg)[:40]!r} is not one of {', '.join(checksums.ALGORITHMS)}")
-    total = integer("sum", 0, (1 << 64) - 1)
+    in_place = backend == "shm" and "block_runs" in msg  # read in place, guarded by a lease, not a checksum
+    alg, total = "", 0
+    if not in_place:
+        alg = msg.get("alg")
+        if alg not in checksums.ALGORITHMS:
+            raise bad(f"checksum algorithm {str(alg)[:40]!r} is not one of {', '.join(checksums.ALGORITHMS)}")
+        total = integer("sum", 0, (1 << 64) - 1)
     shm, offset = None, 0
     if backend == "shm":
         shm = msg.get("shm")
         if not isinstance(shm, str):
             raise bad("an shm part must name its segment")
         offset = integer("offset")
+        if in_place:
+            return _region_part(msg, bad, _PartHeader(seq, layer_start, layer_end, dtype, tuple(shape), nbytes, alg,
+                                                      total, shm, offset))
         if offset % 64:
             raise bad("an shm part's offset must be a multiple of 64")
     return _PartHeader(seq, layer_start, layer_end, dtype, tuple(shape), nbytes, alg, total, shm, offset)
+
+
+def _region_part(msg: dict, bad, header: _PartHeader) -> _PartHeader:
+    """Complete the header of a part sent as blocks of the sender's shared region."""
+    source_shape, block_dim, runs = msg.get("source_shape"), msg.get("block_dim"), msg.get("block_runs")
+    if (not isinstance(source_shape, list) or len(source_shape) != len(header.shape)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in source_shape)):
+        raise bad("source_shape must be a list of non-negative integers as long as shape")
+    if not isinstance(block_dim, int) or isinstance(block_dim, bool) or not 1 <= block_dim < len(source_shape):
+        raise bad("block_dim must name a dimension after the layers")
+    if not isinstance(runs, list) or len(runs) > _MAX_RUNS:
+        raise bad(f"block_runs must be a list of at most {_MAX_RUNS} runs")
+    num_blocks = source_shape[block_dim]
+    block_ids: list[int] = []
+    for run in runs:
+        if (not isinstance(run, list) or len(run) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in run)
+                or not (0 <= run[0] and 0 < run[1] and run[0] + run[1] <= num_blocks)):
+            raise bad(f"each block run must be [first, count] within the source's {num_blocks} blocks")
+        block_ids.extend(range(run[0], run[0] + run[1]))
+    expected = list(source_shape)
+    expected[block_dim] = len(block_ids)
+    if tuple(expected) != header.shape:
+        raise bad(f"shape {list(header.shape)} is not {len(block_ids)} blocks of a source of shape {source_shape}")
+    if header.offset % header.dtype.itemsize:
+        raise bad("a region part's offset must be a multiple of its element size")
+    lease = msg.get("lease")
+    if (not isinstance(lease, list) or len(lease) != 3 or not isinstance(lease[0], str)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in lease[1:])
+            or lease[1] < 0 or lease[1] % 8 or not 0 < lease[2] < 1 << 63):
+        raise bad("a region part needs a lease [region, 8-aligned offset, generation > 0]")
+    header.lease = (lease[0], lease[1], lease[2])
+    header.source_shape = tuple(source_shape)
+    header.block_dim = block_dim
+    header.block_ids = tuple(block_ids)
+    return header

@@ -13,6 +13,15 @@ pipelines: the receiver applies one piece while the sender prepares the next.
 Backends: `tcp` sends each payload inline, straight from the tensor's memory;
 `shm` copies it into a pooled shared-memory segment (see `shm.py`) and sends
 the segment's name. `auto` takes `shm` when the ticket's `host_id` equals ours.
+
+A part may also be a `BlockSlice` (chosen blocks of a paged cache). Over
+`shm`, when its source lies in a shared-memory region of this process (a
+cache allocated with `shm.shared_zeros`), nothing is copied here: the part
+travels as a descriptor (region, offset, shape, block runs) and the receiver
+copies the blocks straight into its own cache, the one copy of the whole
+transfer, guarded by a lease rather than a checksum (see `shm.LeaseTable`).
+Otherwise the blocks are gathered into the segment (`shm`) or a
+send buffer (`tcp`).
 """
 
 import asyncio
@@ -29,7 +38,16 @@ import torch
 from shared.bus.service import cancel_and_wait
 from shared.telemetry.logging import get_logger
 from shared.transfer import checksum as checksums
-from shared.transfer.shm import Segment, SegmentPool, shm_available, shm_usable_with, sweep_orphan_segments
+from shared.engine.block_slice import BlockSlice
+from shared.transfer.shm import (
+    LeaseTable,
+    Segment,
+    SegmentPool,
+    region_of,
+    shm_available,
+    shm_usable_with,
+    sweep_orphan_segments,
+)
 from shared.transfer.types import (
     BAD_INPUT,
     CONNECTION,
@@ -58,8 +76,9 @@ from shared.transfer.wire import (
 
 log = get_logger(__name__)
 
-Part = tuple[int, int, torch.Tensor]
+Part = tuple[int, int, "torch.Tensor | BlockSlice"]
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_MAX_DESCRIBED_RUNS = 2048  # a part of more scattered blocks is gathered instead (its header would be too long)
 
 
 @dataclass(slots=True)
@@ -75,6 +94,7 @@ class _Flow:
     def __init__(self, cap: int):
         self.cap = cap
         self.parts: deque[_InFlight] = deque()
+        self.lease: tuple[str, int, int] | None = None  # held while parts are read in place (see LeaseTable)
         self.bytes = 0
         self.acked_bytes = 0
         self._room = asyncio.Event()
@@ -107,7 +127,8 @@ class KVSender:
     they are larger (for `shm`, this bounds the shared memory a transfer holds;
     small, it also keeps the segments in cache). `split_bytes`: larger parts
     are cut by layers (small pieces pipeline better: the receiver applies one
-    while the sender prepares the next). `checksum`: "fold64" (default) or "crc32". `io_timeout_s`: a
+    while the sender prepares the next); parts read in place are cut at
+    `in_place_split_bytes` at most. `checksum`: "fold64" (default) or "crc32". `io_timeout_s`: a
     single read or write that makes no progress this long fails the transfer.
     `shm_pool_bytes`: idle segments kept for reuse. `max_idle_connections`
     per receiver endpoint are kept open for `keep_connections_s` (below the
@@ -119,6 +140,7 @@ class KVSender:
         *,
         max_inflight_bytes: int = 8 << 20,
         split_bytes: int = 2 << 20,
+        in_place_split_bytes: int = 64 << 20,
         checksum: str = "fold64",
         io_timeout_s: float = 10.0,
         connect_timeout_s: float = 5.0,
@@ -132,6 +154,7 @@ class KVSender:
             raise ValueError("max_inflight_bytes and split_bytes must be positive")
         self.max_inflight_bytes = max_inflight_bytes
         self.split_bytes = split_bytes
+        self.in_place_split_bytes = in_place_split_bytes
         self.checksum = checksum
         self.io_timeout_s = io_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -139,6 +162,7 @@ class KVSender:
         self.max_idle_connections = max_idle_connections
         self.keep_connections_s = keep_connections_s
         self._pool = SegmentPool(shm_pool_bytes)
+        self.leases = LeaseTable()
         self._idle: dict[tuple[str, int], list[Channel]] = {}
         self._swept = False
 
@@ -166,16 +190,20 @@ class KVSender:
                 channel.close()
         self._idle.clear()
         self._pool.close()
+        self.leases.close()
 
     async def send(self, ticket: TransferTicket, parts: "AsyncIterable[Part] | Iterable[Part]", *,
                    backend: str = "auto") -> TransferResult:
         """Send every part to the ticket's receiver; ok once the receiver applied them all. Ends by the deadline.
 
         `parts` yields `(layer_start, layer_end, tensor)` with `tensor.shape[0] ==
-        layer_end - layer_start`, in any order, each layer once; an async iterator
-        is consumed as it produces. The tensors are only read, and not kept after
-        `send` returns. If the transfer fails while an async generator is
-        producing, the generator is interrupted (cancelled at its `await`).
+        layer_end - layer_start`, in any order, each layer once; `tensor` may be a
+        `BlockSlice`. An async iterator is consumed as it produces. The tensors
+        are only read, and not kept after `send` returns; one that lies in a
+        shared-memory region is read by the receiver in place, so it must not
+        change until `send` returns. If the transfer fails while an async
+        generator is producing, the generator is interrupted (cancelled at its
+        `await`).
         """
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
@@ -204,6 +232,9 @@ class KVSender:
                     if entry.segment is not None:
                         self._pool.release(entry.segment, reusable=False)
                 flow.parts.clear()
+                if flow.lease is not None:  # before returning: the caller may free the blocks once we return
+                    self.leases.release(flow.lease)
+                    flow.lease = None
         except TransferFailed as failure:
             result = TransferResult.failed(failure, chosen, flow.acked_bytes, time.perf_counter() - started)
             log.info("kv send failed", transfer_id=ticket.transfer_id, reason=failure.reason, error=str(failure),
@@ -351,9 +382,9 @@ class KVSender:
                     raise
                 except Exception as exc:  # the caller's producer failed: tell the receiver so it fails now
                     raise TransferFailed(SENDER_ABORTED, f"the part producer raised {exc!r}") from exc
-                for piece in self._split(layer_start, layer_end, tensor):
-                    nbytes = piece[2].numel() * piece[2].element_size()
-                    await flow.wait_room(nbytes)
+                for *piece, in_place in self._split(backend, layer_start, layer_end, tensor):
+                    # Parts read in place hold no memory of ours while in flight.
+                    await flow.wait_room(0 if in_place else _nbytes(piece[2]))
                     try:
                         header, payload = self._prepare(backend, flow, seq, *piece)
                     except TransferFailed:
@@ -375,35 +406,61 @@ class KVSender:
         if await ready:
             await channel.send_msg({"op": "end", "parts": seq})
 
-    def _split(self, layer_start, layer_end, tensor):
-        if not isinstance(tensor, torch.Tensor):
+    def _split(self, backend: str, layer_start, layer_end, tensor):
+        """(layer_start, layer_end, piece, read in place) for each piece the part is cut into."""
+        if not isinstance(tensor, (torch.Tensor, BlockSlice)):
             raise TransferFailed(BAD_INPUT, f"a part's tensor is a {type(tensor).__name__}")
         if not (isinstance(layer_start, int) and isinstance(layer_end, int) and 0 <= layer_start < layer_end):
             raise TransferFailed(BAD_INPUT, f"a part's layers [{layer_start!r}, {layer_end!r}) are not a range")
-        if tensor.dim() < 1 or tensor.shape[0] != layer_end - layer_start:
+        shape = tensor.shape
+        if len(shape) < 1 or shape[0] != layer_end - layer_start:
             raise TransferFailed(BAD_INPUT, f"a part of layers [{layer_start}, {layer_end}) has shape "
-                                            f"{tuple(tensor.shape)}: its first dimension must be the layers")
+                                            f"{tuple(shape)}: its first dimension must be the layers")
         if tensor.dtype not in _DTYPE_NAMES:
             raise TransferFailed(BAD_INPUT, f"dtype {tensor.dtype} cannot be sent")
+        in_place = backend == "shm" and isinstance(tensor, BlockSlice) and region_of(tensor.source) is not None
+        # Pieces pipeline the sender's staging with the receiver's copy; in place, there is no staging.
+        split_bytes = max(self.split_bytes, self.in_place_split_bytes) if in_place else self.split_bytes
         num_layers = layer_end - layer_start
-        layer_bytes = tensor[0].numel() * tensor.element_size()
-        per_piece = max(1, min(num_layers, self.split_bytes // max(layer_bytes, 1)))
+        layer_bytes = _nbytes(tensor) // num_layers
+        per_piece = max(1, min(num_layers, split_bytes // max(layer_bytes, 1)))
         for first in range(0, num_layers, per_piece):
             last = min(first + per_piece, num_layers)
-            yield layer_start + first, layer_start + last, tensor[first:last]
+            piece = tensor.narrow(first, last) if isinstance(tensor, BlockSlice) else tensor[first:last]
+            yield layer_start + first, layer_start + last, piece, in_place
 
     def _prepare(self, backend: str, flow: _Flow, seq: int, layer_start: int, layer_end: int,
-                 tensor: torch.Tensor) -> tuple[dict, memoryview | None]:
-        """The part's header and (tcp) its payload bytes; for shm, the bytes are copied into a segment here."""
-        nbytes = tensor.numel() * tensor.element_size()
+                 tensor: "torch.Tensor | BlockSlice") -> tuple[dict, memoryview | None]:
+        """The part's header and (tcp) its payload bytes; for shm, the bytes are copied into a segment here,
+        unless they are blocks of a shared region, which the receiver reads in place."""
+        nbytes = _nbytes(tensor)
         header = {"op": "part", "seq": seq, "layer_start": layer_start, "layer_end": layer_end,
                   "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "nbytes": nbytes,
                   "alg": self.checksum}
+        if isinstance(tensor, BlockSlice) and tensor.device.type != "cpu":
+            tensor = tensor.gather().to("cpu")  # no device-to-device path: stage through host memory
+        if backend == "shm" and isinstance(tensor, BlockSlice):
+            region = region_of(tensor.source)
+            runs = tensor.runs()
+            if region is not None and len(runs) <= _MAX_DESCRIBED_RUNS and flow.lease is None:
+                flow.lease = self.leases.acquire()
+            if region is not None and len(runs) <= _MAX_DESCRIBED_RUNS and flow.lease is not None:
+                # Read in place: guarded by the lease, not a checksum (see LeaseTable).
+                del header["alg"]
+                header.update(shm=region[0], offset=region[1], source_shape=list(tensor.source.shape),
+                              block_dim=tensor.block_dim, block_runs=[[first, count] for _, first, count in runs],
+                              lease=list(flow.lease))
+                flow.push(_InFlight(seq, nbytes, None))
+                self.stats.in_place_parts += 1
+                return header, None
         if backend == "tcp":
-            data = tensor.detach()
-            if data.device.type != "cpu":
-                data = data.to("cpu")
-            data = data.contiguous()
+            if isinstance(tensor, BlockSlice):
+                data = tensor.gather()
+            else:
+                data = tensor.detach()
+                if data.device.type != "cpu":
+                    data = data.to("cpu")
+                data = data.contiguous()
             payload = checksums.as_bytes(data)
             header["sum"] = checksums.checksum(self.checksum, payload)
             flow.push(_InFlight(seq, nbytes, None))
@@ -415,11 +472,19 @@ class KVSender:
         flow.push(_InFlight(seq, nbytes, segment))
         payload = segment.bytes[:nbytes]
         if nbytes:
-            payload.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+            into = payload.view(tensor.dtype).view(tensor.shape)
+            if isinstance(tensor, BlockSlice):
+                tensor.gather(out=into)
+            else:
+                into.copy_(tensor.detach())
         header["sum"] = checksums.checksum(self.checksum, payload)
         header["shm"] = segment.name
         header["offset"] = 0
         return header, None
+
+
+def _nbytes(tensor: "torch.Tensor | BlockSlice") -> int:
+    return tensor.nbytes if isinstance(tensor, BlockSlice) else tensor.numel() * tensor.element_size()
 
 
 async def _each(parts):

@@ -9,6 +9,11 @@ receiver keeps its mappings of a sender's segments. In steady state neither
 side faults a page and each byte is copied exactly twice: once by the sender
 into the segment, once by the receiver's `on_part` into its paged cache.
 
+Once is better: a *region* (`shared_zeros`) is a long-lived tensor in shared
+memory, typically a prefill worker's whole paged KV cache. A part that lies in
+a region needs no pool segment at all; the receiver maps the region and its
+`on_part` copies the blocks straight into its own cache.
+
 Ownership is simple: a segment belongs to the sender that created it, always.
 The receiver never unlinks; it maps, reads, acks. The sender unlinks a segment
 when its pool is over its idle cap, when a transfer fails while the segment
@@ -123,10 +128,14 @@ class Segment:
         self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)
 
     @classmethod
-    def create(cls, name: str, size: int) -> "Segment":
+    def create(cls, name: str, size: int, *, reserve: bool = False) -> "Segment":
+        """A new segment. With `reserve`, its memory is allocated now (OSError if /dev/shm is too full), so
+        that touching it later can never fault with SIGBUS on a full /dev/shm."""
         fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)
+            if reserve:
+                os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(_path(name))
@@ -166,6 +175,107 @@ class Segment:
             self._mmap = None
 
 
+_regions: dict[str, Segment] = {}  # this process's shared regions (see `shared_zeros`), by name
+
+
+def _process_prefix() -> str:
+    return f"{NAME_PREFIX}{_pid_namespace()}-{os.getpid()}-{_start_time(os.getpid()) or 0}-"
+
+
+def shared_zeros(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """A zeroed CPU tensor in a new shared-memory segment owned by this process: a *region*.
+
+    A region is what lets the side channel move a tensor with one copy: when a
+    part sent over `shm` lies in a region, the receiver maps the region and
+    copies straight out of it (see `KVSender`). It usually holds a worker's
+    paged KV cache (its signature fits `PagedKVCache`'s allocator). It lives
+    until this process exits (or `free_region`); a killed process's regions are
+    swept like its pool segments. Raises OSError when /dev/shm has no room for it.
+    """
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"a shared-memory region lives in host memory, not on {device}")
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    nbytes = numel * dtype.itemsize
+    size = -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+    while True:
+        try:
+            segment = Segment.create(_process_prefix() + secrets.token_hex(8), size, reserve=True)  # reads as zeros
+            break
+        except FileExistsError:
+            continue
+    _regions[segment.name] = segment
+    return segment.bytes[:nbytes].view(dtype).view(tuple(int(d) for d in shape))
+
+
+def region_of(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """(region name, byte offset of the tensor's first element) when the tensor lies in one of this
+    process's regions, else None."""
+    if tensor.device.type != "cpu" or not _regions:
+        return None
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    for name, segment in _regions.items():
+        base = segment.bytes.data_ptr()
+        if base <= start and end <= base + segment.size:
+            return name, start - base
+    return None
+
+
+def free_region(tensor: torch.Tensor) -> None:
+    """Unlink the region holding `tensor` (its memory goes when the last view and mapping do)."""
+    found = region_of(tensor)
+    if found is not None:
+        segment = _regions.pop(found[0])
+        segment.unlink()
+        segment.close()
+
+
+class LeaseTable:
+    """A sender's leases: slots of a small region saying whether what a receiver reads in place is still held.
+
+    A receiver copies blocks of a sender's region without a checksum pass (it
+    would cost as much as the copy). What could go wrong is the sender letting
+    go of the blocks (its transfer failed, its caller freed and reused them)
+    while the receiver still copies. So each transfer that sends in place takes
+    a slot and writes a fresh random generation into it; its parts name the
+    slot and the generation; the sender zeroes the slot *before* `send` returns,
+    so before its caller can free anything. The receiver reads the slot before
+    and after copying a part: the generation still there after the copy means
+    the blocks were held throughout (x86-64 keeps loads, and stores, in order).
+    """
+
+    def __init__(self, slots: int = 1024):
+        self.slots = slots
+        self.table: torch.Tensor | None = None  # int64 [slots], in a region
+        self._free: list[int] = []
+
+    def acquire(self) -> tuple[str, int, int] | None:
+        """(region, byte offset, generation) of a new lease, or None when every slot is taken."""
+        if self.table is None:
+            self.table = shared_zeros((self.slots,), torch.int64)
+            self._free = list(range(self.slots - 1, -1, -1))
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        generation = secrets.randbits(63) | 1
+        self.table[slot] = generation
+        name, offset = region_of(self.table)
+        return name, offset + slot * 8, generation
+
+    def release(self, lease: tuple[str, int, int]) -> None:
+        slot = (lease[1] - region_of(self.table)[1]) // 8
+        self.table[slot] = 0
+        self._free.append(slot)
+
+    def close(self) -> None:
+        if self.table is not None:
+            free_region(self.table)
+            self.table = None
+            self._free = []
+
+
 def _size_class(nbytes: int) -> int:
     """Round up to one of four sizes per power of two (at most 25% slack), at least 64 KiB, page-aligned."""
     nbytes = max(nbytes, _MIN_SEGMENT_BYTES)
@@ -196,7 +306,7 @@ class SegmentPool:
 
     def __init__(self, idle_bytes_cap: int):
         self.idle_bytes_cap = idle_bytes_cap
-        self.prefix = f"{NAME_PREFIX}{_pid_namespace()}-{os.getpid()}-{_start_time(os.getpid()) or 0}-"
+        self.prefix = _process_prefix()
         self._idle: list[Segment] = []  # least recently used first
         self._in_use: dict[str, Segment] = {}
 

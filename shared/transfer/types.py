@@ -16,6 +16,7 @@ CONNECTION = "connection"  # the connection failed or closed early
 SENDER_ABORTED = "sender-aborted"  # the sender's part producer failed; the sender said so
 ON_PART_ERROR = "on-part-error"  # the receiver's on_part callback raised
 SHM_ERROR = "shm-error"  # a shared-memory segment could not be created, opened or read
+SOURCE_RELEASED = "source-released"  # the sender let go of blocks the receiver was reading in place
 REJECTED = "rejected"  # (sender side) the receiver refused the handshake: unknown transfer or wrong token
 UNAUTHENTICATED_RECEIVER = "receiver-unauthenticated"  # (sender side) the receiver could not prove it knows the token
 STOPPED = "stopped"  # the receiver or sender was stopped
@@ -23,7 +24,7 @@ BAD_INPUT = "bad-input"  # (sender side) a part given to `send` is not valid
 
 REASONS = (
     DEADLINE, STALLED, CANCELLED, CORRUPTED, PROTOCOL, TOO_LARGE, INCOMPLETE, CONNECTION, SENDER_ABORTED,
-    ON_PART_ERROR, SHM_ERROR, REJECTED, UNAUTHENTICATED_RECEIVER, STOPPED, BAD_INPUT,
+    ON_PART_ERROR, SHM_ERROR, SOURCE_RELEASED, REJECTED, UNAUTHENTICATED_RECEIVER, STOPPED, BAD_INPUT,
 )
 
 BACKENDS = ("shm", "tcp")
@@ -113,6 +114,7 @@ class TransferStats:
     unauthenticated: int = 0  # receiver: connections closed for a wrong token or unknown transfer
     corrupted_parts: int = 0  # receiver: payloads that failed their checksum
     discarded_parts: int = 0  # receiver: parts that arrived for a cancelled or finished transfer
+    in_place_parts: int = 0  # parts read from the sender's shared-memory region, not staged (sent / applied)
     connections: int = 0  # connections accepted (receiver) or made (sender)
     refused_connections: int = 0  # receiver: connections closed at once because too many were open
 
@@ -132,6 +134,7 @@ class TransferStats:
             "unauthenticated": self.unauthenticated,
             "corrupted_parts": self.corrupted_parts,
             "discarded_parts": self.discarded_parts,
+            "in_place_parts": self.in_place_parts,
             "connections": self.connections,
             "refused_connections": self.refused_connections,
         }

@@ -181,8 +181,12 @@ def test_each_kv_transport_decodes_identically(nats_server, default_model, tmp_p
         for prompt, expected in cases[2:5]:
             body = complete(deployment.base_url, prompt)
             assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
-        moved = stats(deployment, "decode-0").details["kv_transfer"]["bytes_by_backend"]
+        transfers = stats(deployment, "decode-0").details["kv_transfer"]
+        moved = transfers["bytes_by_backend"]
         assert set(moved) == {transport} and moved[transport] > 0
+        # Over shm the decode worker copied every layer straight out of the prefill worker's cache.
+        layers = 4  # of the default model; a layer's KV here is well under a part's split size
+        assert transfers["in_place_parts"] == (layers * transfers["ok_by_backend"]["shm"] if transport == "shm" else 0)
     finally:
         deployment.stop()
 
