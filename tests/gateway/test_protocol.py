@@ -42,7 +42,6 @@ from services.gateway.responses import (
     sse_error,
     usage_chunk,
 )
-from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
 
 USER = [{"role": "user", "content": "Hi"}]

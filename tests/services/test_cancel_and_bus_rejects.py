@@ -6,7 +6,6 @@ import time
 import httpx
 import msgpack
 import nats
-import pytest
 
 from contracts import GenerateRequest, RequestFailed, ServiceInfo, StatsRequest, Subjects
 

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import nats
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from contracts import ServiceInfo, StatsRequest, Subjects
