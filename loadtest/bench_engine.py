@@ -319,7 +319,7 @@ class EngineSide:
         ids = [self._next_id("tp") for _ in prompts]
         index = {rid: i for i, rid in enumerate(ids)}
         tokens: list[list[int]] = [[] for _ in prompts]
-        preemptions_before = engine.scheduler.num_preemptions
+        preemptions_before = engine.num_preemptions
         num_steps = 0
         gc.collect()
         start = clock.now()
@@ -330,7 +330,7 @@ class EngineSide:
                 tokens[index[out.request_id]].extend(out.new_token_ids)
             num_steps += 1
         wall = clock.now() - start
-        stats = {"steps": num_steps, "preemptions": engine.scheduler.num_preemptions - preemptions_before}
+        stats = {"steps": num_steps, "preemptions": engine.num_preemptions - preemptions_before}
         return tokens, wall, stats
 
 

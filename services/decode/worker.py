@@ -119,15 +119,14 @@ class DecodeWorker:
         await self._heartbeat.stop(remove=True)
 
     def info(self) -> ServiceInfo:
-        scheduler = self.engine.scheduler
         block_manager = self.engine.block_manager
         return self.identity.info(
             model=self.model,
             served_model_name=self.served_model_name,
             state=self.state,
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            max_num_seqs=scheduler.config.max_num_seqs,
+            num_running=self.engine.num_running,
+            num_waiting=self.engine.num_waiting,
+            max_num_seqs=self.engine.config.max_num_seqs,
             kv_blocks_total=block_manager.num_blocks,
             kv_blocks_free=block_manager.num_free_blocks,
             max_model_len=self.engine.max_model_len,

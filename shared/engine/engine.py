@@ -25,9 +25,9 @@ from shared.engine.model_loader import LayerRange, load_model, read_config, reso
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampler import SamplingRow, TokenLogprobs, sample
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shared.engine.sequence import Sequence
-from shared.engine.step_batch import build_step_batch
+from shared.engine.step_batch import StepBatch, build_step_batch
 
 
 @dataclass(slots=True)
@@ -39,11 +39,12 @@ class RequestOutput:
     new_text: str
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (then `error` says why)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -59,29 +60,56 @@ class CompletedRequest:
     num_cached_tokens: int
 
 
+@dataclass(slots=True)
+class PlannedStep:
+    """One scheduled step of one virtual engine, between `plan_step` and `complete_step`."""
+
+    scheduled: SchedulerOutput
+    batch: StepBatch
+    virtual_engine: int
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, load_tokenizer: bool = True, kv_allocator: KVAllocator | None = None):
+    """The model runner's front: requests in, tokens out, one `step()` at a time.
+
+    With `config.layer_ranges` ending before the model's last layer, this is a
+    pipeline head: it runs the first layers and the rest run in stage
+    processes; a subclass (`PipelineHeadEngine`) drives the steps then. With
+    `num_virtual_engines` > 1, requests are spread over that many schedulers
+    sharing one block pool, each scheduling its own steps: micro-batches that
+    can be in flight in a pipeline at once.
+    """
+
+    def __init__(self, config: EngineConfig, load_tokenizer: bool = True, kv_allocator: KVAllocator | None = None,
+                 num_virtual_engines: int = 1):
         self.config = config
         model_config = read_config(config.model)
         self.model_config = model_config
         dtype = resolve_dtype(config.dtype, model_config)
         num_layers = model_config.num_hidden_layers
         ranges = config.layer_ranges or [LayerRange(0, num_layers)]
-        if ranges[0].start != 0 or ranges[-1].end != num_layers:
-            raise ModelLoadError(f"layer ranges must cover layers [0, {num_layers})")
+        if ranges[0].start != 0 or ranges[-1].end > num_layers:
+            raise ModelLoadError(f"layer ranges must start at layer 0 and end by layer {num_layers}")
+        if num_virtual_engines < 1:
+            raise ValueError("num_virtual_engines must be positive")
+        self.local_layers_end = ranges[-1].end  # layers from here on run elsewhere (a pipeline's stages)
 
         loaded = [load_model(config.model, config.dtype, config.device, r) for r in ranges]
         first = loaded[0]
         self.max_model_len = min(config.max_model_len or 1 << 62, getattr(model_config, "max_position_embeddings", 1 << 62))
-        per_block = PagedKVCache.bytes_per_block(num_layers, config.block_size, first.num_kv_heads, first.head_dim, dtype)
+        per_block = PagedKVCache.bytes_per_block(self.local_layers_end, config.block_size, first.num_kv_heads,
+                                                 first.head_dim, dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
         self.executor = ChainExecutor([ModelRunner(m, num_blocks, config.block_size, kv_allocator) for m in loaded])
         self.fingerprint = first.fingerprint
         self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
-            self.block_manager,
-        )
+        per_engine_seqs = -(-config.max_num_seqs // num_virtual_engines)
+        self.schedulers = [
+            Scheduler(SchedulerConfig(per_engine_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
+                      self.block_manager)
+            for _ in range(num_virtual_engines)
+        ]
+        self.scheduler = self.schedulers[0]
         self.vocab_size = model_config.vocab_size
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if load_tokenizer else None
         self.eos_token_ids = _eos_token_ids(config.model, model_config, self.tokenizer)
@@ -143,8 +171,8 @@ class LLMEngine:
         """
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
-            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        if self.num_waiting >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting")
         self._validate(prompt_token_ids, list(output_token_ids), params)
         prompt_len = len(prompt_token_ids)
         if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
@@ -169,9 +197,11 @@ class LLMEngine:
             max_total_tokens=max_total,
             arrival_index=self._arrivals,
             hold_kv=hold_kv,
+            virtual_engine=min(range(len(self.schedulers)), key=lambda i: self._load_of(i)),
         )
+        scheduler = self.schedulers[seq.virtual_engine]
         continued = bool(kv) or reserved is not None
-        if continued and len(self.scheduler.running) >= self.config.max_num_seqs:
+        if continued and len(scheduler.running) >= scheduler.config.max_num_seqs:
             # No room in the batch now: recompute it later like any waiting request rather than refuse it.
             if reserved is not None:
                 self.release_blocks(reserved[0])
@@ -189,9 +219,9 @@ class LLMEngine:
             self._kv_streams[request_id] = on_prompt_kv
         if continued:
             # It holds blocks already, so it runs (and can be preempted) like any running sequence.
-            self.scheduler.add_running(seq)
+            scheduler.add_running(seq)
         else:
-            self.scheduler.add(seq)
+            scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request at once (running, waiting or held); its blocks are free when this returns."""
@@ -202,7 +232,7 @@ class LLMEngine:
             return False
         self._detokenizers.pop(request_id, None)
         self._kv_streams.pop(request_id, None)
-        self.scheduler.finish(seq)
+        self.schedulers[seq.virtual_engine].finish(seq)
         return True
 
     def release_held(self, request_id: str) -> bool:
@@ -218,28 +248,68 @@ class LLMEngine:
         return len(self._held)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(s.has_unfinished() for s in self.schedulers)
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(s.running) for s in self.schedulers)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(s.waiting) for s in self.schedulers)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.schedulers)
+
+    def _load_of(self, virtual_engine: int) -> int:
+        scheduler = self.schedulers[virtual_engine]
+        return len(scheduler.running) + len(scheduler.waiting)
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         return self._sequences.get(request_id)
 
     # ---- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+        if self.local_layers_end != self.model_config.num_hidden_layers:
+            raise EngineError("this engine runs only the first layers of a pipeline; a pipeline head drives it")
+        outputs = []
+        for virtual_engine in range(len(self.schedulers)):
+            planned = self.plan_step(virtual_engine)
+            if planned is not None:
+                logits = self.executor.execute(planned.batch, self._layer_streamer(planned.scheduled))
+                outputs += self.complete_step(planned, logits)
+        return outputs
+
+    def plan_step(self, virtual_engine: int = 0) -> PlannedStep | None:
+        """Schedule one step of a virtual engine (None: nothing to run). Until `complete_step`, schedule
+        nothing else on that virtual engine."""
+        scheduled = self.schedulers[virtual_engine].schedule()
         if not scheduled.scheduled:
-            return []
-        batch = build_step_batch(scheduled, self.config.block_size)
-        logits = self.executor.execute(batch, self._layer_streamer(scheduled))
+            return None
+        return PlannedStep(scheduled, build_step_batch(scheduled, self.config.block_size), virtual_engine)
 
+    def complete_step(self, planned: PlannedStep, logits: torch.Tensor) -> list[RequestOutput]:
+        """Account a step's computed tokens and sample from its logits. Requests aborted while the
+        step ran are skipped (their blocks may already hold another request's KV)."""
+        scheduled, batch = planned.scheduled, planned.batch
         for item in scheduled.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)
+            if self._sequences.get(item.seq.request_id) is item.seq:
+                item.seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.cache_full_blocks(item.seq)
 
-        to_sample = [scheduled.scheduled[i].seq for i in batch.sample_indices]
-        rows = [SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_token_ids) for s in to_sample]
+        rows, to_sample = [], []
+        for position, index in enumerate(batch.sample_indices):
+            seq = scheduled.scheduled[index].seq
+            if self._sequences.get(seq.request_id) is seq:
+                to_sample.append((position, seq))
+        if not to_sample:
+            return []
+        logits = logits[[position for position, _ in to_sample]] if len(to_sample) != len(batch.sample_indices) else logits
+        rows = [SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_token_ids) for _, s in to_sample]
         sampled = sample(logits, rows)
         outputs = []
-        for seq, token_id, logprobs in zip(to_sample, sampled.token_ids, sampled.logprobs):
+        for (_, seq), token_id, logprobs in zip(to_sample, sampled.token_ids, sampled.logprobs):
             outputs.append(self._append_token(seq, token_id, logprobs))
         return outputs
 
@@ -285,7 +355,7 @@ class LLMEngine:
             self._sequences.pop(seq.request_id, None)
             self._detokenizers.pop(seq.request_id, None)
             self._kv_streams.pop(seq.request_id, None)
-            self.scheduler.finish(seq, free_blocks=not seq.hold_kv)
+            self.schedulers[seq.virtual_engine].finish(seq, free_blocks=not seq.hold_kv)
             if seq.hold_kv:
                 self._held[seq.request_id] = seq
         return output

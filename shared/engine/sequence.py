@@ -36,6 +36,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # blocks of block_table registered in the prefix cache
     num_preemptions: int = 0
     hold_kv: bool = False  # keep the blocks after finishing, until released (a prefill worker ships them)
+    virtual_engine: int = 0  # which of the engine's schedulers runs it (pipeline micro-batches)
 
     @property
     def num_tokens(self) -> int:

@@ -56,7 +56,7 @@ def test_many_mixed_requests_with_prefix_hits_and_preemption(cases):
     results = engine.generate(requests, GREEDY)
     assert [r.token_ids for r in results] == [e for _, e in prompts] * 3
     assert any(r.num_cached_tokens > 0 for r in results)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.num_preemptions > 0
     assert engine.block_manager.num_used_blocks == 0
 
 

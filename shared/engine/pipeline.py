@@ -1,0 +1,201 @@
+"""Pipeline parallelism: layer splits, and the head engine that keeps micro-batches in flight.
+
+A pipeline of p stages runs a model's decoder layers in contiguous ranges, one
+range per process. Stage 0, the *head*, owns everything a request is: the
+schedulers, the block tables, sampling and detokenization; it also runs the
+first layers. The other stages hold only their layers' weights and KV cache
+and run whatever step reaches them, in the order it arrives; the last one
+returns the logits of the positions to sample to the head.
+
+Micro-batching: the head's engine has m virtual engines (schedulers over one
+block pool, each with its own requests). Each has at most one step in flight,
+so up to m steps travel the pipeline at once: while stage k computes step s,
+stage k-1 computes step s+1. With one micro-batch the stages take turns.
+
+No NATS in here: the head hands each step to `submit(step_id, batch, hidden)`
+(the service sends it on) and the service puts what comes back into
+`results` (`StepResult`).
+"""
+
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine, PlannedStep, RequestOutput
+from shared.engine.model_loader import LayerRange
+from shared.engine.step_batch import StepBatch
+
+
+class LayerSplitError(ValueError):
+    """A layer split that cannot run: gaps, overlaps, out of range, or more stages than layers."""
+
+
+def even_split(num_layers: int, num_stages: int) -> list[LayerRange]:
+    """`num_stages` contiguous ranges covering `[0, num_layers)`; the first `num_layers % num_stages` get one more."""
+    if num_stages < 1:
+        raise LayerSplitError(f"a pipeline needs at least one stage, got {num_stages}")
+    if num_stages > num_layers:
+        raise LayerSplitError(f"{num_stages} stages cannot split {num_layers} layers: at most one stage per layer")
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for stage in range(num_stages):
+        end = start + base + (1 if stage < extra else 0)
+        ranges.append(LayerRange(start, end))
+        start = end
+    return ranges
+
+
+def parse_layer_split(text: str, num_layers: int) -> list[LayerRange]:
+    """`"0:6,6:12,..."` as layer ranges, checked to cover `[0, num_layers)` exactly, in order."""
+    ranges = []
+    for index, item in enumerate(part.strip() for part in text.split(",")):
+        try:
+            start_text, end_text = item.split(":")
+            start, end = int(start_text), int(end_text)
+        except ValueError:
+            raise LayerSplitError(f"layer range {index} is {item!r}; write START:END, e.g. 0:6") from None
+        if not 0 <= start < end:
+            raise LayerSplitError(f"layer range {index} ({item}) is empty or negative")
+        ranges.append(LayerRange(start, end))
+    check_layer_split(ranges, num_layers)
+    return ranges
+
+
+def check_layer_split(ranges: list[LayerRange], num_layers: int) -> None:
+    if not ranges:
+        raise LayerSplitError("a layer split needs at least one range")
+    expected = 0
+    for index, r in enumerate(ranges):
+        if r.start > expected:
+            raise LayerSplitError(f"layers [{expected}, {r.start}) are in no stage (a gap before range {index})")
+        if r.start < expected:
+            raise LayerSplitError(f"range {index} [{r.start}, {r.end}) overlaps the one before it (ends at {expected})")
+        expected = r.end
+    if expected != num_layers:
+        if expected > num_layers:
+            raise LayerSplitError(f"the split reaches layer {expected}, but the model has {num_layers} layers")
+        raise LayerSplitError(f"layers [{expected}, {num_layers}) are in no stage")
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What came back for a step: the logits of its sampled positions, or why it failed."""
+
+    step_id: int
+    logits: torch.Tensor | None = None
+    error: str | None = None
+
+
+Submit = Callable[[int, StepBatch, torch.Tensor], None]
+
+
+class PipelineHeadEngine(LLMEngine):
+    """Stage 0 of a pipeline: the engine (requests, schedulers, sampling) and the first layers.
+
+    `step()` starts a step on every virtual engine that has none in flight,
+    then waits (at most `poll_s`) for steps to come back and returns their
+    outputs. A step that fails or is not back within `step_timeout_s` ends
+    its requests with `finish_reason="error"`: the stages' KV for them is then
+    unknown, so they cannot go on.
+    """
+
+    def __init__(self, config: EngineConfig, submit: Submit, *, num_microbatches: int = 2,
+                 step_timeout_s: float = 60.0, poll_s: float = 0.02, load_tokenizer: bool = True):
+        super().__init__(config, load_tokenizer=load_tokenizer, num_virtual_engines=num_microbatches)
+        if self.local_layers_end >= self.model_config.num_hidden_layers:
+            raise LayerSplitError("a pipeline head must leave layers to other stages")
+        self._submit = submit
+        self.step_timeout_s = step_timeout_s
+        self.poll_s = poll_s
+        self.results: queue.SimpleQueue[StepResult] = queue.SimpleQueue()
+        self._in_flight: dict[int, tuple[PlannedStep, float]] = {}  # step id -> (step, deadline)
+        self._busy: set[int] = set()  # virtual engines with a step in flight
+        self._next_step_id = 0
+        self.steps_started = 0
+        self.steps_failed = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def step(self) -> list[RequestOutput]:
+        for virtual_engine in range(len(self.schedulers)):
+            if virtual_engine not in self._busy:
+                self._start(virtual_engine)
+        outputs = []
+        wait_s = self.poll_s if self._in_flight else 0.0
+        while True:
+            try:
+                result = self.results.get(timeout=wait_s) if wait_s > 0 else self.results.get_nowait()
+            except queue.Empty:
+                break
+            outputs += self._finish(result)
+            wait_s = 0.0  # take whatever else is there, without waiting again
+        outputs += self._expire()
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._in_flight) or super().has_unfinished_requests()
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """End every request with an error and forget every cached prefix: for when a stage lost its KV
+        (it restarted). Steps still in flight are dropped; whatever they return later is ignored."""
+        self._in_flight.clear()
+        self._busy.clear()
+        outputs = [self._error_output(seq, reason) for seq in list(self._sequences.values())]
+        for output in outputs:
+            self.abort_request(output.request_id)
+        self.block_manager.reset_prefix_cache()
+        return outputs
+
+    def _start(self, virtual_engine: int) -> None:
+        planned = self.plan_step(virtual_engine)
+        if planned is None:
+            return
+        hidden = self.executor.execute(planned.batch)
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        self._in_flight[step_id] = (planned, time.monotonic() + self.step_timeout_s)
+        self._busy.add(virtual_engine)
+        self.steps_started += 1
+        self._submit(step_id, planned.batch, hidden)
+
+    def _finish(self, result: StepResult) -> list[RequestOutput]:
+        entry = self._in_flight.pop(result.step_id, None)
+        if entry is None:
+            return []  # dropped (timed out, or a reset) before it came back
+        planned, _ = entry
+        self._busy.discard(planned.virtual_engine)
+        if result.error is not None:
+            return self._fail_step(planned, result.error)
+        return self.complete_step(planned, result.logits)
+
+    def _expire(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for step_id, (planned, deadline) in list(self._in_flight.items()):
+            if now > deadline:
+                del self._in_flight[step_id]
+                self._busy.discard(planned.virtual_engine)
+                outputs += self._fail_step(planned, f"a pipeline step was not back within {self.step_timeout_s:g} s")
+        return outputs
+
+    def _fail_step(self, planned: PlannedStep, reason: str) -> list[RequestOutput]:
+        self.steps_failed += 1
+        outputs = []
+        for item in planned.scheduled.scheduled:
+            seq = item.seq
+            if self._sequences.get(seq.request_id) is seq:
+                outputs.append(self._error_output(seq, reason))
+                self.abort_request(seq.request_id)
+        return outputs
+
+    @staticmethod
+    def _error_output(seq, reason: str) -> RequestOutput:
+        return RequestOutput(request_id=seq.request_id, new_token_ids=[], new_text="", finished=True,
+                             finish_reason="error", error=reason, num_prompt_tokens=seq.num_prompt_tokens,
+                             num_output_tokens=seq.num_output_tokens)

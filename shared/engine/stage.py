@@ -1,0 +1,49 @@
+"""`StageRunner`: a pipeline stage after the head, its layers' weights and KV cache and nothing else.
+
+It keeps no request state: the head's `StepBatch` says which tokens, positions
+and blocks each step touches (block ids are the head's, so every stage's cache
+has the head's number of blocks). Steps must run in the order the head
+started them; the last stage returns the logits of the sampled positions.
+"""
+
+import torch
+
+from shared.engine.kv_cache import KVAllocator
+from shared.engine.model_loader import LayerRange, load_model
+from shared.engine.model_runner import ModelRunner
+from shared.engine.step_batch import StepBatch
+
+
+class StageRunner:
+    def __init__(self, model_dir: str, layer_range: LayerRange, *, dtype: str = "auto", device: str = "cpu",
+                 num_blocks: int, block_size: int, kv_allocator: KVAllocator | None = None):
+        if layer_range.start == 0:
+            raise ValueError("layers from 0 belong to the pipeline head, which embeds the tokens")
+        self.loaded = load_model(model_dir, dtype, device, layer_range)
+        self.runner = ModelRunner(self.loaded, num_blocks, block_size, kv_allocator)
+        self.layer_range = layer_range
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @property
+    def is_last(self) -> bool:
+        return self.loaded.is_last
+
+    @property
+    def hidden_size(self) -> int:
+        return self.loaded.config.hidden_size
+
+    @property
+    def parameter_bytes(self) -> int:
+        return self.loaded.parameter_bytes()
+
+    def execute(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states `(tokens, hidden)` in; hidden states out, or logits `(samples, vocab)` on the last stage."""
+        if batch.block_size != self.block_size:
+            raise ValueError(f"a step of block size {batch.block_size} reached a stage of block size {self.block_size}")
+        if hidden.dim() != 2 or hidden.shape != (batch.num_tokens, self.hidden_size):
+            raise ValueError(f"hidden states of shape {tuple(hidden.shape)} for a step of {batch.num_tokens} tokens "
+                             f"(hidden size {self.hidden_size})")
+        if any(b >= self.num_blocks or b < 0 for table in batch.block_tables for b in table):
+            raise ValueError(f"a step names blocks outside this stage's {self.num_blocks}")
+        return self.runner.execute(batch, hidden)
