@@ -10,6 +10,9 @@ from contracts.messages import (
     PrefillResult,
     RequestFailed,
     ServiceInfo,
+    StageActivation,
+    StageTicketReply,
+    StageTicketRequest,
     StatsRequest,
     TokenChunk,
 )
@@ -17,5 +20,5 @@ from contracts.subjects import Subjects, check_token
 
 __all__ = [
     "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "Message", "PrefillJob", "PrefillResult",
-    "RequestFailed", "ServiceInfo", "StatsRequest", "Subjects", "TokenChunk", "check_token", "decode_one_of",
+    "RequestFailed", "ServiceInfo", "StageActivation", "StageTicketReply", "StageTicketRequest", "StatsRequest", "Subjects", "TokenChunk", "check_token", "decode_one_of",
 ]

@@ -143,3 +143,45 @@ class ServiceInfo(Message):
 @dataclass(slots=True, kw_only=True)
 class StatsRequest(Message):
     TYPE = "stats_request"
+
+
+@dataclass(slots=True, kw_only=True)
+class StageActivation(Message):
+    """One pipeline hop of one step: stage -> next stage (hidden states), last stage -> head (logits),
+    any stage -> head (kind "error": the step failed there)."""
+
+    TYPE = "stage_activation"
+    step_id: int
+    head: str  # the head's instance id: logits and errors go back to it
+    route: list[str]  # the stages still to run this step, in order; the receiver is the first
+    stage_boot_ids: dict[str, str] = field(default_factory=dict)  # the stage processes the head means (a
+    # restarted stage has lost the KV of earlier steps, so it must refuse steps meant for its previous boot)
+    batch: dict[str, Any]  # shared.engine StepBatch fields
+    kind: str  # "hidden" | "logits" | "error"
+    dtype: str = ""
+    shape: list[int] = field(default_factory=list)
+    data: bytes = b""  # the tensor, inline (small ones)...
+    transfer_id: str = ""  # ...or the side-channel transfer it comes by (big ones)
+    error: str = ""
+    deadline_ms: int  # after this the head has given up on the step
+
+
+@dataclass(slots=True, kw_only=True)
+class StageTicketRequest(Message):
+    """stage -> next hop, before a big activation: expect a side-channel transfer of this id."""
+
+    TYPE = "stage_ticket_request"
+    transfer_id: str
+    nbytes: int
+    deadline_ms: int
+
+
+@dataclass(slots=True, kw_only=True)
+class StageTicketReply(Message):
+    """The answer to a StageTicketRequest: a shared.transfer TransferTicket, or why not."""
+
+    TYPE = "stage_ticket_reply"
+    ok: bool
+    ticket: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+

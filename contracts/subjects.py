@@ -58,6 +58,13 @@ class Subjects:
     def worker_generate(self, instance_id: str) -> str:
         return f"{self.namespace}.worker.{check_token(instance_id, 'instance id')}.generate"
 
+    def stage_activations(self, instance_id: str) -> str:
+        """Where a pipeline stage (or the head, for logits) takes steps' activations, in order."""
+        return f"{self.namespace}.stage.{check_token(instance_id, 'instance id')}.activations"
+
+    def stage_tickets(self, instance_id: str) -> str:
+        return f"{self.namespace}.stage.{check_token(instance_id, 'instance id')}.tickets"
+
     def stats(self, instance_id: str) -> str:
         return f"{self.namespace}.stats.{check_token(instance_id, 'instance id')}"
 

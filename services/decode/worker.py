@@ -224,6 +224,9 @@ class DecodeWorker:
                     param = getattr(item.error, "param", None)
                     await self._fail(item.request_id, active, "invalid_request", str(item.error), param)
                     continue
+                if item.error is not None:  # the engine could not go on with it (a pipeline stage failed)
+                    await self._fail(item.request_id, active, "worker_failed", item.error)
+                    continue
                 chunk = TokenChunk(
                     request_id=item.request_id,
                     seq=active.next_seq,

@@ -8,7 +8,7 @@ started them; the last stage returns the logits of the sampled positions.
 
 import torch
 
-from shared.engine.kv_cache import KVAllocator
+from shared.engine.kv_cache import KVAllocator, PagedKVCache
 from shared.engine.model_loader import LayerRange, load_model
 from shared.engine.model_runner import ModelRunner
 from shared.engine.step_batch import StepBatch
@@ -16,10 +16,17 @@ from shared.engine.step_batch import StepBatch
 
 class StageRunner:
     def __init__(self, model_dir: str, layer_range: LayerRange, *, dtype: str = "auto", device: str = "cpu",
-                 num_blocks: int, block_size: int, kv_allocator: KVAllocator | None = None):
+                 block_size: int, num_blocks: int | None = None, kv_cache_bytes: int = 512 << 20,
+                 kv_allocator: KVAllocator | None = None):
+        """`num_blocks` (default: as many as `kv_cache_bytes` holds for this stage's layers) must be at
+        least the head's: steps name the head's block ids."""
         if layer_range.start == 0:
             raise ValueError("layers from 0 belong to the pipeline head, which embeds the tokens")
         self.loaded = load_model(model_dir, dtype, device, layer_range)
+        if num_blocks is None:
+            per_block = PagedKVCache.bytes_per_block(layer_range.num_layers, block_size, self.loaded.num_kv_heads,
+                                                     self.loaded.head_dim, self.loaded.dtype)
+            num_blocks = max(1, kv_cache_bytes // per_block)
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, kv_allocator)
         self.layer_range = layer_range
         self.num_blocks = num_blocks

@@ -14,6 +14,16 @@ class Deployment:
     base_url: str
     log_dir: Path
     procs: dict = field(default_factory=dict)
+    commands: dict = field(default_factory=dict)  # name -> (service, args), to restart one
+
+    def start(self, name: str, service: str, args: list[str]) -> None:
+        self.commands[name] = (service, args)
+        self.procs[name] = start_service(service, args, self.log_dir)
+
+    def restart(self, name: str) -> None:
+        """Start a (killed) service again with the same command line."""
+        stop_process(self.procs[name])
+        self.start(name, *self.commands[name])
 
     @property
     def api(self) -> str:
@@ -51,6 +61,34 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
     deployment.procs["gateway"] = start_service(
         "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts],
         log_dir)
+    try:
+        wait_for_http(f"{deployment.base_url}/health", 120, list(deployment.procs.values()))
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
+
+
+def start_pipeline(nats_url: str, log_dir: Path, model_dir: str, split: list[tuple[int, int]],
+                   microbatches: int = 2, head_args: tuple = (), stage_args: tuple = ()) -> Deployment:
+    """scheduler-0, a pipeline of `len(split)` stages (stage-0 the head) and gateway-0 on a fresh namespace."""
+    namespace = "t" + uuid.uuid4().hex[:10]
+    port = free_port()
+    bus = ["--nats", nats_url, "--namespace", namespace]
+    model = ["--model", model_dir, "--served-model-name", "splitserve-default-llama"]
+    deployment = Deployment(nats_url, namespace, f"http://127.0.0.1:{port}", log_dir)
+    deployment.procs["scheduler"] = start_service("scheduler", [*bus, "--instance-id", "scheduler-0"], log_dir)
+    stages = [f"stage-{i}" for i in range(1, len(split))]
+    for iid, (start, end) in zip(stages, split[1:]):
+        deployment.start(iid, "stage", [*bus, "--instance-id", iid, *model, "--layers", f"{start}:{end}",
+                                        "--kv-cache-bytes", str(64 << 20), *stage_args])
+    start, end = split[0]
+    deployment.procs["stage-0"] = start_service(
+        "stage", [*bus, "--instance-id", "stage-0", *model, "--layers", f"{start}:{end}", "--stages", ",".join(stages),
+                  "--microbatches", str(microbatches), "--kv-cache-bytes", str(64 << 20), *head_args], log_dir)
+    deployment.procs["gateway"] = start_service(
+        "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port),
+                    "--expect", f"scheduler=1,decode=1,stage={len(stages)}"], log_dir)
     try:
         wait_for_http(f"{deployment.base_url}/health", 120, list(deployment.procs.values()))
     except BaseException:

@@ -1,0 +1,147 @@
+"""`python -m services.stage`: one pipeline stage; with `--layers 0:N` the pipeline's head."""
+
+import argparse
+import sys
+
+from services.common.options import (
+    add_bus_options,
+    add_engine_options,
+    add_model_options,
+    engine_config,
+    env_default,
+    resolve_model,
+    run_async,
+)
+
+
+def layer_range(text: str):
+    from shared.engine.model_loader import LayerRange
+
+    try:
+        start, end = (int(v) for v in text.split(":"))
+        return LayerRange(start, end)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a layer range START:END, e.g. 0:6") from None
+
+
+def stage_list(text: str) -> list[str]:
+    stages = [s.strip() for s in text.split(",") if s.strip()]
+    if not stages:
+        raise argparse.ArgumentTypeError("name at least one stage")
+    return stages
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve serve stage",
+                                     description="A pipeline stage: a contiguous range of the model's layers.")
+    add_bus_options(parser, "stage")
+    add_model_options(parser)
+    add_engine_options(parser)
+    parser.add_argument("--layers", type=layer_range, required=True,
+                        help="this stage's layers START:END; a stage from 0 is the head (it takes the requests)")
+    parser.add_argument("--stages", type=stage_list,
+                        help="head only: the instance ids of the stages after it, in layer order")
+    parser.add_argument("--microbatches", type=int, default=2, help="head only: steps in flight at once")
+    parser.add_argument("--step-timeout", type=float, default=60.0,
+                        help="head only: seconds a step may take through the pipeline before its requests fail")
+    parser.add_argument("--stage-wait", type=float, default=300.0,
+                        help="head only: seconds to wait at start for the stages to be ready")
+    parser.add_argument("--max-active-requests", type=int, default=512, help="head only: requests taken at most")
+    parser.add_argument("--num-kv-blocks", type=int,
+                        help="stages after the head: KV blocks (default: what --kv-cache-bytes holds); "
+                             "the head takes the smallest of its stages' counts and its own")
+    parser.add_argument("--inline-activation-bytes", type=int, default=256 << 10,
+                        help="activations up to this size ride NATS; bigger ones go over the side channel")
+    parser.add_argument("--activation-transport", default="auto", choices=["auto", "shm", "tcp"],
+                        help="the side channel's backend for big activations")
+    parser.add_argument("--transfer-host", default=env_default("TRANSFER_HOST", "127.0.0.1"),
+                        help="address this stage's side channel listens on")
+    parser.add_argument("--transfer-advertise", default=env_default("TRANSFER_ADVERTISE", None),
+                        help="the address other stages dial (needed when listening on 0.0.0.0)")
+    return parser
+
+
+def head_bytes_per_block(model_dir: str, args: argparse.Namespace) -> int:
+    from shared.engine.kv_cache import PagedKVCache
+    from shared.engine.model_loader import read_config, resolve_dtype
+
+    config = read_config(model_dir)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return PagedKVCache.bytes_per_block(args.layers.end, args.block_size, getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
+                                        resolve_dtype(args.dtype, config))
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+
+    from services.common.runner import run_service
+    from services.stage.link import ActivationLink
+    from shared.engine.model_loader import LayerRange, read_config
+    from shared.engine.pipeline import LayerSplitError, check_layer_split
+    from shared.transfer import KVReceiver, KVSender
+
+    model_dir, served_name = resolve_model(args)
+    num_layers = read_config(model_dir).num_hidden_layers
+    if args.layers.end > num_layers:
+        raise SystemExit(f"--layers {args.layers.start}:{args.layers.end} is beyond the model's {num_layers} layers")
+    is_head = args.layers.start == 0
+    if is_head and not args.stages:
+        raise SystemExit("the head (--layers 0:N) needs --stages: the stages after it, in order")
+    if args.microbatches < 1:
+        raise SystemExit("--microbatches must be at least 1")
+
+    async def build(nc, js, registry, subjects):
+        receiver = KVReceiver()
+        await receiver.start(args.transfer_host, 0, advertise_host=args.transfer_advertise)
+        link = ActivationLink(nc=nc, subjects=subjects, instance_id=args.instance_id, receiver=receiver,
+                              sender=KVSender(), inline_bytes=args.inline_activation_bytes,
+                              transport=args.activation_transport, hop_timeout_s=args.step_timeout)
+        if not is_head:
+            from services.stage.worker import StageWorker
+            from shared.engine.stage import StageRunner
+
+            runner = await asyncio.to_thread(
+                StageRunner, model_dir, args.layers, dtype=args.dtype, device=args.device,
+                block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes)
+            return StageWorker(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id,
+                               runner=runner, link=link, model=model_dir, served_model_name=served_name)
+
+        from services.stage.head import PipelineHead, wait_for_stages
+        from shared.engine.pipeline import PipelineHeadEngine
+
+        stages = await wait_for_stages(registry, args.stages, args.stage_wait)
+        ranges = [args.layers] + [LayerRange(*stages[iid].details["layers"]) for iid in args.stages]
+        try:
+            check_layer_split(ranges, num_layers)
+        except LayerSplitError as exc:
+            raise SystemExit(f"the pipeline's stages do not fit together: {exc}") from None
+        for iid in args.stages:
+            if stages[iid].details.get("block_size") != args.block_size:
+                raise SystemExit(f"stage {iid} has KV blocks of {stages[iid].details.get('block_size')} tokens; "
+                                 f"the head has {args.block_size}")
+        config = engine_config(args, model_dir)
+        # Steps name the head's block ids, so the head uses no more blocks than any stage has.
+        own_blocks = args.kv_cache_bytes // head_bytes_per_block(model_dir, args)
+        num_blocks = max(1, min([own_blocks] + [stages[iid].kv_blocks_total for iid in args.stages]))
+        config = dataclasses.replace(config, layer_ranges=[args.layers], num_kv_blocks=num_blocks)
+        holder = {}
+        engine = await asyncio.to_thread(
+            PipelineHeadEngine, config, lambda *step: holder["head"].submit(*step),
+            num_microbatches=args.microbatches, step_timeout_s=args.step_timeout)
+        head = PipelineHead(nc=nc, registry=registry, engine=engine, subjects=subjects, instance_id=args.instance_id,
+                            model=model_dir, served_model_name=served_name,
+                            max_active_requests=args.max_active_requests, link=link, stages=list(args.stages),
+                            stage_boot_ids={iid: stages[iid].boot_id for iid in args.stages})
+        holder["head"] = head
+        return head
+
+    return await run_service(args, "decode" if is_head else "stage", build)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_async(serve(build_parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

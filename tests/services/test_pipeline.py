@@ -1,0 +1,137 @@
+"""Pipeline stages end to end: the same tokens as transformers through 2, 3 and 4 stage processes, each
+holding only its share of the weights; a stage killed mid-request ends in an error, never a hang."""
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import nats
+import pytest
+from transformers import AutoTokenizer
+
+from contracts import ServiceInfo, StatsRequest, Subjects
+from reference import safe_prompts
+from support.deployment import start_pipeline
+
+MODEL = "splitserve-default-llama"
+LENGTHS = [3, 20, 64, 150, 400, 1000]
+
+
+@pytest.fixture(scope="module")
+def cases(default_model):
+    return safe_prompts(default_model, 2048, LENGTHS, 16, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    return AutoTokenizer.from_pretrained(default_model)
+
+
+def complete(base_url: str, prompt, **kwargs) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **kwargs}
+    return httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+
+
+def text_of(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def stats(deployment, instance: str) -> ServiceInfo:
+    async def ask():
+        nc = await nats.connect(deployment.nats_url)
+        try:
+            reply = await nc.request(Subjects(deployment.namespace).stats(instance), StatsRequest().encode(), timeout=5)
+            return ServiceInfo.decode(reply.data)
+        finally:
+            await nc.close()
+    return asyncio.run(ask())
+
+
+@pytest.mark.parametrize("split", [
+    [(0, 2), (2, 4)],
+    [(0, 2), (2, 3), (3, 4)],  # 4 layers over 3 stages: uneven
+    [(0, 1), (1, 2), (2, 3), (3, 4)],
+])
+def test_pipeline_matches_transformers_alone_and_concurrently(nats_server, default_model, tmp_path, cases, tokenizer,
+                                                              split):
+    small = ("--inline-activation-bytes", str(16 << 10))  # prefill chunks over the side channel, decode steps inline
+    deployment = start_pipeline(nats_server.url, tmp_path, default_model, split, microbatches=2, head_args=small,
+                                stage_args=small)
+    try:
+        expected = [tokenizer.decode(e, skip_special_tokens=True) for _, e in cases]
+        assert [text_of(complete(deployment.base_url, p)) for p, _ in cases] == expected
+        batch = (cases * 3)[:16]
+        with ThreadPoolExecutor(16) as pool:
+            texts = list(pool.map(lambda case: text_of(complete(deployment.base_url, case[0])), batch))
+        assert texts == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
+
+        head = stats(deployment, "stage-0")
+        assert head.details["layers"] == list(split[0]) and head.details["steps_failed"] == 0
+        assert head.kv_blocks_free == head.kv_blocks_total  # every request's blocks came back
+        parameter_bytes = [head.details["parameter_bytes"]]
+        for i, (start, end) in enumerate(split[1:], start=1):
+            stage = stats(deployment, f"stage-{i}")
+            assert stage.details["layers"] == [start, end]
+            assert stage.details["steps"].get("forwarded", 0) > 0 and not stage.details["steps"].get("failed")
+            assert 0 <= stage.details["utilization"]["idle_fraction"] < 1
+            parameter_bytes.append(stage.details["parameter_bytes"])
+        # Each process holds its share only: a middle stage exactly its layers' weights, no embedding, no LM head.
+        assert all(b > 0 for b in parameter_bytes)
+        if len(split) > 2:
+            per_layer = parameter_bytes[1] // (split[1][1] - split[1][0])
+            assert parameter_bytes[0] > (split[0][1] - split[0][0]) * per_layer  # the head also embeds
+            assert sum(parameter_bytes) < len(split) * parameter_bytes[0]
+        links = [head.details["link"]] + [stats(deployment, f"stage-{i}").details["link"] for i in range(1, len(split))]
+        assert sum(link["side_channel_transfers_sent"] for link in links) > 0  # prefill chunks
+        assert sum(link["inline_messages_sent"] for link in links) > 0  # decode steps
+        assert sum(link["failed_sends"] for link in links) == 0
+    finally:
+        deployment.stop()
+
+
+def test_openai_client_streams_from_a_pipeline(nats_server, default_model, tmp_path, cases, tokenizer):
+    from openai import OpenAI
+
+    deployment = start_pipeline(nats_server.url, tmp_path, default_model, [(0, 3), (3, 4)], microbatches=3)
+    try:
+        client = OpenAI(base_url=deployment.api, api_key="unused")
+        prompt, expected = cases[3]
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == tokenizer.decode(
+            expected, skip_special_tokens=True)
+    finally:
+        deployment.stop()
+
+
+def test_a_stage_killed_mid_request_fails_it_and_the_pipeline_serves_again(nats_server, default_model, tmp_path,
+                                                                          cases, tokenizer):
+    deployment = start_pipeline(nats_server.url, tmp_path, default_model, [(0, 2), (2, 4)])
+    try:
+        prompt, expected = cases[-1]
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(complete, deployment.base_url, prompt, max_tokens=2000)
+            time.sleep(1.5)  # the request is decoding (or still prefilling)
+            os.kill(deployment.procs["stage-1"].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            response = pending.result(timeout=60)
+        assert time.monotonic() - killed < 20  # an error soon (the registry forgets the stage), not a hang
+        assert response.status_code == 500 and "stage-1" in response.json()["error"]["message"], response.text
+
+        # The stage comes back (as the supervisor would start it again): the pipeline serves again, exactly.
+        deployment.restart("stage-1")
+        deadline = time.monotonic() + 90
+        while True:
+            response = complete(deployment.base_url, prompt)
+            if response.status_code == 200:
+                break
+            assert time.monotonic() < deadline, response.text
+            time.sleep(1.0)
+        assert text_of(response) == tokenizer.decode(expected, skip_special_tokens=True)
+        assert stats(deployment, "stage-0").details["resets"] >= 1
+    finally:
+        deployment.stop()
