@@ -58,9 +58,9 @@ def add_parser(subcommands) -> None:
         metavar="NAME",
         help="the model name clients ask for (default: the default model's name, else the directory's name)",
     )
-    parser.add_argument("--topology", default="disagg", choices=["colocated", "disagg"],
-                        help="how inference is split: colocated workers, or separate prefill and decode pools "
-                             "(default: disagg, one prefill and one decode worker)")
+    parser.add_argument("--topology", default="disagg", choices=["colocated", "disagg", "pipeline"],
+                        help="how inference is split: colocated workers, separate prefill and decode pools, or "
+                             "the model's layers over pipeline stages (default: disagg, one prefill and one decode worker)")
     parser.add_argument("--decode", type=_positive_int, default=1, metavar="N", help="number of decode workers (default: 1)")
     parser.add_argument("--prefill", type=_positive_int, default=1, metavar="N",
                         help="number of prefill workers with --topology disagg (default: 1)")
@@ -68,6 +68,12 @@ def add_parser(subcommands) -> None:
                         help="disagg: prompts with more uncached tokens than N are prefilled remotely (0: always)")
     parser.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp"],
                         help="disagg: how KV moves from prefill to decode workers (default: auto)")
+    parser.add_argument("--stages", type=_positive_int, metavar="N",
+                        help="pipeline: split the layers evenly over N stage processes (default: 2)")
+    parser.add_argument("--layer-split", metavar="A:B,B:C,...",
+                        help="pipeline: each stage's layers, e.g. 0:6,6:12 (instead of --stages)")
+    parser.add_argument("--microbatches", type=_positive_int, default=2, metavar="M",
+                        help="pipeline: steps in flight through the stages at once (default: 2)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000, help="port the gateway listens on (default: 8000)")
     parser.add_argument("--nats", metavar="URL", help="use this NATS server (with JetStream) instead of starting one")
@@ -97,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         max_local_prefill=args.max_local_prefill,
         kv_transport=args.kv_transport,
+        stages=args.stages,
+        layer_split=args.layer_split,
+        microbatches=args.microbatches,
         host=args.host,
         port=args.port,
         nats=args.nats,

@@ -74,6 +74,9 @@ class UpOptions:
     prefill: int = 1  # disagg only
     max_local_prefill: int | None = None  # disagg only; None: the scheduler's default
     kv_transport: str = "auto"
+    stages: int | None = None  # pipeline: split the layers evenly over this many stages (default 2)
+    layer_split: str | None = None  # pipeline: "0:6,6:12,...", instead of --stages
+    microbatches: int = 2  # pipeline
     host: str = "127.0.0.1"
     port: int = 8000
     nats: str | None = None
@@ -167,6 +170,7 @@ class Launcher:
         self.python = python or sys.executable
         self.poll_interval_s = poll_interval_s
         self._stop_requested = False
+        self._stage_ranges: tuple[tuple[int, int], ...] = ()
         self.nats: EmbeddedNats | None = None
         self.supervisor: Supervisor | None = None
         self.deployment: Deployment | None = None
@@ -223,6 +227,10 @@ class Launcher:
             raise LaunchError(f"unknown topology {o.topology!r} (choose from {', '.join(topology.TOPOLOGIES)})", 2)
         if o.decode < 1:
             raise LaunchError("--decode must be at least 1", 2)
+        if o.topology == "pipeline" and o.decode != 1:
+            raise LaunchError("--topology pipeline runs one pipeline; --decode must be 1", 2)
+        if o.microbatches < 1:
+            raise LaunchError("--microbatches must be at least 1", 2)
         if not 0 < o.port < 65536:
             raise LaunchError(f"--port {o.port} is not a TCP port", 2)
         if o.nats is not None:
@@ -241,6 +249,7 @@ class Launcher:
                 raise LaunchError(f"cannot reach a NATS server at {o.nats}", 2)
             self._say(f"starting in {self.run_dir} (logs in {self.log_dir})")
             model_dir, served_name = resolve_model(o.model, o.served_model_name)
+            self._stage_ranges = self._pipeline_split(model_dir) if o.topology == "pipeline" else ()
             if self._stop_requested:
                 return 0
             self._start(model_dir, served_name)
@@ -258,6 +267,26 @@ class Launcher:
                 self._say(f"error: {failure}")
             self._shutdown(failure)
         return failure.exit_code
+
+    def _pipeline_split(self, model_dir: str) -> tuple[tuple[int, int], ...]:
+        """The pipeline's layer ranges, checked against the model before anything starts (exit 2 if bad)."""
+        from shared.engine.model_loader import read_config
+        from shared.engine.pipeline import LayerSplitError, even_split, parse_layer_split
+
+        o = self.options
+        if o.stages is not None and o.layer_split is not None:
+            raise LaunchError("give --stages or --layer-split, not both", 2)
+        num_layers = read_config(model_dir).num_hidden_layers
+        try:
+            if o.layer_split is not None:
+                ranges = parse_layer_split(o.layer_split, num_layers)
+            else:
+                ranges = even_split(num_layers, 2 if o.stages is None else o.stages)
+        except LayerSplitError as exc:
+            raise LaunchError(f"bad pipeline split for a model of {num_layers} layers: {exc}", 2) from None
+        if len(ranges) < 2:
+            raise LaunchError("a pipeline needs at least 2 stages", 2)
+        return tuple((r.start, r.end) for r in ranges)
 
     def _check_leftovers(self) -> None:
         try:
@@ -318,7 +347,7 @@ class Launcher:
         config = topology.UpConfig(
             model=model_dir, served_model_name=served_name, nats_url=nats_url, topology=o.topology,
             decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill, kv_transport=o.kv_transport,
-            host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
+            stage_ranges=self._stage_ranges, microbatches=o.microbatches, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
         )
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy)
@@ -429,6 +458,8 @@ class Launcher:
         workers = f"{o.decode} decode worker" + ("" if o.decode == 1 else "s")
         if o.topology == "disagg":
             workers = f"{o.prefill} prefill worker" + ("" if o.prefill == 1 else "s") + ", " + workers
+        elif o.topology == "pipeline":
+            workers = f"{len(self._stage_ranges)} pipeline stages: " + ", ".join(f"{a}:{b}" for a, b in self._stage_ranges)
         try:
             print(
                 f"splitserve ready: {self.deployment.api_url} (model {served_name}, topology {o.topology}, {workers})",

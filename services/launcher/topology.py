@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-TOPOLOGIES = ("colocated", "disagg")  # later: "pipeline"
+TOPOLOGIES = ("colocated", "disagg", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class UpConfig:
     prefill: int = 1  # disagg: prefill workers
     max_local_prefill: int | None = None  # disagg: the scheduler's threshold (None: its default)
     kv_transport: str = "auto"  # disagg: how prefill workers ship KV
+    stage_ranges: tuple[tuple[int, int], ...] = ()  # pipeline: each stage's layers [start, end), checked already
+    microbatches: int = 2  # pipeline: steps in flight at once
     host: str = "127.0.0.1"
     port: int = 8000
     namespace: str = "splitserve"
@@ -79,6 +81,8 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
         raise ValueError("--prefill must be at least 1")
     bus = ("--nats", config.nats_url, "--namespace", config.namespace)
     model = ("--model", config.model, "--served-model-name", config.served_model_name)
+    if config.topology == "pipeline":
+        return _plan_pipeline(config, bus, model)
     scheduler_args = (*bus, "--instance-id", "scheduler-0")
     if disagg and config.max_local_prefill is not None:
         scheduler_args += ("--max-local-prefill", str(config.max_local_prefill))
@@ -99,12 +103,33 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
                  "--dtype", config.dtype),
             )
         )
-    gateway_args = (
-        *bus, *model,
-        "--host", config.host,
-        "--port", str(config.port),
-        "--expect", expect_arg(counts),
-        "--instance-id", "gateway-0",
-    )
-    specs.append(ServiceSpec("gateway-0", "gateway", "gateway-0", gateway_args, url=http_url(config.host, config.port)))
+    specs.append(_gateway(config, bus, model, counts))
     return specs
+
+
+def _gateway(config: UpConfig, bus: tuple, model: tuple, counts: dict[str, int]) -> ServiceSpec:
+    args = (*bus, *model, "--host", config.host, "--port", str(config.port), "--expect", expect_arg(counts),
+            "--instance-id", "gateway-0")
+    return ServiceSpec("gateway-0", "gateway", "gateway-0", args, url=http_url(config.host, config.port))
+
+
+def _plan_pipeline(config: UpConfig, bus: tuple, model: tuple) -> list[ServiceSpec]:
+    """One pipeline: stage-1.. first (the head waits for them), then the head stage-0, which takes requests."""
+    if len(config.stage_ranges) < 2:
+        raise ValueError("a pipeline needs at least 2 stages")
+    if config.decode != 1:
+        raise ValueError("--topology pipeline runs one pipeline; --decode must be 1")
+    if config.microbatches < 1:
+        raise ValueError("--microbatches must be at least 1")
+    specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0", (*bus, "--instance-id", "scheduler-0"))]
+    stages = [f"stage-{i}" for i in range(1, len(config.stage_ranges))]
+    for iid, (start, end) in zip(stages, config.stage_ranges[1:]):
+        specs.append(ServiceSpec(iid, "stage", iid, (*bus, *model, "--instance-id", iid, "--dtype", config.dtype,
+                                                     "--layers", f"{start}:{end}")))
+    start, end = config.stage_ranges[0]
+    specs.append(ServiceSpec("stage-0", "stage", "stage-0", (
+        *bus, *model, "--instance-id", "stage-0", "--dtype", config.dtype, "--layers", f"{start}:{end}",
+        "--stages", ",".join(stages), "--microbatches", str(config.microbatches))))
+    specs.append(_gateway(config, bus, model, {"decode": 1, "scheduler": 1, "stage": len(stages)}))
+    return specs
+

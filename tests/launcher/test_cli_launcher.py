@@ -55,9 +55,26 @@ def test_up_with_an_unreachable_nats_is_a_clear_error(tmp_path, capsys):
 
 
 def test_up_flag_values_are_checked_by_the_parser(tmp_path):
-    for args in (["--decode", "0"], ["--port", "70000"], ["--topology", "pipeline"], ["--ready-timeout", "-1"]):
+    for args in (["--decode", "0"], ["--port", "70000"], ["--topology", "ring"], ["--ready-timeout", "-1"],
+                 ["--stages", "0"], ["--microbatches", "0"]):
         result = cli("up", "--run-dir", str(tmp_path), *args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, args
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layer-split", "0:3,2:4"], "overlaps"),
+    (["--layer-split", "0:2"], "in no stage"),
+    (["--stages", "9"], "at most one stage per layer"),
+    (["--stages", "1"], "at least 2 stages"),
+    (["--stages", "2", "--layer-split", "0:2,2:4"], "not both"),
+    (["--decode", "2"], "--decode must be 1"),
+])
+def test_a_bad_pipeline_split_is_refused_before_anything_starts(tmp_path, default_model, args, message):
+    result = cli("up", "--run-dir", str(tmp_path / "run"), "--port", str(free_port()), "--model", default_model,
+                 "--topology", "pipeline", *args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # nothing was started
 
 
 def test_serve_an_unknown_service_lists_the_choices():

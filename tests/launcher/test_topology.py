@@ -34,8 +34,10 @@ def test_colocated_plan():
 
 
 def test_plan_refuses_what_it_cannot_run():
-    with pytest.raises(ValueError, match="unknown topology 'pipeline'"):
-        plan(UpConfig(model="m", served_model_name="m", nats_url="n", topology="pipeline"))
+    with pytest.raises(ValueError, match="unknown topology 'ring'"):
+        plan(UpConfig(model="m", served_model_name="m", nats_url="n", topology="ring"))
+    with pytest.raises(ValueError, match="at least 2 stages"):
+        plan(UpConfig(model="m", served_model_name="m", nats_url="n", topology="pipeline", stage_ranges=((0, 4),)))
     with pytest.raises(ValueError, match="at least 1"):
         plan(UpConfig(model="m", served_model_name="m", nats_url="n", decode=0))
 
@@ -61,8 +63,23 @@ def test_disagg_plan():
     assert gateway_args[gateway_args.index("--expect") + 1] == "decode=1,scheduler=1,prefill=2"
 
 
-@pytest.mark.parametrize("config", [CONFIG, DISAGG], ids=["colocated", "disagg"])
-@pytest.mark.parametrize("role", ["scheduler", "decode", "gateway", "prefill"])
+PIPELINE = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", topology="pipeline",
+                    stage_ranges=((0, 3), (3, 5), (5, 6)), microbatches=3, namespace="ns1")
+
+
+def test_pipeline_plan():
+    specs = plan(PIPELINE)
+    assert [s.name for s in specs] == ["scheduler-0", "stage-1", "stage-2", "stage-0", "gateway-0"]
+    layers = {s.name: s.args[s.args.index("--layers") + 1] for s in specs if s.role == "stage"}
+    assert layers == {"stage-0": "0:3", "stage-1": "3:5", "stage-2": "5:6"}
+    head = specs[3].args
+    assert head[head.index("--stages") + 1] == "stage-1,stage-2" and head[head.index("--microbatches") + 1] == "3"
+    gateway_args = specs[-1].args
+    assert gateway_args[gateway_args.index("--expect") + 1] == "decode=1,scheduler=1,stage=2"
+
+
+@pytest.mark.parametrize("config", [CONFIG, DISAGG, PIPELINE], ids=["colocated", "disagg", "pipeline"])
+@pytest.mark.parametrize("role", ["scheduler", "decode", "gateway", "prefill", "stage"])
 def test_every_planned_command_line_parses(role, config):
     try:
         found = importlib.util.find_spec(f"services.{role}.__main__")
@@ -77,5 +94,5 @@ def test_every_planned_command_line_parses(role, config):
         parsed = module.build_parser().parse_args(list(spec.args))
         assert parsed.nats == config.nats_url and parsed.namespace == config.namespace
         assert parsed.instance_id == spec.instance_id
-        if role in ("decode", "gateway", "prefill"):
+        if role in ("decode", "gateway", "prefill", "stage"):
             assert parsed.model == config.model and parsed.served_model_name == config.served_model_name
