@@ -54,6 +54,14 @@ class _RegistryCollector:
                                         labels=["service", "instance", "decision"])
         outcomes = CounterMetricFamily("splitserve_prefill_outcomes", "How a decode worker's requests were prefilled",
                                        labels=["service", "instance", "outcome"])
+        idle = GaugeMetricFamily("splitserve_pipeline_stage_idle_fraction",
+                                 "Share of a pipeline stage's time spent waiting for input while there was work "
+                                 "(the bubble; gaps over 1 s count as no work)", labels=["service", "instance"])
+        busy = CounterMetricFamily("splitserve_pipeline_stage_busy_seconds", "Time a pipeline stage spent computing",
+                                   labels=["service", "instance"])
+        hop_bytes = CounterMetricFamily("splitserve_pipeline_activation_bytes",
+                                        "Activation bytes a pipeline stage sent on, inline on NATS or over the side channel",
+                                        labels=["service", "instance", "path"])
         for entry in self._snapshot():
             labels = [entry.role, entry.instance_id]
             details = entry.details or {}
@@ -68,8 +76,16 @@ class _RegistryCollector:
             transfer = details.get("kv_transfer", {})
             for backend, count in transfer.get("bytes_by_backend", {}).items():
                 transfer_bytes.add_metric([*labels, backend], count)
+            utilization = details.get("utilization")
+            if utilization:
+                idle.add_metric(labels, utilization["idle_fraction"])
+                busy.add_metric(labels, utilization["busy_seconds"])
+            link = details.get("link")
+            if link:
+                hop_bytes.add_metric([*labels, "inline"], link.get("inline_bytes_sent", 0))
+                hop_bytes.add_metric([*labels, "side_channel"], link.get("side_channel_bytes_sent", 0))
             histogram = transfer.get("seconds_histogram")
             if histogram:
                 transfer_seconds.add_metric(labels, [(str(le), n) for le, n in histogram["buckets"]], histogram["sum"])
         yield from families.values()
-        yield from (transfer_bytes, transfer_seconds, decisions, outcomes)
+        yield from (transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, hop_bytes)

@@ -19,7 +19,6 @@ from contracts import StageActivation
 from services.common.identity import now_ms
 from services.decode.worker import DecodeWorker
 from services.stage.link import ActivationLink
-from services.stage.utilization import Utilization
 from shared.bus.registry import Registry
 from shared.engine.pipeline import PipelineHeadEngine, StepResult
 from shared.engine.step_batch import StepBatch
@@ -52,7 +51,6 @@ class PipelineHead(DecodeWorker):
         self._stage_boot_ids = dict(stage_boot_ids)
         self._stages_missing: list[str] = []
         self._sends: set[asyncio.Task] = set()
-        self.utilization = Utilization()
         self.resets = 0
 
     async def start(self) -> list[asyncio.Task]:
@@ -76,7 +74,7 @@ class PipelineHead(DecodeWorker):
             "steps_failed": engine.steps_failed, "steps_in_flight": engine.num_in_flight,
             "stages_missing": list(self._stages_missing), "resets": self.resets,
             "parameter_bytes": sum(r.loaded.parameter_bytes() for r in engine.executor.runners),
-            "link": dict(self.link.stats),
+            "link": dict(self.link.stats), "utilization": engine.utilization.snapshot(),
         })
         return info
 

@@ -14,7 +14,7 @@ import time
 from contracts import ServiceInfo, StatsRequest, Subjects
 from services.common.identity import ServiceIdentity, now_ms
 from services.stage.link import ActivationLink
-from services.stage.utilization import Utilization
+from shared.telemetry.utilization import Utilization
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.stage import StageRunner

@@ -28,6 +28,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine, PlannedStep, RequestOutput
 from shared.engine.model_loader import LayerRange
 from shared.engine.step_batch import StepBatch
+from shared.telemetry.utilization import Utilization
 
 
 class LayerSplitError(ValueError):
@@ -117,6 +118,7 @@ class PipelineHeadEngine(LLMEngine):
         self._next_step_id = 0
         self.steps_started = 0
         self.steps_failed = 0
+        self.utilization = Utilization()  # of the head's own layers
 
     @property
     def num_in_flight(self) -> int:
@@ -156,7 +158,9 @@ class PipelineHeadEngine(LLMEngine):
         planned = self.plan_step(virtual_engine)
         if planned is None:
             return
+        started = time.monotonic()
         hidden = self.executor.execute(planned.batch)
+        self.utilization.record(started, time.monotonic())
         step_id = self._next_step_id
         self._next_step_id += 1
         self._in_flight[step_id] = (planned, time.monotonic() + self.step_timeout_s)

@@ -104,6 +104,18 @@ def test_openai_client_streams_from_a_pipeline(nats_server, default_model, tmp_p
                                            extra_body={"ignore_eos": True})
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == tokenizer.decode(
             expected, skip_special_tokens=True)
+        # Each stage's bubble and bytes show on the gateway's /metrics (from the stages' heartbeats).
+        deadline = time.monotonic() + 10
+        while True:
+            text = httpx.get(f"{deployment.base_url}/metrics", timeout=10).text
+            busy = [line for line in text.splitlines()
+                    if line.startswith('splitserve_pipeline_stage_busy_seconds_total{instance="stage-1"')]
+            if busy and float(busy[0].split()[-1]) > 0:
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.5)
+        assert 'splitserve_pipeline_stage_idle_fraction{instance="stage-0",service="decode"}' in text
+        assert 'splitserve_pipeline_activation_bytes_total{instance="stage-0",path="inline",service="decode"}' in text
     finally:
         deployment.stop()
 
