@@ -48,21 +48,18 @@ import asyncio
 import contextlib
 import json
 import os
-import queue
 import random
-import re
 import shutil
 import signal
-import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
+
+from loadtest.up_process import UpProcess, pin_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -547,169 +544,19 @@ def analyse(load: dict[str, Any], schedule: dict[str, Any], window: float) -> di
 # ---------------------------------------------------------------------------------
 # Deployment: start, pin, tear down
 # ---------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def deployment_for(topology: str, args: argparse.Namespace, model_dir: str, served_name: str,
+                   run_dir: Path) -> UpProcess:
+    if topology == "colocated":
+        flags = ["--topology", topology, "--decode", str(args.colocated_workers)]
+    else:
+        flags = ["--topology", topology, "--prefill", str(args.disagg_prefill), "--decode", str(args.disagg_decode),
+                 "--max-local-prefill", str(args.max_local_prefill), "--kv-transport", args.kv_transport]
+    return UpProcess(topology, flags, model_dir=model_dir, served_name=served_name, run_dir=run_dir, dtype=args.dtype,
+                     worker_threads=args.worker_threads, ready_timeout_s=args.ready_timeout,
+                     stop_timeout_s=args.stop_timeout)
 
 
-class Deployment:
-    """One `splitserve up` subprocess, in its own process group."""
-
-    def __init__(self, topology: str, args: argparse.Namespace, model_dir: str, served_name: str, run_dir: Path):
-        self.topology = topology
-        self.args = args
-        self.run_dir = run_dir
-        self.port = free_port()
-        self.namespace = f"bench-intf-{topology}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.served_name = served_name
-        cmd = [sys.executable, "-m", "services.cli.main", "up", "--topology", topology]
-        if topology == "colocated":
-            cmd += ["--decode", str(args.colocated_workers)]
-        else:
-            cmd += ["--prefill", str(args.disagg_prefill), "--decode", str(args.disagg_decode),
-                    "--max-local-prefill", str(args.max_local_prefill), "--kv-transport", args.kv_transport]
-        cmd += ["--model", model_dir, "--served-model-name", served_name, "--port", str(self.port),
-                "--run-dir", str(run_dir), "--namespace", self.namespace, "--dtype", args.dtype,
-                "--ready-timeout", f"{args.ready_timeout:g}"]
-        self.cmd = cmd
-        self.proc: subprocess.Popen | None = None
-        self.lines: list[str] = []
-        self._lines_q: queue.Queue = queue.Queue()
-        self._reader: threading.Thread | None = None
-        self.base_url: str | None = None
-        self.processes: list[dict[str, Any]] = []  # every pid of the deployment seen by `ps`
-
-    def start(self) -> None:
-        env = dict(os.environ)
-        threads = str(self.args.worker_threads)
-        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, name=f"up-{self.topology}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            self.lines.append(line)
-            self._lines_q.put(line)
-            print(f"  [up {self.topology}] {line}", flush=True)
-        self._lines_q.put(None)
-
-    def wait_ready(self, timeout_s: float) -> float:
-        """Seconds until the 'splitserve ready' line; raises on exit or deadline."""
-        started = time.monotonic()
-        deadline = started + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"no 'splitserve ready' line within {timeout_s:g} s")
-            try:
-                line = self._lines_q.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if line is None:
-                code = self.proc.wait(timeout=5) if self.proc else None
-                tail = "\n".join(self.lines[-15:])
-                raise RuntimeError(f"`splitserve up` exited with {code} before it was ready:\n{tail}")
-            match = re.search(r"splitserve ready: (\S+)", line)
-            if match:
-                self.base_url = match.group(1)
-                return time.monotonic() - started
-
-    def ps(self) -> dict[str, Any]:
-        out = subprocess.run(
-            [sys.executable, "-m", "services.cli.main", "ps", "--run-dir", str(self.run_dir), "--json"],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"splitserve ps failed ({out.returncode}): {out.stderr.strip()[:500]}")
-        data = json.loads(out.stdout)
-        known = {(p["pid"], p.get("start_time")) for p in self.processes}
-        entries = [dict(name=s["name"], role=s["role"], pid=s.get("pid"), start_time=s.get("start_time"))
-                   for s in data.get("services", [])]
-        nats = data.get("nats") or {}
-        if nats.get("embedded") and nats.get("pid"):
-            entries.append(dict(name="nats", role="nats", pid=nats["pid"], start_time=nats.get("start_time")))
-        for e in entries:
-            if e["pid"] and (e["pid"], e["start_time"]) not in known:
-                self.processes.append(e)
-        return data
-
-    def stop(self) -> dict[str, Any]:
-        """SIGTERM the launcher and wait; past the deadline kill its group and every service it started."""
-        result: dict[str, Any] = {"clean": True, "exit_code": None, "seconds": 0.0, "killed": []}
-        if self.proc is None:
-            return result
-        started = time.monotonic()
-        if self.proc.poll() is None:
-            # Learn every pid first (a restarted worker has a new one), in case the launcher has to be killed.
-            with contextlib.suppress(Exception):
-                if (self.run_dir / "deployment.json").exists():
-                    self.ps()
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=self.args.stop_timeout)
-            except subprocess.TimeoutExpired:
-                result["clean"] = False
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                result["killed"].append(f"launcher (pgid {self.proc.pid})")
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=10)
-        result["exit_code"] = self.proc.poll()
-        # Services run in their own sessions: make sure none of them outlives the launcher.
-        from services.launcher.procs import pid_alive
-
-        grace = time.monotonic() + (5.0 if result["clean"] else 0.0)
-        for entry in self.processes:
-            pid, start_time = entry["pid"], entry["start_time"]
-            while pid_alive(pid, start_time) and time.monotonic() < grace:
-                time.sleep(0.1)
-            if pid_alive(pid, start_time):
-                result["clean"] = False
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-                result["killed"].append(f"{entry['name']} (pid {pid})")
-        # Killed processes take a moment to go (and be reaped once orphaned).
-        deadline = time.monotonic() + 10.0
-        left = [e for e in self.processes if pid_alive(e["pid"], e["start_time"])]
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = [e for e in left if pid_alive(e["pid"], e["start_time"])]
-        result["still_running"] = [f"{e['name']} (pid {e['pid']})" for e in left]
-        if self._reader is not None:
-            self._reader.join(timeout=5)
-        result["seconds"] = time.monotonic() - started
-        return result
-
-
-def pin_process(pid: int, core: int) -> list[int]:
-    """Pin every thread of `pid` to `core` (repeat while new threads appear); the thread ids pinned."""
-    pinned: set[int] = set()
-    for _ in range(5):
-        try:
-            tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")}
-        except FileNotFoundError:
-            raise RuntimeError(f"worker pid {pid} is gone") from None
-        new = tids - pinned
-        if not new:
-            break
-        for tid in new:
-            with contextlib.suppress(ProcessLookupError):
-                os.sched_setaffinity(tid, {core})
-            pinned.add(tid)
-    return sorted(pinned)
-
-
-def pin_workers(dep: Deployment, cores: list[int]) -> tuple[list[dict[str, Any]], list[str]]:
+def pin_workers(dep: UpProcess, cores: list[int]) -> tuple[list[dict[str, Any]], list[str]]:
     """Workers (prefill first, then decode) each on the next core: (workers, unpinned service names)."""
     data = dep.ps()
     services = data.get("services", [])
@@ -748,7 +595,7 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
     return samples
 
 
-def restarts_of_workers(dep: Deployment, workers: list[dict[str, Any]]) -> dict[str, Any]:
+def restarts_of_workers(dep: UpProcess, workers: list[dict[str, Any]]) -> dict[str, Any]:
     """Workers whose pid changed or that restarted (a new process is not pinned)."""
     try:
         data = dep.ps()
@@ -766,7 +613,7 @@ def restarts_of_workers(dep: Deployment, workers: list[dict[str, Any]]) -> dict[
 def run_topology(topology: str, args: argparse.Namespace, model_dir: str, served_name: str, schedule: dict[str, Any],
                  run_root: Path) -> dict[str, Any]:
     run_dir = run_root / topology
-    dep = Deployment(topology, args, model_dir, served_name, run_dir)
+    dep = deployment_for(topology, args, model_dir, served_name, run_dir)
     result: dict[str, Any] = {"topology": topology, "ok": False, "error": None, "command": dep.cmd,
                               "run_dir": str(run_dir), "workers": [], "unpinned": [], "ready_s": None,
                               "metrics": {}, "teardown": None}

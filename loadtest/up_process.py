@@ -1,0 +1,183 @@
+"""A `splitserve up` deployment run by a benchmark: start it, wait for its ready line, list and pin its
+processes, and stop it so that none of them outlives the run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class UpProcess:
+    """One `splitserve up` subprocess, in its own process group, on a free port and a fresh namespace.
+
+    `topology_args` are the topology's own flags (`--topology ... --decode 2`, ...).
+    Its services run with OMP_NUM_THREADS=`worker_threads`.
+    """
+
+    def __init__(self, label: str, topology_args: list[str], *, model_dir: str, served_name: str, run_dir: Path,
+                 dtype: str, worker_threads: int, ready_timeout_s: float, stop_timeout_s: float):
+        self.topology = label
+        self.run_dir = run_dir
+        self.worker_threads = worker_threads
+        self.stop_timeout_s = stop_timeout_s
+        self.port = free_port()
+        self.namespace = f"bench-{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.served_name = served_name
+        self.cmd = [sys.executable, "-m", "services.cli.main", "up", *topology_args,
+                    "--model", model_dir, "--served-model-name", served_name, "--port", str(self.port),
+                    "--run-dir", str(run_dir), "--namespace", self.namespace, "--dtype", dtype,
+                    "--ready-timeout", f"{ready_timeout_s:g}"]
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+        self._lines_q: queue.Queue = queue.Queue()
+        self._reader: threading.Thread | None = None
+        self.base_url: str | None = None
+        self.processes: list[dict[str, Any]] = []  # every pid of the deployment seen by `ps`
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        threads = str(self.worker_threads)
+        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, name=f"up-{self.topology}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            self.lines.append(line)
+            self._lines_q.put(line)
+            print(f"  [up {self.topology}] {line}", flush=True)
+        self._lines_q.put(None)
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds until the 'splitserve ready' line; raises on exit or deadline."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no 'splitserve ready' line within {timeout_s:g} s")
+            try:
+                line = self._lines_q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if line is None:
+                code = self.proc.wait(timeout=5) if self.proc else None
+                tail = "\n".join(self.lines[-15:])
+                raise RuntimeError(f"`splitserve up` exited with {code} before it was ready:\n{tail}")
+            match = re.search(r"splitserve ready: (\S+)", line)
+            if match:
+                self.base_url = match.group(1)
+                return time.monotonic() - started
+
+    def ps(self) -> dict[str, Any]:
+        out = subprocess.run(
+            [sys.executable, "-m", "services.cli.main", "ps", "--run-dir", str(self.run_dir), "--json"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"splitserve ps failed ({out.returncode}): {out.stderr.strip()[:500]}")
+        data = json.loads(out.stdout)
+        known = {(p["pid"], p.get("start_time")) for p in self.processes}
+        entries = [dict(name=s["name"], role=s["role"], pid=s.get("pid"), start_time=s.get("start_time"))
+                   for s in data.get("services", [])]
+        nats = data.get("nats") or {}
+        if nats.get("embedded") and nats.get("pid"):
+            entries.append(dict(name="nats", role="nats", pid=nats["pid"], start_time=nats.get("start_time")))
+        for e in entries:
+            if e["pid"] and (e["pid"], e["start_time"]) not in known:
+                self.processes.append(e)
+        return data
+
+    def stop(self) -> dict[str, Any]:
+        """SIGTERM the launcher and wait; past the deadline kill its group and every service it started."""
+        result: dict[str, Any] = {"clean": True, "exit_code": None, "seconds": 0.0, "killed": []}
+        if self.proc is None:
+            return result
+        started = time.monotonic()
+        if self.proc.poll() is None:
+            # Learn every pid first (a restarted worker has a new one), in case the launcher has to be killed.
+            with contextlib.suppress(Exception):
+                if (self.run_dir / "deployment.json").exists():
+                    self.ps()
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                result["clean"] = False
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                result["killed"].append(f"launcher (pgid {self.proc.pid})")
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=10)
+        result["exit_code"] = self.proc.poll()
+        # Services run in their own sessions: make sure none of them outlives the launcher.
+        from services.launcher.procs import pid_alive
+
+        grace = time.monotonic() + (5.0 if result["clean"] else 0.0)
+        for entry in self.processes:
+            pid, start_time = entry["pid"], entry["start_time"]
+            while pid_alive(pid, start_time) and time.monotonic() < grace:
+                time.sleep(0.1)
+            if pid_alive(pid, start_time):
+                result["clean"] = False
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                result["killed"].append(f"{entry['name']} (pid {pid})")
+        # Killed processes take a moment to go (and be reaped once orphaned).
+        deadline = time.monotonic() + 10.0
+        left = [e for e in self.processes if pid_alive(e["pid"], e["start_time"])]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = [e for e in left if pid_alive(e["pid"], e["start_time"])]
+        result["still_running"] = [f"{e['name']} (pid {e['pid']})" for e in left]
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        result["seconds"] = time.monotonic() - started
+        return result
+
+
+def pin_process(pid: int, core: int) -> list[int]:
+    """Pin every thread of `pid` to `core` (repeat while new threads appear); the thread ids pinned."""
+    pinned: set[int] = set()
+    for _ in range(5):
+        try:
+            tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+        except FileNotFoundError:
+            raise RuntimeError(f"worker pid {pid} is gone") from None
+        new = tids - pinned
+        if not new:
+            break
+        for tid in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, {core})
+            pinned.add(tid)
+    return sorted(pinned)
