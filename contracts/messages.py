@@ -153,6 +153,7 @@ class StageActivation(Message):
     TYPE = "stage_activation"
     step_id: int
     head: str  # the head's instance id: logits and errors go back to it
+    head_boot_id: str = ""  # ...and its process: a restarted head ignores what comes back for its predecessor
     route: list[str]  # the stages still to run this step, in order; the receiver is the first
     stage_boot_ids: dict[str, str] = field(default_factory=dict)  # the stage processes the head means (a
     # restarted stage has lost the KV of earlier steps, so it must refuse steps meant for its previous boot)

@@ -59,6 +59,9 @@ class _RegistryCollector:
                                  "(the bubble; gaps over 1 s count as no work)", labels=["service", "instance"])
         busy = CounterMetricFamily("splitserve_pipeline_stage_busy_seconds", "Time a pipeline stage spent computing",
                                    labels=["service", "instance"])
+        idle_seconds = CounterMetricFamily("splitserve_pipeline_stage_idle_seconds",
+                                           "Time a pipeline stage waited for input between steps (gaps up to 1 s)",
+                                           labels=["service", "instance"])
         hop_bytes = CounterMetricFamily("splitserve_pipeline_activation_bytes",
                                         "Activation bytes a pipeline stage sent on, inline on NATS or over the side channel",
                                         labels=["service", "instance", "path"])
@@ -80,6 +83,7 @@ class _RegistryCollector:
             if utilization:
                 idle.add_metric(labels, utilization["idle_fraction"])
                 busy.add_metric(labels, utilization["busy_seconds"])
+                idle_seconds.add_metric(labels, utilization["idle_seconds"])
             link = details.get("link")
             if link:
                 hop_bytes.add_metric([*labels, "inline"], link.get("inline_bytes_sent", 0))
@@ -88,4 +92,4 @@ class _RegistryCollector:
             if histogram:
                 transfer_seconds.add_metric(labels, [(str(le), n) for le, n in histogram["buckets"]], histogram["sum"])
         yield from families.values()
-        yield from (transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, hop_bytes)
+        yield from (transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, idle_seconds, hop_bytes)

@@ -84,7 +84,8 @@ class PipelineHead(DecodeWorker):
         self._loop.call_soon_threadsafe(self._send_step, step_id, batch, hidden)
 
     def _send_step(self, step_id: int, batch: StepBatch, hidden) -> None:
-        step = StageActivation(step_id=step_id, head=self.instance_id, route=list(self.stages), batch=batch.to_dict(),
+        step = StageActivation(step_id=step_id, head=self.instance_id, head_boot_id=self.identity.boot_id,
+                               route=list(self.stages), batch=batch.to_dict(),
                                stage_boot_ids=dict(self._stage_boot_ids), kind="hidden",
                                deadline_ms=now_ms() + int(self.engine.step_timeout_s * 1000))
         task = asyncio.create_task(self._send(step, hidden))
@@ -104,6 +105,8 @@ class PipelineHead(DecodeWorker):
         while True:
             incoming = await self.link.next()
             message = incoming.message
+            if message.head_boot_id != self.identity.boot_id:
+                continue  # for this head's previous process (its step ids meant other steps)
             if incoming.error is not None:
                 result = StepResult(message.step_id, error=incoming.error)
             elif message.kind == "error":
