@@ -7,7 +7,7 @@ another (it keeps the connection for the next one, saving a connect and a
 round trip):
 
     receiver -> {v, nonce: nonce_r, host_id}                                once per connection
-    sender   -> {v, transfer_id, nonce: nonce_s, backend,
+    sender   -> {v, transfer_id, nonce: nonce_s, backend, [layers: [start, end]],
                  mac: HMAC-SHA256(token, sender|nonce_r|nonce_s|transfer_id)}  per transfer
     receiver -> {status: "ready", mac: HMAC-SHA256(token, receiver|...), max_part_bytes}
              |  {status: "finished", outcome, detail, mac}   an earlier connection already ended it
@@ -20,14 +20,16 @@ round trip):
     sender   -> {op: "end", parts}               receiver -> {op: "done"}
     sender   -> {op: "abort", detail}            its part producer failed
 
-A wrong or unknown token closes the connection and is counted in
+A sender claims the layers it will deliver (all of them by default); several
+senders may deliver one transfer between them, each its own layers, as the
+stages of a pipelined prefill pool do. A wrong or unknown token closes the connection and is counted in
 `stats.unauthenticated`; the expectation itself is untouched, so a stranger
 cannot fail someone else's transfer. Once authenticated, anything wrong on the
 connection (a corrupted payload, a malformed frame, the connection dropping)
 fails the transfer at once, so the decode worker can fall back to a local
 prefill without waiting for the deadline. A second authenticated connection
-for the same transfer (a redelivered prefill job) replaces the first, and the
-transfer starts over. Every expectation ends by its deadline at the latest:
+claiming layers another one claimed (a redelivered prefill job) replaces it,
+and those layers start over. Every expectation ends by its deadline at the latest:
 a timer fails it and closes its connection.
 """
 
@@ -100,12 +102,15 @@ class _Expectation:
     backend: str = "none"
     num_bytes: int = 0
     received: set[int] = field(default_factory=set)  # absolute layer indices applied
-    connection: "asyncio.Task | None" = None
+    connections: dict = field(default_factory=dict)  # live connection task -> the layers [start, end) it claimed
     timer: asyncio.TimerHandle | None = None
 
     @property
     def complete(self) -> bool:
         return len(self.received) == self.layer_end - self.layer_start
+
+    def missing_in(self, claim: tuple[int, int]) -> int:
+        return sum(1 for layer in range(*claim) if layer not in self.received)
 
     def elapsed(self) -> float:
         return time.perf_counter() - (self.started if self.started is not None else self.created)
@@ -345,9 +350,10 @@ class KVReceiver:
             self._finished.popitem(last=False)
         if not exp.done.done():
             exp.done.set_result(result)
-        conn = exp.connection
-        if failure is not None and conn is not None and not conn.done() and conn is not asyncio.current_task():
-            conn.cancel()
+        if failure is not None:
+            for conn in exp.connections:
+                if not conn.done() and conn is not asyncio.current_task():
+                    conn.cancel()
 
     # -- connections -----------------------------------------------------------------------------------
 
@@ -391,12 +397,15 @@ class KVReceiver:
                         self.stats.unauthenticated += 1
                     return
                 first = False
-                exp, backend, keep = await self._authenticate(channel, auth, receiver_nonce)
+                exp, backend, keep, claim = await self._authenticate(channel, auth, receiver_nonce)
                 if exp is None:
                     if keep:
                         continue
                     return
-                await self._receive(channel, exp, backend)
+                try:
+                    await self._receive(channel, exp, backend, claim)
+                finally:
+                    exp.connections.pop(asyncio.current_task(), None)
         except TransferFailed as failure:
             if exp is not None:
                 channel.try_send_msg({"op": "error", "reason": failure.reason, "detail": str(failure)})
@@ -415,8 +424,9 @@ class KVReceiver:
             channel.close()
 
     async def _authenticate(self, channel: Channel, auth: dict,
-                            receiver_nonce: bytes) -> tuple[_Expectation | None, str, bool]:
-        """Check a sender's claim to a transfer. Returns (expectation, backend, keep the connection)."""
+                            receiver_nonce: bytes) -> tuple[_Expectation | None, str, bool, tuple[int, int]]:
+        """Check a sender's claim to a transfer. Returns (expectation, backend, keep the connection, the layers
+        this connection will send)."""
         transfer_id, mac, sender_nonce, backend = (
             auth.get("transfer_id"), auth.get("mac"), auth.get("nonce"), auth.get("backend"))
         well_formed = (
@@ -432,42 +442,54 @@ class KVReceiver:
         ):
             self.stats.unauthenticated += 1
             channel.try_send_msg({"status": "rejected"})
-            return None, "", False
+            return None, "", False, (0, 0)
         proof = receiver_proof(token, transfer_id, receiver_nonce, sender_nonce)
         if exp is None:
             result = finished[1]
             await channel.send_msg({"status": "finished", "outcome": "ok" if result.ok else result.reason,
                                     "detail": result.error, "mac": proof})
-            return None, "", True
+            return None, "", True, (0, 0)
         if backend == "shm" and not shm_available():
             await channel.send_msg({"status": "unsupported-backend", "detail": "no /dev/shm here", "mac": proof})
-            return None, "", True
-        previous = exp.connection
-        if previous is not None and not previous.done():
-            previous.cancel()  # a newer sender for the same transfer: it starts over
-            log.info("kv transfer restarted by a new connection", transfer_id=transfer_id)
-        exp.connection = asyncio.current_task()
-        exp.received.clear()
-        exp.num_bytes = 0
+            return None, "", True, (0, 0)
+        claim = auth.get("layers", [exp.layer_start, exp.layer_end])
+        if (not isinstance(claim, list) or len(claim) != 2 or not all(type(v) is int for v in claim)
+                or not exp.layer_start <= claim[0] < claim[1] <= exp.layer_end):
+            await channel.send_msg({"status": "bad-claim", "mac": proof,
+                                    "detail": f"layers {str(claim)[:60]} are not within [{exp.layer_start}, "
+                                              f"{exp.layer_end})"})
+            return None, "", True, (0, 0)
+        claim = (claim[0], claim[1])
+        # Several senders may each deliver some of the layers (a pipelined prefill pool: one per stage). A
+        # newer sender for layers another one claimed (a redelivered job) replaces it: those layers start over.
+        for conn, other in list(exp.connections.items()):
+            if other[0] < claim[1] and claim[0] < other[1] and not conn.done():
+                conn.cancel()
+                log.info("kv transfer restarted by a new connection", transfer_id=transfer_id, layers=list(other))
+        exp.received.difference_update(range(*claim))
+        if claim == (exp.layer_start, exp.layer_end):
+            exp.num_bytes = 0
+        exp.connections[asyncio.current_task()] = claim
         exp.backend = backend
-        exp.started = time.perf_counter()
+        if exp.started is None:
+            exp.started = time.perf_counter()
         await channel.send_msg({"status": "ready", "mac": proof, "max_part_bytes": self.max_part_bytes})
-        return exp, backend, True
+        return exp, backend, True, claim
 
-    async def _receive(self, channel: Channel, exp: _Expectation, backend: str) -> None:
+    async def _receive(self, channel: Channel, exp: _Expectation, backend: str, claim: tuple[int, int]) -> None:
         shm_names: set[str] = set()
         buffer = None
         try:
             while True:
                 # Between parts the sender may be computing the next layer: only the deadline bounds
                 # that wait. After the last part, the closing "end" must come promptly.
-                msg = await channel.recv_msg(idle_ok=not exp.complete)
+                msg = await channel.recv_msg(idle_ok=exp.missing_in(claim) > 0)
                 if self._active.get(exp.transfer_id) is not exp and not exp.complete:
                     self.stats.discarded_parts += 1
                     return  # ended meanwhile (cancelled, deadline): late parts are not applied
                 op = msg.get("op")
                 if op == "part":
-                    header = _check_part(msg, exp, backend, self.max_part_bytes)
+                    header = _check_part(msg, exp, claim, backend, self.max_part_bytes)
                     if backend == "tcp":
                         if buffer is None or buffer.numel() < header.nbytes:
                             if buffer is not None:
@@ -489,8 +511,8 @@ class KVReceiver:
                     if exp.complete:
                         self._finish(exp)
                 elif op == "end":
-                    if not exp.complete:
-                        missing = exp.layer_end - exp.layer_start - len(exp.received)
+                    missing = exp.missing_in(claim)
+                    if missing:
                         raise TransferFailed(INCOMPLETE, f"the sender ended the transfer with {missing} layers missing")
                     await channel.send_msg({"op": "done"})
                     return
@@ -500,8 +522,8 @@ class KVReceiver:
                 else:
                     raise TransferFailed(PROTOCOL, f"unexpected message op {str(op)[:40]!r}")
         except TransferFailed as failure:
-            if failure.reason == CONNECTION and exp.complete:
-                return  # the sender went away after the last part; nothing is lost
+            if failure.reason == CONNECTION and not exp.missing_in(claim):
+                return  # the sender went away after its last part; nothing is lost
             for name in shm_names:  # the sender unlinks them on failure; let go of the memory now
                 self._shm_cache.drop(name)
             raise
@@ -609,7 +631,7 @@ class _PartHeader:
     lease_slot: torch.Tensor | None = None  # the lease's slot, once mapped
 
 
-def _check_part(msg: dict, exp: _Expectation, backend: str, max_part_bytes: int) -> _PartHeader:
+def _check_part(msg: dict, exp: _Expectation, claim: tuple[int, int], backend: str, max_part_bytes: int) -> _PartHeader:
     """Validate a part header against the expectation; raises TransferFailed(PROTOCOL / TOO_LARGE)."""
 
     def bad(what: str) -> TransferFailed:
@@ -623,9 +645,9 @@ def _check_part(msg: dict, exp: _Expectation, backend: str, max_part_bytes: int)
 
     seq = integer("seq")
     layer_start, layer_end = integer("layer_start"), integer("layer_end")
-    if not exp.layer_start <= layer_start < layer_end <= exp.layer_end:
+    if not claim[0] <= layer_start < layer_end <= claim[1]:
         raise bad(f"layers [{layer_start}, {layer_end}) are not within the expected "
-                  f"[{exp.layer_start}, {exp.layer_end})")
+                  f"[{claim[0]}, {claim[1]})")
     if any(layer in exp.received for layer in range(layer_start, layer_end)):
         raise bad(f"layers [{layer_start}, {layer_end}) overlap layers already received")
     dtype = DTYPES.get(msg.get("dtype"))

@@ -193,7 +193,7 @@ class KVSender:
         self.leases.close()
 
     async def send(self, ticket: TransferTicket, parts: "AsyncIterable[Part] | Iterable[Part]", *,
-                   backend: str = "auto") -> TransferResult:
+                   backend: str = "auto", layers: tuple[int, int] | None = None) -> TransferResult:
         """Send every part to the ticket's receiver; ok once the receiver applied them all. Ends by the deadline.
 
         `parts` yields `(layer_start, layer_end, tensor)` with `tensor.shape[0] ==
@@ -203,7 +203,8 @@ class KVSender:
         shared-memory region is read by the receiver in place, so it must not
         change until `send` returns. If the transfer fails while an async
         generator is producing, the generator is interrupted (cancelled at its
-        `await`).
+        `await`). `layers`: the layers this sender delivers, when other senders
+        deliver the rest of the ticket's (default: all of them).
         """
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
@@ -218,7 +219,7 @@ class KVSender:
             try:
                 async with asyncio.timeout_at(loop.time() + remaining) as deadline:
                     channel = await self._open(ticket)
-                    await self._transfer(channel, ticket, parts, chosen, flow)
+                    await self._transfer(channel, ticket, parts, chosen, flow, layers)
                 self._park(ticket, channel)
                 channel = None
             except TimeoutError:
@@ -310,12 +311,16 @@ class KVSender:
 
     # -- one transfer ----------------------------------------------------------------------------------
 
-    async def _transfer(self, channel: Channel, ticket: TransferTicket, parts, backend: str, flow: _Flow) -> None:
+    async def _transfer(self, channel: Channel, ticket: TransferTicket, parts, backend: str, flow: _Flow,
+                        layers: tuple[int, int] | None) -> None:
         """Authenticate, then stream. The writer prepares the first part while the handshake's answer travels."""
         sender_nonce = secrets.token_bytes(NONCE_BYTES)
         tid = ticket.transfer_id
-        await channel.send_msg({"v": PROTOCOL_VERSION, "transfer_id": tid, "nonce": sender_nonce, "backend": backend,
-                                "mac": sender_proof(ticket.token, tid, channel.receiver_nonce, sender_nonce)})
+        auth = {"v": PROTOCOL_VERSION, "transfer_id": tid, "nonce": sender_nonce, "backend": backend,
+                "mac": sender_proof(ticket.token, tid, channel.receiver_nonce, sender_nonce)}
+        if layers is not None:
+            auth["layers"] = [int(layers[0]), int(layers[1])]
+        await channel.send_msg(auth)
         ready = asyncio.get_running_loop().create_future()  # True: go; False: already delivered, send nothing
         writer = asyncio.create_task(self._write(channel, parts, backend, flow, ready), name="kv-send-write")
         reader = asyncio.create_task(self._read(channel, ticket, sender_nonce, backend, flow, ready),
@@ -347,6 +352,8 @@ class KVSender:
                 ready.set_result(False)  # delivered by an earlier connection: this was a retry
                 return
             raise _remote_failure(reply.get("outcome"), reply.get("detail"))
+        if status == "bad-claim":
+            raise TransferFailed(BAD_INPUT, f"the receiver refused the layers claimed: {str(reply.get('detail'))[:200]}")
         if status == "unsupported-backend":
             raise TransferFailed(SHM_ERROR, f"the receiver cannot use {backend}: {str(reply.get('detail'))[:200]}")
         if status != "ready":

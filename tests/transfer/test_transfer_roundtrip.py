@@ -146,3 +146,43 @@ async def test_shm_segments_are_reused_and_gone_after_close(receiver):
     finally:
         sender.close()
     assert segments_with_prefix(sender.shm_pool.prefix) == []
+
+
+async def test_several_senders_deliver_one_transfer_each_its_own_layers(receiver):
+    # As the stages of a pipelined prefill pool do: each ships its own layers of the prompt's KV.
+    src = kv(6, seed=11)
+    sink = Sink(src)
+    ticket = receiver.expect("split", on_part=sink, total_layers=(0, 6), deadline_s=10)
+    first, second = KVSender(), KVSender()
+    try:
+        sent_a, sent_b, got = await asyncio.gather(
+            first.send(ticket, [(layer, layer + 1, src[layer:layer + 1]) for layer in range(0, 2)], backend="shm",
+                       layers=(0, 2)),
+            second.send(ticket, [(2, 6, src[2:6])], backend="tcp", layers=(2, 6)),
+            receiver.wait("split"),
+        )
+        assert sent_a.ok and sent_b.ok and got.ok, (sent_a, sent_b, got)
+        assert torch.equal(sink.dst, src) and sorted(sink.layers) == list(range(6))
+    finally:
+        first.close()
+        second.close()
+
+
+async def test_a_sender_ending_its_claim_leaves_the_transfer_open_for_the_rest(receiver, sender):
+    src = kv(4, seed=12)
+    sink = Sink(src)
+    ticket = receiver.expect("half", on_part=sink, total_layers=(0, 4), deadline_s=10)
+    sent = await sender.send(ticket, [(0, 2, src[0:2])], backend="tcp", layers=(0, 2))
+    assert sent.ok and receiver.num_active == 1  # layers 2-3 are still to come
+    sent = await sender.send(ticket, [(2, 4, src[2:4])], backend="shm", layers=(2, 4))
+    assert sent.ok and (await receiver.wait("half")).ok and torch.equal(sink.dst, src)
+
+
+async def test_parts_outside_the_claim_or_a_claim_outside_the_transfer_are_refused(receiver, sender):
+    src = kv(4, seed=13)
+    ticket = receiver.expect("claims", on_part=Sink(src), total_layers=(0, 4), deadline_s=10)
+    sent = await sender.send(ticket, [(0, 1, src[0:1])], backend="tcp", layers=(2, 6))
+    assert not sent.ok and sent.reason == "bad-input" and receiver.num_active == 1  # the transfer is untouched
+    sent = await sender.send(ticket, [(0, 1, src[0:1])], backend="tcp", layers=(2, 4))
+    assert not sent.ok and sent.reason == "protocol"
+    assert not (await receiver.wait("claims")).ok
