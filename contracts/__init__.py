@@ -6,6 +6,7 @@ from contracts.messages import (
     CancelRequest,
     GenerateRequest,
     HandoffReply,
+    KVShipped,
     PrefillJob,
     PrefillResult,
     RequestFailed,
@@ -19,6 +20,6 @@ from contracts.messages import (
 from contracts.subjects import Subjects, check_token
 
 __all__ = [
-    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "Message", "PrefillJob", "PrefillResult",
+    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "KVShipped", "Message", "PrefillJob", "PrefillResult",
     "RequestFailed", "ServiceInfo", "StageActivation", "StageTicketReply", "StageTicketRequest", "StatsRequest", "Subjects", "TokenChunk", "check_token", "decode_one_of",
 ]

@@ -165,6 +165,8 @@ class StageActivation(Message):
     transfer_id: str = ""  # ...or the side-channel transfer it comes by (big ones)
     error: str = ""
     deadline_ms: int  # after this the head has given up on the step
+    ship: list[dict[str, Any]] = field(default_factory=list)  # prompts completing in this step whose KV each
+    # stage ships, its own layers, straight to the decode worker: {request_id, ticket, block_ids, num_tokens}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -184,5 +186,18 @@ class StageTicketReply(Message):
     TYPE = "stage_ticket_reply"
     ok: bool
     ticket: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass(slots=True, kw_only=True)
+class KVShipped(Message):
+    """pipeline stage -> its (prefill) head: this stage's layers of a prompt's KV reached the decode worker, or not.
+    Until every stage has said so (or the transfer's deadline passed), the head keeps the prompt's blocks."""
+
+    TYPE = "kv_shipped"
+    request_id: str
+    stage: str
+    ok: bool
+    num_bytes: int = 0
     error: str = ""
 

@@ -62,6 +62,10 @@ class Subjects:
         """Where a pipeline stage (or the head, for logits) takes steps' activations, in order."""
         return f"{self.namespace}.stage.{check_token(instance_id, 'instance id')}.activations"
 
+    def stage_shipped(self, instance_id: str) -> str:
+        """Where a pipelined prefill head hears that a stage shipped its layers of a prompt's KV."""
+        return f"{self.namespace}.stage.{check_token(instance_id, 'instance id')}.shipped"
+
     def stage_tickets(self, instance_id: str) -> str:
         return f"{self.namespace}.stage.{check_token(instance_id, 'instance id')}.tickets"
 

@@ -72,6 +72,9 @@ def add_parser(subcommands) -> None:
                         help="pipeline: split the layers evenly over N stage processes (default: 2)")
     parser.add_argument("--layer-split", metavar="A:B,B:C,...",
                         help="pipeline: each stage's layers, e.g. 0:6,6:12 (instead of --stages)")
+    parser.add_argument("--prefill-stages", type=_positive_int, metavar="N",
+                        help="disagg: the prefill pool is one pipeline of N stages, each shipping its own layers' "
+                             "KV to the decode workers (with --prefill 1)")
     parser.add_argument("--microbatches", type=_positive_int, default=2, metavar="M",
                         help="pipeline: steps in flight through the stages at once (default: 2)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: 127.0.0.1)")
@@ -106,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         stages=args.stages,
         layer_split=args.layer_split,
         microbatches=args.microbatches,
+        prefill_stages=args.prefill_stages,
         host=args.host,
         port=args.port,
         nats=args.nats,

@@ -77,6 +77,7 @@ class UpOptions:
     stages: int | None = None  # pipeline: split the layers evenly over this many stages (default 2)
     layer_split: str | None = None  # pipeline: "0:6,6:12,...", instead of --stages
     microbatches: int = 2  # pipeline
+    prefill_stages: int | None = None  # disagg: the prefill pool is one pipeline of this many stages
     host: str = "127.0.0.1"
     port: int = 8000
     nats: str | None = None
@@ -229,6 +230,9 @@ class Launcher:
             raise LaunchError("--decode must be at least 1", 2)
         if o.topology == "pipeline" and o.decode != 1:
             raise LaunchError("--topology pipeline runs one pipeline; --decode must be 1", 2)
+        if o.prefill_stages is not None and (o.topology != "disagg" or o.prefill != 1):
+            raise LaunchError("--prefill-stages makes disagg's prefill pool one pipeline: it needs --topology disagg "
+                              "and --prefill 1", 2)
         if o.microbatches < 1:
             raise LaunchError("--microbatches must be at least 1", 2)
         if not 0 < o.port < 65536:
@@ -249,7 +253,8 @@ class Launcher:
                 raise LaunchError(f"cannot reach a NATS server at {o.nats}", 2)
             self._say(f"starting in {self.run_dir} (logs in {self.log_dir})")
             model_dir, served_name = resolve_model(o.model, o.served_model_name)
-            self._stage_ranges = self._pipeline_split(model_dir) if o.topology == "pipeline" else ()
+            pipelined = o.topology == "pipeline" or (o.topology == "disagg" and o.prefill_stages is not None)
+            self._stage_ranges = self._pipeline_split(model_dir) if pipelined else ()
             if self._stop_requested:
                 return 0
             self._start(model_dir, served_name)
@@ -274,6 +279,7 @@ class Launcher:
         from shared.engine.pipeline import LayerSplitError, even_split, parse_layer_split
 
         o = self.options
+        stages = o.prefill_stages if o.topology == "disagg" else o.stages
         if o.stages is not None and o.layer_split is not None:
             raise LaunchError("give --stages or --layer-split, not both", 2)
         num_layers = read_config(model_dir).num_hidden_layers
@@ -281,7 +287,7 @@ class Launcher:
             if o.layer_split is not None:
                 ranges = parse_layer_split(o.layer_split, num_layers)
             else:
-                ranges = even_split(num_layers, 2 if o.stages is None else o.stages)
+                ranges = even_split(num_layers, 2 if stages is None else stages)
         except LayerSplitError as exc:
             raise LaunchError(f"bad pipeline split for a model of {num_layers} layers: {exc}", 2) from None
         if len(ranges) < 2:
@@ -456,7 +462,10 @@ class Launcher:
         self.deployment.state = READY
         self._record(force=True)
         workers = f"{o.decode} decode worker" + ("" if o.decode == 1 else "s")
-        if o.topology == "disagg":
+        if o.topology == "disagg" and self._stage_ranges:
+            workers = (f"a prefill pipeline of {len(self._stage_ranges)} stages: "
+                       + ", ".join(f"{a}:{b}" for a, b in self._stage_ranges) + "; " + workers)
+        elif o.topology == "disagg":
             workers = f"{o.prefill} prefill worker" + ("" if o.prefill == 1 else "s") + ", " + workers
         elif o.topology == "pipeline":
             workers = f"{len(self._stage_ranges)} pipeline stages: " + ", ".join(f"{a}:{b}" for a, b in self._stage_ranges)

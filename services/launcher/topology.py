@@ -25,7 +25,7 @@ class UpConfig:
     prefill: int = 1  # disagg: prefill workers
     max_local_prefill: int | None = None  # disagg: the scheduler's threshold (None: its default)
     kv_transport: str = "auto"  # disagg: how prefill workers ship KV
-    stage_ranges: tuple[tuple[int, int], ...] = ()  # pipeline: each stage's layers [start, end), checked already
+    stage_ranges: tuple[tuple[int, int], ...] = ()  # pipeline (or disagg's prefill pipeline): each stage's layers
     microbatches: int = 2  # pipeline: steps in flight at once
     host: str = "127.0.0.1"
     port: int = 8000
@@ -88,7 +88,10 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
         scheduler_args += ("--max-local-prefill", str(config.max_local_prefill))
     specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0", scheduler_args)]
     counts = {"decode": config.decode, "scheduler": 1}
-    if disagg:
+    if disagg and config.stage_ranges:
+        specs += _prefill_pipeline(config, bus, model)
+        counts.update(prefill=1, stage=len(config.stage_ranges) - 1)
+    elif disagg:
         counts["prefill"] = config.prefill
         for i in range(config.prefill):
             iid = f"prefill-{i}"
@@ -131,5 +134,26 @@ def _plan_pipeline(config: UpConfig, bus: tuple, model: tuple) -> list[ServiceSp
         *bus, *model, "--instance-id", "stage-0", "--dtype", config.dtype, "--layers", f"{start}:{end}",
         "--stages", ",".join(stages), "--microbatches", str(config.microbatches))))
     specs.append(_gateway(config, bus, model, {"decode": 1, "scheduler": 1, "stage": len(stages)}))
+    return specs
+
+
+def _prefill_pipeline(config: UpConfig, bus: tuple, model: tuple) -> list[ServiceSpec]:
+    """disagg with a pipelined prefill pool: prefill-stage-1.. (each ships its own layers' KV), then the head
+    prefill-0, which pulls the prefill jobs."""
+    if len(config.stage_ranges) < 2:
+        raise ValueError("a prefill pipeline needs at least 2 stages")
+    if config.prefill != 1:
+        raise ValueError("--prefill-stages runs one prefill pipeline; --prefill must be 1")
+    stages = [f"prefill-stage-{i}" for i in range(1, len(config.stage_ranges))]
+    ships = ("--ships-kv", "--kv-transport", config.kv_transport)
+    specs = []
+    for iid, (start, end) in zip(stages, config.stage_ranges[1:]):
+        specs.append(ServiceSpec(iid, "stage", iid, (*bus, *model, "--instance-id", iid, "--dtype", config.dtype,
+                                                     "--layers", f"{start}:{end}", *ships)))
+    start, end = config.stage_ranges[0]
+    specs.append(ServiceSpec("prefill-0", "stage", "prefill-0", (
+        *bus, *model, "--instance-id", "prefill-0", "--dtype", config.dtype, "--layers", f"{start}:{end}",
+        "--stages", ",".join(stages), "--microbatches", str(config.microbatches), "--head-role", "prefill",
+        "--kv-transport", config.kv_transport)))
     return specs
 

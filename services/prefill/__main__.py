@@ -22,7 +22,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     from services.common.queues import provision_prefill_queue
     from services.common.runner import run_service
-    from services.prefill.worker import PrefillWorker, kv_cache_allocator
+    from services.common.kv_memory import kv_cache_allocator
+    from services.prefill.worker import PrefillWorker
     from shared.engine.engine import LLMEngine
 
     model_dir, served_name = resolve_model(args)

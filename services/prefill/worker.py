@@ -10,14 +10,13 @@ other.
 
 The KV is shipped from the engine's cache in place (the request holds its
 blocks until the transfer ends). With the cache in a shared-memory region
-(`kv_cache_allocator`), a decode worker on this host copies the blocks straight
-into its own cache: one copy in all.
+(`services.common.kv_memory`), a decode worker on this host copies the blocks
+straight into its own cache: one copy in all.
 """
 
 import asyncio
 
 import nats.errors
-import torch
 
 from contracts import CancelRequest, ContractError, PrefillJob, PrefillResult, ServiceInfo, StatsRequest, Subjects
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
@@ -28,29 +27,12 @@ from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import EngineError
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
-from shared.transfer import KVSender, TransferTicket, shm_available
-from shared.transfer.shm import region_of, shared_zeros
+from shared.transfer import KVSender, TransferTicket
+from shared.transfer.shm import region_of
 
 log = get_logger(__name__)
 
 _KEEPALIVE_S = 1.0  # in-progress acks while a job runs (the consumer's ack wait is a few seconds)
-
-
-def kv_cache_allocator(kv_transport: str, device: str):
-    """Where the prefill engine's KV cache lives: in a shared-memory region when its KV may leave over shm
-    (see the module docstring), else (None) in private memory."""
-    if kv_transport == "tcp" or torch.device(device).type != "cpu" or not shm_available():
-        return None
-
-    def allocate(shape, dtype, device):
-        try:
-            return shared_zeros(shape, dtype, device)
-        except OSError as exc:
-            log.warning("no room in /dev/shm for the KV cache: it stays private, and shm transfers copy it twice",
-                        error=str(exc))
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-    return allocate
 
 
 class PrefillWorker:
@@ -185,7 +167,8 @@ class PrefillWorker:
             return "refused"
         # The KV streams out layer by layer while the prompt's last step computes the next layers.
         layers: asyncio.Queue = asyncio.Queue()
-        num_layers = self.engine.model_config.num_hidden_layers
+        first_layer, end_layer = self.shipped_layers
+        num_layers = end_layer - first_layer
 
         def on_prompt_kv(data, layout) -> None:  # on the engine thread, between two layers; data: a BlockSlice
             self._loop.call_soon_threadsafe(layers.put_nowait, (layout.layer_start, layout.layer_end, data))
@@ -194,8 +177,10 @@ class PrefillWorker:
             for _ in range(num_layers):
                 yield await layers.get()
 
+        claim = None if self.shipped_layers == (0, self.engine.model_config.num_hidden_layers) else self.shipped_layers
         sending = asyncio.create_task(
-            self.sender.send(TransferTicket.from_dict(job.ticket), parts(), backend=self.kv_transport))
+            self.sender.send(TransferTicket.from_dict(job.ticket), parts(), backend=self.kv_transport, layers=claim))
+        self._job_started(job)
         future = self._loop.create_future()
         self._first_tokens[job.request_id] = future
         try:
@@ -209,6 +194,9 @@ class PrefillWorker:
             if isinstance(output, RequestRejected):
                 await self._report(job, ok=False, error=str(output.error))
                 return "refused"
+            if output.error is not None:  # the engine could not compute it (a pipeline stage failed)
+                await self._report(job, ok=False, error=output.error)
+                return "failed"
             prompt_len = len(job.prompt_token_ids)
             # The request goes on only if it stopped because of the one-token limit, not at its real end.
             goes_on = (output.finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1)
@@ -217,16 +205,37 @@ class PrefillWorker:
             if not goes_on:
                 return "finished_at_first_token"
             result = await sending
+            others_error = await self._others_shipped(job) if result.ok else None
         finally:
             self._first_tokens.pop(job.request_id, None)
+            self._job_ended(job)
             if not sending.done():
                 sending.cancel()
         if not result.ok:
             log.warning("kv transfer failed", request_id=job.request_id, error=result.error, backend=result.backend)
             return "transfer_failed"
+        if others_error is not None:
+            log.warning("kv transfer failed at a pipeline stage", request_id=job.request_id, error=others_error)
+            return "transfer_failed"
         log.info("kv shipped", request_id=job.request_id, backend=result.backend, bytes=result.num_bytes,
                  seconds=round(result.seconds, 4))
         return "shipped"
+
+    # ---- hooks for a pipelined prefill pool (services/stage/prefill_head.py) -----------------------
+    @property
+    def shipped_layers(self) -> tuple[int, int]:
+        """The layers whose KV this process ships; a pipeline's stages ship the rest."""
+        return 0, self.engine.model_config.num_hidden_layers
+
+    def _job_started(self, job: PrefillJob) -> None:
+        pass
+
+    async def _others_shipped(self, job: PrefillJob) -> str | None:
+        """Once this process shipped its layers: None when every other part of the KV arrived too, else why not."""
+        return None
+
+    def _job_ended(self, job: PrefillJob) -> None:
+        pass
 
     async def _keep_alive(self, msg) -> None:
         while True:

@@ -46,7 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="head only: seconds a step may take through the pipeline before its requests fail")
     parser.add_argument("--stage-wait", type=float, default=300.0,
                         help="head only: seconds to wait at start for the stages to be ready")
-    parser.add_argument("--max-active-requests", type=int, default=512, help="head only: requests taken at most")
+    parser.add_argument("--head-role", default="decode", choices=["decode", "prefill"],
+                        help="head only: what the pipeline serves: requests (decode: the pipeline topology) or "
+                             "prefill jobs (a pipelined prefill pool in the disagg topology)")
+    parser.add_argument("--max-active-requests", type=int, default=512, help="decode head: requests taken at most")
+    parser.add_argument("--max-concurrent-jobs", type=int, default=8, help="prefill head: prefill jobs taken at once")
+    parser.add_argument("--ships-kv", action="store_true",
+                        help="stages of a prefill pipeline: keep the KV cache where the side channel reads it in "
+                             "place (shared memory), as each stage ships its own layers' KV to decode workers")
+    parser.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp"],
+                        help="prefill pipelines: how the head and the stages ship KV to decode workers")
     parser.add_argument("--num-kv-blocks", type=int,
                         help="stages after the head: KV blocks (default: what --kv-cache-bytes holds); "
                              "the head takes the smallest of its stages' counts and its own")
@@ -71,14 +80,44 @@ def head_bytes_per_block(model_dir: str, args: argparse.Namespace) -> int:
                                         resolve_dtype(args.dtype, config))
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def build_head(args: argparse.Namespace, registry, link, model_dir: str, num_layers: int):
+    """The head's engine and its pipeline driver, once its stages are up and fit together."""
     import asyncio
     import dataclasses
 
+    from services.common.kv_memory import kv_cache_allocator
+    from services.stage.driver import PipelineDriver, wait_for_stages
+    from shared.engine.model_loader import LayerRange
+    from shared.engine.pipeline import LayerSplitError, PipelineHeadEngine, check_layer_split
+
+    stages = await wait_for_stages(registry, args.stages, args.stage_wait)
+    ranges = [args.layers] + [LayerRange(*stages[iid].details["layers"]) for iid in args.stages]
+    try:
+        check_layer_split(ranges, num_layers)
+    except LayerSplitError as exc:
+        raise SystemExit(f"the pipeline's stages do not fit together: {exc}") from None
+    for iid in args.stages:
+        if stages[iid].details.get("block_size") != args.block_size:
+            raise SystemExit(f"stage {iid} has KV blocks of {stages[iid].details.get('block_size')} tokens; "
+                             f"the head has {args.block_size}")
+    # Steps name the head's block ids, so the head uses no more blocks than any stage has.
+    own_blocks = args.kv_cache_bytes // head_bytes_per_block(model_dir, args)
+    num_blocks = max(1, min([own_blocks] + [stages[iid].kv_blocks_total for iid in args.stages]))
+    config = dataclasses.replace(engine_config(args, model_dir), layer_ranges=[args.layers], num_kv_blocks=num_blocks)
+    driver = PipelineDriver(instance_id=args.instance_id, registry=registry, link=link, stages=list(args.stages),
+                            stage_boot_ids={iid: stages[iid].boot_id for iid in args.stages})
+    allocator = kv_cache_allocator(args.kv_transport, args.device) if args.head_role == "prefill" else None
+    engine = await asyncio.to_thread(PipelineHeadEngine, config, driver.submit, num_microbatches=args.microbatches,
+                                     step_timeout_s=args.step_timeout, kv_allocator=allocator)
+    return engine, driver
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import asyncio
+
     from services.common.runner import run_service
     from services.stage.link import ActivationLink
-    from shared.engine.model_loader import LayerRange, read_config
-    from shared.engine.pipeline import LayerSplitError, check_layer_split
+    from shared.engine.model_loader import read_config
     from shared.transfer import KVReceiver, KVSender
 
     model_dir, served_name = resolve_model(args)
@@ -98,45 +137,35 @@ async def serve(args: argparse.Namespace) -> int:
                               sender=KVSender(), inline_bytes=args.inline_activation_bytes,
                               transport=args.activation_transport, hop_timeout_s=args.step_timeout)
         if not is_head:
+            from services.common.kv_memory import kv_cache_allocator
             from services.stage.worker import StageWorker
             from shared.engine.stage import StageRunner
 
             runner = await asyncio.to_thread(
                 StageRunner, model_dir, args.layers, dtype=args.dtype, device=args.device,
-                block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes)
+                block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
+                kv_allocator=kv_cache_allocator(args.kv_transport, args.device) if args.ships_kv else None)
             return StageWorker(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id,
-                               runner=runner, link=link, model=model_dir, served_model_name=served_name)
+                               runner=runner, link=link, model=model_dir, served_model_name=served_name,
+                               kv_transport=args.kv_transport)
 
-        from services.stage.head import PipelineHead, wait_for_stages
-        from shared.engine.pipeline import PipelineHeadEngine
+        engine, driver = await build_head(args, registry, link, model_dir, num_layers)
+        if args.head_role == "prefill":
+            from services.common.queues import provision_prefill_queue
+            from services.stage.prefill_head import PrefillPipelineHead
 
-        stages = await wait_for_stages(registry, args.stages, args.stage_wait)
-        ranges = [args.layers] + [LayerRange(*stages[iid].details["layers"]) for iid in args.stages]
-        try:
-            check_layer_split(ranges, num_layers)
-        except LayerSplitError as exc:
-            raise SystemExit(f"the pipeline's stages do not fit together: {exc}") from None
-        for iid in args.stages:
-            if stages[iid].details.get("block_size") != args.block_size:
-                raise SystemExit(f"stage {iid} has KV blocks of {stages[iid].details.get('block_size')} tokens; "
-                                 f"the head has {args.block_size}")
-        config = engine_config(args, model_dir)
-        # Steps name the head's block ids, so the head uses no more blocks than any stage has.
-        own_blocks = args.kv_cache_bytes // head_bytes_per_block(model_dir, args)
-        num_blocks = max(1, min([own_blocks] + [stages[iid].kv_blocks_total for iid in args.stages]))
-        config = dataclasses.replace(config, layer_ranges=[args.layers], num_kv_blocks=num_blocks)
-        holder = {}
-        engine = await asyncio.to_thread(
-            PipelineHeadEngine, config, lambda *step: holder["head"].submit(*step),
-            num_microbatches=args.microbatches, step_timeout_s=args.step_timeout)
-        head = PipelineHead(nc=nc, registry=registry, engine=engine, subjects=subjects, instance_id=args.instance_id,
+            await provision_prefill_queue(js, subjects)
+            return PrefillPipelineHead(nc=nc, registry=registry, engine=engine, subjects=subjects,
+                                       instance_id=args.instance_id, model=model_dir, served_model_name=served_name,
+                                       max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport,
+                                       driver=driver)
+        from services.stage.head import PipelineHead
+
+        return PipelineHead(nc=nc, registry=registry, engine=engine, subjects=subjects, instance_id=args.instance_id,
                             model=model_dir, served_model_name=served_name,
-                            max_active_requests=args.max_active_requests, link=link, stages=list(args.stages),
-                            stage_boot_ids={iid: stages[iid].boot_id for iid in args.stages})
-        holder["head"] = head
-        return head
+                            max_active_requests=args.max_active_requests, driver=driver)
 
-    return await run_service(args, "decode" if is_head else "stage", build)
+    return await run_service(args, args.head_role if is_head else "stage", build)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,13 +5,19 @@ The stage keeps no request state (see `shared/engine/stage.py`): each
 to the next stage on the route, the last stage's logits back to the head; a
 step that fails here (its input did not arrive, its deadline passed, the
 layers raised) is reported to the head, which ends that step's requests.
+
+In a prefill pipeline, a step also names the prompts it completes (`ship`):
+the stage streams its own layers' KV of those prompts, layer by layer as it
+computes them, straight to the decode worker's side channel (the ticket's
+receiver takes each stage's layers over its own connection), and tells the
+head when its part arrived (`KVShipped`).
 """
 
 import asyncio
 import dataclasses
 import time
 
-from contracts import ServiceInfo, StatsRequest, Subjects
+from contracts import KVShipped, ServiceInfo, StageActivation, StatsRequest, Subjects
 from services.common.identity import ServiceIdentity, now_ms
 from services.stage.link import ActivationLink
 from shared.telemetry.utilization import Utilization
@@ -20,13 +26,14 @@ from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.stage import StageRunner
 from shared.engine.step_batch import StepBatch
 from shared.telemetry.logging import get_logger
+from shared.transfer import TransferTicket
 
 log = get_logger(__name__)
 
 
 class StageWorker:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str, runner: StageRunner,
-                 link: ActivationLink, model: str, served_model_name: str):
+                 link: ActivationLink, model: str, served_model_name: str, kv_transport: str = "auto"):
         self.nc = nc
         self.registry = registry
         self.subjects = subjects
@@ -35,6 +42,9 @@ class StageWorker:
         self.link = link
         self.model = model
         self.served_model_name = served_model_name
+        self.kv_transport = kv_transport
+        self.shipments: set[asyncio.Task] = set()
+        self.shipped: dict[str, int] = {}
         self.identity = ServiceIdentity(instance_id, "stage")
         self.state = "starting"
         self.utilization = Utilization()
@@ -63,7 +73,8 @@ class StageWorker:
             details={"layers": [layers.start, layers.end], "is_last": self.runner.is_last,
                      "parameter_bytes": self.runner.parameter_bytes, "block_size": self.runner.block_size,
                      "steps": dict(self.counts), "utilization": self.utilization.snapshot(),
-                     "link": dict(self.link.stats), "rejected_messages": dict(REJECTED)},
+                     "link": dict(self.link.stats), "kv_shipped": dict(self.shipped),
+                     "kv_transfer": self.link.sender.stats.snapshot(), "rejected_messages": dict(REJECTED)},
         )
 
     async def _on_stats(self, _: StatsRequest, msg) -> None:
@@ -88,15 +99,19 @@ class StageWorker:
                 self._count("failed")
                 await self.link.fail_to_head(step, f"{self.instance_id}: {error}")
                 continue
+            shipments = [self._start_shipment(step, entry) for entry in step.ship]
             try:
                 batch = StepBatch.from_dict(step.batch)
                 started = time.monotonic()
                 # One step at a time, in arrival order; the event loop keeps receiving the next ones meanwhile.
-                output = await asyncio.to_thread(self.runner.execute, batch, incoming.tensor)
+                output = await asyncio.to_thread(self.runner.execute, batch, incoming.tensor,
+                                                 self._layer_shipper(shipments))
                 self.utilization.record(started, time.monotonic())
             except Exception as exc:
                 log.exception("stage step failed", step_id=step.step_id)
                 self._count("failed")
+                for shipment in shipments:
+                    shipment.task.cancel()
                 await self.link.fail_to_head(step, f"{self.instance_id} failed the step: {exc!r}")
                 continue
             rest = step.route[1:]
@@ -109,5 +124,71 @@ class StageWorker:
                 self._count("failed")
                 await self.link.fail_to_head(step, f"{self.instance_id} could not pass the step on: {exc!r}")
 
+    # ---- shipping a prompt's KV (prefill pipelines) ---------------------------------------------
+    def _start_shipment(self, step: StageActivation, entry: dict) -> "_Shipment":
+        shipment = _Shipment(entry)
+        shipment.task = asyncio.create_task(self._ship(step, shipment))
+        self.shipments.add(shipment.task)
+        shipment.task.add_done_callback(self.shipments.discard)
+        return shipment
+
+    def _layer_shipper(self, shipments: list["_Shipment"]):
+        """The step's `after_layer` (on the compute thread): each shipment gets its layer's blocks, in place."""
+        if not shipments:
+            return None
+        loop = asyncio.get_running_loop()
+
+        def after_layer(layer: int) -> None:
+            for shipment in shipments:
+                try:
+                    data, _ = self.runner.view_kv(shipment.block_ids, shipment.num_tokens, layer)
+                except (ValueError, TypeError) as exc:
+                    data = exc  # the shipment fails with it
+                loop.call_soon_threadsafe(shipment.parts.put_nowait, (layer, layer + 1, data))
+
+        return after_layer
+
+    async def _ship(self, step: StageActivation, shipment: "_Shipment") -> None:
+        layers = self.runner.layer_range
+
+        async def layer_parts():
+            for _ in range(layers.num_layers):
+                layer_start, layer_end, data = await shipment.parts.get()
+                if isinstance(data, Exception):
+                    raise data
+                yield layer_start, layer_end, data
+
+        try:
+            ticket = TransferTicket.from_dict(shipment.ticket)
+            result = await self.link.sender.send(ticket, layer_parts(), backend=self.kv_transport,
+                                                 layers=(layers.start, layers.end))
+            ok, error, num_bytes = result.ok, result.error or "", result.num_bytes
+        except asyncio.CancelledError:
+            ok, error, num_bytes = False, "the step failed on this stage", 0
+        except Exception as exc:
+            ok, error, num_bytes = False, f"cannot ship: {exc!r}", 0
+        outcome = "ok" if ok else "failed"
+        self.shipped[outcome] = self.shipped.get(outcome, 0) + 1
+        report = KVShipped(request_id=shipment.request_id, stage=self.instance_id, ok=ok, num_bytes=num_bytes,
+                           error=error[:2000])
+        try:
+            await self.nc.publish(self.subjects.stage_shipped(step.head), report.encode())
+        except Exception as exc:  # the head stops waiting at the transfer's deadline instead
+            log.warning("could not report a shipment", request_id=shipment.request_id, error=repr(exc))
+
     def _count(self, outcome: str) -> None:
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
+
+
+class _Shipment:
+    """One prompt's KV this stage ships: its blocks, the ticket, and its layers as they are computed."""
+
+    def __init__(self, entry: dict):
+        entry = entry if isinstance(entry, dict) else {}
+        self.request_id = str(entry.get("request_id", ""))
+        self.ticket = entry.get("ticket")
+        self.block_ids = entry.get("block_ids") if isinstance(entry.get("block_ids"), list) else []
+        self.num_tokens = entry.get("num_tokens") if isinstance(entry.get("num_tokens"), int) else 0
+        self.parts: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+

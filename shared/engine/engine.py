@@ -313,12 +313,17 @@ class LLMEngine:
             outputs.append(self._append_token(seq, token_id, logprobs))
         return outputs
 
+    def _completing_streams(self, scheduled) -> list[Sequence]:
+        """Requests whose prompt completes this step and that asked for their KV layer by layer."""
+        return [item.seq for item in scheduled.scheduled
+                if item.seq.request_id in self._kv_streams
+                and item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_prompt_tokens]
+
     def _layer_streamer(self, scheduled) -> Callable[[int], None] | None:
         """For requests whose prompt completes this step and asked for their KV layer by layer:
-        after each layer, hand that layer's prompt KV to their callback (still inside the step)."""
-        completing = [item.seq for item in scheduled.scheduled
-                      if item.seq.request_id in self._kv_streams
-                      and item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_prompt_tokens]
+        after each of this engine's layers, hand that layer's prompt KV to their callback (still inside
+        the step). A pipeline head streams only its own layers; its stages stream theirs."""
+        completing = self._completing_streams(scheduled)
         if not completing:
             return None
 
@@ -327,7 +332,7 @@ class LLMEngine:
                 blocks = seq.block_table[: self.block_manager.blocks_needed(seq.num_prompt_tokens)]
                 data, layout = self.executor.view_kv(blocks, seq.num_prompt_tokens, layer, layer + 1)
                 self._kv_streams[seq.request_id](data, layout)
-            if layer == self.model_config.num_hidden_layers - 1:
+            if layer == self.local_layers_end - 1:
                 for seq in completing:
                     self._kv_streams.pop(seq.request_id, None)
 

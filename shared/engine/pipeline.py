@@ -12,9 +12,12 @@ block pool, each with its own requests). Each has at most one step in flight,
 so up to m steps travel the pipeline at once: while stage k computes step s,
 stage k-1 computes step s+1. With one micro-batch the stages take turns.
 
-No NATS in here: the head hands each step to `submit(step_id, batch, hidden)`
-(the service sends it on) and the service puts what comes back into
-`results` (`StepResult`).
+No NATS in here: the head hands each step to `submit(step_id, batch, hidden,
+shipping)` (the service sends it on) and the service puts what comes back
+into `results` (`StepResult`). `shipping` names the requests whose prompt
+completes in the step and that asked for their KV (`on_prompt_kv`, as a
+prefill worker's requests do): the head streams its own layers' KV to the
+callback, and every stage must ship its layers' KV of those blocks.
 """
 
 import queue
@@ -26,6 +29,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine, PlannedStep, RequestOutput
+from shared.engine.kv_cache import KVAllocator
 from shared.engine.model_loader import LayerRange
 from shared.engine.step_batch import StepBatch
 from shared.telemetry.utilization import Utilization
@@ -91,7 +95,16 @@ class StepResult:
     error: str | None = None
 
 
-Submit = Callable[[int, StepBatch, torch.Tensor], None]
+@dataclass(slots=True)
+class ShipKV:
+    """A request whose prompt KV every stage ships once the step has computed it."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+Submit = Callable[[int, StepBatch, torch.Tensor, list[ShipKV]], None]
 
 
 class PipelineHeadEngine(LLMEngine):
@@ -105,8 +118,10 @@ class PipelineHeadEngine(LLMEngine):
     """
 
     def __init__(self, config: EngineConfig, submit: Submit, *, num_microbatches: int = 2,
-                 step_timeout_s: float = 60.0, poll_s: float = 0.02, load_tokenizer: bool = True):
-        super().__init__(config, load_tokenizer=load_tokenizer, num_virtual_engines=num_microbatches)
+                 step_timeout_s: float = 60.0, poll_s: float = 0.02, load_tokenizer: bool = True,
+                 kv_allocator: KVAllocator | None = None):
+        super().__init__(config, load_tokenizer=load_tokenizer, kv_allocator=kv_allocator,
+                         num_virtual_engines=num_microbatches)
         if self.local_layers_end >= self.model_config.num_hidden_layers:
             raise LayerSplitError("a pipeline head must leave layers to other stages")
         self._submit = submit
@@ -158,15 +173,17 @@ class PipelineHeadEngine(LLMEngine):
         planned = self.plan_step(virtual_engine)
         if planned is None:
             return
+        shipping = [ShipKV(seq.request_id, seq.block_table[: self.block_manager.blocks_needed(seq.num_prompt_tokens)],
+                           seq.num_prompt_tokens) for seq in self._completing_streams(planned.scheduled)]
         started = time.monotonic()
-        hidden = self.executor.execute(planned.batch)
+        hidden = self.executor.execute(planned.batch, self._layer_streamer(planned.scheduled))
         self.utilization.record(started, time.monotonic())
         step_id = self._next_step_id
         self._next_step_id += 1
         self._in_flight[step_id] = (planned, time.monotonic() + self.step_timeout_s)
         self._busy.add(virtual_engine)
         self.steps_started += 1
-        self._submit(step_id, planned.batch, hidden)
+        self._submit(step_id, planned.batch, hidden, shipping)
 
     def _finish(self, result: StepResult) -> list[RequestOutput]:
         entry = self._in_flight.pop(result.step_id, None)

@@ -44,8 +44,15 @@ class StageRunner:
     def parameter_bytes(self) -> int:
         return self.loaded.parameter_bytes()
 
-    def execute(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states `(tokens, hidden)` in; hidden states out, or logits `(samples, vocab)` on the last stage."""
+    def view_kv(self, block_ids: list[int], num_tokens: int, layer: int):
+        """One of this stage's layers' KV of `block_ids`, in place: (BlockSlice, KVLayout)."""
+        if any(b >= self.num_blocks or b < 0 for b in block_ids):
+            raise ValueError(f"blocks outside this stage's {self.num_blocks}")
+        return self.runner.kv_cache.view_blocks(block_ids, num_tokens, layer, layer + 1)
+
+    def execute(self, batch: StepBatch, hidden: torch.Tensor, after_layer=None) -> torch.Tensor:
+        """Hidden states `(tokens, hidden)` in; hidden states out, or logits `(samples, vocab)` on the last stage.
+        `after_layer(layer)` runs as each layer's KV is in the cache (to ship a prompt's KV layer by layer)."""
         if batch.block_size != self.block_size:
             raise ValueError(f"a step of block size {batch.block_size} reached a stage of block size {self.block_size}")
         if hidden.dim() != 2 or hidden.shape != (batch.num_tokens, self.hidden_size):
@@ -53,4 +60,4 @@ class StageRunner:
                              f"(hidden size {self.hidden_size})")
         if any(b >= self.num_blocks or b < 0 for table in batch.block_tables for b in table):
             raise ValueError(f"a step names blocks outside this stage's {self.num_blocks}")
-        return self.runner.execute(batch, hidden)
+        return self.runner.execute(batch, hidden, after_layer)

@@ -60,7 +60,7 @@ class ThreadPipeline:
         for thread in self.threads:
             thread.start()
 
-    def submit(self, step_id, batch, hidden) -> None:
+    def submit(self, step_id, batch, hidden, shipping) -> None:
         self.max_in_flight = max(self.max_in_flight, self.head.num_in_flight)
         self.inboxes[0].put((step_id, batch, hidden))
 
@@ -142,7 +142,7 @@ def test_a_failed_step_ends_its_requests_with_an_error_and_the_rest_go_on(defaul
 def test_a_step_that_never_returns_times_out(default_model, prompts):
     head = PipelineHeadEngine(
         EngineConfig(model=default_model, dtype="float32", num_kv_blocks=NUM_BLOCKS, layer_ranges=[LayerRange(0, 2)]),
-        lambda step_id, batch, hidden: None, step_timeout_s=0.2, load_tokenizer=False)
+        lambda step_id, batch, hidden, shipping: None, step_timeout_s=0.2, load_tokenizer=False)
     results = head.generate([prompts[0][0]], GREEDY)
     assert results[0].finish_reason == "error" and head.block_manager.num_used_blocks == 0
 

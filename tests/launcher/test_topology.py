@@ -78,7 +78,26 @@ def test_pipeline_plan():
     assert gateway_args[gateway_args.index("--expect") + 1] == "decode=1,scheduler=1,stage=2"
 
 
-@pytest.mark.parametrize("config", [CONFIG, DISAGG, PIPELINE], ids=["colocated", "disagg", "pipeline"])
+PREFILL_PIPELINE = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999",
+                            topology="disagg", stage_ranges=((0, 2), (2, 4)), kv_transport="shm", namespace="ns1")
+
+
+def test_disagg_with_a_prefill_pipeline_plan():
+    specs = plan(PREFILL_PIPELINE)
+    assert [s.name for s in specs] == ["scheduler-0", "prefill-stage-1", "prefill-0", "decode-0", "gateway-0"]
+    stage, head = specs[1].args, specs[2].args
+    assert "--ships-kv" in stage and stage[stage.index("--kv-transport") + 1] == "shm"
+    assert head[head.index("--head-role") + 1] == "prefill" and head[head.index("--stages") + 1] == "prefill-stage-1"
+    assert specs[2].role == "stage" and specs[3].args[specs[3].args.index("--mode") + 1] == "disagg"
+    gateway_args = specs[-1].args
+    assert gateway_args[gateway_args.index("--expect") + 1] == "decode=1,scheduler=1,prefill=1,stage=1"
+    with pytest.raises(ValueError, match="--prefill must be 1"):
+        plan(UpConfig(model="m", served_model_name="m", nats_url="n", topology="disagg", prefill=2,
+                      stage_ranges=((0, 2), (2, 4))))
+
+
+@pytest.mark.parametrize("config", [CONFIG, DISAGG, PIPELINE, PREFILL_PIPELINE],
+                         ids=["colocated", "disagg", "pipeline", "prefill-pipeline"])
 @pytest.mark.parametrize("role", ["scheduler", "decode", "gateway", "prefill", "stage"])
 def test_every_planned_command_line_parses(role, config):
     try:

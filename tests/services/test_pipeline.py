@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from contracts import ServiceInfo, StatsRequest, Subjects
 from reference import safe_prompts
-from support.deployment import start_pipeline
+from support.deployment import start_deployment, start_pipeline
 
 MODEL = "splitserve-default-llama"
 LENGTHS = [3, 20, 64, 150, 400, 1000]
@@ -147,3 +147,34 @@ def test_a_stage_killed_mid_request_fails_it_and_the_pipeline_serves_again(nats_
         assert stats(deployment, "stage-0").details["resets"] >= 1
     finally:
         deployment.stop()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_pipelined_prefill_pool_ships_each_stages_kv_straight_to_decode(nats_server, default_model, tmp_path, cases,
+                                                                         tokenizer, transport):
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill_split=[(0, 1), (1, 4)],
+                                  scheduler_args=("--max-local-prefill", "0"),
+                                  prefill_args=("--kv-transport", transport))
+    try:
+        expected = [tokenizer.decode(e, skip_special_tokens=True) for _, e in cases]
+        assert [text_of(complete(deployment.base_url, p)) for p, _ in cases] == expected
+        batch = (cases * 3)[:16]
+        with ThreadPoolExecutor(16) as pool:
+            texts = list(pool.map(lambda case: text_of(complete(deployment.base_url, case[0])), batch))
+        assert texts == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
+
+        decode = stats(deployment, "decode-0")
+        remote = decode.details["prefill_decisions"].get("remote", 0)
+        assert remote >= len(cases) and not decode.details["prefill_decisions"].get("local_fallback_transfer")
+        transfers = decode.details["kv_transfer"]
+        assert transfers["ok_by_backend"][transport] == remote
+        # Every layer came from the stage that computed it: 1 from the head, 3 from the stage.
+        head, stage = stats(deployment, "prefill-0"), stats(deployment, "prefill-stage-1")
+        assert head.details["jobs"].get("shipped") == remote and stage.details["kv_shipped"].get("ok") == remote
+        assert head.details["kv_transfer"]["ok_by_backend"][transport] == remote
+        if transport == "shm":
+            assert transfers["in_place_parts"] == 4 * remote  # no copy but the decode worker's own
+        assert head.kv_blocks_free == head.kv_blocks_total  # the prompts' blocks were let go once shipped
+    finally:
+        deployment.stop()
+

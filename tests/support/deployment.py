@@ -36,10 +36,12 @@ class Deployment:
 
 def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int = 1,
                      expect: str | None = None, prefill: int = 0, scheduler_args: tuple = (),
-                     decode_args: tuple = (), prefill_args: tuple = ()) -> Deployment:
+                     decode_args: tuple = (), prefill_args: tuple = (),
+                     prefill_split: list[tuple[int, int]] | None = None) -> Deployment:
     """scheduler-0, `prefill` prefill workers, `workers` decode workers and gateway-0 on a fresh namespace.
 
-    With prefill workers, the decode workers run in disagg mode.
+    With prefill workers, the decode workers run in disagg mode. With `prefill_split`, the prefill pool is
+    one pipeline (prefill-0 its head, prefill-stage-1.. the rest), each stage shipping its own layers' KV.
     """
     namespace = "t" + uuid.uuid4().hex[:10]
     port = free_port()
@@ -48,16 +50,27 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
     deployment = Deployment(nats_url, namespace, f"http://127.0.0.1:{port}", log_dir)
     deployment.procs["scheduler"] = start_service(
         "scheduler", [*bus, "--instance-id", "scheduler-0", *scheduler_args], log_dir)
-    for i in range(prefill):
+    for i in range(prefill if not prefill_split else 0):
         deployment.procs[f"prefill-{i}"] = start_service(
             "prefill", [*bus, "--instance-id", f"prefill-{i}", *model, "--kv-cache-bytes", str(64 << 20),
                         *prefill_args], log_dir)
+    stages = [f"prefill-stage-{i}" for i in range(1, len(prefill_split or ()))]
+    for iid, (start, end) in zip(stages, (prefill_split or [])[1:]):
+        deployment.start(iid, "stage", [*bus, "--instance-id", iid, *model, "--layers", f"{start}:{end}", "--ships-kv",
+                                        "--kv-cache-bytes", str(64 << 20), *prefill_args])
+    if prefill_split:
+        start, end = prefill_split[0]
+        deployment.start("prefill-0", "stage", [*bus, "--instance-id", "prefill-0", *model, "--layers", f"{start}:{end}",
+                                                "--stages", ",".join(stages), "--head-role", "prefill",
+                                                "--kv-cache-bytes", str(64 << 20), *prefill_args])
+        prefill = 1
     mode = ["--mode", "disagg" if prefill else "colocated"]
     for i in range(workers):
         deployment.procs[f"decode-{i}"] = start_service(
             "decode", [*bus, "--instance-id", f"decode-{i}", *model, *mode, "--kv-cache-bytes", str(64 << 20),
                        *decode_args], log_dir)
-    counts = f"scheduler=1,decode={workers}" + (f",prefill={prefill}" if prefill else "")
+    counts = (f"scheduler=1,decode={workers}" + (f",prefill={prefill}" if prefill else "")
+              + (f",stage={len(stages)}" if stages else ""))
     deployment.procs["gateway"] = start_service(
         "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts],
         log_dir)

@@ -1,0 +1,171 @@
+"""`PipelineDriver`: a pipeline head's side of the pipeline, the same for a decode head and a prefill head.
+
+It sends each step the head's engine starts to the first stage, puts what
+comes back (logits, or a failure) into the engine, and watches the stages in
+the registry. A stage that is gone, or came back with a new boot id (an empty
+KV cache), ends every running request with an error at once (the KV they had
+at that stage is lost) and the cached prefixes are forgotten; steps started
+while a stage is gone fail at once rather than wait for their deadline.
+"""
+
+import asyncio
+from collections.abc import Callable
+
+from contracts import StageActivation
+from services.common.engine_loop import EngineLoop
+from services.common.identity import now_ms
+from services.stage.link import ActivationLink
+from shared.bus.registry import Registry
+from shared.engine.engine import RequestOutput
+from shared.engine.pipeline import PipelineHeadEngine, ShipKV, StepResult
+from shared.engine.step_batch import StepBatch
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+_WATCH_INTERVAL_S = 0.5
+
+
+async def wait_for_stages(registry: Registry, stages: list[str], timeout_s: float) -> dict:
+    """The registry entries of `stages` once all are registered and ready; TimeoutError naming the missing."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        entries = {info.instance_id: info for info in await registry.list()}
+        ready = {iid: entries[iid] for iid in stages if iid in entries and entries[iid].state == "ready"}
+        if len(ready) == len(stages):
+            return ready
+        if asyncio.get_running_loop().time() > deadline:
+            missing = [iid for iid in stages if iid not in ready]
+            raise TimeoutError(f"pipeline stages not ready after {timeout_s:g} s: {', '.join(missing)}")
+        await asyncio.sleep(0.2)
+
+
+class PipelineDriver:
+    """Made before its head (the engine's `submit` needs it), attached to it once the head exists."""
+
+    def __init__(self, *, instance_id: str, registry: Registry, link: ActivationLink, stages: list[str],
+                 stage_boot_ids: dict[str, str]):
+        self.instance_id = instance_id
+        self.registry = registry
+        self.link = link
+        self.stages = stages
+        self.stage_boot_ids = dict(stage_boot_ids)
+        self.engine: PipelineHeadEngine | None = None
+        self.engine_loop: EngineLoop | None = None
+        self.boot_id = ""
+        self.on_reset: Callable[[list[RequestOutput]], None] = lambda outputs: None
+        self.ship_ticket: Callable[[str], dict | None] = lambda request_id: None
+        self.stages_missing: list[str] = []
+        self.resets = 0
+        self._sends: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, *, engine: PipelineHeadEngine, engine_loop: EngineLoop, boot_id: str,
+               on_reset: Callable[[list[RequestOutput]], None],
+               ship_ticket: Callable[[str], dict | None] | None = None) -> None:
+        """`on_reset(outputs)` publishes the failures a reset produced (on the event loop);
+        `ship_ticket(request_id)` is the side-channel ticket with which the stages ship a request's KV
+        (a prefill head's requests), None for requests whose KV stays."""
+        self.engine = engine
+        self.engine_loop = engine_loop
+        self.boot_id = boot_id
+        self.on_reset = on_reset
+        if ship_ticket is not None:
+            self.ship_ticket = ship_ticket
+
+    async def start(self) -> list[asyncio.Task]:
+        self._loop = asyncio.get_running_loop()
+        await self.link.start()
+        return [asyncio.create_task(self._take_results(), name="pipeline-results"),
+                asyncio.create_task(self._watch_stages(), name="pipeline-watch")]
+
+    async def stop(self) -> None:
+        await self.link.stop()
+        await self.link.receiver.stop()
+        self.link.sender.close()
+
+    def details(self) -> dict:
+        engine = self.engine
+        return {
+            "layers": [0, engine.local_layers_end], "stages": list(self.stages),
+            "microbatches": len(engine.schedulers), "steps_started": engine.steps_started,
+            "steps_failed": engine.steps_failed, "steps_in_flight": engine.num_in_flight,
+            "stages_missing": list(self.stages_missing), "resets": self.resets,
+            "parameter_bytes": sum(r.loaded.parameter_bytes() for r in engine.executor.runners),
+            "link": dict(self.link.stats), "utilization": engine.utilization.snapshot(),
+        }
+
+    # ---- steps out (from the engine thread) and results in ------------------------------------
+    def submit(self, step_id: int, batch: StepBatch, hidden, shipping: list[ShipKV]) -> None:
+        """The engine's `submit`: called on the engine thread, right after the head's own layers."""
+        self._loop.call_soon_threadsafe(self._send_step, step_id, batch, hidden, shipping)
+
+    def _send_step(self, step_id: int, batch: StepBatch, hidden, shipping: list[ShipKV]) -> None:
+        ship = []
+        for item in shipping:
+            ticket = self.ship_ticket(item.request_id)
+            if ticket is not None:
+                ship.append({"request_id": item.request_id, "ticket": ticket, "block_ids": list(item.block_ids),
+                             "num_tokens": item.num_tokens})
+        step = StageActivation(step_id=step_id, head=self.instance_id, head_boot_id=self.boot_id,
+                               route=list(self.stages), batch=batch.to_dict(), stage_boot_ids=dict(self.stage_boot_ids),
+                               kind="hidden", ship=ship,
+                               deadline_ms=now_ms() + int(self.engine.step_timeout_s * 1000))
+        task = asyncio.create_task(self._send(step, hidden))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    async def _send(self, step: StageActivation, hidden) -> None:
+        if self.stages_missing:
+            self.engine.results.put(StepResult(step.step_id, error=f"pipeline stage {self.stages_missing[0]} is gone"))
+            return
+        try:
+            await self.link.send(self.stages[0], step, hidden)
+        except Exception as exc:
+            self.engine.results.put(StepResult(step.step_id, error=f"could not reach stage {self.stages[0]}: {exc!r}"))
+
+    async def _take_results(self) -> None:
+        while True:
+            incoming = await self.link.next()
+            message = incoming.message
+            if message.head_boot_id != self.boot_id:
+                continue  # for this head's previous process (its step ids meant other steps)
+            if incoming.error is not None:
+                result = StepResult(message.step_id, error=incoming.error)
+            elif message.kind == "error":
+                result = StepResult(message.step_id, error=message.error or "a stage failed the step")
+            elif message.kind == "logits" and incoming.tensor is not None:
+                result = StepResult(message.step_id, logits=incoming.tensor)
+            else:
+                result = StepResult(message.step_id, error=f"the head got a {message.kind!r} message")
+            self.engine.results.put(result)
+
+    # ---- stage health ---------------------------------------------------------------------------
+    async def _watch_stages(self) -> None:
+        while True:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+            try:
+                entries = {info.instance_id: info for info in await self.registry.list()}
+            except Exception as exc:  # NATS hiccup: look again next time
+                log.warning("could not read the registry", error=repr(exc))
+                continue
+            was_missing = set(self.stages_missing)
+            missing = [iid for iid in self.stages if iid not in entries]
+            restarted = [iid for iid in self.stages
+                         if iid in entries and entries[iid].boot_id != self.stage_boot_ids.get(iid)]
+            for iid in restarted:
+                self.stage_boot_ids[iid] = entries[iid].boot_id
+            self.stages_missing = missing
+            if missing and not was_missing:
+                await self._reset(f"pipeline stage {missing[0]} is gone; its KV is lost")
+            # A stage seen gone was reset for already; one that restarted unseen (within a heartbeat) was not.
+            unseen = [iid for iid in restarted if iid not in was_missing]
+            if unseen:
+                await self._reset(f"pipeline stage {unseen[0]} restarted; its KV is lost")
+
+    async def _reset(self, reason: str) -> None:
+        log.warning("pipeline reset", reason=reason)
+        self.resets += 1
+        outputs = await self.engine_loop.call(lambda engine: engine.fail_all(reason))
+        if outputs:
+            self.on_reset(outputs)
