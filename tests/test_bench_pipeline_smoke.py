@@ -33,3 +33,17 @@ def test_bench_pipeline_tiny(default_model, tmp_path, capsys):
     pipeline = results["runs"][1]
     assert 0 <= pipeline["bubble_measured"] < 1 and pipeline["activation_bytes_per_token"] > 0
     assert set(pipeline["stage_metrics"]) == {"stage-0", "stage-1"}
+
+
+@pytest.mark.timeout(120)
+def test_bench_activation_hop_tiny(tmp_path, capsys):
+    from loadtest.bench_activation_hop import RESULT_KEYS as HOP_KEYS
+    from loadtest.bench_activation_hop import main as hop_main
+
+    output = tmp_path / "hop.json"
+    assert hop_main(["--sizes", "4K,2M", "--repeats", "2", "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    assert set(HOP_KEYS) <= set(results)
+    small, big = results["results"]
+    assert small["inline"]["median_ms"] > 0 and small["side_channel"]["median_ms"] > 0
+    assert big["inline"] is None and big["side_channel"]["median_ms"] > 0  # 2 MiB is over NATS's max payload

@@ -72,6 +72,7 @@ class ActivationLink:
             await subscribe_typed(self.nc, self.subjects.stage_tickets(self.instance_id), StageTicketRequest,
                                   self._on_ticket_request),
         ]
+        await self.nc.flush()  # the server knows the subscriptions before anyone is told this link is up
 
     async def stop(self) -> None:
         for sub in self._subscriptions:
