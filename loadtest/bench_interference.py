@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="disagg: KV side channel (default: auto)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="workers' dtype (default: float32)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                        help="every worker's token budget per step, the same in both topologies: long prompts are "
+                        "prefilled in chunks of N tokens mixed with decodes (default: the engine's, 2048)")
     parser.add_argument("--cores", metavar="LIST",
                         help="comma-separated cores for the workers, one each in order (default: the first cores "
                         "this process may run on); fewer cores than workers: workers share them round-robin")
@@ -551,6 +554,8 @@ def deployment_for(topology: str, args: argparse.Namespace, model_dir: str, serv
     else:
         flags = ["--topology", topology, "--prefill", str(args.disagg_prefill), "--decode", str(args.disagg_decode),
                  "--max-local-prefill", str(args.max_local_prefill), "--kv-transport", args.kv_transport]
+    if args.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return UpProcess(topology, flags, model_dir=model_dir, served_name=served_name, run_dir=run_dir, dtype=args.dtype,
                      worker_threads=args.worker_threads, ready_timeout_s=args.ready_timeout,
                      stop_timeout_s=args.stop_timeout)

@@ -77,6 +77,9 @@ def add_parser(subcommands) -> None:
                              "KV to the decode workers (with --prefill 1)")
     parser.add_argument("--microbatches", type=_positive_int, default=2, metavar="M",
                         help="pipeline: steps in flight through the stages at once (default: 2)")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
+                        help="every worker's token budget per step: long prompts are prefilled in chunks of at "
+                             "most N tokens, mixed with decodes (default: the engine's, 2048)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000, help="port the gateway listens on (default: 8000)")
     parser.add_argument("--nats", metavar="URL", help="use this NATS server (with JetStream) instead of starting one")
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         layer_split=args.layer_split,
         microbatches=args.microbatches,
         prefill_stages=args.prefill_stages,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         host=args.host,
         port=args.port,
         nats=args.nats,

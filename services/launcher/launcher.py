@@ -78,6 +78,7 @@ class UpOptions:
     layer_split: str | None = None  # pipeline: "0:6,6:12,...", instead of --stages
     microbatches: int = 2  # pipeline
     prefill_stages: int | None = None  # disagg: the prefill pool is one pipeline of this many stages
+    max_num_batched_tokens: int | None = None  # every worker's per-step token budget (None: the engine's default)
     host: str = "127.0.0.1"
     port: int = 8000
     nats: str | None = None
@@ -353,7 +354,8 @@ class Launcher:
         config = topology.UpConfig(
             model=model_dir, served_model_name=served_name, nats_url=nats_url, topology=o.topology,
             decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill, kv_transport=o.kv_transport,
-            stage_ranges=self._stage_ranges, microbatches=o.microbatches, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
+            stage_ranges=self._stage_ranges, microbatches=o.microbatches,
+            max_num_batched_tokens=o.max_num_batched_tokens, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
         )
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy)

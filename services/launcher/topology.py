@@ -31,6 +31,7 @@ class UpConfig:
     port: int = 8000
     namespace: str = "splitserve"
     dtype: str = "auto"
+    max_num_batched_tokens: int | None = None  # every worker's token budget per step (None: the engine's default)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,14 @@ class ServiceSpec:
 
     def argv(self, python: str | None = None) -> list[str]:
         return [python or sys.executable, "-m", self.module, *self.args]
+
+
+def _engine_flags(config: UpConfig) -> tuple[str, ...]:
+    """The engine settings every worker (decode, prefill, stage) gets alike."""
+    flags = ("--dtype", config.dtype)
+    if config.max_num_batched_tokens is not None:
+        flags += ("--max-num-batched-tokens", str(config.max_num_batched_tokens))
+    return flags
 
 
 def connect_host(host: str) -> str:
@@ -95,7 +104,7 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
         counts["prefill"] = config.prefill
         for i in range(config.prefill):
             iid = f"prefill-{i}"
-            specs.append(ServiceSpec(iid, "prefill", iid, (*bus, *model, "--instance-id", iid, "--dtype", config.dtype,
+            specs.append(ServiceSpec(iid, "prefill", iid, (*bus, *model, "--instance-id", iid, *_engine_flags(config),
                                                            "--kv-transport", config.kv_transport)))
     for i in range(config.decode):
         iid = f"decode-{i}"
@@ -103,7 +112,7 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
             ServiceSpec(
                 iid, "decode", iid,
                 (*bus, *model, "--mode", "disagg" if disagg else "colocated", "--instance-id", iid,
-                 "--dtype", config.dtype),
+                 *_engine_flags(config)),
             )
         )
     specs.append(_gateway(config, bus, model, counts))
@@ -127,11 +136,11 @@ def _plan_pipeline(config: UpConfig, bus: tuple, model: tuple) -> list[ServiceSp
     specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0", (*bus, "--instance-id", "scheduler-0"))]
     stages = [f"stage-{i}" for i in range(1, len(config.stage_ranges))]
     for iid, (start, end) in zip(stages, config.stage_ranges[1:]):
-        specs.append(ServiceSpec(iid, "stage", iid, (*bus, *model, "--instance-id", iid, "--dtype", config.dtype,
+        specs.append(ServiceSpec(iid, "stage", iid, (*bus, *model, "--instance-id", iid, *_engine_flags(config),
                                                      "--layers", f"{start}:{end}")))
     start, end = config.stage_ranges[0]
     specs.append(ServiceSpec("stage-0", "stage", "stage-0", (
-        *bus, *model, "--instance-id", "stage-0", "--dtype", config.dtype, "--layers", f"{start}:{end}",
+        *bus, *model, "--instance-id", "stage-0", *_engine_flags(config), "--layers", f"{start}:{end}",
         "--stages", ",".join(stages), "--microbatches", str(config.microbatches))))
     specs.append(_gateway(config, bus, model, {"decode": 1, "scheduler": 1, "stage": len(stages)}))
     return specs
@@ -148,11 +157,11 @@ def _prefill_pipeline(config: UpConfig, bus: tuple, model: tuple) -> list[Servic
     ships = ("--ships-kv", "--kv-transport", config.kv_transport)
     specs = []
     for iid, (start, end) in zip(stages, config.stage_ranges[1:]):
-        specs.append(ServiceSpec(iid, "stage", iid, (*bus, *model, "--instance-id", iid, "--dtype", config.dtype,
+        specs.append(ServiceSpec(iid, "stage", iid, (*bus, *model, "--instance-id", iid, *_engine_flags(config),
                                                      "--layers", f"{start}:{end}", *ships)))
     start, end = config.stage_ranges[0]
     specs.append(ServiceSpec("prefill-0", "stage", "prefill-0", (
-        *bus, *model, "--instance-id", "prefill-0", "--dtype", config.dtype, "--layers", f"{start}:{end}",
+        *bus, *model, "--instance-id", "prefill-0", *_engine_flags(config), "--layers", f"{start}:{end}",
         "--stages", ",".join(stages), "--microbatches", str(config.microbatches), "--head-role", "prefill",
         "--kv-transport", config.kv_transport)))
     return specs

@@ -49,7 +49,8 @@ def test_urls_for_wildcard_and_ipv6_hosts():
 
 
 DISAGG = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", topology="disagg",
-                  prefill=2, decode=1, max_local_prefill=0, kv_transport="tcp", namespace="ns1")
+                  prefill=2, decode=1, max_local_prefill=0, kv_transport="tcp", namespace="ns1",
+                  max_num_batched_tokens=512)
 
 
 def test_disagg_plan():
@@ -59,6 +60,8 @@ def test_disagg_plan():
     assert ("--kv-transport", "tcp") == specs[1].args[-2:]
     decode_args = specs[3].args
     assert decode_args[decode_args.index("--mode") + 1] == "disagg"
+    for worker in specs[1:4]:  # every worker gets the same step budget
+        assert worker.args[worker.args.index("--max-num-batched-tokens") + 1] == "512"
     gateway_args = specs[-1].args
     assert gateway_args[gateway_args.index("--expect") + 1] == "decode=1,scheduler=1,prefill=2"
 
