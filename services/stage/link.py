@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import secrets
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -60,7 +61,9 @@ class ActivationLink:
         self.transport = transport
         self.hop_timeout_s = hop_timeout_s
         self._pending: asyncio.Queue[tuple[StageActivation, asyncio.Future]] = asyncio.Queue(max_pending)
-        self._received: dict[str, torch.Tensor] = {}
+        self.max_pending = max_pending
+        self._received: OrderedDict[str, torch.Tensor] = OrderedDict()  # arrived, not yet taken by `next`
+        self._send_order: dict[str, asyncio.Lock] = {}  # per destination: messages leave in the order sent
         self._sends: set[asyncio.Task] = set()
         self.stats = {"inline_bytes_sent": 0, "side_channel_bytes_sent": 0, "inline_messages_sent": 0,
                       "side_channel_transfers_sent": 0, "failed_sends": 0, "overflowed": 0}
@@ -131,6 +134,8 @@ class ActivationLink:
 
         def keep(start: int, end: int, part: torch.Tensor) -> None:  # a view, valid during the call: copy it
             received[request.transfer_id] = part[0].clone()
+            while len(received) > self.max_pending:  # whose message never came (dropped): not kept forever
+                received.popitem(last=False)
 
         try:
             ticket = self.receiver.expect(request.transfer_id, on_part=keep, total_layers=(0, 1), deadline_s=deadline_s)
@@ -142,7 +147,17 @@ class ActivationLink:
 
     # ---- sending ----------------------------------------------------------------------------
     async def send(self, to: str, activation: StageActivation, tensor: torch.Tensor | None) -> None:
-        """Publish `activation` to instance `to` with `tensor`; raises if the hop cannot even start."""
+        """Publish `activation` to instance `to` with `tensor`; raises if the hop cannot even start.
+
+        Messages to one destination leave in the order `send` was called, a big one's ticket round trip
+        included: a stage must run steps in the order the head started them (a step of a request aborted
+        meanwhile must not land after the next step that reuses its blocks).
+        """
+        order = self._send_order.setdefault(to, asyncio.Lock())
+        async with order:
+            await self._send(to, activation, tensor)
+
+    async def _send(self, to: str, activation: StageActivation, tensor: torch.Tensor | None) -> None:
         if tensor is None:
             await self.nc.publish(self.subjects.stage_activations(to), activation.encode())
             return

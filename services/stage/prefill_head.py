@@ -55,6 +55,8 @@ class PrefillPipelineHead(PrefillWorker):
 
     async def _others_shipped(self, job: PrefillJob) -> str | None:
         reports = self._reports.get(job.request_id, {})
+        if not reports:
+            return None
         remaining_s = max(0.0, (job.deadline_ms - now_ms()) / 1000)
         done, pending = await asyncio.wait(reports.values(), timeout=remaining_s + _DEADLINE_MARGIN_S)
         if pending:
