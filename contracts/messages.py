@@ -166,7 +166,7 @@ class StageActivation(Message):
     error: str = ""
     deadline_ms: int  # after this the head has given up on the step
     ship: list[dict[str, Any]] = field(default_factory=list)  # prompts completing in this step whose KV each
-    # stage ships, its own layers, straight to the decode worker: {request_id, ticket, block_ids, num_tokens}
+    # stage ships, its own layers, straight to the decode worker: {request_id, ticket, attempt, block_ids, num_tokens}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -198,6 +198,7 @@ class KVShipped(Message):
     request_id: str
     stage: str
     ok: bool
+    attempt: str = ""  # the head's attempt at the job (from the step's ship entry)
     num_bytes: int = 0
     error: str = ""
 

@@ -3,7 +3,7 @@
 import torch
 
 from shared.telemetry.logging import get_logger
-from shared.transfer import shm_available
+from shared.transfer import shm_available, sweep_orphan_segments
 from shared.transfer.shm import shared_zeros
 
 log = get_logger(__name__)
@@ -17,6 +17,7 @@ def kv_cache_allocator(kv_transport: str, device: str):
         return None
 
     def allocate(shape, dtype, device):
+        sweep_orphan_segments()  # a killed predecessor's cache would otherwise still hold the memory
         try:
             return shared_zeros(shape, dtype, device)
         except OSError as exc:

@@ -205,12 +205,15 @@ class PrefillWorker:
             if not goes_on:
                 return "finished_at_first_token"
             result = await sending
-            others_error = await self._others_shipped(job) if result.ok else None
+            # Even when this process's own part failed: the other stages may still read the blocks in place.
+            others_error = await self._others_shipped(job)
         finally:
             self._first_tokens.pop(job.request_id, None)
             self._job_ended(job)
             if not sending.done():
                 sending.cancel()
+                # Its lease is given back as it unwinds: only then may the blocks be freed.
+                await asyncio.gather(sending, return_exceptions=True)
         if not result.ok:
             log.warning("kv transfer failed", request_id=job.request_id, error=result.error, backend=result.backend)
             return "transfer_failed"

@@ -131,7 +131,8 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit("--microbatches must be at least 1")
 
     async def build(nc, js, registry, subjects):
-        receiver = KVReceiver()
+        # An activation travels as one part: a prefill chunk of 8k tokens of a 8192-wide float32 model is 256 MiB.
+        receiver = KVReceiver(max_part_bytes=1 << 30, max_buffer_bytes=2 << 30)
         await receiver.start(args.transfer_host, 0, advertise_host=args.transfer_advertise)
         link = ActivationLink(nc=nc, subjects=subjects, instance_id=args.instance_id, receiver=receiver,
                               sender=KVSender(), inline_bytes=args.inline_activation_bytes,

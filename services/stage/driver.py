@@ -54,7 +54,7 @@ class PipelineDriver:
         self.engine_loop: EngineLoop | None = None
         self.boot_id = ""
         self.on_reset: Callable[[list[RequestOutput]], None] = lambda outputs: None
-        self.ship_ticket: Callable[[str], dict | None] = lambda request_id: None
+        self.shipment_of: Callable[[str], dict | None] = lambda request_id: None
         self.stages_missing: list[str] = []
         self.resets = 0
         self._sends: set[asyncio.Task] = set()
@@ -62,16 +62,16 @@ class PipelineDriver:
 
     def attach(self, *, engine: PipelineHeadEngine, engine_loop: EngineLoop, boot_id: str,
                on_reset: Callable[[list[RequestOutput]], None],
-               ship_ticket: Callable[[str], dict | None] | None = None) -> None:
+               shipment_of: Callable[[str], dict | None] | None = None) -> None:
         """`on_reset(outputs)` publishes the failures a reset produced (on the event loop);
-        `ship_ticket(request_id)` is the side-channel ticket with which the stages ship a request's KV
-        (a prefill head's requests), None for requests whose KV stays."""
+        `shipment_of(request_id)` says how the stages ship a request's KV ({ticket, attempt}: a prefill
+        head's requests), None for requests whose KV stays."""
         self.engine = engine
         self.engine_loop = engine_loop
         self.boot_id = boot_id
         self.on_reset = on_reset
-        if ship_ticket is not None:
-            self.ship_ticket = ship_ticket
+        if shipment_of is not None:
+            self.shipment_of = shipment_of
 
     async def start(self) -> list[asyncio.Task]:
         self._loop = asyncio.get_running_loop()
@@ -97,18 +97,20 @@ class PipelineDriver:
 
     # ---- steps out (from the engine thread) and results in ------------------------------------
     def submit(self, step_id: int, batch: StepBatch, hidden, shipping: list[ShipKV]) -> None:
-        """The engine's `submit`: called on the engine thread, right after the head's own layers."""
-        self._loop.call_soon_threadsafe(self._send_step, step_id, batch, hidden, shipping)
+        """The engine's `submit`: called on the engine thread, right after the head's own layers. The stage
+        boot ids are taken here: they change only on the engine thread, with the reset that goes with them."""
+        boots = dict(self.stage_boot_ids)
+        self._loop.call_soon_threadsafe(self._send_step, step_id, batch, hidden, shipping, boots)
 
-    def _send_step(self, step_id: int, batch: StepBatch, hidden, shipping: list[ShipKV]) -> None:
+    def _send_step(self, step_id: int, batch: StepBatch, hidden, shipping: list[ShipKV], boots: dict) -> None:
         ship = []
         for item in shipping:
-            ticket = self.ship_ticket(item.request_id)
-            if ticket is not None:
-                ship.append({"request_id": item.request_id, "ticket": ticket, "block_ids": list(item.block_ids),
+            shipment = self.shipment_of(item.request_id)
+            if shipment is not None:
+                ship.append({**shipment, "request_id": item.request_id, "block_ids": list(item.block_ids),
                              "num_tokens": item.num_tokens})
         step = StageActivation(step_id=step_id, head=self.instance_id, head_boot_id=self.boot_id,
-                               route=list(self.stages), batch=batch.to_dict(), stage_boot_ids=dict(self.stage_boot_ids),
+                               route=list(self.stages), batch=batch.to_dict(), stage_boot_ids=boots,
                                kind="hidden", ship=ship,
                                deadline_ms=now_ms() + int(self.engine.step_timeout_s * 1000))
         task = asyncio.create_task(self._send(step, hidden))
@@ -151,21 +153,28 @@ class PipelineDriver:
                 continue
             was_missing = set(self.stages_missing)
             missing = [iid for iid in self.stages if iid not in entries]
-            restarted = [iid for iid in self.stages
-                         if iid in entries and entries[iid].boot_id != self.stage_boot_ids.get(iid)]
-            for iid in restarted:
-                self.stage_boot_ids[iid] = entries[iid].boot_id
+            new_boots = {iid: entries[iid].boot_id for iid in self.stages
+                         if iid in entries and entries[iid].boot_id != self.stage_boot_ids.get(iid)}
             self.stages_missing = missing
             if missing and not was_missing:
                 await self._reset(f"pipeline stage {missing[0]} is gone; its KV is lost")
             # A stage seen gone was reset for already; one that restarted unseen (within a heartbeat) was not.
-            unseen = [iid for iid in restarted if iid not in was_missing]
+            unseen = [iid for iid in new_boots if iid not in was_missing]
             if unseen:
-                await self._reset(f"pipeline stage {unseen[0]} restarted; its KV is lost")
+                await self._reset(f"pipeline stage {unseen[0]} restarted; its KV is lost", new_boots)
+            elif new_boots:
+                await self.engine_loop.call(lambda engine: self.stage_boot_ids.update(new_boots))
 
-    async def _reset(self, reason: str) -> None:
+    async def _reset(self, reason: str, new_boots: dict | None = None) -> None:
+        """Fail every request and, in the same engine call (no step starts in between), take the stages'
+        new boot ids: steps stamped with the old ones are refused by the restarted stages."""
         log.warning("pipeline reset", reason=reason)
         self.resets += 1
-        outputs = await self.engine_loop.call(lambda engine: engine.fail_all(reason))
+
+        def reset(engine):
+            self.stage_boot_ids.update(new_boots or {})
+            return engine.fail_all(reason)
+
+        outputs = await self.engine_loop.call(reset)
         if outputs:
             self.on_reset(outputs)

@@ -85,6 +85,7 @@ class ActivationLink:
                 pass
         for task in list(self._sends):
             task.cancel()
+        await asyncio.gather(*self._sends, return_exceptions=True)  # their leases are back before the sender closes
 
     # ---- receiving ---------------------------------------------------------------------------
     async def next(self) -> Incoming:
@@ -116,7 +117,8 @@ class ActivationLink:
         except asyncio.QueueFull:
             self.stats["overflowed"] += 1
             future.cancel()
-            await self.fail_to_head(activation, f"{self.instance_id} has too many steps waiting")
+            if activation.head != self.instance_id:  # a full head drops it: the step fails by its deadline
+                await self.fail_to_head(activation, f"{self.instance_id} has too many steps waiting")
 
     async def _wait_transfer(self, transfer_id: str) -> torch.Tensor:
         try:

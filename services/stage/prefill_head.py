@@ -12,6 +12,7 @@ transfer's deadline, after which the decode worker reads nothing more).
 """
 
 import asyncio
+import secrets
 
 from contracts import KVShipped, PrefillJob
 from services.common.identity import now_ms
@@ -26,10 +27,10 @@ class PrefillPipelineHead(PrefillWorker):
     def __init__(self, *, driver: PipelineDriver, **kwargs):
         super().__init__(**kwargs)
         self.driver = driver
-        self._tickets: dict[str, dict] = {}  # request id -> its KV ticket, while prefilling
+        self._shipments: dict[str, dict] = {}  # request id -> {ticket, attempt}, while prefilling
         self._reports: dict[str, dict[str, asyncio.Future]] = {}  # request id -> stage -> its KVShipped
         driver.attach(engine=self.engine, engine_loop=self.engine_loop, boot_id=self.identity.boot_id,
-                      on_reset=self._deliver, ship_ticket=self._tickets.get)
+                      on_reset=self._deliver, shipment_of=self._shipments.get)
 
     async def start(self) -> list[asyncio.Task]:
         driver_tasks = await self.driver.start()
@@ -50,7 +51,8 @@ class PrefillPipelineHead(PrefillWorker):
         return 0, self.engine.local_layers_end
 
     def _job_started(self, job: PrefillJob) -> None:
-        self._tickets[job.request_id] = job.ticket
+        # A fresh attempt id: a late report of an earlier attempt at this job must not count for this one.
+        self._shipments[job.request_id] = {"ticket": job.ticket, "attempt": secrets.token_hex(8)}
         self._reports[job.request_id] = {stage: self._loop.create_future() for stage in self.driver.stages}
 
     async def _others_shipped(self, job: PrefillJob) -> str | None:
@@ -69,11 +71,14 @@ class PrefillPipelineHead(PrefillWorker):
         return None
 
     def _job_ended(self, job: PrefillJob) -> None:
-        self._tickets.pop(job.request_id, None)
+        self._shipments.pop(job.request_id, None)
         for future in self._reports.pop(job.request_id, {}).values():
             future.cancel()
 
     async def _on_shipped(self, report: KVShipped, msg) -> None:
+        shipment = self._shipments.get(report.request_id)
+        if shipment is None or report.attempt != shipment["attempt"]:
+            return  # an earlier attempt's
         future = self._reports.get(report.request_id, {}).get(report.stage)
         if future is not None and not future.done():
             future.set_result(report)

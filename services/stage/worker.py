@@ -60,6 +60,9 @@ class StageWorker:
 
     async def stop(self) -> None:
         self.state = "draining"
+        for task in self.shipments:
+            task.cancel()
+        await asyncio.gather(*self.shipments, return_exceptions=True)
         await self.link.stop()
         await self.link.receiver.stop()
         self.link.sender.close()
@@ -169,8 +172,8 @@ class StageWorker:
             ok, error, num_bytes = False, f"cannot ship: {exc!r}", 0
         outcome = "ok" if ok else "failed"
         self.shipped[outcome] = self.shipped.get(outcome, 0) + 1
-        report = KVShipped(request_id=shipment.request_id, stage=self.instance_id, ok=ok, num_bytes=num_bytes,
-                           error=error[:2000])
+        report = KVShipped(request_id=shipment.request_id, stage=self.instance_id, ok=ok, attempt=shipment.attempt,
+                           num_bytes=num_bytes, error=error[:2000])
         try:
             await self.nc.publish(self.subjects.stage_shipped(step.head), report.encode())
         except Exception as exc:  # the head stops waiting at the transfer's deadline instead
@@ -187,6 +190,7 @@ class _Shipment:
         entry = entry if isinstance(entry, dict) else {}
         self.request_id = str(entry.get("request_id", ""))
         self.ticket = entry.get("ticket")
+        self.attempt = str(entry.get("attempt", ""))
         self.block_ids = entry.get("block_ids") if isinstance(entry.get("block_ids"), list) else []
         self.num_tokens = entry.get("num_tokens") if isinstance(entry.get("num_tokens"), int) else 0
         self.parts: asyncio.Queue = asyncio.Queue()

@@ -86,6 +86,7 @@ OnPart = Callable[[int, int, "torch.Tensor | BlockSlice"], None]
 _MAX_DIMS = 8
 _MAX_TRANSFER_ID = 256
 _MAX_RUNS = 4096  # block runs in one part's header
+_MAX_BLOCKS_PER_PART = 1 << 20  # blocks one region part may name
 
 
 @dataclass(eq=False)
@@ -215,6 +216,7 @@ class KVReceiver:
         self._buffers: _BufferPool | None = None
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
+        self._sweep_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
         self._active: dict[str, _Expectation] = {}
         self._finished: OrderedDict[str, tuple[bytes, TransferResult]] = OrderedDict()
@@ -248,6 +250,7 @@ class KVReceiver:
         self._buffers = _BufferPool(self.max_buffer_bytes, self.idle_buffer_bytes)
         sweep_orphan_segments()
         self._accept_task = asyncio.create_task(self._accept_loop(), name="kv-receiver-accept")
+        self._sweep_task = asyncio.create_task(self._let_go_of_unlinked(), name="kv-receiver-unmap")
         log.info("kv receiver listening", host=host, port=bound_port, advertise_host=advertise_host,
                  shm=shm_available())
 
@@ -255,7 +258,7 @@ class KVReceiver:
         """Stop listening, fail every pending transfer (`stopped`), close every connection."""
         for exp in list(self._active.values()):
             self._finish(exp, failure=TransferFailed(STOPPED, "the receiver stopped"))
-        tasks = [t for t in (self._accept_task, *self._connections) if t is not None and not t.done()]
+        tasks = [t for t in (self._accept_task, self._sweep_task, *self._connections) if t is not None and not t.done()]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -264,6 +267,7 @@ class KVReceiver:
             self._listener.close()
             self._listener = None
         self._accept_task = None
+        self._sweep_task = None
         self.endpoint = None
         self._shm_cache.close()
         self._region_cache.close()
@@ -532,6 +536,13 @@ class KVReceiver:
                 self._buffers.release(buffer)
             self._shm_cache.trim()
 
+    async def _let_go_of_unlinked(self) -> None:
+        """Unmap the segments and regions their senders unlinked (a stopped or killed prefill worker's cache),
+        also while no transfer comes to do it."""
+        while True:
+            await asyncio.sleep(5.0)
+            self._drop_unlinked_now_and_then()
+
     def _drop_unlinked_now_and_then(self) -> None:
         now = time.monotonic()
         if now - self._last_shm_check > 5.0:
@@ -695,18 +706,24 @@ def _region_part(msg: dict, bad, header: _PartHeader) -> _PartHeader:
         raise bad("block_dim must name a dimension after the layers")
     if not isinstance(runs, list) or len(runs) > _MAX_RUNS:
         raise bad(f"block_runs must be a list of at most {_MAX_RUNS} runs")
+    if 0 in source_shape or 0 in header.shape:
+        raise bad("a region part has no empty dimension")
     num_blocks = source_shape[block_dim]
-    block_ids: list[int] = []
+    total = 0
     for run in runs:
         if (not isinstance(run, list) or len(run) != 2
                 or not all(isinstance(v, int) and not isinstance(v, bool) for v in run)
                 or not (0 <= run[0] and 0 < run[1] and run[0] + run[1] <= num_blocks)):
             raise bad(f"each block run must be [first, count] within the source's {num_blocks} blocks")
-        block_ids.extend(range(run[0], run[0] + run[1]))
+        total += run[1]
+    # Checked before a single id is made: the part's size (within max_part_bytes) bounds the blocks it names.
     expected = list(source_shape)
-    expected[block_dim] = len(block_ids)
+    expected[block_dim] = total
     if tuple(expected) != header.shape:
-        raise bad(f"shape {list(header.shape)} is not {len(block_ids)} blocks of a source of shape {source_shape}")
+        raise bad(f"shape {list(header.shape)} is not {total} blocks of a source of shape {source_shape}")
+    if total > _MAX_BLOCKS_PER_PART:
+        raise bad(f"a part of {total} blocks; at most {_MAX_BLOCKS_PER_PART}")
+    block_ids = [block for first, count in runs for block in range(first, first + count)]
     if header.offset % header.dtype.itemsize:
         raise bad("a region part's offset must be a multiple of its element size")
     lease = msg.get("lease")

@@ -265,6 +265,8 @@ class LeaseTable:
         return name, offset + slot * 8, generation
 
     def release(self, lease: tuple[str, int, int]) -> None:
+        if self.table is None:
+            return  # closed (the process is stopping): the slot went with the table
         slot = (lease[1] - region_of(self.table)[1]) // 8
         self.table[slot] = 0
         self._free.append(slot)

@@ -152,3 +152,20 @@ async def test_bad_region_part_headers_fail_the_transfer_with_a_reason(receiver,
         client.writer.close()
     result = await receiver.wait("bad-header")
     assert not result.ok and result.reason in ("protocol", "shm-error", "source-released") and sink.kinds == []
+
+
+async def test_a_region_part_naming_absurdly_many_blocks_is_refused_before_any_is_listed(receiver, region_cache):
+    # A uint8 "cache" whose blocks are 1 byte: the runs could name billions of ids; the header is refused first.
+    sink = BlockSink(region_cache)
+    ticket = receiver.expect("many", on_part=sink, total_layers=(0, 4), deadline_s=10)
+    client = await RawClient.connect(ticket)
+    try:
+        await client.authenticate(ticket, backend="shm")
+        assert (await client.recv())["status"] == "ready"
+        client.send(region_header(region_cache, dtype="uint8", shape=[4, 1, 1 << 30, 1, 1, 1], nbytes=4 << 30,
+                                  source_shape=[4, 1, 1 << 38, 1, 1, 1], block_runs=[[0, 1 << 30]]))
+        reply = await client.recv()
+        assert reply["op"] == "error", reply
+    finally:
+        client.writer.close()
+    assert not (await receiver.wait("many")).ok and sink.kinds == []
