@@ -1,0 +1,1 @@
+"""The kv-store: a shared, tiered store of prefix KV blocks keyed by chained block hash (issue 6)."""

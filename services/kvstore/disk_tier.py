@@ -1,0 +1,144 @@
+"""The kv-store's disk tier: one file per block under a directory, bounded in bytes, least recently used out first.
+
+A file is `<dir>/<first two hex digits>/<hash hex>.kvb`: a magic line, a
+length-prefixed msgpack header (dtype, shape, payload checksum) and the raw
+payload. Files are written to a temporary name and renamed, so a crash never
+leaves a half-written block under a real name. A restarted store finds its
+blocks again by scanning the directory (their order of use from the files'
+access times); a file that does not read back (truncated, corrupted, foreign)
+is deleted and counts as a miss.
+"""
+
+import os
+import struct
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import msgpack
+import torch
+
+from services.kvstore.block import StoredBlock
+from shared.transfer.checksum import fold64
+
+MAGIC = b"splitserve-kv-block/1\n"
+SUFFIX = ".kvb"
+_LENGTH = struct.Struct("!I")
+_MAX_HEADER = 4096
+
+
+class DiskTier:
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int):
+        if capacity_bytes < 0:
+            raise ValueError("the disk tier's capacity cannot be negative")
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._sizes: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
+        self.bytes_used = 0
+        self.evictions = 0
+        self.dropped_corrupt = 0
+        self._scan()
+
+    # ---- the index ---------------------------------------------------------------------------
+    def _scan(self) -> None:
+        found = []
+        for path in self.root.glob(f"*/*{SUFFIX}"):
+            try:
+                key = bytes.fromhex(path.name.removesuffix(SUFFIX))
+                st = path.stat()
+            except (ValueError, OSError):
+                continue
+            found.append((st.st_atime, key, st.st_size))
+        for path in self.root.glob("*/*.tmp-*"):  # a write that a crash interrupted
+            path.unlink(missing_ok=True)
+        for _, key, size in sorted(found):
+            self._sizes[key] = size
+            self.bytes_used += size
+        self._evict_to(self.capacity_bytes)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def _path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.root / name[:2] / f"{name}{SUFFIX}"
+
+    # ---- blocks -------------------------------------------------------------------------------
+    def put(self, key: bytes, block: StoredBlock) -> list[bytes]:
+        """Store `block` (replacing any older copy); returns the keys evicted to make room."""
+        header = msgpack.packb({"dtype": block.dtype, "shape": list(block.shape),
+                                "sum": fold64(torch.frombuffer(bytearray(block.data), dtype=torch.uint8))
+                                if block.data else 0})
+        size = len(MAGIC) + _LENGTH.size + len(header) + block.nbytes
+        if size > self.capacity_bytes:
+            return []  # does not fit at all
+        self.discard(key)
+        evicted = self._evict_to(self.capacity_bytes - size)
+        path = self._path(key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + _LENGTH.pack(len(header)) + header)
+            f.write(block.data)
+        os.replace(tmp, path)
+        self._sizes[key] = size
+        self.bytes_used += size
+        return evicted
+
+    def get(self, key: bytes) -> StoredBlock | None:
+        if key not in self._sizes:
+            return None
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+            block = _parse(raw)
+        except (OSError, ValueError, TypeError, struct.error):
+            self.dropped_corrupt += 1
+            self.discard(key)
+            return None
+        self._sizes.move_to_end(key)
+        now = time.time()
+        try:
+            os.utime(path, (now, now))  # the order of use survives a restart
+        except OSError:
+            pass
+        return block
+
+    def discard(self, key: bytes) -> None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self.bytes_used -= size
+            self._path(key).unlink(missing_ok=True)
+
+    def _evict_to(self, limit: int) -> list[bytes]:
+        evicted = []
+        while self._sizes and self.bytes_used > max(limit, 0):
+            key, size = self._sizes.popitem(last=False)
+            self.bytes_used -= size
+            self._path(key).unlink(missing_ok=True)
+            self.evictions += 1
+            evicted.append(key)
+        return evicted
+
+
+def _parse(raw: bytes) -> StoredBlock:
+    if not raw.startswith(MAGIC):
+        raise ValueError("not a kv block file")
+    offset = len(MAGIC)
+    (length,) = _LENGTH.unpack_from(raw, offset)
+    if length > _MAX_HEADER:
+        raise ValueError("block file header too long")
+    offset += _LENGTH.size
+    header = msgpack.unpackb(raw[offset : offset + length])
+    data = raw[offset + length :]
+    if not isinstance(header, dict):
+        raise ValueError("block file header is not a map")
+    total = fold64(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else 0
+    if total != header.get("sum"):
+        raise ValueError("block file payload fails its checksum")
+    return StoredBlock(header.get("dtype"), tuple(header.get("shape") or ()), data)
