@@ -7,6 +7,10 @@ from contracts.messages import (
     GenerateRequest,
     HandoffReply,
     KVShipped,
+    KVStoreGet,
+    KVStoreLookup,
+    KVStorePut,
+    KVStoreReply,
     PrefillJob,
     PrefillResult,
     RequestFailed,
@@ -20,6 +24,6 @@ from contracts.messages import (
 from contracts.subjects import Subjects, check_token
 
 __all__ = [
-    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "KVShipped", "Message", "PrefillJob", "PrefillResult",
+    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "KVShipped", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply", "Message", "PrefillJob", "PrefillResult",
     "RequestFailed", "ServiceInfo", "StageActivation", "StageTicketReply", "StageTicketRequest", "StatsRequest", "Subjects", "TokenChunk", "check_token", "decode_one_of",
 ]

@@ -121,7 +121,7 @@ class ServiceInfo(Message):
 
     TYPE = "service_info"
     instance_id: str
-    role: str  # "gateway" | "scheduler" | "decode" | later "prefill" | "stage" | "kvstore"
+    role: str  # "gateway" | "scheduler" | "decode" | "prefill" | "stage" | "kvstore"
     model: str = ""
     served_model_name: str = ""
     boot_id: str = ""  # unique per process start
@@ -200,5 +200,47 @@ class KVShipped(Message):
     ok: bool
     attempt: str = ""  # the head's attempt at the job (from the step's ship entry)
     num_bytes: int = 0
+    error: str = ""
+
+
+@dataclass(slots=True, kw_only=True)
+class KVStoreLookup(Message):
+    """worker -> kv-store: how many of these chained block hashes, from the first, do you hold?"""
+
+    TYPE = "kvstore_lookup"
+    hashes: list[bytes]
+
+
+@dataclass(slots=True, kw_only=True)
+class KVStorePut(Message):
+    """worker -> kv-store: expect these blocks over the side channel (the reply carries the ticket)."""
+
+    TYPE = "kvstore_put"
+    transfer_id: str
+    hashes: list[bytes]  # block i of the transfer (its "layer" i) is stored under hashes[i]
+    dtype: str
+    block_shape: list[int]  # one block, all layers: [layers, 2, block_size, kv_heads, head_dim]
+    deadline_ms: int
+
+
+@dataclass(slots=True, kw_only=True)
+class KVStoreGet(Message):
+    """worker -> kv-store: send me these blocks, block i as "layer" i of the transfer this ticket expects."""
+
+    TYPE = "kvstore_get"
+    hashes: list[bytes]
+    ticket: dict[str, Any]
+    deadline_ms: int
+
+
+@dataclass(slots=True, kw_only=True)
+class KVStoreReply(Message):
+    """kv-store -> worker: the answer to a lookup, a put (with the ticket) or a get (the blocks are on their way)."""
+
+    TYPE = "kvstore_reply"
+    ok: bool
+    num_hit: int = 0
+    tiers: list[str] = field(default_factory=list)  # lookup: the tier of each hit
+    ticket: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 

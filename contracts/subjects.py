@@ -69,6 +69,10 @@ class Subjects:
     def stage_tickets(self, instance_id: str) -> str:
         return f"{self.namespace}.stage.{check_token(instance_id, 'instance id')}.tickets"
 
+    def kvstore(self, instance_id: str, endpoint: str) -> str:
+        """A kv-store instance's endpoints: lookup, put, get."""
+        return f"{self.namespace}.kvstore.{check_token(instance_id, 'instance id')}.{check_token(endpoint, 'endpoint')}"
+
     def stats(self, instance_id: str) -> str:
         return f"{self.namespace}.stats.{check_token(instance_id, 'instance id')}"
 

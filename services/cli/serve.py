@@ -10,7 +10,7 @@ import importlib.util
 import runpy
 import sys
 
-SERVICE_NAMES = ("gateway", "scheduler", "decode", "prefill", "stage")
+SERVICE_NAMES = ("gateway", "scheduler", "decode", "prefill", "stage", "kvstore")
 
 
 def add_parser(subcommands) -> None:

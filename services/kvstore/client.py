@@ -1,0 +1,89 @@
+"""A worker's side of the kv-store: lookup, put and get against one instance (`placement` says which).
+
+Nothing here ever fails a request: a kv-store that is slow, full or down makes
+`lookup` answer 0, `put` and `get` answer False, each within its deadline, and
+the miss is counted by reason (the worker computes instead).
+"""
+
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import nats.errors
+import torch
+
+from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, Subjects
+from contracts.codec import ContractError
+from shared.bus.subscribe import decode
+from shared.transfer import KVReceiver, KVSender, TransferTicket
+
+
+class KVStoreClient:
+    def __init__(self, *, nc, subjects: Subjects, receiver: KVReceiver, sender: KVSender, timeout_s: float = 5.0):
+        self.nc = nc
+        self.subjects = subjects
+        self.receiver = receiver
+        self.sender = sender
+        self.timeout_s = timeout_s
+        self.misses: Counter[str] = Counter()
+
+    async def _ask(self, instance: str, endpoint: str, message) -> KVStoreReply | None:
+        try:
+            reply = await self.nc.request(self.subjects.kvstore(instance, endpoint), message.encode(),
+                                          timeout=self.timeout_s)
+            answer = decode(reply.data, KVStoreReply)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            self.misses[f"{endpoint}_unreachable"] += 1
+            return None
+        except ContractError:
+            self.misses[f"{endpoint}_bad_reply"] += 1
+            return None
+        if not answer.ok:
+            self.misses[f"{endpoint}_refused"] += 1
+            return None
+        return answer
+
+    async def lookup(self, instance: str, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first, the instance holds (0 when it cannot say)."""
+        if not hashes:
+            return 0
+        answer = await self._ask(instance, "lookup", KVStoreLookup(hashes=list(hashes)))
+        return answer.num_hit if answer is not None else 0
+
+    async def put(self, instance: str, hashes: list[bytes], blocks: torch.Tensor) -> bool:
+        """Store `blocks[i]` under `hashes[i]`; True once the instance has all of them."""
+        if len(hashes) != blocks.shape[0] or not hashes:
+            raise ValueError(f"{len(hashes)} hashes for {blocks.shape[0]} blocks")
+        deadline_ms = int((time.time() + self.timeout_s) * 1000)
+        answer = await self._ask(instance, "put", KVStorePut(
+            transfer_id=secrets.token_hex(8), hashes=list(hashes), dtype=str(blocks.dtype).removeprefix("torch."),
+            block_shape=list(blocks.shape[1:]), deadline_ms=deadline_ms))
+        if answer is None:
+            return False
+        try:
+            ticket = TransferTicket.from_dict(answer.ticket)
+        except ValueError:
+            self.misses["put_bad_reply"] += 1
+            return False
+        result = await self.sender.send(ticket, [(0, len(hashes), blocks)])
+        if not result.ok:
+            self.misses["put_transfer"] += 1
+        return result.ok
+
+    async def get(self, instance: str, hashes: list[bytes],
+                  on_blocks: Callable[[int, int, torch.Tensor], None]) -> bool:
+        """Fetch the blocks of `hashes`: `on_blocks(first, end, tensor)` gets blocks [first, end) as they arrive
+        (a view: copy it, e.g. into the paged cache). True once all arrived."""
+        transfer_id = f"kvget-{secrets.token_hex(8)}"
+        ticket = self.receiver.expect(transfer_id, on_part=on_blocks, total_layers=(0, len(hashes)),
+                                      deadline_s=self.timeout_s)
+        answer = await self._ask(instance, "get", KVStoreGet(hashes=list(hashes), ticket=ticket.to_dict(),
+                                                             deadline_ms=int(ticket.deadline_unix_s * 1000)))
+        if answer is None:
+            self.receiver.cancel(transfer_id)
+            return False
+        result = await self.receiver.wait(transfer_id)
+        if not result.ok:
+            self.misses["get_transfer"] += 1
+        return result.ok

@@ -1,0 +1,185 @@
+"""The kv-store service: lookups and bookkeeping over NATS, block bytes over the side channel only.
+
+    lookup  {hashes}                         -> {num_hit, tiers}
+    put     {transfer_id, hashes, dtype, block_shape}
+                                             -> {ticket}; the worker then sends block i as "layer" i
+    get     {hashes, ticket}                 -> {ok}; the store then sends block i as "layer" i to the ticket
+
+Data arrives only through an authenticated side-channel transfer this store
+expects (its ticket); a put is stored once the whole transfer arrived, never in
+part. Bounds: blocks per request, bytes per block, puts in flight, and the
+tiers' own (see `store.py`). Disk work runs off the event loop.
+"""
+
+import asyncio
+import math
+import secrets
+import time
+
+from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, ServiceInfo, StatsRequest, Subjects
+from services.common.identity import ServiceIdentity, now_ms
+from services.kvstore.block import StoredBlock
+from services.kvstore.store import TieredBlockStore
+from shared.bus.registry import Heartbeat, Registry
+from shared.bus.subscribe import REJECTED, subscribe_typed
+from shared.engine.block_hash import BLOCK_HASH_BYTES
+from shared.telemetry.logging import get_logger
+from shared.transfer import KVReceiver, KVSender, TransferTicket
+from shared.transfer.wire import DTYPES
+
+log = get_logger(__name__)
+
+
+class KVStoreService:
+    def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str, store: TieredBlockStore,
+                 receiver: KVReceiver, sender: KVSender, max_blocks_per_request: int = 4096,
+                 max_block_bytes: int = 64 << 20, max_puts_in_flight: int = 64, transfer_timeout_s: float = 30.0):
+        self.nc = nc
+        self.registry = registry
+        self.subjects = subjects
+        self.instance_id = instance_id
+        self.store = store
+        self.receiver = receiver
+        self.sender = sender
+        self.max_blocks_per_request = max_blocks_per_request
+        self.max_block_bytes = max_block_bytes
+        self.max_puts_in_flight = max_puts_in_flight
+        self.transfer_timeout_s = transfer_timeout_s
+        self.identity = ServiceIdentity(instance_id, "kvstore")
+        self.state = "starting"
+        self.counts: dict[str, int] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._puts_in_flight = 0
+        self._heartbeat = Heartbeat(registry, self.info)
+
+    async def start(self) -> list[asyncio.Task]:
+        for endpoint, cls, handler in (("lookup", KVStoreLookup, self._on_lookup), ("put", KVStorePut, self._on_put),
+                                       ("get", KVStoreGet, self._on_get)):
+            await subscribe_typed(self.nc, self.subjects.kvstore(self.instance_id, endpoint), cls, handler)
+        await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
+        await self.nc.flush()
+        self.state = "ready"
+        self._heartbeat.start()
+        return []
+
+    async def stop(self) -> None:
+        self.state = "draining"
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.receiver.stop()
+        self.sender.close()
+        await self._heartbeat.stop(remove=True)
+
+    def info(self) -> ServiceInfo:
+        return self.identity.info(state=self.state, details={
+            "store": self.store.snapshot(), "requests": dict(self.counts), "puts_in_flight": self._puts_in_flight,
+            "kv_transfer_in": self.receiver.stats.snapshot(), "kv_transfer_out": self.sender.stats.snapshot(),
+            "rejected_messages": dict(REJECTED)})
+
+    async def _on_stats(self, _: StatsRequest, msg) -> None:
+        if msg.reply:
+            await msg.respond(self.info().encode())
+
+    # ---- requests -----------------------------------------------------------------------------
+    def _bad_hashes(self, hashes: list[bytes]) -> str | None:
+        if not hashes:
+            return "no block hashes"
+        if len(hashes) > self.max_blocks_per_request:
+            return f"{len(hashes)} blocks in one request; at most {self.max_blocks_per_request}"
+        if any(len(h) != BLOCK_HASH_BYTES for h in hashes):
+            return f"block hashes are {BLOCK_HASH_BYTES} bytes"
+        return None
+
+    async def _answer(self, msg, reply: KVStoreReply, outcome: str) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        if msg.reply:
+            await msg.respond(reply.encode())
+
+    async def _on_lookup(self, request: KVStoreLookup, msg) -> None:
+        problem = self._bad_hashes(request.hashes)
+        if problem:
+            return await self._answer(msg, KVStoreReply(ok=False, error=problem), "lookup_refused")
+        count = self.store.longest_prefix(request.hashes)
+        tiers = [self.store.tier_of(h) or "gone" for h in request.hashes[:count]]
+        await self._answer(msg, KVStoreReply(ok=True, num_hit=count, tiers=tiers), "lookup")
+
+    async def _on_put(self, request: KVStorePut, msg) -> None:
+        problem = self._bad_hashes(request.hashes)
+        if problem is None and request.dtype not in DTYPES:
+            problem = f"dtype {request.dtype!r} is not one of {', '.join(DTYPES)}"
+        if problem is None and (not request.block_shape or any(d <= 0 for d in request.block_shape)):
+            problem = "block_shape must be a list of positive sizes"
+        if problem is None and math.prod(request.block_shape) * DTYPES[request.dtype].itemsize > self.max_block_bytes:
+            problem = f"blocks of more than {self.max_block_bytes} bytes"
+        if problem is None and self._puts_in_flight >= self.max_puts_in_flight:
+            problem = "too many puts in flight"  # the worker computes instead; nothing is lost but a cache entry
+        if problem:
+            return await self._answer(msg, KVStoreReply(ok=False, error=problem), "put_refused")
+        received: dict[int, StoredBlock] = {}
+        shape = tuple(request.block_shape)
+        dtype = DTYPES[request.dtype]
+
+        def keep(start: int, end: int, part) -> None:  # a view, valid during the call: copy what it holds
+            if part.dtype != dtype or tuple(part.shape[1:]) != shape:
+                raise ValueError(f"a {part.dtype} part of shape {list(part.shape)} for {request.dtype} blocks of "
+                                 f"shape {list(shape)}")
+            for offset in range(end - start):
+                received[start + offset] = StoredBlock.from_tensor(part[offset])
+
+        deadline_s = max(0.1, min(self.transfer_timeout_s, (request.deadline_ms - now_ms()) / 1000))
+        transfer_id = f"put-{request.transfer_id}-{secrets.token_hex(4)}"
+        try:
+            ticket = self.receiver.expect(transfer_id, on_part=keep, total_layers=(0, len(request.hashes)),
+                                          deadline_s=deadline_s)
+        except ValueError as exc:
+            return await self._answer(msg, KVStoreReply(ok=False, error=str(exc)), "put_refused")
+        self._puts_in_flight += 1
+        self._spawn(self._finish_put(transfer_id, request.hashes, received))
+        await self._answer(msg, KVStoreReply(ok=True, ticket=ticket.to_dict()), "put")
+
+    async def _finish_put(self, transfer_id: str, hashes: list[bytes], received: dict[int, StoredBlock]) -> None:
+        try:
+            result = await self.receiver.wait(transfer_id)
+            if not result.ok:
+                self.counts["put_failed"] = self.counts.get("put_failed", 0) + 1
+                return  # stored nothing: a put is all or none
+
+            def store_all() -> None:
+                for index, block_hash in enumerate(hashes):
+                    self.store.put(block_hash, received[index])
+
+            await asyncio.to_thread(store_all)
+        finally:
+            self._puts_in_flight -= 1
+
+    async def _on_get(self, request: KVStoreGet, msg) -> None:
+        problem = self._bad_hashes(request.hashes)
+        ticket = None
+        if problem is None:
+            try:
+                ticket = TransferTicket.from_dict(request.ticket)
+            except ValueError as exc:
+                problem = f"bad ticket: {exc}"
+        if problem:
+            return await self._answer(msg, KVStoreReply(ok=False, error=problem), "get_refused")
+        found = await asyncio.to_thread(lambda: [self.store.get(h) for h in request.hashes])
+        missing = sum(1 for item in found if item is None)
+        if missing:
+            return await self._answer(msg, KVStoreReply(ok=False, error=f"{missing} of the blocks are not here"),
+                                      "get_missing")
+        await self._answer(msg, KVStoreReply(ok=True, num_hit=len(found), tiers=[tier for _, tier in found]), "get")
+        parts = [(i, i + 1, block.tensor()[None]) for i, (block, _) in enumerate(found)]
+        self._spawn(self._send(ticket, parts))
+
+    async def _send(self, ticket: TransferTicket, parts) -> None:
+        started = time.perf_counter()
+        result = await self.sender.send(ticket, parts)
+        if not result.ok:
+            self.counts["get_failed"] = self.counts.get("get_failed", 0) + 1
+            log.info("kv-store send failed", error=result.error, seconds=round(time.perf_counter() - started, 3))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
