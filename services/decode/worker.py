@@ -42,7 +42,7 @@ TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 class ActiveRequest:
     reply_subject: str
     next_seq: int = 0
-    remote_prefill: asyncio.Task | None = None  # while a prefill worker computes its prompt
+    preparing: asyncio.Task | None = None  # before it reaches the engine: a remote prefill, a kv-store load
 
 
 class DecodeWorker:
@@ -60,6 +60,7 @@ class DecodeWorker:
         max_active_requests: int,
         receiver=None,
         prefill_timeout_s: float = 30.0,
+        kv_cache=None,
     ):
         self.nc = nc
         self.registry = registry
@@ -71,6 +72,7 @@ class DecodeWorker:
         self.mode = mode
         self.max_active_requests = max_active_requests
         self.receiver = receiver  # the KV side channel (disagg mode)
+        self.kv_cache = kv_cache  # services.common.kvstore_cache.KVStoreCache, with --kv-store
         self.prefill_timeout_s = prefill_timeout_s
         self.prefill_results: dict[str, asyncio.Future] = {}
         self.prefill_counts: dict[str, int] = {}
@@ -109,13 +111,15 @@ class DecodeWorker:
         while self.requests and time.monotonic() < deadline and not self.engine_loop.crashed:
             await asyncio.sleep(0.05)
         for request_id, active in list(self.requests.items()):
-            if active.remote_prefill is not None:
-                active.remote_prefill.cancel()
+            if active.preparing is not None:
+                active.preparing.cancel()
             self.engine_loop.abort(request_id)
             await self._fail(request_id, active, "worker_failed", "the worker is shutting down")
         await asyncio.to_thread(self.engine_loop.stop, 1.0)  # a step in flight may not finish: the thread is a daemon
         if self.receiver is not None:
             await self.receiver.stop()
+        if self.kv_cache is not None:
+            await self.kv_cache.stop()
         await self._heartbeat.stop(remove=True)
 
     def info(self) -> ServiceInfo:
@@ -131,7 +135,8 @@ class DecodeWorker:
             kv_blocks_free=block_manager.num_free_blocks,
             max_model_len=self.engine.max_model_len,
             details={"mode": self.mode, "active_requests": len(self.requests), "rejected_messages": dict(REJECTED),
-                     "prefill_decisions": dict(self.prefill_counts), "kv_transfer": self._transfer_details()},
+                     "prefill_decisions": dict(self.prefill_counts), "kv_transfer": self._transfer_details(),
+                     "kv_store": self.kv_cache.details() if self.kv_cache is not None else {}},
         )
 
     # ---- handlers (event loop) --------------------------------------------------------
@@ -147,7 +152,9 @@ class DecodeWorker:
             active = ActiveRequest(request.reply_subject)
             self.requests[request.request_id] = active
             if request.prefill == "remote" and self.receiver is not None:
-                active.remote_prefill = asyncio.create_task(remote_prefill(self, request, params, active))
+                active.preparing = asyncio.create_task(remote_prefill(self, request, params, active))
+            elif self.kv_cache is not None:
+                active.preparing = asyncio.create_task(self._load_prefix_then_add(request, params))
             else:
                 self.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params))
         if msg.reply:
@@ -178,8 +185,8 @@ class DecodeWorker:
     async def _on_cancel(self, cancel: CancelRequest, msg) -> None:
         active = self.requests.pop(cancel.request_id, None)
         if active is not None:
-            if active.remote_prefill is not None:
-                active.remote_prefill.cancel()  # releases its reserved blocks and the expected transfer
+            if active.preparing is not None:
+                active.preparing.cancel()  # releases its reserved blocks (and a remote prefill's expected transfer)
             self.engine_loop.abort(cancel.request_id)
             log.info("request cancelled", request_id=cancel.request_id, reason=cancel.reason)
 
@@ -196,6 +203,20 @@ class DecodeWorker:
         if self.receiver is None:
             return {}
         return {**self.receiver.stats.snapshot(), "seconds_histogram": self.transfer_seconds.snapshot()}
+
+    async def _load_prefix_then_add(self, request: GenerateRequest, params: SamplingParams) -> None:
+        """Start the request with its cached prefix from the kv-store, when the store has one."""
+        try:
+            options = await self.kv_cache.load_prefix(request.prompt_token_ids)
+        except Exception:  # the store is a cache: without it the request is computed in full
+            log.exception("kv-store prefix load failed", request_id=request.request_id)
+            options = {}
+        if request.request_id not in self.requests:  # cancelled meanwhile
+            if "reserved" in options:
+                block_ids = options["reserved"][0]
+                self.engine_loop.call(lambda engine: engine.release_blocks(block_ids))
+            return
+        self.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params, options))
 
     def count_prefill(self, outcome: str) -> None:
         self.prefill_counts[outcome] = self.prefill_counts.get(outcome, 0) + 1

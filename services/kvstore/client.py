@@ -87,3 +87,9 @@ class KVStoreClient:
         if not result.ok:
             self.misses["get_transfer"] += 1
         return result.ok
+
+    async def close(self) -> None:
+        """Stop the client's side channel (its receiver and sender are its own)."""
+        await self.receiver.stop()
+        self.sender.close()
+

@@ -20,7 +20,8 @@ from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.errors import EngineError, EngineOverloadedError, InvalidRequestError, ModelLoadError
 from shared.engine.executor import ChainExecutor
 from shared.engine.block_slice import BlockSlice
-from shared.engine.kv_cache import KVAllocator, KVLayout, PagedKVCache
+from shared.engine.block_hash import block_hashes
+from shared.engine.kv_cache import KVAllocator, KVLayout, PagedKVCache, dtype_name
 from shared.engine.model_loader import LayerRange, load_model, read_config, resolve_dtype
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampler import SamplingRow, TokenLogprobs, sample
@@ -119,6 +120,10 @@ class LLMEngine:
         self._kv_streams: dict[str, Callable] = {}  # request id -> on_prompt_kv(data, layout), per layer
         self._arrivals = 0
         self._rng = random.Random()
+        # Called on the engine thread when a prompt's KV is complete: (its full blocks' hashes, export), where
+        # `export(indices)` copies those blocks' KV out as [n, layers, 2, block_size, kv_heads, head_dim]
+        # (valid only during the call). A worker writes blocks back to the kv-store with it.
+        self.kv_write_back: Callable[[list[bytes], Callable[[list[int]], torch.Tensor]], None] | None = None
 
     # ---- requests -----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs) -> None:
@@ -294,9 +299,13 @@ class LLMEngine:
         step ran are skipped (their blocks may already hold another request's KV)."""
         scheduled, batch = planned.scheduled, planned.batch
         for item in scheduled.scheduled:
-            if self._sequences.get(item.seq.request_id) is item.seq:
-                item.seq.num_computed_tokens += item.num_new_tokens
-                self.block_manager.cache_full_blocks(item.seq)
+            seq = item.seq
+            if self._sequences.get(seq.request_id) is seq:
+                before = seq.num_computed_tokens
+                seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.cache_full_blocks(seq)
+                if self.kv_write_back is not None and before < seq.num_prompt_tokens <= seq.num_computed_tokens:
+                    self._write_back(seq)
 
         rows, to_sample = [], []
         for position, index in enumerate(batch.sample_indices):
@@ -426,6 +435,47 @@ class LLMEngine:
         num_tokens = min(seq.num_computed_tokens, block_end * self.config.block_size) - block_start * self.config.block_size
         data, layout = self.executor.export_kv(seq.block_table[block_start:block_end], num_tokens, layer_start, layer_end)
         return data, dataclasses.replace(layout, block_start=block_start)
+
+    def _write_back(self, seq: Sequence) -> None:
+        num_blocks = seq.num_prompt_tokens // self.config.block_size
+        if num_blocks == 0:
+            return
+        self.block_manager.update_hashes(seq)
+        block_ids = seq.block_table[:num_blocks]
+
+        def export(indices: list[int]) -> torch.Tensor:
+            chosen = [block_ids[i] for i in indices]
+            data, _ = self.executor.export_kv(chosen, len(chosen) * self.config.block_size, 0,
+                                              self.model_config.num_hidden_layers)
+            return data.permute(2, 0, 1, 3, 4, 5).contiguous()  # one block after another
+
+        self.kv_write_back(list(seq.block_hashes[:num_blocks]), export)
+
+    def prefix_block_hashes(self, prompt_token_ids: list[int]) -> list[bytes]:
+        """The hashes of the prompt's full blocks that a cached prefix may cover (one token is always left to
+        compute, so that the step that follows has logits to sample)."""
+        usable = (len(prompt_token_ids) - 1) // self.config.block_size * self.config.block_size
+        return block_hashes(prompt_token_ids[:usable], self.config.block_size, self.fingerprint)
+
+    def local_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first, this engine's prefix cache holds."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self.block_manager.block_of_hash:
+                break
+            count += 1
+        return count
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write whole blocks' KV ([n, layers, 2, block_size, kv_heads, head_dim], as the kv-store keeps them)
+        into reserved blocks."""
+        cache = self.executor.runners[0].kv_cache
+        layout = KVLayout(0, self.model_config.num_hidden_layers, len(block_ids), cache.block_size,
+                          cache.num_kv_heads, cache.head_dim, dtype_name(cache.dtype),
+                          len(block_ids) * cache.block_size)
+        self.write_kv(block_ids, blocks.permute(1, 2, 0, 3, 4, 5), layout)
 
     def reserve_blocks(self, num_tokens: int) -> list[int]:
         """Blocks for the KV of `num_tokens` tokens that will be written from outside (a KV transfer)."""

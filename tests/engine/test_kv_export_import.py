@@ -138,3 +138,33 @@ def test_prompt_kv_streams_layer_by_layer_during_the_completing_step(default_mod
     while target.has_unfinished_requests():
         tokens += [t for o in target.step() for t in o.new_token_ids]
     assert tokens == expected
+
+
+def test_prompt_blocks_written_back_and_loaded_elsewhere_continue_identically(default_model):
+    # As a worker with a kv-store does: one engine hands its prompt's full blocks out when the prompt is done;
+    # another loads them into reserved blocks and computes only the rest.
+    prompt, expected = safe_prompts(default_model, 2048, [70], GREEDY.max_tokens, seed=9)[0]
+    stored = {}
+    source = make_engine(default_model, max_num_batched_tokens=32)  # the prompt completes over several steps
+
+    def write_back(hashes, export):
+        assert not stored  # once, when the prompt's KV is complete
+        blocks = export(list(range(len(hashes))))
+        stored.update(zip(hashes, blocks))
+
+    source.kv_write_back = write_back
+    assert source.generate([prompt], GREEDY)[0].token_ids == expected
+    hashes = source.prefix_block_hashes(prompt)
+    assert len(hashes) == 69 // 16 == len(stored) and list(stored) == hashes
+    assert source.local_prefix_blocks(hashes) == 4 and source.local_prefix_blocks([b"x" * 16] + hashes) == 0
+
+    target = make_engine(default_model)
+    block_ids = target.reserve_blocks(len(hashes) * 16)
+    target.write_blocks(block_ids, torch.stack([stored[h] for h in hashes]))
+    target.add_request("r", prompt, GREEDY, reserved=(block_ids, len(hashes) * 16), num_cached_tokens=len(hashes) * 16)
+    tokens, cached = [], None
+    while target.has_unfinished_requests():
+        for out in target.step():
+            tokens += out.new_token_ids
+            cached = out.num_cached_tokens
+    assert tokens == expected and cached == 64

@@ -37,11 +37,12 @@ class Deployment:
 def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int = 1,
                      expect: str | None = None, prefill: int = 0, scheduler_args: tuple = (),
                      decode_args: tuple = (), prefill_args: tuple = (),
-                     prefill_split: list[tuple[int, int]] | None = None) -> Deployment:
+                     prefill_split: list[tuple[int, int]] | None = None, kvstore_args: tuple | None = None) -> Deployment:
     """scheduler-0, `prefill` prefill workers, `workers` decode workers and gateway-0 on a fresh namespace.
 
     With prefill workers, the decode workers run in disagg mode. With `prefill_split`, the prefill pool is
     one pipeline (prefill-0 its head, prefill-stage-1.. the rest), each stage shipping its own layers' KV.
+    With `kvstore_args` (a tuple, maybe empty), a kv-store kvstore-0 runs too.
     """
     namespace = "t" + uuid.uuid4().hex[:10]
     port = free_port()
@@ -64,13 +65,14 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
                                                 "--stages", ",".join(stages), "--head-role", "prefill",
                                                 "--kv-cache-bytes", str(64 << 20), *prefill_args])
         prefill = 1
+    if kvstore_args is not None:
+        deployment.start("kvstore-0", "kvstore", [*bus, "--instance-id", "kvstore-0", *kvstore_args])
     mode = ["--mode", "disagg" if prefill else "colocated"]
     for i in range(workers):
-        deployment.procs[f"decode-{i}"] = start_service(
-            "decode", [*bus, "--instance-id", f"decode-{i}", *model, *mode, "--kv-cache-bytes", str(64 << 20),
-                       *decode_args], log_dir)
+        deployment.start(f"decode-{i}", "decode", [*bus, "--instance-id", f"decode-{i}", *model, *mode,
+                                                   "--kv-cache-bytes", str(64 << 20), *decode_args])
     counts = (f"scheduler=1,decode={workers}" + (f",prefill={prefill}" if prefill else "")
-              + (f",stage={len(stages)}" if stages else ""))
+              + (f",stage={len(stages)}" if stages else "") + (",kvstore=1" if kvstore_args is not None else ""))
     deployment.procs["gateway"] = start_service(
         "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts],
         log_dir)

@@ -1,0 +1,179 @@
+"""A worker's use of the kv-store: load a prompt's cached prefix before it runs, write its full blocks back after.
+
+Before a request runs, its prompt's full blocks are looked up (each on the
+kv-store instance `placement` gives it); when the store holds a longer prefix
+than the worker's own prefix cache, those blocks are fetched over the side
+channel into reserved blocks and the request starts with them as computed
+(`cached_tokens`). Once a prompt's KV is complete, its full blocks that the
+store does not have yet are copied out and put there, in the background.
+
+A kv-store that is slow, full or down never fails a request: the worker
+computes instead and the miss is counted.
+"""
+
+import asyncio
+import threading
+import time
+from collections import Counter, OrderedDict
+
+import torch
+
+from services.kvstore.client import KVStoreClient
+from services.kvstore.placement import group_by_instance
+from shared.bus.registry import Registry
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+_INSTANCES_TTL_S = 1.0
+
+
+class KVStoreCache:
+    def __init__(self, *, client: KVStoreClient, registry: Registry, engine, engine_loop, known_capacity: int = 1 << 16):
+        self.client = client
+        self.registry = registry
+        self.engine = engine
+        self.engine_loop = engine_loop
+        self.block_size = engine.config.block_size
+        self.known_capacity = known_capacity
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes the store has (put or loaded by us)
+        self._known_lock = threading.Lock()  # the engine thread writes back, the event loop loads
+        self._instances: tuple[float, list[str]] = (0.0, [])
+        self._loop = asyncio.get_running_loop()
+        self._puts: set[asyncio.Task] = set()
+        self.counts: Counter[str] = Counter()
+        self.query_tokens = 0
+        self.hit_tokens: Counter[str] = Counter()  # by tier: "local" (this worker's cache), "kvstore"
+        engine.kv_write_back = self._write_back
+
+    def details(self) -> dict:
+        return {"query_tokens": self.query_tokens, "hit_tokens": dict(self.hit_tokens), "counts": dict(self.counts),
+                "misses": dict(self.client.misses), "puts_in_flight": len(self._puts)}
+
+    async def instances(self) -> list[str]:
+        fetched_at, instances = self._instances
+        if time.monotonic() - fetched_at > _INSTANCES_TTL_S:
+            try:
+                entries = await self.registry.list()
+                instances = sorted(e.instance_id for e in entries if e.role == "kvstore" and e.state == "ready")
+            except Exception as exc:  # the registry is unreachable: keep the last answer
+                log.warning("could not list kv-store instances", error=repr(exc))
+            self._instances = (time.monotonic(), instances)
+        return instances
+
+    # ---- before a request runs ------------------------------------------------------------------
+    async def load_prefix(self, prompt: list[int]) -> dict:
+        """AddRequest options that start the request with its cached prefix from the store, or {}."""
+        hashes = self.engine.prefix_block_hashes(prompt)
+        self.query_tokens += len(hashes) * self.block_size
+        if not hashes:
+            return {}
+        local = await self.engine_loop.call(lambda engine: engine.local_prefix_blocks(hashes))
+        instances = await self.instances()
+        if not instances:
+            self.counts["no_kvstore"] += 1
+            self.hit_tokens["local"] += local * self.block_size
+            return {}
+        held = await self._held_prefix(hashes, instances)
+        if held <= local:
+            self.hit_tokens["local"] += local * self.block_size  # the engine finds those itself
+            return {}
+        reserving = self.engine_loop.call(lambda engine: engine.reserve_blocks(held * self.block_size))
+        try:
+            block_ids = await asyncio.shield(reserving)  # if cancelled meanwhile, the blocks still come: give back
+        except asyncio.CancelledError:
+            reserving.add_done_callback(self._release_reserved)
+            raise
+        except Exception:
+            self.counts["no_blocks"] += 1
+            return {}
+        try:
+            fetched = await self._fetch(hashes[:held], instances, block_ids)
+        except BaseException:
+            self.engine_loop.call(lambda engine: engine.release_blocks(block_ids))
+            raise
+        if not fetched:
+            self.engine_loop.call(lambda engine: engine.release_blocks(block_ids))
+            self.counts["fetch_failed"] += 1
+            return {}
+        self._remember(hashes[:held])
+        self.hit_tokens["kvstore"] += held * self.block_size
+        self.counts["loaded"] += 1
+        return {"reserved": (block_ids, held * self.block_size), "num_cached_tokens": held * self.block_size}
+
+    def _release_reserved(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            block_ids = future.result()
+            self.engine_loop.call(lambda engine: engine.release_blocks(block_ids))
+
+    async def _held_prefix(self, hashes: list[bytes], instances: list[str]) -> int:
+        """How many of `hashes`, from the first, the instances hold between them."""
+        groups = group_by_instance(hashes, instances)
+        counts = await asyncio.gather(*(self.client.lookup(instance, [hashes[i] for i in indices])
+                                        for instance, indices in groups.items()))
+        first_missing = len(hashes)
+        for (instance, indices), count in zip(groups.items(), counts):
+            if count < len(indices):
+                first_missing = min(first_missing, indices[count])
+        return first_missing
+
+    async def _fetch(self, hashes: list[bytes], instances: list[str], block_ids: list[int]) -> bool:
+        groups = group_by_instance(hashes, instances)
+        engine = self.engine
+
+        def writer(indices: list[int]):
+            def on_blocks(first: int, end: int, blocks: torch.Tensor) -> None:  # on this loop, as blocks arrive
+                engine.write_blocks([block_ids[indices[i]] for i in range(first, end)], blocks)
+            return on_blocks
+
+        results = await asyncio.gather(*(self.client.get(instance, [hashes[i] for i in indices], writer(indices))
+                                         for instance, indices in groups.items()))
+        return all(results)
+
+    # ---- after a prompt is computed (engine thread) -------------------------------------------
+    def _write_back(self, hashes: list[bytes], export) -> None:
+        with self._known_lock:
+            new = [i for i, block_hash in enumerate(hashes) if block_hash not in self._known]
+        if not new:
+            return
+        blocks = export(new)  # a copy: the engine may reuse the blocks as soon as we return
+        new_hashes = [hashes[i] for i in new]
+        self._remember(new_hashes)
+        self._loop.call_soon_threadsafe(self._start_put, new_hashes, blocks)
+
+    def _start_put(self, hashes: list[bytes], blocks: torch.Tensor) -> None:
+        task = asyncio.create_task(self._put(hashes, blocks))
+        self._puts.add(task)
+        task.add_done_callback(self._puts.discard)
+
+    async def _put(self, hashes: list[bytes], blocks: torch.Tensor) -> None:
+        instances = await self.instances()
+        if not instances:
+            self._forget(hashes)
+            self.counts["put_skipped"] += 1
+            return
+        for instance, indices in group_by_instance(hashes, instances).items():
+            chosen = [hashes[i] for i in indices]
+            if await self.client.put(instance, chosen, blocks[indices]):
+                self.counts["blocks_put"] += len(indices)
+            else:
+                self._forget(chosen)
+
+    def _remember(self, hashes: list[bytes]) -> None:
+        with self._known_lock:
+            for block_hash in hashes:
+                self._known[block_hash] = None
+                self._known.move_to_end(block_hash)
+            while len(self._known) > self.known_capacity:
+                self._known.popitem(last=False)
+
+    def _forget(self, hashes: list[bytes]) -> None:
+        with self._known_lock:
+            for block_hash in hashes:
+                self._known.pop(block_hash, None)
+
+    async def stop(self) -> None:
+        for task in list(self._puts):
+            task.cancel()
+        await asyncio.gather(*self._puts, return_exceptions=True)
+        await self.client.close()
