@@ -52,7 +52,8 @@ class KVStoreClient:
         return answer.num_hit if answer is not None else 0
 
     async def put(self, instance: str, hashes: list[bytes], blocks: torch.Tensor) -> bool:
-        """Store `blocks[i]` under `hashes[i]`; True once the instance has all of them."""
+        """Store `blocks[i]` under `hashes[i]`; True once the instance received them all (it stores them right after:
+        a lookup at once may not see them yet)."""
         if len(hashes) != blocks.shape[0] or not hashes:
             raise ValueError(f"{len(hashes)} hashes for {blocks.shape[0]} blocks")
         deadline_ms = int((time.time() + self.timeout_s) * 1000)

@@ -66,6 +66,17 @@ async def client(nats_server):
     await nc.close()
 
 
+async def stored(nc, subjects: Subjects, puts: int) -> ServiceInfo:
+    """The store's stats once it has stored `puts` blocks (a put is acked once its transfer is in, stored after)."""
+    deadline = time.monotonic() + 10
+    while True:
+        info = await wait_ready(nc, subjects, "kvstore-0")
+        if info.details["store"]["puts"] >= puts:
+            return info
+        assert time.monotonic() < deadline, info.details
+        await asyncio.sleep(0.05)
+
+
 class Collect:
     def __init__(self, n: int):
         self.out = torch.zeros(n, *BLOCK_SHAPE)
@@ -82,6 +93,7 @@ async def test_put_lookup_get_round_trip_and_bounded_tiers(nats_server, client, 
         await wait_ready(nc, subjects, "kvstore-0")
         data = blocks(6, seed=1)
         assert await kv.put("kvstore-0", hashes(6, 1), data)
+        await stored(nc, subjects, 6)
         assert await kv.lookup("kvstore-0", hashes(6, 1)) == 6
         assert await kv.lookup("kvstore-0", hashes(3, 1) + hashes(3, 9)) == 3  # the prefix held, no more
         collect = Collect(6)
@@ -90,7 +102,7 @@ async def test_put_lookup_get_round_trip_and_bounded_tiers(nats_server, client, 
 
         # Past the RAM bound, blocks spill to disk; past the disk bound the oldest go.
         assert await kv.put("kvstore-0", hashes(10, 2), blocks(10, seed=2))
-        info = await wait_ready(nc, subjects, "kvstore-0")
+        info = await stored(nc, subjects, 16)
         store = info.details["store"]
         assert store["ram"]["bytes"] <= 4 * BLOCK_BYTES and store["disk"]["bytes"] <= 8 * (BLOCK_BYTES + 256)
         assert store["evictions"]["ram"] > 0 and store["evictions"]["disk"] > 0
@@ -107,8 +119,7 @@ async def test_the_disk_tier_survives_kill_9(nats_server, client, tmp_path):
         await wait_ready(nc, subjects, "kvstore-0")
         data = blocks(8, seed=3)
         assert await kv.put("kvstore-0", hashes(8, 3), data)
-        while (await wait_ready(nc, subjects, "kvstore-0")).details["store"]["puts"] < 8:
-            await asyncio.sleep(0.1)  # a put is stored once its transfer is in; then kill it
+        await stored(nc, subjects, 8)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         proc = start_kvstore(nats_server.url, subjects.namespace, tmp_path, ram_blocks=2, disk_blocks=20)
