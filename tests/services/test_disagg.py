@@ -11,7 +11,7 @@ import nats
 import pytest
 from transformers import AutoTokenizer
 
-from contracts import ServiceInfo, StatsRequest, Subjects
+from contracts import ServiceInfo, Subjects
 from reference import safe_prompts
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
@@ -43,15 +43,6 @@ def complete(base_url: str, prompt, **kwargs) -> dict:
     return response.json()
 
 
-def stats(deployment, instance: str) -> ServiceInfo:
-    async def ask():
-        nc = await nats.connect(deployment.nats_url)
-        try:
-            reply = await nc.request(Subjects(deployment.namespace).stats(instance), StatsRequest().encode(), timeout=5)
-            return ServiceInfo.decode(reply.data)
-        finally:
-            await nc.close()
-    return asyncio.run(ask())
 
 
 def decoded_ids(tokenizer, body) -> str:
@@ -64,7 +55,7 @@ def test_remote_prefill_matches_transformers_alone_and_concurrently(disagg, case
         body = complete(disagg.base_url, prompt)
         assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
         assert body["usage"]["completion_tokens"] == 16 and body["usage"]["prompt_tokens"] == len(prompt)
-    decode = stats(disagg, "decode-0")
+    decode = disagg.stats("decode-0")
     assert decode.details["prefill_decisions"].get("remote", 0) >= len(cases)
     assert sum(decode.details["kv_transfer"]["bytes_by_backend"].values()) > 0
 
@@ -73,7 +64,7 @@ def test_remote_prefill_matches_transformers_alone_and_concurrently(disagg, case
     with ThreadPoolExecutor(16) as pool:
         bodies = list(pool.map(lambda case: complete(disagg.base_url, case[0]), batch))
     assert [b["choices"][0]["text"] for b in bodies] == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
-    assert stats(disagg, "decode-0").kv_blocks_free == stats(disagg, "decode-0").kv_blocks_total
+    assert disagg.stats("decode-0").kv_blocks_free == disagg.stats("decode-0").kv_blocks_total
 
 
 def test_seeded_sampling_is_the_same_as_colocated(disagg, default_model):
@@ -96,23 +87,23 @@ def test_transfer_that_never_arrives_falls_back_locally(nats_server, default_mod
         body = complete(deployment.base_url, prompt)
         assert time.monotonic() - started < 15
         assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
-        assert stats(deployment, "decode-0").details["prefill_decisions"].get("local_fallback_no_result", 0) == 1
+        assert deployment.stats("decode-0").details["prefill_decisions"].get("local_fallback_no_result", 0) == 1
 
         # Client disconnect while the prefill is pending frees the decode worker's reserved blocks.
         with httpx.stream("POST", f"{deployment.base_url}/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": prompt, "max_tokens": 50, "stream": True}) as response:
             assert response.status_code == 200
             time.sleep(0.5)
-            assert stats(deployment, "decode-0").kv_blocks_free < stats(deployment, "decode-0").kv_blocks_total
+            assert deployment.stats("decode-0").kv_blocks_free < deployment.stats("decode-0").kv_blocks_total
         closed = time.monotonic()
-        while stats(deployment, "decode-0").kv_blocks_free != stats(deployment, "decode-0").kv_blocks_total:
+        while deployment.stats("decode-0").kv_blocks_free != deployment.stats("decode-0").kv_blocks_total:
             assert time.monotonic() - closed < 1.0, "reserved blocks still held a second after the disconnect"
             time.sleep(0.05)
         os.kill(deployment.procs["prefill-0"].pid, signal.SIGCONT)
         # The prefill worker drops the cancelled job and holds nothing.
         deadline = time.monotonic() + 10
         while True:
-            prefill = stats(deployment, "prefill-0")
+            prefill = deployment.stats("prefill-0")
             if prefill.num_running == 0 and prefill.kv_blocks_free == prefill.kv_blocks_total:
                 break
             assert time.monotonic() < deadline, prefill
@@ -180,7 +171,7 @@ def test_each_kv_transport_decodes_identically(nats_server, default_model, tmp_p
         for prompt, expected in cases[2:5]:
             body = complete(deployment.base_url, prompt)
             assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
-        transfers = stats(deployment, "decode-0").details["kv_transfer"]
+        transfers = deployment.stats("decode-0").details["kv_transfer"]
         moved = transfers["bytes_by_backend"]
         assert set(moved) == {transport} and moved[transport] > 0
         # Over shm the decode worker copied every layer straight out of the prefill worker's cache.

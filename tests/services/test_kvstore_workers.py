@@ -1,19 +1,15 @@
 """Workers with a kv-store: a conversation's prefix survives its worker being killed, and a kv-store that is down
 costs only a miss."""
 
-import asyncio
 import os
 import signal
 import time
 
 import httpx
-import nats
 import pytest
 from transformers import AutoTokenizer
 
-from contracts import ServiceInfo, StatsRequest, Subjects
 from reference import safe_prompts
-from shared.bus.registry import Registry
 from support.deployment import start_deployment
 
 MODEL = "splitserve-default-llama"
@@ -26,26 +22,8 @@ def complete(base_url: str, prompt, max_tokens: int = 16) -> dict:
     return response.json()
 
 
-def stats(deployment, instance: str) -> ServiceInfo:
-    async def ask():
-        nc = await nats.connect(deployment.nats_url)
-        try:
-            reply = await nc.request(Subjects(deployment.namespace).stats(instance), StatsRequest().encode(), timeout=5)
-            return ServiceInfo.decode(reply.data)
-        finally:
-            await nc.close()
-    return asyncio.run(ask())
 
 
-def registered(deployment) -> set[str]:
-    async def ask():
-        nc = await nats.connect(deployment.nats_url)
-        try:
-            registry = await Registry.open(nc.jetstream(), Subjects(deployment.namespace).registry_bucket)
-            return {info.instance_id for info in await registry.list()}
-        finally:
-            await nc.close()
-    return asyncio.run(ask())
 
 
 def wait_until(predicate, timeout_s: float, what: str):
@@ -71,25 +49,25 @@ def test_the_next_turn_after_its_worker_is_killed_loads_the_prefix_from_the_kv_s
         prefix_blocks = (len(prompt) - 1) // 16
         # The worker that served it wrote the prompt's full blocks back to the store.
         served = wait_until(lambda: next((w for w in ("decode-0", "decode-1")
-                                          if stats(deployment, w).details["kv_store"]["counts"].get("blocks_put")), None),
+                                          if deployment.stats(w).details["kv_store"]["counts"].get("blocks_put")), None),
                             15, "no worker wrote blocks back")
-        wait_until(lambda: stats(deployment, "kvstore-0").details["store"]["ram"]["blocks"] >= prefix_blocks, 15,
+        wait_until(lambda: deployment.stats("kvstore-0").details["store"]["ram"]["blocks"] >= prefix_blocks, 15,
                    "the kv-store did not get the blocks")
         other_worker = "decode-1" if served == "decode-0" else "decode-0"
 
         os.kill(deployment.procs[served].pid, signal.SIGKILL)
-        wait_until(lambda: served not in registered(deployment), 20, "the killed worker stayed registered")
+        wait_until(lambda: served not in deployment.registered(), 20, "the killed worker stayed registered")
         again = complete(deployment.base_url, prompt)  # the next turn: only the other worker is left
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix_blocks * 16
-        details = stats(deployment, other_worker).details["kv_store"]
+        details = deployment.stats(other_worker).details["kv_store"]
         assert details["hit_tokens"].get("kvstore") == prefix_blocks * 16 and details["counts"]["loaded"] == 1
 
         # A kv-store that is down: requests still complete, identically, and the miss is counted.
         os.kill(deployment.procs["kvstore-0"].pid, signal.SIGKILL)
-        wait_until(lambda: "kvstore-0" not in registered(deployment), 20, "the killed kv-store stayed registered")
+        wait_until(lambda: "kvstore-0" not in deployment.registered(), 20, "the killed kv-store stayed registered")
         body = complete(deployment.base_url, other)
         assert body["choices"][0]["text"] == tokenizer.decode(other_expected, skip_special_tokens=True)
-        assert stats(deployment, other_worker).details["kv_store"]["counts"].get("no_kvstore", 0) >= 1
+        assert deployment.stats(other_worker).details["kv_store"]["counts"].get("no_kvstore", 0) >= 1
     finally:
         deployment.stop()

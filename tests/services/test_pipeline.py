@@ -1,18 +1,15 @@
 """Pipeline stages end to end: the same tokens as transformers through 2, 3 and 4 stage processes, each
 holding only its share of the weights; a stage killed mid-request ends in an error, never a hang."""
 
-import asyncio
 import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import nats
 import pytest
 from transformers import AutoTokenizer
 
-from contracts import ServiceInfo, StatsRequest, Subjects
 from reference import safe_prompts
 from support.deployment import start_deployment, start_pipeline
 
@@ -40,15 +37,6 @@ def text_of(response: httpx.Response) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def stats(deployment, instance: str) -> ServiceInfo:
-    async def ask():
-        nc = await nats.connect(deployment.nats_url)
-        try:
-            reply = await nc.request(Subjects(deployment.namespace).stats(instance), StatsRequest().encode(), timeout=5)
-            return ServiceInfo.decode(reply.data)
-        finally:
-            await nc.close()
-    return asyncio.run(ask())
 
 
 @pytest.mark.parametrize("split", [
@@ -69,12 +57,12 @@ def test_pipeline_matches_transformers_alone_and_concurrently(nats_server, defau
             texts = list(pool.map(lambda case: text_of(complete(deployment.base_url, case[0])), batch))
         assert texts == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
 
-        head = stats(deployment, "stage-0")
+        head = deployment.stats("stage-0")
         assert head.details["layers"] == list(split[0]) and head.details["steps_failed"] == 0
         assert head.kv_blocks_free == head.kv_blocks_total  # every request's blocks came back
         parameter_bytes = [head.details["parameter_bytes"]]
         for i, (start, end) in enumerate(split[1:], start=1):
-            stage = stats(deployment, f"stage-{i}")
+            stage = deployment.stats(f"stage-{i}")
             assert stage.details["layers"] == [start, end]
             assert stage.details["steps"].get("forwarded", 0) > 0 and not stage.details["steps"].get("failed")
             assert 0 <= stage.details["utilization"]["idle_fraction"] < 1
@@ -85,7 +73,7 @@ def test_pipeline_matches_transformers_alone_and_concurrently(nats_server, defau
             per_layer = parameter_bytes[1] // (split[1][1] - split[1][0])
             assert parameter_bytes[0] > (split[0][1] - split[0][0]) * per_layer  # the head also embeds
             assert sum(parameter_bytes) < len(split) * parameter_bytes[0]
-        links = [head.details["link"]] + [stats(deployment, f"stage-{i}").details["link"] for i in range(1, len(split))]
+        links = [head.details["link"]] + [deployment.stats(f"stage-{i}").details["link"] for i in range(1, len(split))]
         assert sum(link["side_channel_transfers_sent"] for link in links) > 0  # prefill chunks
         assert sum(link["inline_messages_sent"] for link in links) > 0  # decode steps
         assert sum(link["failed_sends"] for link in links) == 0
@@ -144,7 +132,7 @@ def test_a_stage_killed_mid_request_fails_it_and_the_pipeline_serves_again(nats_
             assert time.monotonic() < deadline, response.text
             time.sleep(1.0)
         assert text_of(response) == tokenizer.decode(expected, skip_special_tokens=True)
-        assert stats(deployment, "stage-0").details["resets"] >= 1
+        assert deployment.stats("stage-0").details["resets"] >= 1
     finally:
         deployment.stop()
 
@@ -163,13 +151,13 @@ def test_a_pipelined_prefill_pool_ships_each_stages_kv_straight_to_decode(nats_s
             texts = list(pool.map(lambda case: text_of(complete(deployment.base_url, case[0])), batch))
         assert texts == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
 
-        decode = stats(deployment, "decode-0")
+        decode = deployment.stats("decode-0")
         remote = decode.details["prefill_decisions"].get("remote", 0)
         assert remote >= len(cases) and not decode.details["prefill_decisions"].get("local_fallback_transfer")
         transfers = decode.details["kv_transfer"]
         assert transfers["ok_by_backend"][transport] == remote
         # Every layer came from the stage that computed it: 1 from the head, 3 from the stage.
-        head, stage = stats(deployment, "prefill-0"), stats(deployment, "prefill-stage-1")
+        head, stage = deployment.stats("prefill-0"), deployment.stats("prefill-stage-1")
         assert head.details["jobs"].get("shipped") == remote and stage.details["kv_shipped"].get("ok") == remote
         assert head.details["kv_transfer"]["ok_by_backend"][transport] == remote
         if transport == "shm":

@@ -1,8 +1,14 @@
 """A colocated deployment started service by service (scheduler, decode workers, gateway)."""
 
+import asyncio
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import nats
+
+from contracts import ServiceInfo, StatsRequest, Subjects
+from shared.bus.registry import Registry
 
 from support.processes import free_port, start_service, stop_process, wait_for_http
 
@@ -24,6 +30,28 @@ class Deployment:
         """Start a (killed) service again with the same command line."""
         stop_process(self.procs[name])
         self.start(name, *self.commands[name])
+
+    def stats(self, instance: str) -> ServiceInfo:
+        """What a service says of itself now (its stats subject)."""
+        async def ask():
+            nc = await nats.connect(self.nats_url)
+            try:
+                reply = await nc.request(Subjects(self.namespace).stats(instance), StatsRequest().encode(), timeout=5)
+                return ServiceInfo.decode(reply.data)
+            finally:
+                await nc.close()
+        return asyncio.run(ask())
+
+    def registered(self) -> set[str]:
+        """The instance ids in the deployment's registry now."""
+        async def ask():
+            nc = await nats.connect(self.nats_url)
+            try:
+                registry = await Registry.open(nc.jetstream(), Subjects(self.namespace).registry_bucket)
+                return {info.instance_id for info in await registry.list()}
+            finally:
+                await nc.close()
+        return asyncio.run(ask())
 
     @property
     def api(self) -> str:
