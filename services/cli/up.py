@@ -80,6 +80,13 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
                         help="every worker's token budget per step: long prompts are prefilled in chunks of at "
                              "most N tokens, mixed with decodes (default: the engine's, 2048)")
+    parser.add_argument("--kv-store", action="store_true",
+                        help="run a kv-store: decode workers load cached prompt prefixes from it and write prompts' "
+                             "blocks back, so a prefix is computed once for all workers")
+    parser.add_argument("--kv-store-ram-bytes", type=_positive_int, default=1 << 30, metavar="N",
+                        help="the kv-store's RAM tier (default: 1 GiB)")
+    parser.add_argument("--kv-store-disk-bytes", type=int, default=0, metavar="N",
+                        help="the kv-store's disk tier, kept in the run directory (default: 0, none)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000, help="port the gateway listens on (default: 8000)")
     parser.add_argument("--nats", metavar="URL", help="use this NATS server (with JetStream) instead of starting one")
@@ -114,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
         microbatches=args.microbatches,
         prefill_stages=args.prefill_stages,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_store=args.kv_store,
+        kv_store_ram_bytes=args.kv_store_ram_bytes,
+        kv_store_disk_bytes=args.kv_store_disk_bytes,
         host=args.host,
         port=args.port,
         nats=args.nats,

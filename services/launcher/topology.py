@@ -32,6 +32,10 @@ class UpConfig:
     namespace: str = "splitserve"
     dtype: str = "auto"
     max_num_batched_tokens: int | None = None  # every worker's token budget per step (None: the engine's default)
+    kv_store: bool = False  # a kv-store (kvstore-0) the decode workers load prefixes from and write blocks back to
+    kv_store_ram_bytes: int = 1 << 30
+    kv_store_disk_bytes: int = 0
+    kv_store_dir: str | None = None  # the disk tier's directory (needed with kv_store_disk_bytes)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
         scheduler_args += ("--max-local-prefill", str(config.max_local_prefill))
     specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0", scheduler_args)]
     counts = {"decode": config.decode, "scheduler": 1}
+    if config.kv_store:
+        specs.append(_kvstore(config, bus))
+        counts["kvstore"] = 1
     if disagg and config.stage_ranges:
         specs += _prefill_pipeline(config, bus, model)
         counts.update(prefill=1, stage=len(config.stage_ranges) - 1)
@@ -112,7 +119,7 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
             ServiceSpec(
                 iid, "decode", iid,
                 (*bus, *model, "--mode", "disagg" if disagg else "colocated", "--instance-id", iid,
-                 *_engine_flags(config)),
+                 *_engine_flags(config), *(("--kv-store",) if config.kv_store else ())),
             )
         )
     specs.append(_gateway(config, bus, model, counts))
@@ -165,4 +172,13 @@ def _prefill_pipeline(config: UpConfig, bus: tuple, model: tuple) -> list[Servic
         "--stages", ",".join(stages), "--microbatches", str(config.microbatches), "--head-role", "prefill",
         "--kv-transport", config.kv_transport)))
     return specs
+
+
+def _kvstore(config: UpConfig, bus: tuple) -> ServiceSpec:
+    args = (*bus, "--instance-id", "kvstore-0", "--kv-store-ram-bytes", str(config.kv_store_ram_bytes))
+    if config.kv_store_disk_bytes:
+        if not config.kv_store_dir:
+            raise ValueError("a kv-store disk tier needs a directory")
+        args += ("--kv-store-disk-bytes", str(config.kv_store_disk_bytes), "--kv-store-dir", config.kv_store_dir)
+    return ServiceSpec("kvstore-0", "kvstore", "kvstore-0", args)
 

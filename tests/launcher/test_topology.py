@@ -99,9 +99,24 @@ def test_disagg_with_a_prefill_pipeline_plan():
                       stage_ranges=((0, 2), (2, 4))))
 
 
-@pytest.mark.parametrize("config", [CONFIG, DISAGG, PIPELINE, PREFILL_PIPELINE],
-                         ids=["colocated", "disagg", "pipeline", "prefill-pipeline"])
-@pytest.mark.parametrize("role", ["scheduler", "decode", "gateway", "prefill", "stage"])
+WITH_KV_STORE = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", decode=2,
+                         kv_store=True, kv_store_ram_bytes=1 << 20, kv_store_disk_bytes=1 << 24, kv_store_dir="/tmp/kv",
+                         namespace="ns1")
+
+
+def test_a_kv_store_plan():
+    specs = plan(WITH_KV_STORE)
+    assert [s.name for s in specs] == ["scheduler-0", "kvstore-0", "decode-0", "decode-1", "gateway-0"]
+    store = specs[1].args
+    assert store[store.index("--kv-store-dir") + 1] == "/tmp/kv" and "--kv-store" in specs[2].args
+    gateway_args = specs[-1].args
+    assert gateway_args[gateway_args.index("--expect") + 1] == "decode=2,scheduler=1,kvstore=1"
+    assert "--kv-store" not in plan(CONFIG)[1].args
+
+
+@pytest.mark.parametrize("config", [CONFIG, DISAGG, PIPELINE, PREFILL_PIPELINE, WITH_KV_STORE],
+                         ids=["colocated", "disagg", "pipeline", "prefill-pipeline", "kv-store"])
+@pytest.mark.parametrize("role", ["scheduler", "decode", "gateway", "prefill", "stage", "kvstore"])
 def test_every_planned_command_line_parses(role, config):
     try:
         found = importlib.util.find_spec(f"services.{role}.__main__")
@@ -116,5 +131,5 @@ def test_every_planned_command_line_parses(role, config):
         parsed = module.build_parser().parse_args(list(spec.args))
         assert parsed.nats == config.nats_url and parsed.namespace == config.namespace
         assert parsed.instance_id == spec.instance_id
-        if role in ("decode", "gateway", "prefill", "stage"):
+        if role in ("decode", "gateway", "prefill", "stage"):  # (the kv-store holds no model)
             assert parsed.model == config.model and parsed.served_model_name == config.served_model_name
