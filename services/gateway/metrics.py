@@ -62,6 +62,19 @@ class _RegistryCollector:
         idle_seconds = CounterMetricFamily("splitserve_pipeline_stage_idle_seconds",
                                            "Time a pipeline stage waited for input between steps (gaps up to 1 s)",
                                            labels=["service", "instance"])
+        query_tokens = CounterMetricFamily("splitserve_prefix_cache_query_tokens",
+                                           "Prompt tokens a worker looked up in the prefix caches (full blocks)",
+                                           labels=["service", "instance"])
+        hit_tokens = CounterMetricFamily("splitserve_prefix_cache_hit_tokens",
+                                         "Prompt tokens found cached: in the worker's own cache or in the kv-store",
+                                         labels=["service", "instance", "tier"])
+        store_bytes = GaugeMetricFamily("splitserve_kvstore_bytes", "KV bytes a kv-store holds, per tier",
+                                        labels=["service", "instance", "tier"])
+        store_blocks = GaugeMetricFamily("splitserve_kvstore_blocks", "KV blocks a kv-store holds, per tier",
+                                         labels=["service", "instance", "tier"])
+        store_evictions = CounterMetricFamily("splitserve_kvstore_evictions",
+                                              "Blocks a kv-store tier let go of (RAM: spilled to disk or dropped)",
+                                              labels=["service", "instance", "tier"])
         hop_bytes = CounterMetricFamily("splitserve_pipeline_activation_bytes",
                                         "Activation bytes a pipeline stage sent on, inline on NATS or over the side channel",
                                         labels=["service", "instance", "path"])
@@ -79,6 +92,17 @@ class _RegistryCollector:
             transfer = details.get("kv_transfer", {})
             for backend, count in transfer.get("bytes_by_backend", {}).items():
                 transfer_bytes.add_metric([*labels, backend], count)
+            prefix = details.get("kv_store")
+            if prefix:
+                query_tokens.add_metric(labels, prefix.get("query_tokens", 0))
+                for tier in ("local", "kvstore"):
+                    hit_tokens.add_metric([*labels, tier], prefix.get("hit_tokens", {}).get(tier, 0))
+            store = details.get("store")
+            if entry.role == "kvstore" and store:
+                for tier in ("ram", "disk"):
+                    store_bytes.add_metric([*labels, tier], store[tier]["bytes"])
+                    store_blocks.add_metric([*labels, tier], store[tier]["blocks"])
+                    store_evictions.add_metric([*labels, tier], store["evictions"][tier])
             utilization = details.get("utilization")
             if utilization:
                 idle.add_metric(labels, utilization["idle_fraction"])
@@ -92,4 +116,5 @@ class _RegistryCollector:
             if histogram:
                 transfer_seconds.add_metric(labels, [(str(le), n) for le, n in histogram["buckets"]], histogram["sum"])
         yield from families.values()
-        yield from (transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, idle_seconds, hop_bytes)
+        yield from (transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, idle_seconds, hop_bytes,
+                    query_tokens, hit_tokens, store_bytes, store_blocks, store_evictions)

@@ -62,6 +62,15 @@ def test_the_next_turn_after_its_worker_is_killed_loads_the_prefix_from_the_kv_s
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix_blocks * 16
         details = deployment.stats(other_worker).details["kv_store"]
         assert details["hit_tokens"].get("kvstore") == prefix_blocks * 16 and details["counts"]["loaded"] == 1
+        # The gateway's /metrics shows the hit by tier and what the kv-store holds.
+        hit_line = (f'splitserve_prefix_cache_hit_tokens_total{{instance="{other_worker}",service="decode",'
+                    f'tier="kvstore"}} {float(prefix_blocks * 16)}')
+        text = wait_until(lambda: (lambda t: t if hit_line in t else None)(
+            httpx.get(f"{deployment.base_url}/metrics", timeout=10).text), 10, "no kv-store hit on /metrics")
+        ram_blocks = [line for line in text.splitlines()
+                      if line.startswith('splitserve_kvstore_blocks{instance="kvstore-0",service="kvstore",tier="ram"}')]
+        assert ram_blocks and float(ram_blocks[0].split()[-1]) >= prefix_blocks
+        assert 'splitserve_prefix_cache_query_tokens_total{instance="' + other_worker in text
 
         # A kv-store that is down: requests still complete, identically, and the miss is counted.
         os.kill(deployment.procs["kvstore-0"].pid, signal.SIGKILL)
