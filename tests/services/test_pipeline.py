@@ -39,6 +39,16 @@ def text_of(response: httpx.Response) -> str:
 
 
 
+def assert_matches_transformers(deployment, cases, tokenizer) -> None:
+    """Every case alone, then 16 at once of mixed lengths: the text transformers' greedy tokens decode to."""
+    expected = [tokenizer.decode(e, skip_special_tokens=True) for _, e in cases]
+    assert [text_of(complete(deployment.base_url, p)) for p, _ in cases] == expected
+    batch = (cases * 3)[:16]
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(lambda case: text_of(complete(deployment.base_url, case[0])), batch))
+    assert texts == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
+
+
 @pytest.mark.parametrize("split", [
     [(0, 2), (2, 4)],
     [(0, 2), (2, 3), (3, 4)],  # 4 layers over 3 stages: uneven
@@ -50,12 +60,7 @@ def test_pipeline_matches_transformers_alone_and_concurrently(nats_server, defau
     deployment = start_pipeline(nats_server.url, tmp_path, default_model, split, microbatches=2, head_args=small,
                                 stage_args=small)
     try:
-        expected = [tokenizer.decode(e, skip_special_tokens=True) for _, e in cases]
-        assert [text_of(complete(deployment.base_url, p)) for p, _ in cases] == expected
-        batch = (cases * 3)[:16]
-        with ThreadPoolExecutor(16) as pool:
-            texts = list(pool.map(lambda case: text_of(complete(deployment.base_url, case[0])), batch))
-        assert texts == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
+        assert_matches_transformers(deployment, cases, tokenizer)
 
         head = deployment.stats("stage-0")
         assert head.details["layers"] == list(split[0]) and head.details["steps_failed"] == 0
@@ -144,12 +149,7 @@ def test_a_pipelined_prefill_pool_ships_each_stages_kv_straight_to_decode(nats_s
                                   scheduler_args=("--max-local-prefill", "0"),
                                   prefill_args=("--kv-transport", transport))
     try:
-        expected = [tokenizer.decode(e, skip_special_tokens=True) for _, e in cases]
-        assert [text_of(complete(deployment.base_url, p)) for p, _ in cases] == expected
-        batch = (cases * 3)[:16]
-        with ThreadPoolExecutor(16) as pool:
-            texts = list(pool.map(lambda case: text_of(complete(deployment.base_url, case[0])), batch))
-        assert texts == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
+        assert_matches_transformers(deployment, cases, tokenizer)
 
         decode = deployment.stats("decode-0")
         remote = decode.details["prefill_decisions"].get("remote", 0)
