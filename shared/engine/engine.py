@@ -30,6 +30,8 @@ from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shared.engine.sequence import Sequence
 from shared.engine.step_batch import StepBatch, build_step_batch
 
+WRITE_BACK_BLOCKS = 8  # while decoding, full blocks are written back this many at a time (and the rest at the end)
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -120,9 +122,11 @@ class LLMEngine:
         self._kv_streams: dict[str, Callable] = {}  # request id -> on_prompt_kv(data, layout), per layer
         self._arrivals = 0
         self._rng = random.Random()
-        # Called on the engine thread when a prompt's KV is complete: (its full blocks' hashes, export), where
+        # Called on the engine thread with newly computed full blocks: (their hashes, export), where
         # `export(indices)` copies those blocks' KV out as [n, layers, 2, block_size, kv_heads, head_dim]
-        # (valid only during the call). A worker writes blocks back to the kv-store with it.
+        # (valid only during the call). It comes when a prompt's KV is complete, every WRITE_BACK_BLOCKS
+        # blocks that decoding fills, and when a request finishes. A worker writes blocks back to the
+        # kv-store with it.
         self.kv_write_back: Callable[[list[bytes], Callable[[list[int]], torch.Tensor]], None] | None = None
 
     # ---- requests -----------------------------------------------------------------
@@ -304,7 +308,8 @@ class LLMEngine:
                 before = seq.num_computed_tokens
                 seq.num_computed_tokens += item.num_new_tokens
                 self.block_manager.cache_full_blocks(seq)
-                if self.kv_write_back is not None and before < seq.num_prompt_tokens <= seq.num_computed_tokens:
+                prompt_done = before < seq.num_prompt_tokens <= seq.num_computed_tokens
+                if self._writes_back and (prompt_done or self._full_blocks(seq) - seq.num_written_back >= WRITE_BACK_BLOCKS):
                     self._write_back(seq)
 
         rows, to_sample = [], []
@@ -366,6 +371,8 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
         )
         if output.finished:
+            if self._writes_back:
+                self._write_back(seq)
             self._sequences.pop(seq.request_id, None)
             self._detokenizers.pop(seq.request_id, None)
             self._kv_streams.pop(seq.request_id, None)
@@ -436,12 +443,22 @@ class LLMEngine:
         data, layout = self.executor.export_kv(seq.block_table[block_start:block_end], num_tokens, layer_start, layer_end)
         return data, dataclasses.replace(layout, block_start=block_start)
 
+    @property
+    def _writes_back(self) -> bool:
+        # A pipeline head holds only its own layers' KV: whole blocks cannot be written back from it.
+        return self.kv_write_back is not None and self.local_layers_end == self.model_config.num_hidden_layers
+
+    def _full_blocks(self, seq: Sequence) -> int:
+        return min(seq.num_computed_tokens // self.config.block_size, len(seq.block_table))
+
     def _write_back(self, seq: Sequence) -> None:
-        num_blocks = seq.num_prompt_tokens // self.config.block_size
-        if num_blocks == 0:
+        """Hand the sequence's full computed blocks not yet written back to the kv_write_back hook."""
+        start, end = seq.num_written_back, self._full_blocks(seq)
+        if end <= start:
             return
         self.block_manager.update_hashes(seq)
-        block_ids = seq.block_table[:num_blocks]
+        block_ids = seq.block_table[start:end]
+        seq.num_written_back = end
 
         def export(indices: list[int]) -> torch.Tensor:
             chosen = [block_ids[i] for i in indices]
@@ -449,7 +466,7 @@ class LLMEngine:
                                               self.model_config.num_hidden_layers)
             return data.permute(2, 0, 1, 3, 4, 5).contiguous()  # one block after another
 
-        self.kv_write_back(list(seq.block_hashes[:num_blocks]), export)
+        self.kv_write_back(list(seq.block_hashes[start:end]), export)
 
     def prefix_block_hashes(self, prompt_token_ids: list[int]) -> list[bytes]:
         """The hashes of the prompt's full blocks that a cached prefix may cover (one token is always left to
@@ -526,6 +543,8 @@ class LLMEngine:
         seq.block_table.extend(block_ids)
         seq.num_computed_tokens = num_tokens
         seq.num_cached_tokens = num_cached_tokens
+        # KV computed elsewhere (a prefill worker, the kv-store) was written back there.
+        seq.num_written_back = num_tokens // self.config.block_size
 
     # ---- offline convenience ------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[CompletedRequest]:

@@ -140,31 +140,49 @@ def test_prompt_kv_streams_layer_by_layer_during_the_completing_step(default_mod
     assert tokens == expected
 
 
-def test_prompt_blocks_written_back_and_loaded_elsewhere_continue_identically(default_model):
-    # As a worker with a kv-store does: one engine hands its prompt's full blocks out when the prompt is done;
-    # another loads them into reserved blocks and computes only the rest.
+def _run_to_end(engine, request_id, prompt, params, **options):
+    engine.add_request(request_id, prompt, params, **options)
+    tokens, cached = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            cached = out.num_cached_tokens
+    return tokens, cached
+
+
+def _load_blocks(engine, stored, hashes):
+    block_ids = engine.reserve_blocks(len(hashes) * 16)
+    engine.write_blocks(block_ids, torch.stack([stored[h] for h in hashes]))
+    return {"reserved": (block_ids, len(hashes) * 16), "num_cached_tokens": len(hashes) * 16}
+
+
+def test_blocks_written_back_and_loaded_elsewhere_continue_identically(default_model):
+    # As a worker with a kv-store does: one engine hands its full blocks out (the prompt's once its KV is
+    # complete, decoded ones as they fill); another loads them into reserved blocks and computes only the rest.
     prompt, expected = safe_prompts(default_model, 2048, [70], GREEDY.max_tokens, seed=9)[0]
-    stored = {}
+    stored, calls = {}, []
     source = make_engine(default_model, max_num_batched_tokens=32)  # the prompt completes over several steps
 
     def write_back(hashes, export):
-        assert not stored  # once, when the prompt's KV is complete
+        calls.append(list(hashes))
         blocks = export(list(range(len(hashes))))
         stored.update(zip(hashes, blocks))
 
     source.kv_write_back = write_back
     assert source.generate([prompt], GREEDY)[0].token_ids == expected
     hashes = source.prefix_block_hashes(prompt)
-    assert len(hashes) == 69 // 16 == len(stored) and list(stored) == hashes
+    assert calls[0] == hashes and len(hashes) == 69 // 16  # the prompt's blocks first, in one call
+    # 70 + 19 computed tokens (the last sampled one has no KV): one more full block, written back at the end.
+    conversation = prompt + expected
+    assert calls[1:] == [source.prefix_block_hashes(conversation)[4:5]]
     assert source.local_prefix_blocks(hashes) == 4 and source.local_prefix_blocks([b"x" * 16] + hashes) == 0
 
     target = make_engine(default_model)
-    block_ids = target.reserve_blocks(len(hashes) * 16)
-    target.write_blocks(block_ids, torch.stack([stored[h] for h in hashes]))
-    target.add_request("r", prompt, GREEDY, reserved=(block_ids, len(hashes) * 16), num_cached_tokens=len(hashes) * 16)
-    tokens, cached = [], None
-    while target.has_unfinished_requests():
-        for out in target.step():
-            tokens += out.new_token_ids
-            cached = out.num_cached_tokens
-    assert tokens == expected and cached == 64
+    assert _run_to_end(target, "r", prompt, GREEDY, **_load_blocks(target, stored, hashes)) == (expected, 64)
+
+    # The conversation's next turn finds its decoded blocks too, and continues as a cold engine would.
+    next_turn = conversation + [5, 6, 7]
+    next_hashes = target.prefix_block_hashes(next_turn)[:5]
+    cold, _ = _run_to_end(make_engine(default_model, enable_prefix_caching=False), "cold", next_turn, GREEDY)
+    fresh = make_engine(default_model)
+    assert _run_to_end(fresh, "warm", next_turn, GREEDY, **_load_blocks(fresh, stored, next_hashes)) == (cold, 80)
