@@ -6,7 +6,9 @@ from contracts.messages import (
     CancelRequest,
     GenerateRequest,
     HandoffReply,
+    KVEvents,
     KVShipped,
+    KVSnapshotRequest,
     KVStoreGet,
     KVStoreLookup,
     KVStorePut,
@@ -24,6 +26,6 @@ from contracts.messages import (
 from contracts.subjects import Subjects, check_token
 
 __all__ = [
-    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "KVShipped", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply", "Message", "PrefillJob", "PrefillResult",
+    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply", "Message", "PrefillJob", "PrefillResult",
     "RequestFailed", "ServiceInfo", "StageActivation", "StageTicketReply", "StageTicketRequest", "StatsRequest", "Subjects", "TokenChunk", "check_token", "decode_one_of",
 ]

@@ -244,3 +244,29 @@ class KVStoreReply(Message):
     ticket: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 
+
+
+@dataclass(slots=True, kw_only=True)
+class KVEvents(Message):
+    """worker or kv-store -> schedulers (core NATS, may be lost): blocks it stored and removed since its last message.
+
+    `seq` counts a publisher's messages from 0 per boot, so a gap shows lost events. A `snapshot` message
+    replaces everything known of the publisher with its `stored` blocks (a long snapshot goes on in the
+    messages that follow it)."""
+
+    TYPE = "kv_events"
+    instance_id: str
+    role: str  # "decode" | "prefill" | "kvstore"
+    boot_id: str
+    seq: int
+    snapshot: bool = False
+    stored: list[bytes] = field(default_factory=list)  # chained block hashes
+    removed: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True, kw_only=True)
+class KVSnapshotRequest(Message):
+    """scheduler -> one publisher of KV events: publish a snapshot (it lost events, or just started)."""
+
+    TYPE = "kv_snapshot_request"
+    reason: str = ""

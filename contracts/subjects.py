@@ -73,6 +73,15 @@ class Subjects:
         """A kv-store instance's endpoints: lookup, put, get."""
         return f"{self.namespace}.kvstore.{check_token(instance_id, 'instance id')}.{check_token(endpoint, 'endpoint')}"
 
+    @property
+    def kv_events(self) -> str:
+        """Where workers and kv-stores publish the blocks they store and remove (schedulers listen)."""
+        return f"{self.namespace}.kv.events"
+
+    def kv_snapshot(self, instance_id: str) -> str:
+        """Where one publisher of KV events takes requests for a snapshot."""
+        return f"{self.namespace}.kv.{check_token(instance_id, 'instance id')}.snapshot"
+
     def stats(self, instance_id: str) -> str:
         return f"{self.namespace}.stats.{check_token(instance_id, 'instance id')}"
 

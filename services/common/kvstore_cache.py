@@ -11,6 +11,7 @@ A kv-store that is slow, full or down never fails a request: the worker
 computes instead and the miss is counted.
 """
 
+import argparse
 import asyncio
 import threading
 import time
@@ -177,3 +178,14 @@ class KVStoreCache:
             task.cancel()
         await asyncio.gather(*self._puts, return_exceptions=True)
         await self.client.close()
+
+
+async def start_kv_store_cache(args: argparse.Namespace, *, nc, subjects, registry: Registry, engine,
+                               engine_loop) -> KVStoreCache:
+    """The worker's use of the kv-store, from `add_kv_store_options`' arguments (with `--kv-store`)."""
+    from shared.transfer import KVReceiver, KVSender
+
+    receiver = KVReceiver()
+    await receiver.start(args.kv_store_receiver_host, 0, advertise_host=args.kv_store_receiver_advertise)
+    client = KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=KVSender(), timeout_s=args.kv_store_timeout)
+    return KVStoreCache(client=client, registry=registry, engine=engine, engine_loop=engine_loop)

@@ -71,3 +71,15 @@ def engine_config(args: argparse.Namespace, model_dir: str):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
     )
+
+
+def add_kv_store_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-store", action="store_true",
+                        help="use the deployment's kv-store: load cached prompt prefixes from it, write computed "
+                             "blocks back to it")
+    parser.add_argument("--kv-store-timeout", type=float, default=5.0,
+                        help="seconds a kv-store lookup or transfer may take before the worker computes instead")
+    parser.add_argument("--kv-store-receiver-host", default=env_default("KV_RECEIVER_HOST", "127.0.0.1"),
+                        help="address the side channel that takes blocks from the kv-store listens on")
+    parser.add_argument("--kv-store-receiver-advertise", default=env_default("KV_RECEIVER_ADVERTISE", None),
+                        help="the address the kv-store dials (needed when listening on 0.0.0.0)")

@@ -6,6 +6,7 @@ import sys
 
 from services.common.options import (
     add_bus_options,
+    add_kv_store_options,
     add_engine_options,
     add_model_options,
     engine_config,
@@ -28,11 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-receiver-port", type=int, default=0, help="0: any free port")
     parser.add_argument("--kv-receiver-advertise", default=env_default("KV_RECEIVER_ADVERTISE", None),
                         help="the address prefill workers dial (needed when listening on 0.0.0.0)")
-    parser.add_argument("--kv-store", action="store_true",
-                        help="use the deployment's kv-store: load cached prompt prefixes from it, write prompts' "
-                             "blocks back to it")
-    parser.add_argument("--kv-store-timeout", type=float, default=5.0,
-                        help="seconds a kv-store lookup or transfer may take before the worker computes instead")
+    add_kv_store_options(parser)
     parser.add_argument("--prefill-timeout", type=float, default=30.0,
                         help="seconds a remote prefill (first token and KV) may take before the worker prefills locally")
     return parser
@@ -61,16 +58,10 @@ async def serve(args: argparse.Namespace) -> int:
                               max_active_requests=args.max_active_requests, receiver=receiver,
                               prefill_timeout_s=args.prefill_timeout)
         if args.kv_store:
-            from services.common.kvstore_cache import KVStoreCache
-            from services.kvstore.client import KVStoreClient
-            from shared.transfer import KVReceiver, KVSender
+            from services.common.kvstore_cache import start_kv_store_cache
 
-            kv_receiver = KVReceiver()
-            await kv_receiver.start(args.kv_receiver_host, 0, advertise_host=args.kv_receiver_advertise)
-            client = KVStoreClient(nc=nc, subjects=subjects, receiver=kv_receiver, sender=KVSender(),
-                                   timeout_s=args.kv_store_timeout)
-            worker.kv_cache = KVStoreCache(client=client, registry=registry, engine=engine,
-                                           engine_loop=worker.engine_loop)
+            worker.kv_cache = await start_kv_store_cache(args, nc=nc, subjects=subjects, registry=registry,
+                                                         engine=engine, engine_loop=worker.engine_loop)
         return worker
 
     return await run_service(args, "decode", build)

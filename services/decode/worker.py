@@ -24,6 +24,7 @@ from contracts import (
 )
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from services.common.identity import ServiceIdentity, now_ms
+from services.common.kv_events import engine_kv_events, kv_hashing_details
 from services.decode.remote_prefill import remote_prefill
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
@@ -84,6 +85,8 @@ class DecodeWorker:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self.engine_loop = EngineLoop(engine, self._emit_from_engine_thread)
+        self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
+                                          engine_loop=self.engine_loop)
         self._heartbeat = Heartbeat(registry, self.info)
         self._subscriptions = []
 
@@ -98,9 +101,11 @@ class DecodeWorker:
         if self.receiver is not None:
             self._subscriptions.append(await subscribe_typed(
                 self.nc, self.subjects.prefill_results(self.instance_id), PrefillResult, self._on_prefill_result))
+        event_tasks = await self.kv_events.start()
+        await self.nc.flush()
         self.state = "ready"
         self._heartbeat.start()
-        return [asyncio.create_task(self._publish_outputs(), name="publish-outputs")]
+        return [asyncio.create_task(self._publish_outputs(), name="publish-outputs"), *event_tasks]
 
     async def stop(self, drain_timeout_s: float = 5.0) -> None:
         """Stop taking work, let running requests finish briefly, fail the rest, leave the registry."""
@@ -136,7 +141,9 @@ class DecodeWorker:
             max_model_len=self.engine.max_model_len,
             details={"mode": self.mode, "active_requests": len(self.requests), "rejected_messages": dict(REJECTED),
                      "prefill_decisions": dict(self.prefill_counts), "kv_transfer": self._transfer_details(),
-                     "kv_store": self.kv_cache.details() if self.kv_cache is not None else {}},
+                     "uses_kv_store": self.kv_cache is not None,
+                     "kv_store": self.kv_cache.details() if self.kv_cache is not None else {},
+                     "kv_events": dict(self.kv_events.counts), **kv_hashing_details(self.engine)},
         )
 
     # ---- handlers (event loop) --------------------------------------------------------

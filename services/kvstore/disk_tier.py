@@ -63,6 +63,9 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._sizes)
 
+    def keys(self) -> list[bytes]:
+        return list(self._sizes)
+
     def _path(self, key: bytes) -> Path:
         name = key.hex()
         return self.root / name[:2] / f"{name}{SUFFIX}"

@@ -18,6 +18,7 @@ import time
 
 from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, ServiceInfo, StatsRequest, Subjects
 from services.common.identity import ServiceIdentity, now_ms
+from services.common.kv_events import KVEventPublisher
 from services.kvstore.block import StoredBlock
 from services.kvstore.store import TieredBlockStore
 from shared.bus.registry import Heartbeat, Registry
@@ -51,8 +52,12 @@ class KVStoreService:
         self._tasks: set[asyncio.Task] = set()
         self._puts_in_flight = 0
         self._heartbeat = Heartbeat(registry, self.info)
+        self.kv_events = KVEventPublisher(nc=nc, subjects=subjects, instance_id=instance_id, role="kvstore",
+                                          boot_id=self.identity.boot_id, events=store.kv_events,
+                                          held_hashes=lambda: asyncio.to_thread(store.held_hashes))
 
     async def start(self) -> list[asyncio.Task]:
+        event_tasks = await self.kv_events.start()
         for endpoint, cls, handler in (("lookup", KVStoreLookup, self._on_lookup), ("put", KVStorePut, self._on_put),
                                        ("get", KVStoreGet, self._on_get)):
             await subscribe_typed(self.nc, self.subjects.kvstore(self.instance_id, endpoint), cls, handler)
@@ -60,7 +65,7 @@ class KVStoreService:
         await self.nc.flush()
         self.state = "ready"
         self._heartbeat.start()
-        return []
+        return event_tasks
 
     async def stop(self) -> None:
         self.state = "draining"
@@ -75,7 +80,7 @@ class KVStoreService:
         return self.identity.info(state=self.state, details={
             "store": self.store.snapshot(), "requests": dict(self.counts), "puts_in_flight": self._puts_in_flight,
             "kv_transfer_in": self.receiver.stats.snapshot(), "kv_transfer_out": self.sender.stats.snapshot(),
-            "rejected_messages": dict(REJECTED)})
+            "rejected_messages": dict(REJECTED), "kv_events": dict(self.kv_events.counts)})
 
     async def _on_stats(self, _: StatsRequest, msg) -> None:
         if msg.reply:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from services.kvstore.block import StoredBlock
 from services.kvstore.disk_tier import DiskTier
+from shared.engine.kv_events import KVEventLog
 
 RAM, DISK = "ram", "disk"
 
@@ -36,11 +37,19 @@ class TieredBlockStore:
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None and disk_bytes > 0 else None
         self.stats = StoreStats()
         self._lock = threading.Lock()
+        self.kv_events = KVEventLog()  # blocks stored and gone, for the schedulers' prefix index
+
+    def held_hashes(self) -> list[bytes]:
+        """Every key held in any tier; restarts the event log (a snapshot covers it)."""
+        with self._lock:
+            self.kv_events.restart()
+            return [*self._ram, *(self.disk.keys() if self.disk is not None else ())]
 
     def put(self, key: bytes, block: StoredBlock) -> None:
         with self._lock:
             self.stats.puts += 1
             self._drop_ram(key)
+            self.kv_events.stored(key)
             if block.nbytes > self.ram_bytes:
                 self._to_disk(key, block)  # too big for RAM at all
                 return
@@ -56,9 +65,12 @@ class TieredBlockStore:
                 self._ram.move_to_end(key)
                 self.stats.hits[RAM] += 1
                 return block, RAM
-            block = self.disk.get(key) if self.disk is not None else None
+            on_disk = self.disk is not None and key in self.disk
+            block = self.disk.get(key) if on_disk else None
             if block is None:
                 self.stats.misses += 1
+                if on_disk:
+                    self.kv_events.removed(key)  # unreadable: the disk tier dropped it
                 return None
             self.stats.hits[DISK] += 1
             if block.nbytes <= self.ram_bytes:  # back into RAM: it is in use again
@@ -114,5 +126,9 @@ class TieredBlockStore:
     def _to_disk(self, key: bytes, block: StoredBlock) -> None:
         if self.disk is None:
             self.stats.dropped += 1
+            self.kv_events.removed(key)
             return
-        self.disk.put(key, block)
+        for evicted in self.disk.put(key, block):
+            self.kv_events.removed(evicted)
+        if key not in self.disk:  # too big for the disk tier
+            self.kv_events.removed(key)

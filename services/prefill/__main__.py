@@ -3,7 +3,15 @@
 import argparse
 import sys
 
-from services.common.options import add_bus_options, add_engine_options, add_model_options, engine_config, resolve_model, run_async
+from services.common.options import (
+    add_bus_options,
+    add_engine_options,
+    add_kv_store_options,
+    add_model_options,
+    engine_config,
+    resolve_model,
+    run_async,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrent-jobs", type=int, default=8, help="prefill jobs taken at once")
     parser.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp"],
                         help="auto: shared memory when the decode worker is on this host, else TCP")
+    add_kv_store_options(parser)
     return parser
 
 
@@ -32,9 +41,15 @@ async def serve(args: argparse.Namespace) -> int:
         engine = await asyncio.to_thread(LLMEngine, engine_config(args, model_dir),
                                          kv_allocator=kv_cache_allocator(args.kv_transport, args.device))
         await provision_prefill_queue(js, subjects)
-        return PrefillWorker(nc=nc, registry=registry, engine=engine, subjects=subjects, instance_id=args.instance_id,
-                             model=model_dir, served_model_name=served_name,
-                             max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport)
+        worker = PrefillWorker(nc=nc, registry=registry, engine=engine, subjects=subjects,
+                               instance_id=args.instance_id, model=model_dir, served_model_name=served_name,
+                               max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport)
+        if args.kv_store:
+            from services.common.kvstore_cache import start_kv_store_cache
+
+            worker.kv_cache = await start_kv_store_cache(args, nc=nc, subjects=subjects, registry=registry,
+                                                         engine=engine, engine_loop=worker.engine_loop)
+        return worker
 
     return await run_service(args, "prefill", build)
 

@@ -58,6 +58,7 @@ class PrefillWorker:
         self.engine_loop = EngineLoop(engine, self._from_engine_thread)
         self._heartbeat = Heartbeat(registry, self.info)
         self.counts: dict[str, int] = {}
+        self.kv_cache = None  # services.common.kvstore_cache.KVStoreCache, with --kv-store
 
     async def start(self) -> list[asyncio.Task]:
         self.engine_loop.start()
@@ -81,6 +82,8 @@ class PrefillWorker:
         await asyncio.gather(*self.jobs.values(), return_exceptions=True)
         await asyncio.to_thread(self.engine_loop.stop, 1.0)  # a step in flight may not finish: the thread is a daemon
         self.sender.close()
+        if self.kv_cache is not None:
+            await self.kv_cache.stop()
         await self._heartbeat.stop(remove=True)
 
     def info(self) -> ServiceInfo:
@@ -90,7 +93,8 @@ class PrefillWorker:
             max_num_seqs=self.max_concurrent_jobs, kv_blocks_total=block_manager.num_blocks,
             kv_blocks_free=block_manager.num_free_blocks, max_model_len=self.engine.max_model_len,
             details={"jobs": dict(self.counts), "rejected_messages": dict(REJECTED),
-                     "kv_transfer": self.sender.stats.snapshot()},
+                     "kv_transfer": self.sender.stats.snapshot(), "uses_kv_store": self.kv_cache is not None,
+                     "kv_store": self.kv_cache.details() if self.kv_cache is not None else {}},
         )
 
     # ---- the job loop -------------------------------------------------------------------
@@ -184,8 +188,10 @@ class PrefillWorker:
         future = self._loop.create_future()
         self._first_tokens[job.request_id] = future
         try:
-            self.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only,
-                                            {"seed": params.seed, "on_prompt_kv": on_prompt_kv, "hold_kv": True}))
+            options = {"seed": params.seed, "on_prompt_kv": on_prompt_kv, "hold_kv": True}
+            if self.kv_cache is not None:  # start from the prefix the kv-store holds, if longer than our own
+                options |= await self._cached_prefix(job)
+            self.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only, options))
             remaining_s = max(0.0, (job.deadline_ms - now_ms()) / 1000)
             try:
                 output = await asyncio.wait_for(future, remaining_s)
@@ -223,6 +229,13 @@ class PrefillWorker:
         log.info("kv shipped", request_id=job.request_id, backend=result.backend, bytes=result.num_bytes,
                  seconds=round(result.seconds, 4))
         return "shipped"
+
+    async def _cached_prefix(self, job: PrefillJob) -> dict:
+        try:
+            return await self.kv_cache.load_prefix(job.prompt_token_ids)
+        except Exception:  # the store is a cache: without it the prompt is computed in full
+            log.exception("kv-store prefix load failed", request_id=job.request_id)
+            return {}
 
     # ---- hooks for a pipelined prefill pool (services/stage/prefill_head.py) -----------------------
     @property

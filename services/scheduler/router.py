@@ -6,27 +6,46 @@ same request id is recognised (here and by the worker) and never run twice.
 """
 
 import asyncio
+import time
 from collections import OrderedDict
 
 import nats.errors
 
-from contracts import CancelRequest, ContractError, GenerateRequest, HandoffReply, RequestFailed, ServiceInfo, Subjects
+from contracts import (
+    CancelRequest,
+    ContractError,
+    GenerateRequest,
+    HandoffReply,
+    KVEvents,
+    KVSnapshotRequest,
+    RequestFailed,
+    ServiceInfo,
+    Subjects,
+)
 from services.common.identity import ServiceIdentity, now_ms
-from services.scheduler.routing import decide_prefill, eligible_workers, rank_by_load
+from services.scheduler.prefix_index import KVSTORE, PrefixIndex
+from services.scheduler.routing import cached_blocks, decide_prefill, eligible_workers, rank_by_kv, rank_by_load
+from shared.engine.block_hash import block_hashes
 from shared.bus.registry import Heartbeat, Registry
-from shared.bus.subscribe import REJECTED, fetch_loop
+from shared.bus.subscribe import REJECTED, fetch_loop, subscribe_typed
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
 
 _RECENT_REQUESTS = 10_000  # request ids remembered for de-duplication
 _REFRESH_S = 0.5
+_SNAPSHOT_RETRY_S = 2.0  # ask one publisher of KV events for a snapshot at most this often
+_MAX_PUBLISHERS = 4096  # publishers remembered for the snapshot retry interval
+ROUTERS = ("load", "kv")
 
 
 class Router:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str,
                  handoff_timeout_s: float = 5.0, max_concurrent_handoffs: int = 64,
-                 max_local_prefill: int = 256, max_prefill_queue: int = 64):
+                 max_local_prefill: int = 256, max_prefill_queue: int = 64, router: str = "kv",
+                 overlap_weight: float = 1.0, max_index_blocks: int = 1 << 20):
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
         self.nc = nc
         self.registry = registry
         self.subjects = subjects
@@ -42,15 +61,25 @@ class Router:
         self.max_local_prefill = max_local_prefill
         self.max_prefill_queue = max_prefill_queue
         self.prefill_queue_depth = 0
+        self.router = router
+        self.overlap_weight = overlap_weight
+        self.index = PrefixIndex(max_index_blocks)
+        self._snapshot_asked: dict[str, float] = {}
+        self.prefix_hits = {"requests": 0, "prompt_blocks": 0, "cached_blocks": 0}  # of the workers chosen (kv router)
 
     def info(self) -> ServiceInfo:
         return self.identity.info(
             state="ready",
             details={"routed": dict(self.counts), "rejected_messages": dict(REJECTED),
-                     "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth},
+                     "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth,
+                     "router": self.router, "prefix_index": {"blocks": len(self.index), **self.index.counts},
+                     "prefix_hits": dict(self.prefix_hits)},
         )
 
     async def start(self) -> list[asyncio.Task]:
+        if self.router == "kv":
+            await subscribe_typed(self.nc, self.subjects.kv_events, KVEvents, self._on_kv_events)
+            await self.nc.flush()
         await self._refresh()
         self._heartbeat.start()
         consumer = await self.nc.jetstream().pull_subscribe(
@@ -69,6 +98,10 @@ class Router:
 
     async def _refresh(self) -> None:
         self.workers = await self.registry.list()
+        present = {w.instance_id for w in self.workers}
+        for instance_id in self.index.instances():
+            if instance_id not in present:
+                self.index.forget(instance_id)  # it left (or its heartbeat lapsed): its cache is gone
         if any(w.role == "prefill" for w in self.workers):
             try:
                 info = await self.nc.jetstream().consumer_info(self.subjects.prefill_stream, self.subjects.prefill_consumer)
@@ -102,9 +135,10 @@ class Router:
             return "expired"
         if not eligible_workers(self.workers, "decode", request.model):
             await self._refresh()  # the snapshot may predate a worker that just registered
-        candidates = rank_by_load(eligible_workers(self.workers, "decode", request.model))
+        candidates, uncached_tokens = self._rank(eligible_workers(self.workers, "decode", request.model),
+                                                 request.prompt_token_ids)
         request.prefill = decide_prefill(
-            len(request.prompt_token_ids), self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,
+            uncached_tokens, self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,
             max_prefill_queue=self.max_prefill_queue,
             prefill_workers_ready=len(eligible_workers(self.workers, "prefill", request.model)),
         )
@@ -125,11 +159,60 @@ class Router:
                 await self._fail(request, reply.code or "invalid_request", reply.message, reply.param)
                 return "rejected"
             worker.num_waiting += 1  # until the next refresh shows the real load
+            block_size = worker.details.get("kv_block_size") or 1
+            worker.kv_blocks_free -= -(-len(request.prompt_token_ids) // block_size)
             self._remember(request.request_id, worker.instance_id)
             return "assigned"
         await self._fail(request, "no_worker", f"no {request.model!r} worker can take the request now",
                          retry_after_s=1.0)
         return "no_worker"
+
+    def _rank(self, workers: list[ServiceInfo], prompt: list[int]) -> tuple[list[ServiceInfo], int]:
+        """The workers best first, and how many of the prompt's tokens the first would compute."""
+        if self.router == "load" or not workers:
+            return rank_by_load(workers), len(prompt)
+        cached: dict[str, int] = {}
+        block_size_of: dict[str, int] = {}
+        prompt_blocks = 0
+        by_hashing: dict[tuple[int, str], list[ServiceInfo]] = {}
+        for worker in workers:
+            key = (worker.details.get("kv_block_size") or 0, worker.details.get("kv_fingerprint") or "")
+            by_hashing.setdefault(key, []).append(worker)
+        for (block_size, fingerprint), group in by_hashing.items():
+            if not block_size or not fingerprint:
+                continue  # a worker that does not say how it hashes blocks is ranked as holding nothing
+            # One token is always computed, so the last block can be cached only if a token follows it.
+            usable = (len(prompt) - 1) // block_size * block_size
+            hashes = block_hashes(prompt[:usable], block_size, bytes.fromhex(fingerprint))
+            overlaps = self.index.overlaps(hashes)
+            prompt_blocks = max(prompt_blocks, -(-len(prompt) // block_size))
+            for worker in group:
+                cached[worker.instance_id] = cached_blocks(worker, overlaps, overlaps.get(KVSTORE, 0))
+                block_size_of[worker.instance_id] = block_size
+        ranked = rank_by_kv(workers, prompt_blocks, cached, self.overlap_weight)
+        best = ranked[0].instance_id
+        hit_tokens = cached.get(best, 0) * block_size_of.get(best, 0)
+        self.prefix_hits["requests"] += 1
+        self.prefix_hits["prompt_blocks"] += prompt_blocks
+        self.prefix_hits["cached_blocks"] += cached.get(best, 0)
+        return ranked, len(prompt) - hit_tokens
+
+    async def _on_kv_events(self, event: KVEvents, msg) -> None:
+        if self.index.apply(event):
+            return
+        now = time.monotonic()
+        asked = self._snapshot_asked.pop(event.instance_id, None)
+        if asked is not None and now - asked < _SNAPSHOT_RETRY_S:
+            self._snapshot_asked[event.instance_id] = asked
+            return
+        self._snapshot_asked[event.instance_id] = now
+        while len(self._snapshot_asked) > _MAX_PUBLISHERS:  # bounded: instances come and go
+            self._snapshot_asked.pop(next(iter(self._snapshot_asked)))
+        try:
+            await self.nc.publish(self.subjects.kv_snapshot(event.instance_id),
+                                  KVSnapshotRequest(reason="gap" if event.seq else "new").encode())
+        except Exception as exc:
+            log.warning("could not ask for a KV snapshot", instance=event.instance_id, error=repr(exc))
 
     async def _offer(self, worker: ServiceInfo, request: GenerateRequest) -> HandoffReply | str | None:
         """The worker's reply; None when it is not there (try the next); "timeout" when it did not answer."""

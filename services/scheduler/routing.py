@@ -19,6 +19,30 @@ def rank_by_load(workers: list[ServiceInfo]) -> list[ServiceInfo]:
     return sorted(workers, key=lambda w: (load_score(w), w.instance_id))
 
 
+def cached_blocks(worker: ServiceInfo, overlaps: dict[str, int], kvstore_blocks: int) -> int:
+    """How many of a prompt's blocks `worker` can start from: its own cache's, or the kv-store's if it uses one."""
+    own = overlaps.get(worker.instance_id, 0)
+    return max(own, kvstore_blocks) if worker.details.get("uses_kv_store") else own
+
+
+def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int, overlap_weight: float) -> float:
+    """Lower is better: the prompt blocks it would compute (weighted) plus the KV blocks it already has in use.
+
+    Both are in blocks, so a cached prefix draws a request to a worker until that worker's extra load
+    outweighs the prefill it saves (`overlap_weight` > 1 favours the cache, < 1 the balance).
+    """
+    uncached = max(num_prompt_blocks - num_cached_blocks, 0)
+    in_use = worker.kv_blocks_total - worker.kv_blocks_free
+    return overlap_weight * uncached + in_use
+
+
+def rank_by_kv(workers: list[ServiceInfo], num_prompt_blocks: int, cached: dict[str, int],
+               overlap_weight: float = 1.0) -> list[ServiceInfo]:
+    """Cheapest first by `kv_cost`; ties go to the less loaded, then by instance id."""
+    return sorted(workers, key=lambda w: (kv_cost(w, num_prompt_blocks, cached.get(w.instance_id, 0), overlap_weight),
+                                          load_score(w), w.instance_id))
+
+
 def decide_prefill(uncached_prompt_tokens: int, prefill_queue_depth: int, *, max_local_prefill: int,
                    max_prefill_queue: int, prefill_workers_ready: int) -> str:
     """"remote" or "local": where a request's prompt is computed.

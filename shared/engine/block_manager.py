@@ -10,6 +10,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from shared.engine.block_hash import extend_block_hashes
+from shared.engine.kv_events import KVEventLog
 from shared.engine.sequence import Sequence
 
 
@@ -35,6 +36,13 @@ class BlockManager:
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.cached_free_block_ids: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
         self.num_evictions = 0
+        self.kv_events: KVEventLog | None = None  # set by a worker that publishes KV events
+
+    def held_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache holds now; restarts the event log (a snapshot covers it)."""
+        if self.kv_events is not None:
+            self.kv_events.restart()
+        return list(self.block_of_hash)
 
     # ---- accounting -------------------------------------------------------------
     @property
@@ -85,6 +93,8 @@ class BlockManager:
             if block_hash not in self.block_of_hash and self.hash_of_block[block_id] is None:
                 self.block_of_hash[block_hash] = block_id
                 self.hash_of_block[block_id] = block_hash
+                if self.kv_events is not None:
+                    self.kv_events.stored(block_hash)
         seq.num_hashed_blocks = num_full
 
     # ---- allocation ---------------------------------------------------------------
@@ -169,3 +179,5 @@ class BlockManager:
         if block_hash is not None:
             del self.block_of_hash[block_hash]
             self.hash_of_block[block_id] = None
+            if self.kv_events is not None:
+                self.kv_events.removed(block_hash)

@@ -106,3 +106,22 @@ def test_a_smaller_disk_bound_at_restart_evicts_down_to_it(tmp_path):
         disk.put(key(i), block(i))
     smaller = DiskTier(tmp_path, 3 * (SIZE + 200))
     assert len(smaller) == 3 and smaller.bytes_used <= 3 * (SIZE + 200)
+
+
+def test_kv_events_say_which_blocks_the_store_holds_in_any_tier(tmp_path):
+    store = TieredBlockStore(ram_bytes=2 * SIZE, disk_bytes=2 * SIZE + 200, disk_dir=tmp_path)
+    for i in range(3):
+        store.put(key(i), block(i))  # key 0 spills to disk: still held
+    batch = store.kv_events.drain()
+    assert batch.stored == [key(0), key(1), key(2)] and batch.removed == []
+    store.put(key(3), block(3))
+    store.put(key(4), block(4))  # disk holds two: key 0 leaves the store
+    batch = store.kv_events.drain()
+    assert batch.stored == [key(3), key(4)] and batch.removed == [key(0)]
+    assert sorted(store.held_hashes()) == [key(i) for i in (1, 2, 3, 4)]
+
+    without_disk = TieredBlockStore(ram_bytes=SIZE)
+    without_disk.put(key(0), block(0))
+    without_disk.put(key(1), block(1))  # key 0 is dropped
+    batch = without_disk.kv_events.drain()
+    assert batch.stored == [key(1)] and batch.removed == [key(0)]
