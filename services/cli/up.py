@@ -80,9 +80,13 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
                         help="every worker's token budget per step: long prompts are prefilled in chunks of at "
                              "most N tokens, mixed with decodes (default: the engine's, 2048)")
-    parser.add_argument("--kv-store", action="store_true",
-                        help="run a kv-store: decode workers load cached prompt prefixes from it and write prompts' "
-                             "blocks back, so a prefix is computed once for all workers")
+    parser.add_argument("--kv-store", action=argparse.BooleanOptionalAction, default=None,
+                        help="run a kv-store: workers load cached prompt prefixes from it and write computed blocks "
+                             "back, so a prefix is computed once for all workers (default: on with disagg; "
+                             "--no-kv-store turns it off)")
+    parser.add_argument("--router", default="kv", choices=["kv", "load"],
+                        help="how the scheduler picks a worker: kv scores the prompt prefix each worker's cache "
+                             "(and the kv-store) holds against its load; load takes the least loaded (default: kv)")
     parser.add_argument("--kv-store-ram-bytes", type=_positive_int, default=1 << 30, metavar="N",
                         help="the kv-store's RAM tier (default: 1 GiB)")
     parser.add_argument("--kv-store-disk-bytes", type=int, default=0, metavar="N",
@@ -122,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_stages=args.prefill_stages,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_store=args.kv_store,
+        router=args.router,
         kv_store_ram_bytes=args.kv_store_ram_bytes,
         kv_store_disk_bytes=args.kv_store_disk_bytes,
         host=args.host,

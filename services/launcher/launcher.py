@@ -79,7 +79,8 @@ class UpOptions:
     microbatches: int = 2  # pipeline
     prefill_stages: int | None = None  # disagg: the prefill pool is one pipeline of this many stages
     max_num_batched_tokens: int | None = None  # every worker's per-step token budget (None: the engine's default)
-    kv_store: bool = False  # run a kv-store; decode workers use it
+    kv_store: bool | None = None  # run a kv-store the workers use (None: on for disagg)
+    router: str = "kv"
     kv_store_ram_bytes: int = 1 << 30
     kv_store_disk_bytes: int = 0  # its disk tier lives in the run directory
     host: str = "127.0.0.1"
@@ -358,7 +359,7 @@ class Launcher:
             model=model_dir, served_model_name=served_name, nats_url=nats_url, topology=o.topology,
             decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill, kv_transport=o.kv_transport,
             stage_ranges=self._stage_ranges, microbatches=o.microbatches,
-            max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store,
+            max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,
             kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
             kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
         )

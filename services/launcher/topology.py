@@ -32,7 +32,9 @@ class UpConfig:
     namespace: str = "splitserve"
     dtype: str = "auto"
     max_num_batched_tokens: int | None = None  # every worker's token budget per step (None: the engine's default)
-    kv_store: bool = False  # a kv-store (kvstore-0) the decode workers load prefixes from and write blocks back to
+    # A kv-store (kvstore-0) the workers load prefixes from and write blocks back to (None: on for disagg).
+    kv_store: bool | None = None
+    router: str = "kv"  # the scheduler's: "kv" (cached prefix and load) or "load"
     kv_store_ram_bytes: int = 1 << 30
     kv_store_disk_bytes: int = 0
     kv_store_dir: str | None = None  # the disk tier's directory (needed with kv_store_disk_bytes)
@@ -95,13 +97,17 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
     bus = ("--nats", config.nats_url, "--namespace", config.namespace)
     model = ("--model", config.model, "--served-model-name", config.served_model_name)
     if config.topology == "pipeline":
+        if config.kv_store:
+            raise ValueError("the kv-store needs workers holding every layer; --topology pipeline cannot use it")
         return _plan_pipeline(config, bus, model)
-    scheduler_args = (*bus, "--instance-id", "scheduler-0")
+    kv_store = uses_kv_store(config)
+    scheduler_args = (*bus, "--instance-id", "scheduler-0", "--router", config.router)
     if disagg and config.max_local_prefill is not None:
         scheduler_args += ("--max-local-prefill", str(config.max_local_prefill))
     specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0", scheduler_args)]
     counts = {"decode": config.decode, "scheduler": 1}
-    if config.kv_store:
+    store_flag = ("--kv-store",) if kv_store else ()
+    if kv_store:
         specs.append(_kvstore(config, bus))
         counts["kvstore"] = 1
     if disagg and config.stage_ranges:
@@ -112,18 +118,23 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
         for i in range(config.prefill):
             iid = f"prefill-{i}"
             specs.append(ServiceSpec(iid, "prefill", iid, (*bus, *model, "--instance-id", iid, *_engine_flags(config),
-                                                           "--kv-transport", config.kv_transport)))
+                                                           "--kv-transport", config.kv_transport, *store_flag)))
     for i in range(config.decode):
         iid = f"decode-{i}"
         specs.append(
             ServiceSpec(
                 iid, "decode", iid,
                 (*bus, *model, "--mode", "disagg" if disagg else "colocated", "--instance-id", iid,
-                 *_engine_flags(config), *(("--kv-store",) if config.kv_store else ())),
+                 *_engine_flags(config), *store_flag),
             )
         )
     specs.append(_gateway(config, bus, model, counts))
     return specs
+
+
+def uses_kv_store(config: UpConfig) -> bool:
+    """Whether the deployment runs a kv-store: as asked, else by default in disagg."""
+    return config.kv_store if config.kv_store is not None else config.topology == "disagg"
 
 
 def _gateway(config: UpConfig, bus: tuple, model: tuple, counts: dict[str, int]) -> ServiceSpec:
@@ -140,7 +151,8 @@ def _plan_pipeline(config: UpConfig, bus: tuple, model: tuple) -> list[ServiceSp
         raise ValueError("--topology pipeline runs one pipeline; --decode must be 1")
     if config.microbatches < 1:
         raise ValueError("--microbatches must be at least 1")
-    specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0", (*bus, "--instance-id", "scheduler-0"))]
+    specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0",
+                         (*bus, "--instance-id", "scheduler-0", "--router", config.router))]
     stages = [f"stage-{i}" for i in range(1, len(config.stage_ranges))]
     for iid, (start, end) in zip(stages, config.stage_ranges[1:]):
         specs.append(ServiceSpec(iid, "stage", iid, (*bus, *model, "--instance-id", iid, *_engine_flags(config),

@@ -21,7 +21,7 @@ from services.cli import serve
 from shared.engine.default_model import DEFAULT_MODEL_NAME
 
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
-PROJECT_SERVICES = ("scheduler", "prefill", "decode", "gateway")
+PROJECT_SERVICES = ("scheduler", "kvstore", "prefill", "decode", "gateway")
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +96,19 @@ def test_the_commands_describe_one_consistent_deployment(compose):
     assert _flag(gateway, "--host") == "0.0.0.0"  # inside the container; published on loopback below
     expect = dict(item.split("=") for item in _flag(gateway, "--expect").split(","))
     assert {role: int(n) for role, n in expect.items()} == {
-        "decode": roles["decode"], "scheduler": roles["scheduler"], "prefill": roles["prefill"]}
+        "decode": roles["decode"], "scheduler": roles["scheduler"], "prefill": roles["prefill"],
+        "kvstore": roles["kvstore"]}
     # Disagg: decode workers listen for KV on the compose network and tell prefill workers where.
     decode = commands["decode"]
     assert _flag(decode, "--mode") == "disagg" and _flag(decode, "--kv-receiver-host") == "0.0.0.0"
     assert _flag(decode, "--kv-receiver-advertise") == "decode"
+    # The kv-store: every worker uses it, it listens on the compose network and is published nowhere.
+    kvstore = commands["kvstore"]
+    assert _flag(kvstore, "--transfer-host") == "0.0.0.0" and _flag(kvstore, "--transfer-advertise") == "kvstore"
+    assert "ports" not in services["kvstore"] and _flag(commands["scheduler"], "--router") == "kv"
+    for name in ("decode", "prefill"):
+        assert "--kv-store" in commands[name]
+        assert _flag(commands[name], "--kv-store-receiver-advertise") == name
     for name in ("gateway", "decode", "prefill"):
         assert _flag(commands[name], "--served-model-name") == DEFAULT_MODEL_NAME  # the model baked into the image
     port = _flag(gateway, "--port")

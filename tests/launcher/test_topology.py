@@ -1,5 +1,6 @@
 """What `splitserve up` starts, and that every planned command line parses with the service's own parser."""
 
+import dataclasses
 import importlib.util
 import sys
 
@@ -30,7 +31,8 @@ def test_colocated_plan():
         "--nats", "nats://127.0.0.1:4999", "--namespace", "ns1", "--model", "/models/m", "--served-model-name", "m",
         "--mode", "colocated", "--instance-id", "decode-0", "--dtype", "float32",
     )
-    assert specs[0].args == ("--nats", "nats://127.0.0.1:4999", "--namespace", "ns1", "--instance-id", "scheduler-0")
+    assert specs[0].args == ("--nats", "nats://127.0.0.1:4999", "--namespace", "ns1", "--instance-id", "scheduler-0",
+                             "--router", "kv")
 
 
 def test_plan_refuses_what_it_cannot_run():
@@ -40,6 +42,9 @@ def test_plan_refuses_what_it_cannot_run():
         plan(UpConfig(model="m", served_model_name="m", nats_url="n", topology="pipeline", stage_ranges=((0, 4),)))
     with pytest.raises(ValueError, match="at least 1"):
         plan(UpConfig(model="m", served_model_name="m", nats_url="n", decode=0))
+    with pytest.raises(ValueError, match="cannot use it"):
+        plan(UpConfig(model="m", served_model_name="m", nats_url="n", topology="pipeline", stage_ranges=((0, 2), (2, 4)),
+                      kv_store=True))
 
 
 def test_urls_for_wildcard_and_ipv6_hosts():
@@ -55,15 +60,23 @@ DISAGG = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127
 
 def test_disagg_plan():
     specs = plan(DISAGG)
-    assert [s.name for s in specs] == ["scheduler-0", "prefill-0", "prefill-1", "decode-0", "gateway-0"]
+    # A kv-store by default in disagg, used by every worker.
+    assert [s.name for s in specs] == ["scheduler-0", "kvstore-0", "prefill-0", "prefill-1", "decode-0", "gateway-0"]
     assert specs[0].args[-2:] == ("--max-local-prefill", "0")
-    assert ("--kv-transport", "tcp") == specs[1].args[-2:]
+    assert specs[0].args[specs[0].args.index("--router") + 1] == "kv"
+    assert ("--kv-transport", "tcp", "--kv-store") == specs[2].args[-3:]
+    assert all("--kv-store" in s.args for s in specs[2:5])
+    specs = specs[1:]
     decode_args = specs[3].args
     assert decode_args[decode_args.index("--mode") + 1] == "disagg"
     for worker in specs[1:4]:  # every worker gets the same step budget
         assert worker.args[worker.args.index("--max-num-batched-tokens") + 1] == "512"
     gateway_args = specs[-1].args
-    assert gateway_args[gateway_args.index("--expect") + 1] == "decode=1,scheduler=1,prefill=2"
+    assert gateway_args[gateway_args.index("--expect") + 1] == "decode=1,scheduler=1,kvstore=1,prefill=2"
+    without = plan(dataclasses.replace(DISAGG, kv_store=False, router="load"))
+    assert [s.name for s in without] == ["scheduler-0", "prefill-0", "prefill-1", "decode-0", "gateway-0"]
+    assert not any("--kv-store" in s.args for s in without)
+    assert without[0].args[without[0].args.index("--router") + 1] == "load"
 
 
 PIPELINE = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", topology="pipeline",
@@ -82,7 +95,8 @@ def test_pipeline_plan():
 
 
 PREFILL_PIPELINE = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999",
-                            topology="disagg", stage_ranges=((0, 2), (2, 4)), kv_transport="shm", namespace="ns1")
+                            topology="disagg", stage_ranges=((0, 2), (2, 4)), kv_transport="shm", namespace="ns1",
+                            kv_store=False)
 
 
 def test_disagg_with_a_prefill_pipeline_plan():
