@@ -43,12 +43,12 @@ class KVStoreCache:
         self._loop = asyncio.get_running_loop()
         self._puts: set[asyncio.Task] = set()
         self.counts: Counter[str] = Counter()
-        self.query_tokens = 0
-        self.hit_tokens: Counter[str] = Counter()  # by tier: "local" (this worker's cache), "kvstore"
+        self.query_tokens = 0  # of the requests started from kv-store blocks
+        self.hit_tokens = 0  # prompt tokens loaded from the kv-store
         engine.kv_write_back = self._write_back
 
     def details(self) -> dict:
-        return {"query_tokens": self.query_tokens, "hit_tokens": dict(self.hit_tokens), "counts": dict(self.counts),
+        return {"query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens, "counts": dict(self.counts),
                 "misses": dict(self.client.misses), "puts_in_flight": len(self._puts)}
 
     async def instances(self) -> list[str]:
@@ -66,19 +66,19 @@ class KVStoreCache:
     async def load_prefix(self, prompt: list[int]) -> dict:
         """AddRequest options that start the request with its cached prefix from the store, or {}."""
         hashes = self.engine.prefix_block_hashes(prompt)
-        self.query_tokens += len(hashes) * self.block_size
         if not hashes:
             return {}
         local = await self.engine_loop.call(lambda engine: engine.local_prefix_blocks(hashes))
         instances = await self.instances()
         if not instances:
             self.counts["no_kvstore"] += 1
-            self.hit_tokens["local"] += local * self.block_size
             return {}
         held = await self._held_prefix(hashes, instances)
+        if held < len(hashes):
+            self.counts["lookup_misses"] += 1  # the store lacks part of the prefix (never stored, or evicted)
+            self._forget(hashes[held:])  # so that the blocks are written back again once computed
         if held <= local:
-            self.hit_tokens["local"] += local * self.block_size  # the engine finds those itself
-            return {}
+            return {}  # the engine finds its own cached prefix (and counts the lookup) when it schedules it
         reserving = self.engine_loop.call(lambda engine: engine.reserve_blocks(held * self.block_size))
         try:
             block_ids = await asyncio.shield(reserving)  # if cancelled meanwhile, the blocks still come: give back
@@ -98,7 +98,9 @@ class KVStoreCache:
             self.counts["fetch_failed"] += 1
             return {}
         self._remember(hashes[:held])
-        self.hit_tokens["kvstore"] += held * self.block_size
+        # The request starts with these blocks, so the engine never looks it up: count the lookup here.
+        self.query_tokens += len(hashes) * self.block_size
+        self.hit_tokens += held * self.block_size
         self.counts["loaded"] += 1
         return {"reserved": (block_ids, held * self.block_size), "num_cached_tokens": held * self.block_size}
 

@@ -68,6 +68,9 @@ class _RegistryCollector:
         hit_tokens = CounterMetricFamily("splitserve_prefix_cache_hit_tokens",
                                          "Prompt tokens found cached: in the worker's own cache or in the kv-store",
                                          labels=["service", "instance", "tier"])
+        computed = CounterMetricFamily("splitserve_prompt_tokens_computed",
+                                       "Prompt tokens a worker ran through the model (not found in any cache)",
+                                       labels=["service", "instance"])
         store_bytes = GaugeMetricFamily("splitserve_kvstore_bytes", "KV bytes a kv-store holds, per tier",
                                         labels=["service", "instance", "tier"])
         store_blocks = GaugeMetricFamily("splitserve_kvstore_blocks", "KV blocks a kv-store holds, per tier",
@@ -92,11 +95,12 @@ class _RegistryCollector:
             transfer = details.get("kv_transfer", {})
             for backend, count in transfer.get("bytes_by_backend", {}).items():
                 transfer_bytes.add_metric([*labels, backend], count)
-            prefix = details.get("kv_store")
+            prefix = details.get("prefix_cache")
             if prefix:
-                query_tokens.add_metric(labels, prefix.get("query_tokens", 0))
+                query_tokens.add_metric(labels, prefix["query_tokens"])
                 for tier in ("local", "kvstore"):
-                    hit_tokens.add_metric([*labels, tier], prefix.get("hit_tokens", {}).get(tier, 0))
+                    hit_tokens.add_metric([*labels, tier], prefix["hit_tokens"][tier])
+                computed.add_metric(labels, prefix["prompt_tokens_computed"])
             store = details.get("store")
             if entry.role == "kvstore" and store:
                 for tier in ("ram", "disk"):
@@ -117,4 +121,4 @@ class _RegistryCollector:
                 transfer_seconds.add_metric(labels, [(str(le), n) for le, n in histogram["buckets"]], histogram["sum"])
         yield from families.values()
         yield from (transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, idle_seconds, hop_bytes,
-                    query_tokens, hit_tokens, store_bytes, store_blocks, store_evictions)
+                    query_tokens, hit_tokens, computed, store_bytes, store_blocks, store_evictions)

@@ -21,6 +21,7 @@ import nats.errors
 from contracts import CancelRequest, ContractError, PrefillJob, PrefillResult, ServiceInfo, StatsRequest, Subjects
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from services.common.identity import ServiceIdentity, now_ms
+from services.common.kv_events import prefix_cache_details
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, decode, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
@@ -94,6 +95,7 @@ class PrefillWorker:
             kv_blocks_free=block_manager.num_free_blocks, max_model_len=self.engine.max_model_len,
             details={"jobs": dict(self.counts), "rejected_messages": dict(REJECTED),
                      "kv_transfer": self.sender.stats.snapshot(), "uses_kv_store": self.kv_cache is not None,
+                     "prefix_cache": prefix_cache_details(self.engine, self.kv_cache),
                      "kv_store": self.kv_cache.details() if self.kv_cache is not None else {}},
         )
 

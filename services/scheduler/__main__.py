@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router", default="kv", choices=["load", "kv"],
                         help="kv: score workers by the prompt prefix their caches hold (from KV events) and their "
                              "load; load: least loaded first")
-    parser.add_argument("--kv-overlap-weight", type=float, default=1.0,
+    parser.add_argument("--kv-overlap-weight", type=float, default=2.0,
                         help="kv router: weight of a prompt block to compute against a KV block in use")
     return parser
 

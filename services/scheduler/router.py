@@ -20,6 +20,7 @@ from contracts import (
     KVSnapshotRequest,
     RequestFailed,
     ServiceInfo,
+    StatsRequest,
     Subjects,
 )
 from services.common.identity import ServiceIdentity, now_ms
@@ -43,7 +44,7 @@ class Router:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str,
                  handoff_timeout_s: float = 5.0, max_concurrent_handoffs: int = 64,
                  max_local_prefill: int = 256, max_prefill_queue: int = 64, router: str = "kv",
-                 overlap_weight: float = 1.0, max_index_blocks: int = 1 << 20):
+                 overlap_weight: float = 2.0, max_index_blocks: int = 1 << 20):
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
         self.nc = nc
@@ -77,9 +78,10 @@ class Router:
         )
 
     async def start(self) -> list[asyncio.Task]:
+        await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
         if self.router == "kv":
             await subscribe_typed(self.nc, self.subjects.kv_events, KVEvents, self._on_kv_events)
-            await self.nc.flush()
+        await self.nc.flush()
         await self._refresh()
         self._heartbeat.start()
         consumer = await self.nc.jetstream().pull_subscribe(
@@ -87,6 +89,10 @@ class Router:
         )
         return [asyncio.create_task(self._refresh_forever(), name="refresh-workers"),
                 asyncio.create_task(fetch_loop(consumer, GenerateRequest, self.on_request), name="fetch-requests")]
+
+    async def _on_stats(self, _: StatsRequest, msg) -> None:
+        if msg.reply:
+            await msg.respond(self.info().encode())
 
     async def stop(self) -> None:
         await self._heartbeat.stop(remove=True)

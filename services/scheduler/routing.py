@@ -29,7 +29,8 @@ def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int,
     """Lower is better: the prompt blocks it would compute (weighted) plus the KV blocks it already has in use.
 
     Both are in blocks, so a cached prefix draws a request to a worker until that worker's extra load
-    outweighs the prefill it saves (`overlap_weight` > 1 favours the cache, < 1 the balance).
+    outweighs the prefill it saves. Computing a block costs more than holding one for a while (and the load
+    figures are a heartbeat old), so the default weight, 2, leans to the cache; < 1 leans to the balance.
     """
     uncached = max(num_prompt_blocks - num_cached_blocks, 0)
     in_use = worker.kv_blocks_total - worker.kv_blocks_free
@@ -37,7 +38,7 @@ def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int,
 
 
 def rank_by_kv(workers: list[ServiceInfo], num_prompt_blocks: int, cached: dict[str, int],
-               overlap_weight: float = 1.0) -> list[ServiceInfo]:
+               overlap_weight: float = 2.0) -> list[ServiceInfo]:
     """Cheapest first by `kv_cost`; ties go to the less loaded, then by instance id."""
     return sorted(workers, key=lambda w: (kv_cost(w, num_prompt_blocks, cached.get(w.instance_id, 0), overlap_weight),
                                           load_score(w), w.instance_id))

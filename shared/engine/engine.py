@@ -122,6 +122,7 @@ class LLMEngine:
         self._kv_streams: dict[str, Callable] = {}  # request id -> on_prompt_kv(data, layout), per layer
         self._arrivals = 0
         self._rng = random.Random()
+        self.num_prompt_tokens_computed = 0  # prompt tokens this engine ran through the model (cache misses)
         # Called on the engine thread with newly computed full blocks: (their hashes, export), where
         # `export(indices)` copies those blocks' KV out as [n, layers, 2, block_size, kv_heads, head_dim]
         # (valid only during the call). It comes when a prompt's KV is complete, every WRITE_BACK_BLOCKS
@@ -275,6 +276,13 @@ class LLMEngine:
         scheduler = self.schedulers[virtual_engine]
         return len(scheduler.running) + len(scheduler.waiting)
 
+    def prefix_cache_counts(self) -> dict:
+        """Tokens looked up in this engine's prefix cache and found there (first scheduling of each request),
+        and prompt tokens computed (plain ints: safe to read from another thread)."""
+        return {"query_tokens": sum(s.prefix_query_tokens for s in self.schedulers),
+                "hit_tokens": sum(s.prefix_hit_tokens for s in self.schedulers),
+                "prompt_tokens_computed": self.num_prompt_tokens_computed}
+
     def get_sequence(self, request_id: str) -> Sequence | None:
         return self._sequences.get(request_id)
 
@@ -307,6 +315,8 @@ class LLMEngine:
             if self._sequences.get(seq.request_id) is seq:
                 before = seq.num_computed_tokens
                 seq.num_computed_tokens += item.num_new_tokens
+                self.num_prompt_tokens_computed += (min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                                                    - min(before, seq.num_prompt_tokens))
                 self.block_manager.cache_full_blocks(seq)
                 prompt_done = before < seq.num_prompt_tokens <= seq.num_computed_tokens
                 if self._writes_back and (prompt_done or self._full_blocks(seq) - seq.num_written_back >= WRITE_BACK_BLOCKS):

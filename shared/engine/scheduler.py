@@ -50,6 +50,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Prefix-cache lookups of sequences scheduled for the first time: tokens looked up, tokens found.
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -104,6 +107,9 @@ class Scheduler:
             self.waiting.popleft()
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = hit.num_tokens if hit else 0
+                if hit is not None and self.block_manager.enable_prefix_caching:
+                    self.prefix_query_tokens += (seq.num_tokens - 1) // self.block_manager.block_size * self.block_manager.block_size
+                    self.prefix_hit_tokens += hit.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))

@@ -86,10 +86,13 @@ def worker(instance, used=0, total=100, uses_kv_store=False, running=0):
 def test_kv_ranking_trades_the_cached_prefix_against_load():
     a, b = worker("a", used=10), worker("b", used=0)
     assert kv_cost(a, 20, 16, 1.0) == 4 + 10 and kv_cost(b, 20, 0, 1.0) == 20
-    assert [w.instance_id for w in rank_by_kv([b, a], 20, {"a": 16})] == ["a", "b"]  # the cache wins
+    assert [w.instance_id for w in rank_by_kv([b, a], 20, {"a": 16}, 1.0)] == ["a", "b"]  # the cache wins
     busy = worker("a", used=60)
-    assert [w.instance_id for w in rank_by_kv([busy, b], 20, {"a": 16})] == ["b", "a"]  # the load wins
+    assert [w.instance_id for w in rank_by_kv([busy, b], 20, {"a": 16}, 1.0)] == ["b", "a"]  # the load wins
     assert [w.instance_id for w in rank_by_kv([busy, b], 20, {"a": 16}, overlap_weight=5.0)] == ["a", "b"]
+    # By default a computed block weighs two in use: a stale heartbeat still showing the holder's last request
+    # (as many blocks as the prompt) does not push a fully cached prompt to a cold worker.
+    assert [w.instance_id for w in rank_by_kv([worker("a", used=20), b], 20, {"a": 19})] == ["a", "b"]
     # No cache anywhere: least loaded, then by id.
     assert [w.instance_id for w in rank_by_kv([worker("c"), worker("b", running=2)], 20, {})] == ["c", "b"]
 

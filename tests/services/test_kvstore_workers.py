@@ -6,6 +6,7 @@ import signal
 import time
 
 import httpx
+import torch
 import pytest
 from transformers import AutoTokenizer
 
@@ -20,10 +21,6 @@ def complete(base_url: str, prompt, max_tokens: int = 16) -> dict:
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-
-
 
 
 def wait_until(predicate, timeout_s: float, what: str):
@@ -60,8 +57,11 @@ def test_the_next_turn_after_its_worker_is_killed_loads_the_prefix_from_the_kv_s
         again = complete(deployment.base_url, prompt)  # the next turn: only the other worker is left
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix_blocks * 16
-        details = deployment.stats(other_worker).details["kv_store"]
-        assert details["hit_tokens"].get("kvstore") == prefix_blocks * 16 and details["counts"]["loaded"] == 1
+        details = deployment.stats(other_worker).details
+        assert details["kv_store"]["counts"]["loaded"] == 1
+        # It computed only the prompt's suffix: the rest came from the kv-store.
+        assert details["prefix_cache"]["hit_tokens"]["kvstore"] == prefix_blocks * 16
+        assert details["prefix_cache"]["prompt_tokens_computed"] == len(prompt) - prefix_blocks * 16
         # The gateway's /metrics shows the hit by tier and what the kv-store holds.
         hit_line = (f'splitserve_prefix_cache_hit_tokens_total{{instance="{other_worker}",service="decode",'
                     f'tier="kvstore"}} {float(prefix_blocks * 16)}')
@@ -78,5 +78,110 @@ def test_the_next_turn_after_its_worker_is_killed_loads_the_prefix_from_the_kv_s
         body = complete(deployment.base_url, other)
         assert body["choices"][0]["text"] == tokenizer.decode(other_expected, skip_special_tokens=True)
         assert deployment.stats(other_worker).details["kv_store"]["counts"].get("no_kvstore", 0) >= 1
+    finally:
+        deployment.stop()
+
+
+def conversation(model_dir: str):
+    """Three requests and their transformers outputs: a first turn, the next turn (the first turn, its answer and
+    a new message) and a request sharing only the first turn's first 320 tokens."""
+    from reference import MIN_TOP2_MARGIN, reference_greedy
+
+    (first, first_out), = safe_prompts(model_dir, 2048, [392], 16, seed=11)
+    generator = torch.Generator().manual_seed(12)
+    requests = [(first, first_out)]
+    for prompt in (first + first_out + torch.randint(0, 2048, (40,), generator=generator).tolist(),
+                   first[:320] + torch.randint(0, 2048, (64,), generator=generator).tolist()):
+        tokens, margin = reference_greedy(model_dir, prompt, 16)
+        assert margin > MIN_TOP2_MARGIN, "pick another seed: this prompt's greedy path has a near-tie"
+        requests.append((prompt, tokens))
+    return requests
+
+
+def run_conversation(deployment, requests, tokenizer, before_each=lambda i: None) -> list[int]:
+    """Send the requests in turn; each output must be transformers'. Returns each request's cached tokens."""
+    cached = []
+    for i, (prompt, expected) in enumerate(requests):
+        before_each(i)
+        body = complete(deployment.base_url, prompt)
+        assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True), f"request {i}"
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return cached
+
+
+@pytest.mark.timeout(300)
+def test_disagg_prefill_workers_load_shared_prefixes_from_the_kv_store(nats_server, default_model, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    requests = conversation(default_model)
+    # Every prompt is prefilled remotely, by whichever of two prefill workers takes the job.
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=1, prefill=2,
+                                  scheduler_args=("--max-local-prefill", "0"), decode_args=("--kv-store",),
+                                  prefill_args=("--kv-store",), kvstore_args=())
+
+    def written_back(i):
+        # Turn 1's prompt blocks come from the prefill worker, its answer's from the decode worker.
+        need = [0, 25, 25][i]
+        wait_until(lambda: deployment.stats("kvstore-0").details["store"]["ram"]["blocks"] >= need, 15,
+                   "the blocks were not written back")
+
+    try:
+        cached = run_conversation(deployment, requests, tokenizer, written_back)
+        # The next turn starts from 400 cached tokens: the first turn's 392 and 8 of its answer, written back by
+        # the decode worker as it filled the block. The third request shares 320 tokens.
+        assert cached == [0, 400, 320]
+        computed = sum(deployment.stats(p).details["prefix_cache"]["prompt_tokens_computed"]
+                       for p in ("prefill-0", "prefill-1"))
+        assert computed == sum(len(prompt) for prompt, _ in requests) - sum(cached)
+        assert deployment.stats("decode-0").details["prefix_cache"]["prompt_tokens_computed"] == 0
+    finally:
+        deployment.stop()
+
+
+@pytest.mark.timeout(300)
+def test_kv_routing_sends_a_conversation_to_the_worker_holding_it(nats_server, default_model, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    requests = conversation(default_model)
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2,
+                                  scheduler_args=("--router", "kv"))
+
+    def indexed(i):  # the scheduler has heard (KV events) what the worker holds before the next request
+        need = [0, 25, 25][i]
+        wait_until(lambda: deployment.stats("scheduler-0").details["prefix_index"]["blocks"] >= need, 15,
+                   "the scheduler's prefix index did not get the blocks")
+
+    try:
+        cached = run_conversation(deployment, requests, tokenizer, indexed)
+        assert cached == [0, 400, 320]  # all from the worker's own cache: no kv-store here
+        stats = {w: deployment.stats(w).details["prefix_cache"] for w in ("decode-0", "decode-1")}
+        holder = next(w for w, s in stats.items() if s["prompt_tokens_computed"])
+        other = "decode-1" if holder == "decode-0" else "decode-0"
+        assert stats[holder]["hit_tokens"]["local"] == 720 and stats[other]["prompt_tokens_computed"] == 0
+        scheduler = deployment.stats("scheduler-0").details
+        assert scheduler["router"] == "kv" and scheduler["prefix_hits"]["cached_blocks"] == 25 + 20
+    finally:
+        deployment.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_full_kv_store_evicts_and_its_misses_are_counted(nats_server, default_model, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    (prompt, expected), = safe_prompts(default_model, 2048, [400], 16, seed=5)
+    # Room for one block of this model's KV (4 layers x K,V x 16 tokens x 2 heads x 32 dims x 4 bytes = 32 KiB)
+    # and no disk tier: what is written back beyond it is dropped.
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=1, decode_args=("--kv-store",),
+                                  kvstore_args=("--kv-store-ram-bytes", str(40_000)))
+    try:
+        for _ in range(2):
+            body = complete(deployment.base_url, prompt)
+            assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+            wait_until(lambda: deployment.stats("decode-0").details["kv_store"]["puts_in_flight"] == 0
+                       and deployment.stats("decode-0").details["kv_store"]["counts"].get("blocks_put"), 15,
+                       "the blocks were not written back")
+        store = deployment.stats("kvstore-0").details["store"]
+        assert store["ram"]["bytes"] <= 40_000 and store["ram"]["blocks"] <= 1 and store["dropped"] >= 24
+        worker = deployment.stats("decode-0").details
+        assert worker["kv_store"]["counts"]["lookup_misses"] == 2  # the store never held the whole prefix
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 384  # the worker's own cache still hit
+        assert worker["prefix_cache"]["hit_tokens"] == {"local": 384, "kvstore": 0}
     finally:
         deployment.stop()
