@@ -382,7 +382,7 @@ async def send_request(client, model_name: str, item: dict[str, Any], args: argp
     else:
         url, body["prompt"] = "/completions", item["prompt"]
     rec: dict[str, Any] = {"kind": item["kind"], "scheduled": scheduled, "sent": time.perf_counter() - origin,
-                           "chunks": [], "tokens": None, "end": None, "error": None}
+                           "chunks": [], "tokens": None, "cached_tokens": None, "end": None, "error": None}
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -407,6 +407,7 @@ async def send_request(client, model_name: str, item: dict[str, Any], args: argp
                 usage = obj.get("usage")
                 if usage:
                     rec["tokens"] = usage.get("completion_tokens")
+                    rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         rec["end"] = time.perf_counter() - origin
         if rec["tokens"] is None:
             rec["tokens"] = len(rec["chunks"])

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_interference import prepare_model, send_request
-from loadtest.up_process import UpProcess, pin_process
+from loadtest.up_process import UpProcess, fetch_metrics, pin_process
 
 RESULT_KEYS = ("machine", "model", "settings", "runs")
 RUN_KEYS = ("stages", "microbatches", "ok", "output_tokens_per_s", "tpot_ms", "ttft_ms", "bubble_measured",
@@ -65,24 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def bubble_estimate(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("splitserve_pipeline_"):
-            name, _, value = line.rpartition(" ")
-            try:
-                samples[name] = float(value)
-            except ValueError:
-                pass
-    return samples
-
-
-def fetch_metrics(base_url: str) -> dict[str, float]:
-    import httpx
-
-    return parse_metrics(httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=10).text)
 
 
 def per_stage(before: dict[str, float], after: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -167,10 +149,10 @@ def run_one(stages: int, microbatches: int, args, model_dir: str, prompts, run_r
         if any(r["error"] for r in warm):
             raise RuntimeError(f"warm-up failed: {[r['error'] for r in warm if r['error']][0]}")
         time.sleep(1.5)  # let the heartbeats carry the warm-up's counters
-        before = fetch_metrics(dep.base_url)
+        before = fetch_metrics(dep.base_url, "splitserve_pipeline_")
         records = asyncio.run(run_load(dep.base_url, "bench", prompts, args))
         time.sleep(1.5)
-        after = fetch_metrics(dep.base_url)
+        after = fetch_metrics(dep.base_url, "splitserve_pipeline_")
         summary = summarize(records)
         result.update(summary)
         stage_metrics = per_stage(before, after)

@@ -181,3 +181,19 @@ def pin_process(pid: int, core: int) -> list[int]:
                 os.sched_setaffinity(tid, {core})
             pinned.add(tid)
     return sorted(pinned)
+
+
+def fetch_metrics(base_url: str, prefix: str) -> dict[str, float]:
+    """The gateway's /metrics samples whose name starts with `prefix`: {'name{labels}': value}."""
+    import httpx
+
+    text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            name, _, value = line.rpartition(" ")
+            try:
+                samples[name] = float(value)
+            except ValueError:
+                pass
+    return samples
