@@ -20,6 +20,7 @@ class GenerateRequest(Message):
     created_ms: int
     trace: dict[str, str] = field(default_factory=dict)  # W3C trace context (traceparent, ...)
     prefill: str = "local"  # the scheduler's decision: "local" (the worker prefills) or "remote" (a prefill worker does)
+    prefill_instance: str = ""  # with "remote": the prefill worker whose cache holds the prompt's prefix ("" any)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -52,6 +53,7 @@ class PrefillResult(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     will_transfer: bool = True  # False when the request already ended at its first token
+    kv_written_back: bool = False  # the prefill worker writes the prompt's full blocks to the kv-store
     error: str = ""
 
 

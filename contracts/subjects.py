@@ -52,6 +52,10 @@ class Subjects:
         return "prefill"
 
     # Core NATS.
+    def prefill_offer(self, instance_id: str) -> str:
+        """Where one prefill worker takes a job offered to it directly (its cache holds the prompt's prefix)."""
+        return f"{self.namespace}.prefill.{check_token(instance_id, 'instance id')}.offer"
+
     def prefill_results(self, instance_id: str) -> str:
         return f"{self.namespace}.decode.{check_token(instance_id, 'instance id')}.prefill_result"
 

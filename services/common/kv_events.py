@@ -54,8 +54,10 @@ class KVEventPublisher:
                 pass
             try:
                 await self.publish_pending()
-            except Exception as exc:  # the connection is reconnecting: the schedulers will ask for a snapshot
+            except Exception as exc:  # the connection is reconnecting: what was lost goes again in a snapshot
                 log.warning("could not publish KV events", error=repr(exc))
+                self._snapshot_wanted.set()
+                await asyncio.sleep(1.0)
 
     async def publish_pending(self) -> None:
         if self._snapshot_wanted.is_set():
@@ -100,12 +102,3 @@ def kv_hashing_details(engine) -> dict:
     """What a scheduler needs to hash prompts into this engine's block hashes (registry details)."""
     return {"kv_block_size": engine.config.block_size, "kv_fingerprint": engine.fingerprint.hex()}
 
-
-def prefix_cache_details(engine, kv_cache) -> dict:
-    """A worker's prefix-cache figures: tokens looked up, found per tier, and prompt tokens computed."""
-    counts = engine.prefix_cache_counts()
-    store_query = kv_cache.query_tokens if kv_cache is not None else 0
-    store_hits = kv_cache.hit_tokens if kv_cache is not None else 0
-    return {"query_tokens": counts["query_tokens"] + store_query,
-            "hit_tokens": {"local": counts["hit_tokens"], "kvstore": store_hits},
-            "prompt_tokens_computed": counts["prompt_tokens_computed"]}

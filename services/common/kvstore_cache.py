@@ -30,7 +30,8 @@ _INSTANCES_TTL_S = 1.0
 
 
 class KVStoreCache:
-    def __init__(self, *, client: KVStoreClient, registry: Registry, engine, engine_loop, known_capacity: int = 1 << 16):
+    def __init__(self, *, client: KVStoreClient, registry: Registry, engine, engine_loop, known_capacity: int = 1 << 16,
+                 max_puts_in_flight: int = 32):
         self.client = client
         self.registry = registry
         self.engine = engine
@@ -43,13 +44,12 @@ class KVStoreCache:
         self._loop = asyncio.get_running_loop()
         self._puts: set[asyncio.Task] = set()
         self.counts: Counter[str] = Counter()
-        self.query_tokens = 0  # of the requests started from kv-store blocks
-        self.hit_tokens = 0  # prompt tokens loaded from the kv-store
+        self.max_puts_in_flight = max_puts_in_flight
+        self._puts_in_flight = 0  # counted from the engine thread (up) and the event loop (down), under _known_lock
         engine.kv_write_back = self._write_back
 
     def details(self) -> dict:
-        return {"query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens, "counts": dict(self.counts),
-                "misses": dict(self.client.misses), "puts_in_flight": len(self._puts)}
+        return {"counts": dict(self.counts), "misses": dict(self.client.misses), "puts_in_flight": self._puts_in_flight}
 
     async def instances(self) -> list[str]:
         fetched_at, instances = self._instances
@@ -64,7 +64,16 @@ class KVStoreCache:
 
     # ---- before a request runs ------------------------------------------------------------------
     async def load_prefix(self, prompt: list[int]) -> dict:
-        """AddRequest options that start the request with its cached prefix from the store, or {}."""
+        """AddRequest options that start the request with its cached prefix from the store, or {} (also when
+        anything fails: the store is a cache, without it the prompt is computed in full)."""
+        try:
+            return await self._load_prefix(prompt)
+        except Exception:
+            log.exception("kv-store prefix load failed")
+            self.counts["load_failed"] += 1
+            return {}
+
+    async def _load_prefix(self, prompt: list[int]) -> dict:
         hashes = self.engine.prefix_block_hashes(prompt)
         if not hashes:
             return {}
@@ -98,11 +107,9 @@ class KVStoreCache:
             self.counts["fetch_failed"] += 1
             return {}
         self._remember(hashes[:held])
-        # The request starts with these blocks, so the engine never looks it up: count the lookup here.
-        self.query_tokens += len(hashes) * self.block_size
-        self.hit_tokens += held * self.block_size
         self.counts["loaded"] += 1
-        return {"reserved": (block_ids, held * self.block_size), "num_cached_tokens": held * self.block_size}
+        return {"reserved": (block_ids, held * self.block_size), "num_cached_tokens": held * self.block_size,
+                "from_kv_store": True}
 
     def _release_reserved(self, future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is None:
@@ -137,9 +144,18 @@ class KVStoreCache:
     def _write_back(self, hashes: list[bytes], export) -> None:
         with self._known_lock:
             new = [i for i, block_hash in enumerate(hashes) if block_hash not in self._known]
-        if not new:
-            return
-        blocks = export(new)  # a copy: the engine may reuse the blocks as soon as we return
+            if not new:
+                return
+            if self._puts_in_flight >= self.max_puts_in_flight:  # the store is slow: do not pile up copies
+                self.counts["puts_skipped_busy"] += 1
+                return
+            self._puts_in_flight += 1
+        try:
+            blocks = export(new)  # a copy: the engine may reuse the blocks as soon as we return
+        except BaseException:
+            with self._known_lock:
+                self._puts_in_flight -= 1
+            raise
         new_hashes = [hashes[i] for i in new]
         self._remember(new_hashes)
         self._loop.call_soon_threadsafe(self._start_put, new_hashes, blocks)
@@ -150,17 +166,21 @@ class KVStoreCache:
         task.add_done_callback(self._puts.discard)
 
     async def _put(self, hashes: list[bytes], blocks: torch.Tensor) -> None:
-        instances = await self.instances()
-        if not instances:
-            self._forget(hashes)
-            self.counts["put_skipped"] += 1
-            return
-        for instance, indices in group_by_instance(hashes, instances).items():
-            chosen = [hashes[i] for i in indices]
-            if await self.client.put(instance, chosen, blocks[indices]):
-                self.counts["blocks_put"] += len(indices)
-            else:
-                self._forget(chosen)
+        try:
+            instances = await self.instances()
+            if not instances:
+                self._forget(hashes)
+                self.counts["put_skipped"] += 1
+                return
+            for instance, indices in group_by_instance(hashes, instances).items():
+                chosen = [hashes[i] for i in indices]
+                if await self.client.put(instance, chosen, blocks[indices]):
+                    self.counts["blocks_put"] += len(indices)
+                else:
+                    self._forget(chosen)
+        finally:
+            with self._known_lock:
+                self._puts_in_flight -= 1
 
     def _remember(self, hashes: list[bytes]) -> None:
         with self._known_lock:

@@ -15,13 +15,18 @@ import dataclasses
 import random
 import time
 
-from contracts import GenerateRequest, PrefillJob, PrefillResult, TokenChunk
+import nats.errors
+
+from contracts import GenerateRequest, HandoffReply, PrefillJob, PrefillResult, TokenChunk
 from services.common.engine_loop import AddRequest
 from shared.engine.kv_cache import KVLayout, dtype_name
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
+
+_OFFER_TIMEOUT_S = 1.0  # a prefill worker answers an offer at once
+_WATCH_S = 1.0  # how often the registry is checked for a prefill worker that took a job directly
 
 
 class _Held:
@@ -87,12 +92,12 @@ async def _run(worker, request: GenerateRequest, params: SamplingParams, active,
         block_size=engine.config.block_size, deadline_ms=int((time.time() + worker.prefill_timeout_s) * 1000),
         created_ms=int(time.time() * 1000), trace=request.trace,
     )
-    await worker.nc.jetstream().publish(worker.subjects.prefill_jobs, job.encode(), timeout=5.0,
-                                        headers={"Nats-Msg-Id": rid})
+    target = await _hand_out(worker, request, job)
 
     result: PrefillResult | None = None
     try:
-        result = await asyncio.wait_for(result_future, max(0.0, deadline - time.monotonic()))
+        result = await asyncio.wait_for(_result_unless_gone(worker, result_future, target),
+                                        max(0.0, deadline - time.monotonic()))
     except TimeoutError:
         log.warning("no prefill result in time", request_id=rid)
     if result is None or not result.ok:
@@ -128,9 +133,51 @@ async def _run(worker, request: GenerateRequest, params: SamplingParams, active,
     worker.engine_loop.add(AddRequest(rid, prompt, params, {
         "output_token_ids": [held.first_token], "reserved": (block_ids, len(prompt)), "seed": params.seed,
         "detokenizer": held.detok, "num_cached_tokens": result.num_cached_tokens,
+        "kv_written_back": result.kv_written_back,
     }))
     held.adopted = True
     worker.count_prefill("remote")
+
+
+async def _hand_out(worker, request: GenerateRequest, job: PrefillJob) -> str:
+    """Offer the job to the prefill worker the scheduler picked (its cache holds the prompt's prefix); if there
+    is none, or it declines or is not there, queue it for the pool. Returns the worker that took it ("" the pool)."""
+    target = request.prefill_instance
+    if target:
+        try:
+            response = await worker.nc.request(worker.subjects.prefill_offer(target), job.encode(),
+                                               timeout=_OFFER_TIMEOUT_S)
+            if HandoffReply.decode(response.data).accepted:
+                worker.count_prefill("offered")
+                return target
+        except nats.errors.TimeoutError:
+            return target  # it may have taken the job: queueing it too could run it twice; the deadline covers it
+        except Exception as exc:  # no responders, a bad reply: the pool takes it
+            log.info("prefill offer not taken", request_id=request.request_id, target=target, error=repr(exc))
+    await worker.nc.jetstream().publish(worker.subjects.prefill_jobs, job.encode(), timeout=5.0,
+                                        headers={"Nats-Msg-Id": request.request_id})
+    return ""
+
+
+async def _result_unless_gone(worker, result: asyncio.Future, target: str) -> PrefillResult | None:
+    """The prefill result; None as soon as the prefill worker that took the job directly leaves the registry
+    (nothing would redeliver its job)."""
+    if not target:
+        return await result
+    boot_id = None
+    while True:
+        try:
+            return await asyncio.wait_for(asyncio.shield(result), _WATCH_S)
+        except TimeoutError:
+            pass
+        try:
+            entry = await worker.registry.get(target)
+        except Exception:  # the registry is unreachable: keep waiting (the deadline still holds)
+            continue
+        if entry is None or (boot_id is not None and entry.boot_id != boot_id):
+            log.warning("the prefill worker that took the job is gone", target=target)
+            return None
+        boot_id = entry.boot_id
 
 
 def _release_result(worker, future: asyncio.Future) -> None:

@@ -24,7 +24,7 @@ from contracts import (
 )
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from services.common.identity import ServiceIdentity, now_ms
-from services.common.kv_events import engine_kv_events, kv_hashing_details, prefix_cache_details
+from services.common.kv_events import engine_kv_events, kv_hashing_details
 from services.decode.remote_prefill import remote_prefill
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
@@ -142,7 +142,7 @@ class DecodeWorker:
             details={"mode": self.mode, "active_requests": len(self.requests), "rejected_messages": dict(REJECTED),
                      "prefill_decisions": dict(self.prefill_counts), "kv_transfer": self._transfer_details(),
                      "uses_kv_store": self.kv_cache is not None,
-                     "prefix_cache": prefix_cache_details(self.engine, self.kv_cache),
+                     "prefix_cache": self.engine.prefix_cache_counts(),
                      "kv_store": self.kv_cache.details() if self.kv_cache is not None else {},
                      "kv_events": dict(self.kv_events.counts), **kv_hashing_details(self.engine)},
         )
@@ -214,11 +214,7 @@ class DecodeWorker:
 
     async def _load_prefix_then_add(self, request: GenerateRequest, params: SamplingParams) -> None:
         """Start the request with its cached prefix from the kv-store, when the store has one."""
-        try:
-            options = await self.kv_cache.load_prefix(request.prompt_token_ids)
-        except Exception:  # the store is a cache: without it the request is computed in full
-            log.exception("kv-store prefix load failed", request_id=request.request_id)
-            options = {}
+        options = await self.kv_cache.load_prefix(request.prompt_token_ids)
         if request.request_id not in self.requests:  # cancelled meanwhile
             if "reserved" in options:
                 block_ids = options["reserved"][0]

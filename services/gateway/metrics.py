@@ -69,7 +69,8 @@ class _RegistryCollector:
                                          "Prompt tokens found cached: in the worker's own cache or in the kv-store",
                                          labels=["service", "instance", "tier"])
         computed = CounterMetricFamily("splitserve_prompt_tokens_computed",
-                                       "Prompt tokens a worker ran through the model (not found in any cache)",
+                                       "Prompt tokens a worker ran through the model: not found in any cache (or computed again "
+                                       "after a preemption)",
                                        labels=["service", "instance"])
         store_bytes = GaugeMetricFamily("splitserve_kvstore_bytes", "KV bytes a kv-store holds, per tier",
                                         labels=["service", "instance", "tier"])

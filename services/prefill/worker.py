@@ -18,10 +18,19 @@ import asyncio
 
 import nats.errors
 
-from contracts import CancelRequest, ContractError, PrefillJob, PrefillResult, ServiceInfo, StatsRequest, Subjects
+from contracts import (
+    CancelRequest,
+    ContractError,
+    HandoffReply,
+    PrefillJob,
+    PrefillResult,
+    ServiceInfo,
+    StatsRequest,
+    Subjects,
+)
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from services.common.identity import ServiceIdentity, now_ms
-from services.common.kv_events import prefix_cache_details
+from services.common.kv_events import engine_kv_events, kv_hashing_details
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, decode, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
@@ -60,6 +69,8 @@ class PrefillWorker:
         self._heartbeat = Heartbeat(registry, self.info)
         self.counts: dict[str, int] = {}
         self.kv_cache = None  # services.common.kvstore_cache.KVStoreCache, with --kv-store
+        self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
+                                          engine_loop=self.engine_loop)
 
     async def start(self) -> list[asyncio.Task]:
         self.engine_loop.start()
@@ -68,13 +79,16 @@ class PrefillWorker:
             self.sender.prewarm_shm()  # the first staged transfers would otherwise pay for fresh shared-memory pages
         await subscribe_typed(self.nc, self.subjects.cancel, CancelRequest, self._on_cancel)
         await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
+        await subscribe_typed(self.nc, self.subjects.prefill_offer(self.instance_id), PrefillJob, self._on_offer)
         self._consumer = await self.js.pull_subscribe(
             self.subjects.prefill_jobs, durable=self.subjects.prefill_consumer, stream=self.subjects.prefill_stream
         )
+        event_tasks = await self.kv_events.start()
+        await self.nc.flush()
         self.state = "ready"
         self._heartbeat.start()
         return [asyncio.create_task(self._pull_jobs(), name="pull-jobs"),
-                asyncio.create_task(self._watch_engine(), name="watch-engine")]
+                asyncio.create_task(self._watch_engine(), name="watch-engine"), *event_tasks]
 
     async def stop(self) -> None:
         self.state = "draining"
@@ -95,7 +109,8 @@ class PrefillWorker:
             kv_blocks_free=block_manager.num_free_blocks, max_model_len=self.engine.max_model_len,
             details={"jobs": dict(self.counts), "rejected_messages": dict(REJECTED),
                      "kv_transfer": self.sender.stats.snapshot(), "uses_kv_store": self.kv_cache is not None,
-                     "prefix_cache": prefix_cache_details(self.engine, self.kv_cache),
+                     "prefix_cache": self.engine.prefix_cache_counts(),
+                     "kv_events": dict(self.kv_events.counts), **kv_hashing_details(self.engine),
                      "kv_store": self.kv_cache.details() if self.kv_cache is not None else {}},
         )
 
@@ -118,9 +133,25 @@ class PrefillWorker:
                     continue
                 if job.request_id in self.jobs:
                     continue  # a redelivery of a job this worker is still running
-                task = asyncio.create_task(self._run(job, msg), name=f"prefill-{job.request_id}")
-                self.jobs[job.request_id] = task
-                task.add_done_callback(lambda _, rid=job.request_id: self.jobs.pop(rid, None))
+                self._start_job(job, msg)
+
+    def _start_job(self, job: PrefillJob, msg) -> None:
+        task = asyncio.create_task(self._run(job, msg), name=f"prefill-{job.request_id}")
+        self.jobs[job.request_id] = task
+        task.add_done_callback(lambda _, rid=job.request_id: self.jobs.pop(rid, None))
+
+    async def _on_offer(self, job: PrefillJob, msg) -> None:
+        """A job offered to this worker directly (its cache holds the prompt's prefix): take it if there is room.
+        Not redelivered if this worker dies: the decode worker watches for that and prefills locally."""
+        if self.state != "ready" or len(self.jobs) >= self.max_concurrent_jobs:
+            reply = HandoffReply(request_id=job.request_id, accepted=False, code="overloaded",
+                                 message=f"prefill worker {self.instance_id} is {self.state} with {len(self.jobs)} jobs")
+        else:
+            if job.request_id not in self.jobs:
+                self._start_job(job, None)
+            reply = HandoffReply(request_id=job.request_id, accepted=True)
+        if msg.reply:
+            await msg.respond(reply.encode())
 
     async def _watch_engine(self) -> None:
         while self.engine_loop.crashed is None:
@@ -149,6 +180,8 @@ class PrefillWorker:
     @staticmethod
     async def _settle(msg, outcome: str) -> None:
         """Ack only delivered work; hand an interrupted job to another worker; end every other one."""
+        if msg is None:
+            return  # an offered job: nothing to settle
         try:
             if outcome in ("shipped", "finished_at_first_token"):
                 await msg.ack()
@@ -192,7 +225,7 @@ class PrefillWorker:
         try:
             options = {"seed": params.seed, "on_prompt_kv": on_prompt_kv, "hold_kv": True}
             if self.kv_cache is not None:  # start from the prefix the kv-store holds, if longer than our own
-                options |= await self._cached_prefix(job)
+                options |= await self.kv_cache.load_prefix(job.prompt_token_ids)
             self.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only, options))
             remaining_s = max(0.0, (job.deadline_ms - now_ms()) / 1000)
             try:
@@ -232,13 +265,6 @@ class PrefillWorker:
                  seconds=round(result.seconds, 4))
         return "shipped"
 
-    async def _cached_prefix(self, job: PrefillJob) -> dict:
-        try:
-            return await self.kv_cache.load_prefix(job.prompt_token_ids)
-        except Exception:  # the store is a cache: without it the prompt is computed in full
-            log.exception("kv-store prefix load failed", request_id=job.request_id)
-            return {}
-
     # ---- hooks for a pipelined prefill pool (services/stage/prefill_head.py) -----------------------
     @property
     def shipped_layers(self) -> tuple[int, int]:
@@ -256,7 +282,7 @@ class PrefillWorker:
         pass
 
     async def _keep_alive(self, msg) -> None:
-        while True:
+        while msg is not None:
             await asyncio.sleep(_KEEPALIVE_S)
             try:
                 await msg.in_progress()
@@ -266,7 +292,7 @@ class PrefillWorker:
     async def _report(self, job: PrefillJob, ok: bool, output: RequestOutput | None = None,
                       will_transfer: bool = False, error: str = "") -> None:
         result = PrefillResult(request_id=job.request_id, ok=ok, prefill_instance=self.instance_id, error=error,
-                               will_transfer=will_transfer)
+                               will_transfer=will_transfer, kv_written_back=self.kv_cache is not None)
         if output is not None:
             result.first_token_id = output.new_token_ids[0]
             result.num_prompt_tokens = output.num_prompt_tokens

@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "load; load: least loaded first")
     parser.add_argument("--kv-overlap-weight", type=float, default=2.0,
                         help="kv router: weight of a prompt block to compute against a KV block in use")
+    parser.add_argument("--prefix-index-blocks", type=int, default=1 << 18,
+                        help="kv router: block hashes the prefix index keeps at most (least recently used go first; "
+                             "about 360 bytes each)")
     return parser
 
 
@@ -32,7 +35,7 @@ async def serve(args: argparse.Namespace) -> int:
         return Router(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id,
                       handoff_timeout_s=args.handoff_timeout, max_local_prefill=args.max_local_prefill,
                       max_prefill_queue=args.max_prefill_queue, router=args.router,
-                      overlap_weight=args.kv_overlap_weight)
+                      overlap_weight=args.kv_overlap_weight, max_index_blocks=args.prefix_index_blocks)
 
     return await run_service(args, "scheduler", build)
 

@@ -28,7 +28,7 @@ class _Publisher:
 
 
 class PrefixIndex:
-    def __init__(self, max_blocks: int = 1 << 20):
+    def __init__(self, max_blocks: int = 1 << 18):
         self.max_blocks = max_blocks
         self._holders: OrderedDict[bytes, set[str]] = OrderedDict()  # node -> caches holding it; LRU first
         self._held: dict[str, set[bytes]] = {}  # cache -> its nodes
@@ -89,14 +89,21 @@ class PrefixIndex:
             evicted, gone = self._holders.popitem(last=False)
             self.counts["evicted_blocks"] += 1
             for holder in gone:
-                self._held[holder].discard(evicted)
+                held = self._held[holder]
+                held.discard(evicted)
+                if not held:
+                    del self._held[holder]
 
     def _drop(self, block_hash: bytes, instance_id: str) -> None:
         holders = self._holders.get(block_hash)
         if holders is None:
             return
         holders.discard(instance_id)
-        self._held.get(instance_id, set()).discard(block_hash)
+        held = self._held.get(instance_id)
+        if held is not None:
+            held.discard(block_hash)
+            if not held:
+                del self._held[instance_id]
         if not holders:
             del self._holders[block_hash]
 

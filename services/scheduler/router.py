@@ -24,9 +24,16 @@ from contracts import (
     Subjects,
 )
 from services.common.identity import ServiceIdentity, now_ms
-from services.scheduler.prefix_index import KVSTORE, PrefixIndex
-from services.scheduler.routing import cached_blocks, decide_prefill, eligible_workers, rank_by_kv, rank_by_load
-from shared.engine.block_hash import block_hashes
+from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.routing import (
+    CachedPrefixes,
+    cached_prefixes,
+    decide_prefill,
+    eligible_workers,
+    pick_prefill_worker,
+    rank_by_kv,
+    rank_by_load,
+)
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, fetch_loop, subscribe_typed
 from shared.telemetry.logging import get_logger
@@ -44,7 +51,7 @@ class Router:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str,
                  handoff_timeout_s: float = 5.0, max_concurrent_handoffs: int = 64,
                  max_local_prefill: int = 256, max_prefill_queue: int = 64, router: str = "kv",
-                 overlap_weight: float = 2.0, max_index_blocks: int = 1 << 20):
+                 overlap_weight: float = 2.0, max_index_blocks: int = 1 << 18):
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
         self.nc = nc
@@ -73,7 +80,9 @@ class Router:
             state="ready",
             details={"routed": dict(self.counts), "rejected_messages": dict(REJECTED),
                      "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth,
-                     "router": self.router, "prefix_index": {"blocks": len(self.index), **self.index.counts},
+                     "router": self.router,
+                     "prefix_index": {"blocks": len(self.index), **self.index.counts,
+                                      "by_instance": {i: self.index.blocks_of(i) for i in self.index.instances()}},
                      "prefix_hits": dict(self.prefix_hits)},
         )
 
@@ -104,10 +113,16 @@ class Router:
 
     async def _refresh(self) -> None:
         self.workers = await self.registry.list()
-        present = {w.instance_id for w in self.workers}
-        for instance_id in self.index.instances():
-            if instance_id not in present:
+        if self.router == "kv":
+            present = {w.instance_id for w in self.workers}
+            known = set(self.index.instances())
+            for instance_id in known - present:
                 self.index.forget(instance_id)  # it left (or its heartbeat lapsed): its cache is gone
+            for worker in self.workers:
+                # Registered, but nothing heard (it published before this scheduler listened, or its snapshot
+                # came before its heartbeat and was dropped above): ask, as an idle one sends nothing else.
+                if worker.instance_id not in known and worker.details.get("kv_events") is not None:
+                    await self._ask_snapshot(worker.instance_id, "unknown")
         if any(w.role == "prefill" for w in self.workers):
             try:
                 info = await self.nc.jetstream().consumer_info(self.subjects.prefill_stream, self.subjects.prefill_consumer)
@@ -141,17 +156,17 @@ class Router:
             return "expired"
         if not eligible_workers(self.workers, "decode", request.model):
             await self._refresh()  # the snapshot may predate a worker that just registered
-        candidates, uncached_tokens = self._rank(eligible_workers(self.workers, "decode", request.model),
-                                                 request.prompt_token_ids)
-        request.prefill = decide_prefill(
-            uncached_tokens, self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,
-            max_prefill_queue=self.max_prefill_queue,
-            prefill_workers_ready=len(eligible_workers(self.workers, "prefill", request.model)),
-        )
-        self.decisions[request.prefill] = self.decisions.get(request.prefill, 0) + 1
-        if request.prefill == "remote":
-            self.prefill_queue_depth += 1  # until the next refresh shows the real depth
+        prompt = request.prompt_token_ids
+        decode_workers = eligible_workers(self.workers, "decode", request.model)
+        prefill_workers = eligible_workers(self.workers, "prefill", request.model)
+        cached = None
+        if self.router == "kv":
+            cached = cached_prefixes(decode_workers + prefill_workers, prompt, self.index.overlaps)
+            candidates = rank_by_kv(decode_workers, cached.prompt_blocks, cached.blocks, self.overlap_weight)
+        else:
+            candidates = rank_by_load(decode_workers)
         for worker in candidates:
+            self._plan_prefill(request, worker, prefill_workers, cached)
             reply = await self._offer(worker, request)
             if reply == "timeout":
                 # It may have taken the request after all: offering it elsewhere could run it twice.
@@ -164,61 +179,57 @@ class Router:
             if not reply.accepted:
                 await self._fail(request, reply.code or "invalid_request", reply.message, reply.param)
                 return "rejected"
-            worker.num_waiting += 1  # until the next refresh shows the real load
-            block_size = worker.details.get("kv_block_size") or 1
-            worker.kv_blocks_free -= -(-len(request.prompt_token_ids) // block_size)
-            self._remember(request.request_id, worker.instance_id)
+            self._assigned(request, worker, cached)
             return "assigned"
         await self._fail(request, "no_worker", f"no {request.model!r} worker can take the request now",
                          retry_after_s=1.0)
         return "no_worker"
 
-    def _rank(self, workers: list[ServiceInfo], prompt: list[int]) -> tuple[list[ServiceInfo], int]:
-        """The workers best first, and how many of the prompt's tokens the first would compute."""
-        if self.router == "load" or not workers:
-            return rank_by_load(workers), len(prompt)
-        cached: dict[str, int] = {}
-        block_size_of: dict[str, int] = {}
-        prompt_blocks = 0
-        by_hashing: dict[tuple[int, str], list[ServiceInfo]] = {}
-        for worker in workers:
-            key = (worker.details.get("kv_block_size") or 0, worker.details.get("kv_fingerprint") or "")
-            by_hashing.setdefault(key, []).append(worker)
-        for (block_size, fingerprint), group in by_hashing.items():
-            if not block_size or not fingerprint:
-                continue  # a worker that does not say how it hashes blocks is ranked as holding nothing
-            # One token is always computed, so the last block can be cached only if a token follows it.
-            usable = (len(prompt) - 1) // block_size * block_size
-            hashes = block_hashes(prompt[:usable], block_size, bytes.fromhex(fingerprint))
-            overlaps = self.index.overlaps(hashes)
-            prompt_blocks = max(prompt_blocks, -(-len(prompt) // block_size))
-            for worker in group:
-                cached[worker.instance_id] = cached_blocks(worker, overlaps, overlaps.get(KVSTORE, 0))
-                block_size_of[worker.instance_id] = block_size
-        ranked = rank_by_kv(workers, prompt_blocks, cached, self.overlap_weight)
-        best = ranked[0].instance_id
-        hit_tokens = cached.get(best, 0) * block_size_of.get(best, 0)
-        self.prefix_hits["requests"] += 1
-        self.prefix_hits["prompt_blocks"] += prompt_blocks
-        self.prefix_hits["cached_blocks"] += cached.get(best, 0)
-        return ranked, len(prompt) - hit_tokens
+    def _plan_prefill(self, request: GenerateRequest, worker: ServiceInfo, prefill_workers: list[ServiceInfo],
+                      cached: CachedPrefixes | None) -> None:
+        """Where `worker` is to get the request's prompt computed: itself, or the prefill pool (which worker)."""
+        uncached = len(request.prompt_token_ids) - (cached.tokens(worker) if cached is not None else 0)
+        request.prefill = decide_prefill(
+            uncached, self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,
+            max_prefill_queue=self.max_prefill_queue, prefill_workers_ready=len(prefill_workers),
+        )
+        request.prefill_instance = ""
+        if request.prefill == "remote" and cached is not None:
+            request.prefill_instance = pick_prefill_worker(prefill_workers, cached.prompt_blocks, cached.blocks,
+                                                           self.overlap_weight)
+
+    def _assigned(self, request: GenerateRequest, worker: ServiceInfo, cached: CachedPrefixes | None) -> None:
+        self.decisions[request.prefill] = self.decisions.get(request.prefill, 0) + 1
+        if request.prefill == "remote":
+            self.prefill_queue_depth += 1  # until the next refresh shows the real depth
+        # Until the next refresh shows the real load:
+        worker.num_waiting += 1
+        block_size = worker.details.get("kv_block_size") or 1
+        worker.kv_blocks_free -= -(-len(request.prompt_token_ids) // block_size)
+        self._remember(request.request_id, worker.instance_id)
+        if cached is not None:
+            self.prefix_hits["requests"] += 1
+            self.prefix_hits["prompt_blocks"] += cached.prompt_blocks
+            self.prefix_hits["cached_blocks"] += cached.blocks.get(worker.instance_id, 0)
 
     async def _on_kv_events(self, event: KVEvents, msg) -> None:
-        if self.index.apply(event):
-            return
+        if not self.index.apply(event):
+            await self._ask_snapshot(event.instance_id, "gap" if event.seq else "new")
+
+    async def _ask_snapshot(self, instance_id: str, reason: str) -> None:
+        """Ask a publisher of KV events for a snapshot, at most once per _SNAPSHOT_RETRY_S."""
         now = time.monotonic()
-        asked = self._snapshot_asked.pop(event.instance_id, None)
+        asked = self._snapshot_asked.pop(instance_id, None)
         if asked is not None and now - asked < _SNAPSHOT_RETRY_S:
-            self._snapshot_asked[event.instance_id] = asked
+            self._snapshot_asked[instance_id] = asked
             return
-        self._snapshot_asked[event.instance_id] = now
+        self._snapshot_asked[instance_id] = now
         while len(self._snapshot_asked) > _MAX_PUBLISHERS:  # bounded: instances come and go
             self._snapshot_asked.pop(next(iter(self._snapshot_asked)))
         try:
-            await self.nc.publish(self.subjects.kv_snapshot(event.instance_id),
-                                  KVSnapshotRequest(reason="gap" if event.seq else "new").encode())
+            await self.nc.publish(self.subjects.kv_snapshot(instance_id), KVSnapshotRequest(reason=reason).encode())
         except Exception as exc:
-            log.warning("could not ask for a KV snapshot", instance=event.instance_id, error=repr(exc))
+            log.warning("could not ask for a KV snapshot", instance=instance_id, error=repr(exc))
 
     async def _offer(self, worker: ServiceInfo, request: GenerateRequest) -> HandoffReply | str | None:
         """The worker's reply; None when it is not there (try the next); "timeout" when it did not answer."""

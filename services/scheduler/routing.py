@@ -1,6 +1,11 @@
 """Which worker gets a request: pure functions over registry entries."""
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 from contracts import ServiceInfo
+from services.scheduler.prefix_index import KVSTORE
+from shared.engine.block_hash import cacheable_block_hashes
 
 
 def eligible_workers(entries: list[ServiceInfo], role: str, served_model_name: str) -> list[ServiceInfo]:
@@ -19,6 +24,40 @@ def rank_by_load(workers: list[ServiceInfo]) -> list[ServiceInfo]:
     return sorted(workers, key=lambda w: (load_score(w), w.instance_id))
 
 
+@dataclass
+class CachedPrefixes:
+    """Per worker: how many of a prompt's blocks its cache (or the kv-store it uses) holds."""
+
+    prompt_blocks: int = 0
+    blocks: dict[str, int] = field(default_factory=dict)
+    block_size: dict[str, int] = field(default_factory=dict)
+
+    def tokens(self, worker: ServiceInfo) -> int:
+        return self.blocks.get(worker.instance_id, 0) * self.block_size.get(worker.instance_id, 0)
+
+
+def cached_prefixes(workers: list[ServiceInfo], prompt: list[int],
+                    overlaps_of: Callable[[list[bytes]], dict[str, int]]) -> CachedPrefixes:
+    """How much of `prompt` each worker can start from, given `overlaps_of(hashes)` (the prefix index).
+
+    The prompt is hashed once per block size and model fingerprint the workers report; a worker that
+    reports none is taken to hold nothing."""
+    cached = CachedPrefixes()
+    by_hashing: dict[tuple[int, str], list[ServiceInfo]] = {}
+    for worker in workers:
+        key = (worker.details.get("kv_block_size") or 0, worker.details.get("kv_fingerprint") or "")
+        by_hashing.setdefault(key, []).append(worker)
+    for (block_size, fingerprint), group in by_hashing.items():
+        if not block_size or not fingerprint:
+            continue
+        overlaps = overlaps_of(cacheable_block_hashes(prompt, block_size, bytes.fromhex(fingerprint)))
+        cached.prompt_blocks = max(cached.prompt_blocks, -(-len(prompt) // block_size))
+        for worker in group:
+            cached.blocks[worker.instance_id] = cached_blocks(worker, overlaps, overlaps.get(KVSTORE, 0))
+            cached.block_size[worker.instance_id] = block_size
+    return cached
+
+
 def cached_blocks(worker: ServiceInfo, overlaps: dict[str, int], kvstore_blocks: int) -> int:
     """How many of a prompt's blocks `worker` can start from: its own cache's, or the kv-store's if it uses one."""
     own = overlaps.get(worker.instance_id, 0)
@@ -26,7 +65,8 @@ def cached_blocks(worker: ServiceInfo, overlaps: dict[str, int], kvstore_blocks:
 
 
 def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int, overlap_weight: float) -> float:
-    """Lower is better: the prompt blocks it would compute (weighted) plus the KV blocks it already has in use.
+    """Lower is better: the prompt blocks it would compute (weighted), plus the KV blocks it already has in use,
+    plus (for the requests queued there, which hold no blocks yet) this prompt's blocks per queued request.
 
     Both are in blocks, so a cached prefix draws a request to a worker until that worker's extra load
     outweighs the prefill it saves. Computing a block costs more than holding one for a while (and the load
@@ -34,7 +74,7 @@ def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int,
     """
     uncached = max(num_prompt_blocks - num_cached_blocks, 0)
     in_use = worker.kv_blocks_total - worker.kv_blocks_free
-    return overlap_weight * uncached + in_use
+    return overlap_weight * uncached + in_use + worker.num_waiting * num_prompt_blocks
 
 
 def rank_by_kv(workers: list[ServiceInfo], num_prompt_blocks: int, cached: dict[str, int],
@@ -42,6 +82,22 @@ def rank_by_kv(workers: list[ServiceInfo], num_prompt_blocks: int, cached: dict[
     """Cheapest first by `kv_cost`; ties go to the less loaded, then by instance id."""
     return sorted(workers, key=lambda w: (kv_cost(w, num_prompt_blocks, cached.get(w.instance_id, 0), overlap_weight),
                                           load_score(w), w.instance_id))
+
+
+def pick_prefill_worker(workers: list[ServiceInfo], num_prompt_blocks: int, cached: dict[str, int],
+                        overlap_weight: float = 2.0) -> str:
+    """The prefill worker to offer a job to directly, or "" to leave it to the pool's shared queue.
+
+    Only a worker whose own cache holds more of the prompt than the others can start from is worth
+    aiming at; otherwise whichever worker has room first takes it (the queue balances the load).
+    """
+    if not workers:
+        return ""
+    ranked = rank_by_kv(workers, num_prompt_blocks, cached, overlap_weight)
+    best = cached.get(ranked[0].instance_id, 0)
+    if best == 0 or all(cached.get(w.instance_id, 0) == best for w in ranked[1:]):
+        return ""
+    return ranked[0].instance_id
 
 
 def decide_prefill(uncached_prompt_tokens: int, prefill_queue_depth: int, *, max_local_prefill: int,

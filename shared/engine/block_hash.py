@@ -36,3 +36,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int, fingerprint: bytes) 
     hashes: list[bytes] = []
     extend_block_hashes(hashes, token_ids, block_size, fingerprint)
     return hashes
+
+
+def cacheable_block_hashes(prompt_token_ids: Sequence[int], block_size: int, fingerprint: bytes) -> list[bytes]:
+    """The hashes of the prompt's full blocks that a cached prefix may cover: one token is always left to
+    compute, so that the step that follows has logits to sample."""
+    usable = (len(prompt_token_ids) - 1) // block_size * block_size
+    return block_hashes(prompt_token_ids[:usable], block_size, fingerprint)

@@ -20,7 +20,7 @@ from shared.engine.detokenizer import IncrementalDetokenizer
 from shared.engine.errors import EngineError, EngineOverloadedError, InvalidRequestError, ModelLoadError
 from shared.engine.executor import ChainExecutor
 from shared.engine.block_slice import BlockSlice
-from shared.engine.block_hash import block_hashes
+from shared.engine.block_hash import cacheable_block_hashes
 from shared.engine.kv_cache import KVAllocator, KVLayout, PagedKVCache, dtype_name
 from shared.engine.model_loader import LayerRange, load_model, read_config, resolve_dtype
 from shared.engine.model_runner import ModelRunner
@@ -122,7 +122,9 @@ class LLMEngine:
         self._kv_streams: dict[str, Callable] = {}  # request id -> on_prompt_kv(data, layout), per layer
         self._arrivals = 0
         self._rng = random.Random()
-        self.num_prompt_tokens_computed = 0  # prompt tokens this engine ran through the model (cache misses)
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (misses, and preempted ones again)
+        self.kv_store_query_tokens = 0  # of requests that started from kv-store blocks (the engine never looks)
+        self.kv_store_hit_tokens = 0
         # Called on the engine thread with newly computed full blocks: (their hashes, export), where
         # `export(indices)` copies those blocks' KV out as [n, layers, 2, block_size, kv_heads, head_dim]
         # (valid only during the call). It comes when a prompt's KV is complete, every WRITE_BACK_BLOCKS
@@ -158,6 +160,8 @@ class LLMEngine:
         reserved: tuple[list[int], int] | None = None,
         num_cached_tokens: int = 0,
         seed: int | None = None,
+        from_kv_store: bool = False,
+        kv_written_back: bool = False,
         hold_kv: bool = False,
         detokenizer: IncrementalDetokenizer | None = None,
         on_prompt_kv: Callable[[BlockSlice, KVLayout], None] | None = None,
@@ -169,7 +173,10 @@ class LLMEngine:
         With `reserved=(block_ids, num_tokens)`, blocks from `reserve_blocks` that
         already hold (were written with) the KV of the first `num_tokens` tokens
         become the request's own. `seed` overrides the drawn seed of an unseeded
-        request (so a continuation samples as its origin would). With `hold_kv`,
+        request (so a continuation samples as its origin would). `from_kv_store`:
+        the reserved blocks were loaded from the kv-store (counted as its hits);
+        `kv_written_back`: whoever computed the imported KV wrote its full
+        blocks to the kv-store (so they are not written back again). With `hold_kv`,
         the request's blocks outlive it until `release_held`. `detokenizer`
         continues text already streamed for `output_token_ids` (else a new one
         starts after them). `on_prompt_kv(data, layout)` receives the prompt's
@@ -220,6 +227,12 @@ class LLMEngine:
             self._import_kv(seq, kv, num_cached_tokens)
         elif reserved is not None:
             self._adopt_blocks(seq, *reserved, num_cached_tokens)
+        if continued and (from_kv_store or kv_written_back):
+            seq.num_written_back = seq.num_computed_tokens // self.config.block_size
+        if continued and from_kv_store:
+            block_size = self.config.block_size
+            self.kv_store_query_tokens += (seq.num_prompt_tokens - 1) // block_size * block_size
+            self.kv_store_hit_tokens += num_cached_tokens
         self._arrivals += 1
         self._sequences[request_id] = seq
         detok = detokenizer or self.new_detokenizer(seq.token_ids, params)
@@ -277,10 +290,12 @@ class LLMEngine:
         return len(scheduler.running) + len(scheduler.waiting)
 
     def prefix_cache_counts(self) -> dict:
-        """Tokens looked up in this engine's prefix cache and found there (first scheduling of each request),
-        and prompt tokens computed (plain ints: safe to read from another thread)."""
-        return {"query_tokens": sum(s.prefix_query_tokens for s in self.schedulers),
-                "hit_tokens": sum(s.prefix_hit_tokens for s in self.schedulers),
+        """Prompt tokens looked up in the prefix caches (this engine's own, at a request's first scheduling, or
+        the kv-store's, for a request started from its blocks), found per tier, and prompt tokens computed
+        (plain ints: safe to read from another thread)."""
+        return {"query_tokens": sum(s.prefix_query_tokens for s in self.schedulers) + self.kv_store_query_tokens,
+                "hit_tokens": {"local": sum(s.prefix_hit_tokens for s in self.schedulers),
+                               "kvstore": self.kv_store_hit_tokens},
                 "prompt_tokens_computed": self.num_prompt_tokens_computed}
 
     def get_sequence(self, request_id: str) -> Sequence | None:
@@ -479,10 +494,8 @@ class LLMEngine:
         self.kv_write_back(list(seq.block_hashes[start:end]), export)
 
     def prefix_block_hashes(self, prompt_token_ids: list[int]) -> list[bytes]:
-        """The hashes of the prompt's full blocks that a cached prefix may cover (one token is always left to
-        compute, so that the step that follows has logits to sample)."""
-        usable = (len(prompt_token_ids) - 1) // self.config.block_size * self.config.block_size
-        return block_hashes(prompt_token_ids[:usable], self.config.block_size, self.fingerprint)
+        """The hashes of the prompt's full blocks that a cached prefix may cover."""
+        return cacheable_block_hashes(prompt_token_ids, self.config.block_size, self.fingerprint)
 
     def local_prefix_blocks(self, hashes: list[bytes]) -> int:
         """How many of `hashes`, from the first, this engine's prefix cache holds."""
@@ -553,8 +566,6 @@ class LLMEngine:
         seq.block_table.extend(block_ids)
         seq.num_computed_tokens = num_tokens
         seq.num_cached_tokens = num_cached_tokens
-        # KV computed elsewhere (a prefill worker, the kv-store) was written back there.
-        seq.num_written_back = num_tokens // self.config.block_size
 
     # ---- offline convenience ------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[CompletedRequest]:

@@ -186,3 +186,34 @@ def test_blocks_written_back_and_loaded_elsewhere_continue_identically(default_m
     cold, _ = _run_to_end(make_engine(default_model, enable_prefix_caching=False), "cold", next_turn, GREEDY)
     fresh = make_engine(default_model)
     assert _run_to_end(fresh, "warm", next_turn, GREEDY, **_load_blocks(fresh, stored, next_hashes)) == (cold, 80)
+
+
+def test_decoded_blocks_are_written_back_every_eight_and_imported_ones_only_when_not_already(default_model):
+    from shared.engine.engine import WRITE_BACK_BLOCKS
+
+    prompt, _ = safe_prompts(default_model, 2048, [40], 1, seed=3)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine = make_engine(default_model)
+    calls = []
+    engine.kv_write_back = lambda hashes, export: calls.append(len(hashes))
+    engine.generate([prompt], params)
+    # 40 + 199 computed tokens = 14 full blocks: the prompt's 2, then 8 as decoding fills them, then the rest.
+    assert WRITE_BACK_BLOCKS == 8 and calls == [2, 8, 4]
+
+    stored = {}
+    source = make_engine(default_model)
+    source.kv_write_back = lambda hashes, export: stored.update(zip(hashes, export(list(range(len(hashes))))))
+    source.generate([prompt], GREEDY)
+    hashes = source.prefix_block_hashes(prompt)
+    for kwargs, first_call in (({"kv_written_back": True}, 3), ({}, 0), ({"from_kv_store": True}, 3)):
+        target = make_engine(default_model)
+        calls = []
+        target.kv_write_back = lambda hashes, export: calls.append(hashes)
+        options = _load_blocks(target, stored, hashes) | kwargs
+        _run_to_end(target, "r", prompt, GREEDY, **options)
+        # 40 + 19 computed tokens: 3 full blocks, of which the first 2 came in; sent back only if not stored yet.
+        written = [h for call in calls for h in call]
+        assert len(written) == 3 - (first_call and 2) and written[-1] not in hashes, kwargs
+        counts = target.prefix_cache_counts()
+        assert counts["hit_tokens"]["kvstore"] == (32 if kwargs.get("from_kv_store") else 0), kwargs
+        assert counts["prompt_tokens_computed"] == 40 - 32

@@ -2,7 +2,7 @@
 
 from contracts import KVEvents, ServiceInfo
 from services.scheduler.prefix_index import KVSTORE, PrefixIndex
-from services.scheduler.routing import cached_blocks, kv_cost, rank_by_kv
+from services.scheduler.routing import cached_blocks, kv_cost, pick_prefill_worker, rank_by_kv
 from shared.engine.block_hash import block_hashes
 from shared.engine.kv_events import KVEventLog
 
@@ -102,3 +102,12 @@ def test_the_kv_store_tier_counts_only_for_workers_that_use_it():
     assert cached_blocks(worker("a", uses_kv_store=True), overlaps, kvstore_blocks=5) == 5
     assert cached_blocks(worker("a"), overlaps, kvstore_blocks=5) == 2
     assert cached_blocks(worker("b", uses_kv_store=True), overlaps, kvstore_blocks=1) == 1
+
+
+def test_a_prefill_job_is_aimed_only_at_a_worker_holding_more_of_the_prompt():
+    a, b = worker("prefill-a"), worker("prefill-b")
+    assert pick_prefill_worker([a, b], 20, {"prefill-b": 12}) == "prefill-b"
+    assert pick_prefill_worker([a, b], 20, {}) == ""  # nobody holds it: the shared queue balances the load
+    assert pick_prefill_worker([a, b], 20, {"prefill-a": 5, "prefill-b": 5}) == ""  # (e.g. both from the kv-store)
+    assert pick_prefill_worker([worker("prefill-a", used=90), b], 20, {"prefill-a": 2}) == ""  # too busy for 2
+    assert pick_prefill_worker([], 20, {"x": 3}) == ""

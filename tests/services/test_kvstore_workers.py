@@ -1,36 +1,16 @@
-"""Workers with a kv-store: a conversation's prefix survives its worker being killed, and a kv-store that is down
-costs only a miss."""
+"""Workers with a kv-store: prefixes shared across workers, a conversation's prefix survives its worker being
+killed, and a kv-store that is down or full costs only a miss."""
 
 import os
 import signal
-import time
 
 import httpx
-import torch
 import pytest
 from transformers import AutoTokenizer
 
 from reference import safe_prompts
 from support.deployment import start_deployment
-
-MODEL = "splitserve-default-llama"
-
-
-def complete(base_url: str, prompt, max_tokens: int = 16) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, what
-        time.sleep(0.3)
+from support.kv_workload import complete, conversation, run_conversation, wait_until
 
 
 @pytest.mark.timeout(300)
@@ -82,33 +62,6 @@ def test_the_next_turn_after_its_worker_is_killed_loads_the_prefix_from_the_kv_s
         deployment.stop()
 
 
-def conversation(model_dir: str):
-    """Three requests and their transformers outputs: a first turn, the next turn (the first turn, its answer and
-    a new message) and a request sharing only the first turn's first 320 tokens."""
-    from reference import MIN_TOP2_MARGIN, reference_greedy
-
-    (first, first_out), = safe_prompts(model_dir, 2048, [392], 16, seed=11)
-    generator = torch.Generator().manual_seed(12)
-    requests = [(first, first_out)]
-    for prompt in (first + first_out + torch.randint(0, 2048, (40,), generator=generator).tolist(),
-                   first[:320] + torch.randint(0, 2048, (64,), generator=generator).tolist()):
-        tokens, margin = reference_greedy(model_dir, prompt, 16)
-        assert margin > MIN_TOP2_MARGIN, "pick another seed: this prompt's greedy path has a near-tie"
-        requests.append((prompt, tokens))
-    return requests
-
-
-def run_conversation(deployment, requests, tokenizer, before_each=lambda i: None) -> list[int]:
-    """Send the requests in turn; each output must be transformers'. Returns each request's cached tokens."""
-    cached = []
-    for i, (prompt, expected) in enumerate(requests):
-        before_each(i)
-        body = complete(deployment.base_url, prompt)
-        assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True), f"request {i}"
-        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
-    return cached
-
-
 @pytest.mark.timeout(300)
 def test_disagg_prefill_workers_load_shared_prefixes_from_the_kv_store(nats_server, default_model, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(default_model)
@@ -133,31 +86,6 @@ def test_disagg_prefill_workers_load_shared_prefixes_from_the_kv_store(nats_serv
                        for p in ("prefill-0", "prefill-1"))
         assert computed == sum(len(prompt) for prompt, _ in requests) - sum(cached)
         assert deployment.stats("decode-0").details["prefix_cache"]["prompt_tokens_computed"] == 0
-    finally:
-        deployment.stop()
-
-
-@pytest.mark.timeout(300)
-def test_kv_routing_sends_a_conversation_to_the_worker_holding_it(nats_server, default_model, tmp_path):
-    tokenizer = AutoTokenizer.from_pretrained(default_model)
-    requests = conversation(default_model)
-    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2,
-                                  scheduler_args=("--router", "kv"))
-
-    def indexed(i):  # the scheduler has heard (KV events) what the worker holds before the next request
-        need = [0, 25, 25][i]
-        wait_until(lambda: deployment.stats("scheduler-0").details["prefix_index"]["blocks"] >= need, 15,
-                   "the scheduler's prefix index did not get the blocks")
-
-    try:
-        cached = run_conversation(deployment, requests, tokenizer, indexed)
-        assert cached == [0, 400, 320]  # all from the worker's own cache: no kv-store here
-        stats = {w: deployment.stats(w).details["prefix_cache"] for w in ("decode-0", "decode-1")}
-        holder = next(w for w, s in stats.items() if s["prompt_tokens_computed"])
-        other = "decode-1" if holder == "decode-0" else "decode-0"
-        assert stats[holder]["hit_tokens"]["local"] == 720 and stats[other]["prompt_tokens_computed"] == 0
-        scheduler = deployment.stats("scheduler-0").details
-        assert scheduler["router"] == "kv" and scheduler["prefix_hits"]["cached_blocks"] == 25 + 20
     finally:
         deployment.stop()
 
