@@ -18,7 +18,6 @@ class GenerateRequest(Message):
     reply_subject: str  # where the token stream and request events go
     deadline_ms: int  # unix epoch ms after which nobody waits for the answer
     created_ms: int
-    trace: dict[str, str] = field(default_factory=dict)  # W3C trace context (traceparent, ...)
     prefill: str = "local"  # the scheduler's decision: "local" (the worker prefills) or "remote" (a prefill worker does)
     prefill_instance: str = ""  # with "remote": the prefill worker whose cache holds the prompt's prefix ("" any)
 
@@ -37,7 +36,6 @@ class PrefillJob(Message):
     block_size: int  # the decode worker's KV block size; a prefill worker with another one refuses
     deadline_ms: int  # after this the decode worker has given up (and prefilled locally)
     created_ms: int
-    trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -18,11 +18,13 @@ import time
 from collections import Counter, OrderedDict
 
 import torch
+from opentelemetry import trace
 
 from services.kvstore.client import KVStoreClient
 from services.kvstore.placement import group_by_instance
 from shared.bus.registry import Registry
 from shared.telemetry.logging import get_logger
+from shared.telemetry.tracing import tracer
 
 log = get_logger(__name__)
 
@@ -66,12 +68,15 @@ class KVStoreCache:
     async def load_prefix(self, prompt: list[int]) -> dict:
         """AddRequest options that start the request with its cached prefix from the store, or {} (also when
         anything fails: the store is a cache, without it the prompt is computed in full)."""
-        try:
-            return await self._load_prefix(prompt)
-        except Exception:
-            log.exception("kv-store prefix load failed")
-            self.counts["load_failed"] += 1
-            return {}
+        with tracer().start_as_current_span("kvstore.load_prefix") as span:
+            try:
+                options = await self._load_prefix(prompt)
+            except Exception:
+                log.exception("kv-store prefix load failed")
+                self.counts["load_failed"] += 1
+                options = {}
+            span.set_attribute("splitserve.loaded_tokens", options.get("num_cached_tokens", 0))
+            return options
 
     async def _load_prefix(self, prompt: list[int]) -> dict:
         hashes = self.engine.prefix_block_hashes(prompt)
@@ -79,10 +84,14 @@ class KVStoreCache:
             return {}
         local = await self.engine_loop.call(lambda engine: engine.local_prefix_blocks(hashes))
         instances = await self.instances()
+        span = trace.get_current_span()
+        span.set_attributes({"splitserve.prompt_blocks": len(hashes), "splitserve.local_blocks": local,
+                             "splitserve.kvstore_instances": len(instances)})
         if not instances:
             self.counts["no_kvstore"] += 1
             return {}
         held = await self._held_prefix(hashes, instances)
+        span.set_attribute("splitserve.kvstore_blocks", held)
         if held < len(hashes):
             self.counts["lookup_misses"] += 1  # the store lacks part of the prefix (never stored, or evicted)
             self._forget(hashes[held:])  # so that the blocks are written back again once computed

@@ -8,6 +8,7 @@ from shared.bus.connection import ShutdownSignal, connect, drain
 from shared.bus.registry import Registry
 from shared.bus.service import run_until_stopped
 from shared.telemetry.logging import configure_logging, get_logger
+from shared.telemetry.tracing import configure_tracing, shutdown_tracing
 
 
 async def run_service(args: argparse.Namespace, role: str, build: Callable[..., Awaitable]) -> int:
@@ -17,6 +18,7 @@ async def run_service(args: argparse.Namespace, role: str, build: Callable[..., 
     (so the supervisor restarts it).
     """
     configure_logging(role, args.instance_id, args.log_level)
+    configure_tracing(role, args.instance_id)
     log = get_logger(role)
     shutdown = ShutdownSignal()
     subjects = Subjects(args.namespace)
@@ -29,4 +31,5 @@ async def run_service(args: argparse.Namespace, role: str, build: Callable[..., 
     code = await run_until_stopped(*tasks, shutdown=shutdown)
     await service.stop()
     await drain(nc)
+    shutdown_tracing()
     return code

@@ -16,12 +16,14 @@ import random
 import time
 
 import nats.errors
+from opentelemetry import trace
 
 from contracts import GenerateRequest, HandoffReply, PrefillJob, PrefillResult, TokenChunk
 from services.common.engine_loop import AddRequest
 from shared.engine.kv_cache import KVLayout, dtype_name
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
+from shared.telemetry.tracing import inject, tracer
 
 log = get_logger(__name__)
 
@@ -45,7 +47,8 @@ async def remote_prefill(worker, request: GenerateRequest, params: SamplingParam
         params = dataclasses.replace(params, seed=random.getrandbits(63))
     held = _Held()
     try:
-        await _run(worker, request, params, active, held)
+        with tracer().start_as_current_span("decode.remote_prefill"):
+            await _run(worker, request, params, active, held)
     except Exception:
         log.exception("remote prefill failed; prefilling locally", request_id=rid)
         worker.count_prefill("local_fallback_error")
@@ -90,7 +93,7 @@ async def _run(worker, request: GenerateRequest, params: SamplingParams, active,
         request_id=rid, model=request.model, prompt_token_ids=prompt, sampling=dataclasses.asdict(params),
         ticket=ticket.to_dict(), reply_subject=worker.subjects.prefill_results(worker.instance_id),
         block_size=engine.config.block_size, deadline_ms=int((time.time() + worker.prefill_timeout_s) * 1000),
-        created_ms=int(time.time() * 1000), trace=request.trace,
+        created_ms=int(time.time() * 1000),
     )
     target = await _hand_out(worker, request, job)
 
@@ -103,6 +106,8 @@ async def _run(worker, request: GenerateRequest, params: SamplingParams, active,
     if result is None or not result.ok:
         worker.count_prefill("local_fallback_no_result")
         return _prefill_locally(worker, request, params, held)
+    trace.get_current_span().set_attributes({"splitserve.prefill_worker": result.prefill_instance,
+                                             "splitserve.cached_tokens": result.num_cached_tokens})
 
     # The first token: streamed now, before the KV arrives.
     held.first_token = result.first_token_id
@@ -146,7 +151,7 @@ async def _hand_out(worker, request: GenerateRequest, job: PrefillJob) -> str:
     if target:
         try:
             response = await worker.nc.request(worker.subjects.prefill_offer(target), job.encode(),
-                                               timeout=_OFFER_TIMEOUT_S)
+                                               timeout=_OFFER_TIMEOUT_S, headers=inject())
             if HandoffReply.decode(response.data).accepted:
                 worker.count_prefill("offered")
                 return target
@@ -155,7 +160,7 @@ async def _hand_out(worker, request: GenerateRequest, job: PrefillJob) -> str:
         except Exception as exc:  # no responders, a bad reply: the pool takes it
             log.info("prefill offer not taken", request_id=request.request_id, target=target, error=repr(exc))
     await worker.nc.jetstream().publish(worker.subjects.prefill_jobs, job.encode(), timeout=5.0,
-                                        headers={"Nats-Msg-Id": request.request_id})
+                                        headers=inject({"Nats-Msg-Id": request.request_id}))
     return ""
 
 

@@ -10,6 +10,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from contracts import (
     Assignment,
     CancelRequest,
@@ -26,6 +30,7 @@ from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_events import engine_kv_events, kv_hashing_details
 from services.decode.remote_prefill import remote_prefill
+from shared.telemetry.tracing import extract, tracer, transfer_attributes
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
@@ -42,8 +47,17 @@ TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 @dataclass(slots=True)
 class ActiveRequest:
     reply_subject: str
+    span: trace.Span = trace.INVALID_SPAN  # the request's life on this worker, in its trace
     next_seq: int = 0
     preparing: asyncio.Task | None = None  # before it reaches the engine: a remote prefill, a kv-store load
+
+    def end(self, status: str, message: str = "", **attributes) -> None:
+        if not self.span.is_recording():
+            return  # ended already (or tracing is off)
+        self.span.set_attributes({"splitserve.status": status, **attributes})
+        if status not in ("ok", "cancelled"):
+            self.span.set_status(Status(StatusCode.ERROR, message or status))
+        self.span.end()
 
 
 class DecodeWorker:
@@ -157,14 +171,22 @@ class DecodeWorker:
                 Assignment(request_id=request.request_id, worker_instance=self.instance_id,
                            worker_boot_id=self.identity.boot_id).encode(),
             )
-            active = ActiveRequest(request.reply_subject)
+            span = tracer().start_span(f"{self.identity.role}.request", context=extract(msg.headers),
+                                       kind=SpanKind.CONSUMER, attributes={
+                                           "splitserve.request_id": request.request_id,
+                                           "splitserve.worker": self.instance_id,
+                                           "splitserve.prompt_tokens": len(request.prompt_token_ids),
+                                           "splitserve.prefill": request.prefill})
+            active = ActiveRequest(request.reply_subject, span)
             self.requests[request.request_id] = active
-            if request.prefill == "remote" and self.receiver is not None:
-                active.preparing = asyncio.create_task(remote_prefill(self, request, params, active))
-            elif self.kv_cache is not None:
-                active.preparing = asyncio.create_task(self._load_prefix_then_add(request, params))
-            else:
-                self.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params))
+            # The tasks started here log with the request's ids and hang their spans under its span.
+            with trace.use_span(span), structlog.contextvars.bound_contextvars(request_id=request.request_id):
+                if request.prefill == "remote" and self.receiver is not None:
+                    active.preparing = asyncio.create_task(remote_prefill(self, request, params, active))
+                elif self.kv_cache is not None:
+                    active.preparing = asyncio.create_task(self._load_prefix_then_add(request, params))
+                else:
+                    self.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params))
         if msg.reply:
             await msg.respond(reply.encode())
 
@@ -196,6 +218,7 @@ class DecodeWorker:
             if active.preparing is not None:
                 active.preparing.cancel()  # releases its reserved blocks (and a remote prefill's expected transfer)
             self.engine_loop.abort(cancel.request_id)
+            active.end("cancelled", reason=cancel.reason)
             log.info("request cancelled", request_id=cancel.request_id, reason=cancel.reason)
 
     async def _on_prefill_result(self, result: PrefillResult, msg) -> None:
@@ -223,10 +246,13 @@ class DecodeWorker:
         self.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params, options))
 
     def count_prefill(self, outcome: str) -> None:
+        """How a request's prompt was computed; also on the current span (the remote prefill's)."""
         self.prefill_counts[outcome] = self.prefill_counts.get(outcome, 0) + 1
+        trace.get_current_span().set_attribute("splitserve.prefill_outcome", outcome)
 
     def record_transfer(self, result) -> None:
         self.transfer_seconds.observe(result.seconds)
+        trace.get_current_span().set_attributes(transfer_attributes(result))
 
     async def _on_stats(self, _: StatsRequest, msg) -> None:
         if msg.reply:
@@ -268,10 +294,14 @@ class DecodeWorker:
                 active.next_seq += 1
                 if item.finished:
                     del self.requests[item.request_id]
+                    active.end("ok", **{"splitserve.completion_tokens": item.num_output_tokens,
+                                        "splitserve.cached_tokens": item.num_cached_tokens,
+                                        "splitserve.finish_reason": item.finish_reason or ""})
                 await self.nc.publish(active.reply_subject, chunk.encode())
 
     async def _fail(self, request_id: str, active: ActiveRequest, code: str, message: str, param: str | None = None) -> None:
         self.requests.pop(request_id, None)
+        active.end(code, message)
         await self.nc.publish(
             active.reply_subject, RequestFailed(request_id=request_id, code=code, message=message, param=param).encode()
         )

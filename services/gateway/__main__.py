@@ -35,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.gateway.app import GatewaySettings, create_app
     from shared.telemetry.logging import configure_logging
+    from shared.telemetry.tracing import configure_tracing
 
     configure_logging("gateway", args.instance_id, args.log_level)
+    configure_tracing("gateway", args.instance_id)
     model_dir, served_name = resolve_model(args)
     settings = GatewaySettings(nats_url=args.nats, namespace=args.namespace, instance_id=args.instance_id,
                                model_dir=model_dir, served_model_name=served_name, expect=args.expect,

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +27,7 @@ from services.gateway.errors import (
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_info import ModelInfo
 from services.gateway.pipeline import Pipeline
+from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,6 +41,7 @@ from shared.bus.registry import Heartbeat, Registry
 from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
+from shared.telemetry.tracing import shutdown_tracing
 
 log = get_logger(__name__)
 
@@ -143,6 +146,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         await gateway.start()
         yield
         await gateway.stop()
+        shutdown_tracing()
 
     app = FastAPI(title="splitserve", lifespan=lifespan)
     app.state.gateway = gateway
@@ -151,8 +155,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.middleware("http")
     async def request_id_header(request: Request, call_next):
         request.state.request_id = uuid.uuid4().hex
+        request.state.trace_id = ""
         response = await call_next(request)
         response.headers["x-request-id"] = request.state.request_id
+        if request.state.trace_id:
+            response.headers["x-trace-id"] = request.state.trace_id
         return response
 
     @app.get("/health")
@@ -202,7 +209,6 @@ def check_model(gateway: Gateway, name: str) -> None:
 
 async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int], chat: bool):
     endpoint = "chat" if chat else "completions"
-    arrived = time.monotonic()
     sampling = to_sampling_kwargs(req)
     requested = sampling["max_tokens"]
     if requested is None and not chat:
@@ -218,24 +224,34 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
 
     request_id = request.state.request_id
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
-    try:
-        stream = await _unless_disconnected(request, gateway.pipeline.submit(request_id, req.model, prompt_ids, sampling))
-        if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
-            gateway.metrics.requests.labels(endpoint, "cancelled").inc()
-            return Response(status_code=499)
-    except StreamError as exc:
-        gateway.metrics.requests.labels(endpoint, exc.code).inc()
-        raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
-    try:
-        renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage)
-        if req.stream:
-            events = _sse_events(gateway, stream, renderer, endpoint, arrived)
-            return _EventStream(events, gateway, stream, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "x-request-id": request_id})
-    except BaseException:
-        gateway.spawn(gateway.pipeline.release(stream))
-        raise
-    return await _collect_until_done(gateway, request, stream, renderer, endpoint, arrived)
+    telemetry = RequestTelemetry(gateway.metrics, endpoint, request_id, len(prompt_ids), sampling["max_tokens"],
+                                 bool(req.stream))
+    request.state.trace_id = telemetry.trace_id
+    with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):
+        try:
+            stream = await _unless_disconnected(request, gateway.pipeline.submit(
+                request_id, req.model, prompt_ids, sampling, headers=telemetry.headers({})))
+            if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
+                telemetry.finish("cancelled")
+                return Response(status_code=499)
+        except StreamError as exc:
+            telemetry.finish(exc.code, message=str(exc))
+            raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
+        except BaseException:
+            telemetry.finish("internal")
+            raise
+        telemetry.assigned(stream.worker_instance or "")
+        try:
+            renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage)
+            if req.stream:
+                events = _sse_events(gateway, stream, renderer, telemetry)
+                return _EventStream(events, gateway, stream, telemetry, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "x-request-id": request_id})
+        except BaseException:
+            telemetry.finish("internal")
+            gateway.spawn(gateway.pipeline.release(stream))
+            raise
+        return await _collect_until_done(gateway, request, stream, renderer, telemetry)
 
 
 class _EventStream(StreamingResponse):
@@ -246,15 +262,16 @@ class _EventStream(StreamingResponse):
     cleanup, and releasing the stream cancels the request everywhere.
     """
 
-    def __init__(self, events, gateway: "Gateway", stream: RequestStream, **kwargs):
+    def __init__(self, events, gateway: "Gateway", stream: RequestStream, telemetry: RequestTelemetry, **kwargs):
         super().__init__(events, **kwargs)
-        self._events, self._gateway, self._stream = events, gateway, stream
+        self._events, self._gateway, self._stream, self._telemetry = events, gateway, stream, telemetry
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._events.aclose()
+            self._telemetry.finish("cancelled")  # (a no-op if the stream ended on its own)
             self._gateway.spawn(self._gateway.pipeline.release(self._stream))
 
 
@@ -322,53 +339,37 @@ class _Renderer:
                                              logprobs=logprobs, **usage)
 
 
-async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Renderer, endpoint: str,
-                      arrived: float) -> AsyncIterator[str]:
-    metrics = gateway.metrics
-    status = "cancelled"
-    last = first = None
+async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Renderer,
+                      telemetry: RequestTelemetry) -> AsyncIterator[str]:
     try:
         if renderer.chat:
             yield responses.sse(responses.chat_role_chunk(**renderer.common, include_usage=renderer.include_usage))
         async for chunk in gateway.pipeline.chunks(stream):
-            now = time.monotonic()
-            if last is None:
-                first = now
-                metrics.ttft.observe(now - arrived)
-            else:
-                metrics.itl.observe(now - last)
-            last = now
+            telemetry.token()
             renderer.note(chunk)
             if chunk.text or chunk.finished or chunk.logprobs:  # a token still inside a character: nothing to say
                 yield responses.sse(renderer.chunk(chunk))
         if renderer.include_usage:
             yield responses.sse(renderer.usage_chunk())
         yield responses.SSE_DONE
-        status = "ok"
-        metrics.observe_finished(arrived, first, renderer.usage[1])
+        telemetry.finish("ok", renderer.usage, renderer.finish_reason)
     except StreamError as exc:
-        status = exc.code
+        telemetry.finish(exc.code, message=str(exc))
         yield responses.sse_error(from_failure(exc.code, str(exc), exc.param, exc.retry_after_s))
         yield responses.SSE_DONE
     except Exception:
         log.exception("stream failed", request_id=stream.request_id)
-        status = "internal"
+        telemetry.finish("internal")
         yield responses.sse_error(from_failure("internal", "the gateway failed while streaming"))
         yield responses.SSE_DONE
-    finally:
-        metrics.requests.labels(endpoint, status).inc()
 
 
 async def _collect_until_done(gateway: Gateway, request: Request, stream: RequestStream, renderer: _Renderer,
-                              endpoint: str, arrived: float):
-    first_at = []
-
+                              telemetry: RequestTelemetry):
     async def collect() -> tuple[str, list]:
         text, logprob_entries = [], []
         async for chunk in gateway.pipeline.chunks(stream):
-            if not first_at:
-                first_at.append(time.monotonic())
-                gateway.metrics.ttft.observe(first_at[0] - arrived)
+            telemetry.token()
             renderer.note(chunk)
             text.append(chunk.text)
             logprob_entries.extend(chunk.logprobs or [])
@@ -377,17 +378,16 @@ async def _collect_until_done(gateway: Gateway, request: Request, stream: Reques
     try:
         collected = await _unless_disconnected(request, collect())
         if collected is None:
-            gateway.metrics.requests.labels(endpoint, "cancelled").inc()
+            telemetry.finish("cancelled")
             return Response(status_code=499)
         body = renderer.whole(*collected)
     except StreamError as exc:
-        gateway.metrics.requests.labels(endpoint, exc.code).inc()
+        telemetry.finish(exc.code, message=str(exc))
         raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
-    except Exception:
-        gateway.metrics.requests.labels(endpoint, "internal").inc()
+    except BaseException:
+        telemetry.finish("internal")
         raise
     finally:
         await gateway.pipeline.release(stream)
-    gateway.metrics.requests.labels(endpoint, "ok").inc()
-    gateway.metrics.observe_finished(arrived, first_at[0] if first_at else None, renderer.usage[1])
+    telemetry.finish("ok", renderer.usage, renderer.finish_reason)
     return JSONResponse(body)

@@ -79,6 +79,15 @@ class _RegistryCollector:
         store_evictions = CounterMetricFamily("splitserve_kvstore_evictions",
                                               "Blocks a kv-store tier let go of (RAM: spilled to disk or dropped)",
                                               labels=["service", "instance", "tier"])
+        queue_depth = GaugeMetricFamily("splitserve_queue_depth", "Jobs waiting in a JetStream work queue, as the "
+                                        "scheduler last saw it", labels=["service", "instance", "queue"])
+        routed = CounterMetricFamily("splitserve_scheduler_routed", "Requests the scheduler handled, by outcome",
+                                     labels=["service", "instance", "outcome"])
+        routed_blocks = CounterMetricFamily("splitserve_kv_router_blocks", "Prompt blocks of the requests the KV "
+                                            "router placed, and how many the chosen worker held",
+                                            labels=["service", "instance", "kind"])
+        index_blocks = GaugeMetricFamily("splitserve_kv_router_index_blocks", "Block hashes in the scheduler's "
+                                         "prefix index", labels=["service", "instance"])
         hop_bytes = CounterMetricFamily("splitserve_pipeline_activation_bytes",
                                         "Activation bytes a pipeline stage sent on, inline on NATS or over the side channel",
                                         labels=["service", "instance", "path"])
@@ -87,6 +96,16 @@ class _RegistryCollector:
             details = entry.details or {}
             for decision, count in details.get("disagg_decisions", {}).items():
                 decisions.add_metric([*labels, decision], count)
+            if entry.role == "scheduler":
+                for queue, depth in details.get("queue_depths", {}).items():
+                    queue_depth.add_metric([*labels, queue], depth)
+                for outcome, count in details.get("routed", {}).items():
+                    routed.add_metric([*labels, outcome], count)
+                hits = details.get("prefix_hits")
+                if hits:
+                    routed_blocks.add_metric([*labels, "prompt"], hits["prompt_blocks"])
+                    routed_blocks.add_metric([*labels, "cached"], hits["cached_blocks"])
+                    index_blocks.add_metric(labels, details["prefix_index"]["blocks"])
             if entry.role in ("gateway", "scheduler"):
                 continue
             for name, family in families.items():
@@ -122,4 +141,5 @@ class _RegistryCollector:
                 transfer_seconds.add_metric(labels, [(str(le), n) for le, n in histogram["buckets"]], histogram["sum"])
         yield from families.values()
         yield from (transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, idle_seconds, hop_bytes,
+                    queue_depth, routed, routed_blocks, index_blocks,
                     query_tokens, hit_tokens, computed, store_bytes, store_blocks, store_evictions)

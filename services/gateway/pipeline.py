@@ -24,8 +24,9 @@ class Pipeline:
         self.idle_timeout_s = idle_timeout_s
 
     async def submit(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: dict,
-                     trace: dict[str, str] | None = None) -> RequestStream:
-        """Queue the request for the scheduler and wait until a worker owns it.
+                     headers: dict[str, str] | None = None) -> RequestStream:
+        """Queue the request for the scheduler (with `headers`, e.g. its trace context) and wait until a
+        worker owns it.
 
         Raises StreamError (e.g. "no_worker") when it cannot start; nothing is
         left behind in that case.
@@ -40,13 +41,12 @@ class Pipeline:
             reply_subject=self.subjects.tokens(self.gateway_id, request_id),
             deadline_ms=created_ms + int(self.assign_timeout_s * 1000),
             created_ms=created_ms,
-            trace=trace or {},
         )
         try:
             try:
                 # Nats-Msg-Id lets JetStream drop a re-sent duplicate of the same request.
                 await self.js.publish(self.subjects.submit, request.encode(), timeout=5.0,
-                                      headers={"Nats-Msg-Id": request_id})
+                                      headers={**(headers or {}), "Nats-Msg-Id": request_id})
             except Exception as exc:  # NATS down, no stream, publish timeout
                 log.warning("submit failed", request_id=request_id, error=repr(exc))
                 raise StreamError("no_worker", "the request queue is unavailable", retry_after_s=1.0) from exc

@@ -11,11 +11,13 @@ from collections import Counter
 from collections.abc import Callable
 
 import nats.errors
+from opentelemetry import trace
 import torch
 
 from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, Subjects
 from contracts.codec import ContractError
 from shared.bus.subscribe import decode
+from shared.telemetry.tracing import inject, transfer_attributes
 from shared.transfer import KVReceiver, KVSender, TransferTicket
 
 
@@ -31,7 +33,7 @@ class KVStoreClient:
     async def _ask(self, instance: str, endpoint: str, message) -> KVStoreReply | None:
         try:
             reply = await self.nc.request(self.subjects.kvstore(instance, endpoint), message.encode(),
-                                          timeout=self.timeout_s)
+                                          timeout=self.timeout_s, headers=inject())
             answer = decode(reply.data, KVStoreReply)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
             self.misses[f"{endpoint}_unreachable"] += 1
@@ -85,6 +87,7 @@ class KVStoreClient:
             self.receiver.cancel(transfer_id)
             return False
         result = await self.receiver.wait(transfer_id)
+        trace.get_current_span().set_attributes(transfer_attributes(result))
         if not result.ok:
             self.misses["get_transfer"] += 1
         return result.ok

@@ -16,6 +16,8 @@ import math
 import secrets
 import time
 
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, ServiceInfo, StatsRequest, Subjects
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_events import KVEventPublisher
@@ -25,6 +27,7 @@ from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.block_hash import BLOCK_HASH_BYTES
 from shared.telemetry.logging import get_logger
+from shared.telemetry.tracing import extract, tracer, transfer_attributes
 from shared.transfer import KVReceiver, KVSender, TransferTicket
 from shared.transfer.wire import DTYPES
 
@@ -107,7 +110,11 @@ class KVStoreService:
             return await self._answer(msg, KVStoreReply(ok=False, error=problem), "lookup_refused")
         count = self.store.longest_prefix(request.hashes)
         tiers = [self.store.tier_of(h) or "gone" for h in request.hashes[:count]]
-        await self._answer(msg, KVStoreReply(ok=True, num_hit=count, tiers=tiers), "lookup")
+        with tracer().start_as_current_span("kvstore.lookup", context=extract(msg.headers), kind=SpanKind.SERVER,
+                                            attributes={"splitserve.blocks_asked": len(request.hashes),
+                                                        "splitserve.blocks_held": count,
+                                                        "splitserve.blocks_on_disk": tiers.count("disk")}):
+            await self._answer(msg, KVStoreReply(ok=True, num_hit=count, tiers=tiers), "lookup")
 
     async def _on_put(self, request: KVStorePut, msg) -> None:
         problem = self._bad_hashes(request.hashes)
@@ -173,16 +180,24 @@ class KVStoreService:
         if missing:
             return await self._answer(msg, KVStoreReply(ok=False, error=f"{missing} of the blocks are not here"),
                                       "get_missing")
-        await self._answer(msg, KVStoreReply(ok=True, num_hit=len(found), tiers=[tier for _, tier in found]), "get")
+        tiers = [tier for _, tier in found]
+        span = tracer().start_span("kvstore.get", context=extract(msg.headers), kind=SpanKind.SERVER, attributes={
+            "splitserve.blocks": len(found), "splitserve.blocks_from_disk": tiers.count("disk")})
+        await self._answer(msg, KVStoreReply(ok=True, num_hit=len(found), tiers=tiers), "get")
         parts = [(i, i + 1, block.tensor()[None]) for i, (block, _) in enumerate(found)]
-        self._spawn(self._send(ticket, parts))
+        self._spawn(self._send(ticket, parts, span))
 
-    async def _send(self, ticket: TransferTicket, parts) -> None:
+    async def _send(self, ticket: TransferTicket, parts, span) -> None:
         started = time.perf_counter()
-        result = await self.sender.send(ticket, parts)
-        if not result.ok:
-            self.counts["get_failed"] = self.counts.get("get_failed", 0) + 1
-            log.info("kv-store send failed", error=result.error, seconds=round(time.perf_counter() - started, 3))
+        try:
+            result = await self.sender.send(ticket, parts)
+            span.set_attributes(transfer_attributes(result))
+            if not result.ok:
+                self.counts["get_failed"] = self.counts.get("get_failed", 0) + 1
+                span.set_status(Status(StatusCode.ERROR, result.error or "transfer failed"))
+                log.info("kv-store send failed", error=result.error, seconds=round(time.perf_counter() - started, 3))
+        finally:
+            span.end()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

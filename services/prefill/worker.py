@@ -17,6 +17,9 @@ straight into its own cache: one copy in all.
 import asyncio
 
 import nats.errors
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from contracts import (
     CancelRequest,
@@ -37,6 +40,7 @@ from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import EngineError
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
+from shared.telemetry.tracing import extract, tracer, transfer_attributes
 from shared.transfer import KVSender, TransferTicket
 from shared.transfer.shm import region_of
 
@@ -133,10 +137,10 @@ class PrefillWorker:
                     continue
                 if job.request_id in self.jobs:
                     continue  # a redelivery of a job this worker is still running
-                self._start_job(job, msg)
+                self._start_job(job, msg, msg.headers)
 
-    def _start_job(self, job: PrefillJob, msg) -> None:
-        task = asyncio.create_task(self._run(job, msg), name=f"prefill-{job.request_id}")
+    def _start_job(self, job: PrefillJob, msg, headers: dict | None) -> None:
+        task = asyncio.create_task(self._run(job, msg, headers), name=f"prefill-{job.request_id}")
         self.jobs[job.request_id] = task
         task.add_done_callback(lambda _, rid=job.request_id: self.jobs.pop(rid, None))
 
@@ -148,7 +152,7 @@ class PrefillWorker:
                                  message=f"prefill worker {self.instance_id} is {self.state} with {len(self.jobs)} jobs")
         else:
             if job.request_id not in self.jobs:
-                self._start_job(job, None)
+                self._start_job(job, None, msg.headers)
             reply = HandoffReply(request_id=job.request_id, accepted=True)
         if msg.reply:
             await msg.respond(reply.encode())
@@ -158,7 +162,20 @@ class PrefillWorker:
             await asyncio.sleep(0.5)
         raise RuntimeError("the engine loop crashed") from self.engine_loop.crashed
 
-    async def _run(self, job: PrefillJob, msg) -> None:
+    async def _run(self, job: PrefillJob, msg, headers: dict | None) -> None:
+        """One job (`msg` its JetStream message; None when it was offered directly), in its own span."""
+        with tracer().start_as_current_span(
+            "prefill.job", context=extract(headers), kind=SpanKind.CONSUMER,
+            attributes={"splitserve.request_id": job.request_id, "splitserve.worker": self.instance_id,
+                        "splitserve.prompt_tokens": len(job.prompt_token_ids), "splitserve.offered": msg is None,
+                        "splitserve.queue_wait_s": max(0.0, (now_ms() - job.created_ms) / 1000)},
+        ) as span, structlog.contextvars.bound_contextvars(request_id=job.request_id):
+            outcome = await self._run_job(job, msg)
+            span.set_attribute("splitserve.outcome", outcome)
+            if outcome not in ("shipped", "finished_at_first_token", "cancelled"):
+                span.set_status(Status(StatusCode.ERROR, outcome))
+
+    async def _run_job(self, job: PrefillJob, msg) -> str:
         keepalive = asyncio.create_task(self._keep_alive(msg))
         outcome = "failed"
         try:
@@ -176,6 +193,7 @@ class PrefillWorker:
             self._count(outcome)
             self.engine_loop.abort(job.request_id)  # frees the blocks it held for the transfer
             await self._settle(msg, outcome)
+        return outcome
 
     @staticmethod
     async def _settle(msg, outcome: str) -> None:
@@ -246,6 +264,8 @@ class PrefillWorker:
             if not goes_on:
                 return "finished_at_first_token"
             result = await sending
+            trace.get_current_span().set_attributes(
+                {**transfer_attributes(result), "splitserve.cached_tokens": output.num_cached_tokens})
             # Even when this process's own part failed: the other stages may still read the blocks in place.
             others_error = await self._others_shipped(job)
         finally:

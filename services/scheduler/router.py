@@ -7,9 +7,12 @@ same request id is recognised (here and by the worker) and never run twice.
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import nats.errors
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from contracts import (
     CancelRequest,
@@ -37,6 +40,7 @@ from services.scheduler.routing import (
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, fetch_loop, subscribe_typed
 from shared.telemetry.logging import get_logger
+from shared.telemetry.tracing import extract, inject, tracer
 
 log = get_logger(__name__)
 
@@ -69,6 +73,7 @@ class Router:
         self.max_local_prefill = max_local_prefill
         self.max_prefill_queue = max_prefill_queue
         self.prefill_queue_depth = 0
+        self.request_queue_depth = 0
         self.router = router
         self.overlap_weight = overlap_weight
         self.index = PrefixIndex(max_index_blocks)
@@ -80,6 +85,8 @@ class Router:
             state="ready",
             details={"routed": dict(self.counts), "rejected_messages": dict(REJECTED),
                      "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth,
+                     "queue_depths": {"requests": self.request_queue_depth, "prefill": self.prefill_queue_depth},
+                     "workers_seen": dict(Counter(w.role for w in self.workers if w.state == "ready")),
                      "router": self.router,
                      "prefix_index": {"blocks": len(self.index), **self.index.counts,
                                       "by_instance": {i: self.index.blocks_of(i) for i in self.index.instances()}},
@@ -130,6 +137,11 @@ class Router:
             except Exception as exc:  # the queue may not exist yet
                 self.prefill_queue_depth = 0  # unknown: do not let local increments pile up
                 log.debug("prefill queue depth unknown", error=repr(exc))
+        try:
+            info = await self.nc.jetstream().consumer_info(self.subjects.requests_stream, self.subjects.scheduler_consumer)
+            self.request_queue_depth = info.num_pending
+        except Exception as exc:
+            log.debug("request queue depth unknown", error=repr(exc))
 
     # ---- one request --------------------------------------------------------------------
     async def on_request(self, request: GenerateRequest, msg) -> None:
@@ -139,14 +151,23 @@ class Router:
         task.add_done_callback(lambda _: self._slots.release())
 
     async def _route(self, request: GenerateRequest, msg) -> None:
-        try:
-            outcome = await self._hand_over(request)
-        except Exception:
-            log.exception("routing failed", request_id=request.request_id)
-            outcome = "internal"
-            await self._fail(request, "internal", "the scheduler failed to route the request")
-        self.counts[outcome] = self.counts.get(outcome, 0) + 1
-        await msg.ack()
+        with tracer().start_as_current_span(
+            "scheduler.route", context=extract(msg.headers), kind=SpanKind.CONSUMER,
+            attributes={"splitserve.request_id": request.request_id, "splitserve.router": self.router,
+                        "splitserve.prompt_tokens": len(request.prompt_token_ids),
+                        "splitserve.queue_wait_s": max(0.0, (now_ms() - request.created_ms) / 1000)},
+        ) as span, structlog.contextvars.bound_contextvars(request_id=request.request_id):
+            try:
+                outcome = await self._hand_over(request)
+            except Exception:
+                log.exception("routing failed")
+                outcome = "internal"
+                await self._fail(request, "internal", "the scheduler failed to route the request")
+            span.set_attribute("splitserve.outcome", outcome)
+            if outcome != "assigned":
+                span.set_status(Status(StatusCode.ERROR, outcome))
+            self.counts[outcome] = self.counts.get(outcome, 0) + 1
+            await msg.ack()
 
     async def _hand_over(self, request: GenerateRequest) -> str:
         if request.request_id in self._recent:
@@ -207,10 +228,15 @@ class Router:
         block_size = worker.details.get("kv_block_size") or 1
         worker.kv_blocks_free -= -(-len(request.prompt_token_ids) // block_size)
         self._remember(request.request_id, worker.instance_id)
+        span = trace.get_current_span()
+        span.set_attributes({"splitserve.worker": worker.instance_id, "splitserve.prefill": request.prefill,
+                             "splitserve.prefill_worker": request.prefill_instance})
         if cached is not None:
             self.prefix_hits["requests"] += 1
             self.prefix_hits["prompt_blocks"] += cached.prompt_blocks
             self.prefix_hits["cached_blocks"] += cached.blocks.get(worker.instance_id, 0)
+            span.set_attributes({"splitserve.prompt_blocks": cached.prompt_blocks,
+                                 "splitserve.cached_blocks": cached.blocks.get(worker.instance_id, 0)})
 
     async def _on_kv_events(self, event: KVEvents, msg) -> None:
         if not self.index.apply(event):
@@ -235,7 +261,8 @@ class Router:
         """The worker's reply; None when it is not there (try the next); "timeout" when it did not answer."""
         try:
             response = await self.nc.request(
-                self.subjects.worker_generate(worker.instance_id), request.encode(), timeout=self.handoff_timeout_s
+                self.subjects.worker_generate(worker.instance_id), request.encode(), timeout=self.handoff_timeout_s,
+                headers=inject(),
             )
             return HandoffReply.decode(response.data)
         except ContractError as exc:

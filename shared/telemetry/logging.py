@@ -3,7 +3,8 @@
 `configure_logging` is called once at the top of a service's main. Every line
 then carries `service` and `instance`, plus whatever is bound in the current
 context with `structlog.contextvars.bind_contextvars(request_id=..., trace_id=...)`
-(asyncio tasks inherit the context they were created in). Lines from libraries
+(asyncio tasks inherit the context they were created in), and the trace and span
+ids of the current OpenTelemetry span. Lines from libraries
 that use the standard `logging` module (nats-py, asyncio) go through the same
 renderer, so the stream stays one format. On a terminal the output is the pretty
 console format instead of JSON.
@@ -13,6 +14,7 @@ import logging
 import sys
 
 import structlog
+from opentelemetry import trace
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -35,6 +37,7 @@ def configure_logging(service: str, instance_id: str, level: str = "info") -> No
 
     shared_processors = [
         structlog.contextvars.merge_contextvars,
+        _add_trace_context,
         structlog.stdlib.add_logger_name,
         structlog.stdlib.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -67,6 +70,15 @@ def configure_logging(service: str, instance_id: str, level: str = "info") -> No
     root.handlers = [h for h in root.handlers if not isinstance(h, _StderrHandler)]
     root.addHandler(handler)
     root.setLevel(level_no)
+
+
+def _add_trace_context(logger, method_name, event_dict):
+    """The current span's trace and span ids, when a span is current (see shared/telemetry/tracing.py)."""
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        event_dict.setdefault("trace_id", format(context.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(context.span_id, "016x"))
+    return event_dict
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

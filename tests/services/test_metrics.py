@@ -1,0 +1,72 @@
+"""The gateway's /metrics: valid Prometheus text, its histograms count the requests just made, and every
+service's series are there, labelled by service and instance."""
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from support.deployment import start_deployment
+
+MODEL = "splitserve-default-llama"
+
+
+def samples(base_url: str) -> dict[str, list]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    found: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):  # raises on anything that is not Prometheus text
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append(sample)
+    return found
+
+
+def value(found, name: str, **labels) -> float:
+    matching = [s.value for s in found.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(matching) == 1, (name, labels, found.get(name))
+    return matching[0]
+
+
+@pytest.mark.timeout(300)
+def test_metrics_count_the_requests_and_show_every_service(nats_server, default_model, tmp_path):
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2)
+    try:
+        for stream in (False, True, True):
+            body = {"model": MODEL, "prompt": list(range(100, 140)), "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": True, "stream": stream}
+            with httpx.stream("POST", f"{deployment.base_url}/v1/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                response.read()
+        bad = httpx.post(f"{deployment.base_url}/v1/completions", json={"model": MODEL, "prompt": []}, timeout=30)
+        assert bad.status_code == 400
+
+        # The gateway's own series count exactly what was made.
+        found = samples(deployment.base_url)
+        for histogram in ("splitserve_time_to_first_token_seconds", "splitserve_e2e_request_latency_seconds",
+                          "splitserve_time_per_output_token_seconds"):
+            assert value(found, f"{histogram}_count") == 3, histogram
+            buckets = [s for s in found[f"{histogram}_bucket"]]
+            assert max(s.value for s in buckets) == 3 and value(found, f"{histogram}_bucket", le="+Inf") == 3
+        assert value(found, "splitserve_inter_token_latency_seconds_count") == 3 * 5  # 6 tokens: 5 gaps each
+        assert value(found, "splitserve_requests_total", endpoint="completions", status="ok") == 3
+
+        # The other services' series, from their heartbeats (a second or two behind).
+        deadline = time.monotonic() + 10
+        while True:
+            found = samples(deployment.base_url)
+            routed = [s for s in found.get("splitserve_scheduler_routed_total", []) if s.labels["outcome"] == "assigned"]
+            if routed and routed[0].value == 3:
+                break
+            assert time.monotonic() < deadline, found.get("splitserve_scheduler_routed_total")
+            time.sleep(0.3)
+        assert routed[0].labels == {"service": "scheduler", "instance": "scheduler-0", "outcome": "assigned"}
+        assert value(found, "splitserve_queue_depth", instance="scheduler-0", queue="requests") == 0
+        for worker in ("decode-0", "decode-1"):
+            assert value(found, "splitserve_kv_blocks_total", service="decode", instance=worker) > 0
+            assert value(found, "splitserve_num_requests_running", service="decode", instance=worker) == 0
+        computed = sum(value(found, "splitserve_prompt_tokens_computed_total", instance=w) for w in ("decode-0", "decode-1"))
+        cached = sum(value(found, "splitserve_prefix_cache_hit_tokens_total", instance=w, tier="local")
+                     for w in ("decode-0", "decode-1"))
+        assert computed + cached == 3 * 40  # every prompt token either computed or found cached
+    finally:
+        deployment.stop()

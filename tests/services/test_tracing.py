@@ -1,0 +1,74 @@
+"""One request through disagg, traced: one trace with the spans of every service it crossed, correctly parented,
+exported over OTLP to a receiver the test runs; its id comes back to the client and is on the services' log lines."""
+
+import time
+
+import httpx
+import pytest
+
+from support.deployment import start_deployment
+from support.otlp_receiver import OtlpHttpReceiver
+
+MODEL = "splitserve-default-llama"
+
+
+@pytest.mark.timeout(300)
+def test_one_request_through_disagg_is_one_trace(nats_server, default_model, tmp_path, monkeypatch):
+    receiver = OtlpHttpReceiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # export within a fraction of a second
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1,
+                                  scheduler_args=("--max-local-prefill", "0"), decode_args=("--kv-store",),
+                                  prefill_args=("--kv-store",), kvstore_args=())
+    try:
+        # The scheduler knows the prefill worker (it lists the registry twice a second).
+        deadline = time.monotonic() + 10
+        while not deployment.stats("scheduler-0").details["workers_seen"].get("prefill"):
+            assert time.monotonic() < deadline, "the scheduler does not see the prefill worker"
+            time.sleep(0.1)
+        body = {"model": MODEL, "prompt": list(range(100, 180)), "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        response = httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        trace_id = response.headers["x-trace-id"]
+        assert len(trace_id) == 32 and int(trace_id, 16)
+
+        wanted = {"splitserve-gateway", "splitserve-scheduler", "splitserve-decode", "splitserve-prefill"}
+        deadline = time.monotonic() + 30
+        while {s.service for s in receiver.of_trace(trace_id)} < wanted | {"splitserve-kvstore"}:
+            assert time.monotonic() < deadline, f"spans so far: {receiver.of_trace(trace_id)}"
+            time.sleep(0.2)
+        time.sleep(1.0)  # anything else of this trace
+        spans = {s.name: s for s in receiver.of_trace(trace_id)}
+        by_id = {s.span_id: s for s in spans.values()}
+
+        def parent(name):
+            return by_id[spans[name].parent_span_id].name
+
+        gateway = spans["gateway.request"]
+        root = gateway
+        while root.parent_span_id:  # (FastAPI's own HTTP spans, when it makes them, sit above ours)
+            root = by_id[root.parent_span_id]
+        assert gateway.service == root.service == "splitserve-gateway"
+        assert gateway.attributes["splitserve.prompt_tokens"] == 80
+        assert gateway.attributes["splitserve.completion_tokens"] == 8 and gateway.attributes["splitserve.ttft_s"] > 0
+        assert parent("scheduler.route") == "gateway.request"
+        assert spans["scheduler.route"].attributes["splitserve.prefill"] == "remote"
+        assert spans["scheduler.route"].attributes["splitserve.worker"] == "decode-0"
+        assert parent("decode.request") == "scheduler.route"
+        assert parent("decode.remote_prefill") == "decode.request"
+        assert spans["decode.remote_prefill"].attributes["splitserve.prefill_outcome"] == "remote"
+        transfer = spans["decode.remote_prefill"].attributes
+        assert transfer["splitserve.kv_transfer.bytes"] > 0 and transfer["splitserve.kv_transfer.backend"] in ("shm", "tcp")
+        assert parent("prefill.job") == "decode.remote_prefill"
+        assert spans["prefill.job"].attributes["splitserve.outcome"] == "shipped"
+        assert parent("kvstore.load_prefix") == "prefill.job"  # the prefill worker looked in the kv-store
+        assert parent("kvstore.lookup") == "kvstore.load_prefix"
+        assert len({s.trace_id for s in spans.values()}) == 1
+
+        # The same trace id on the log lines written while serving it.
+        assert any(trace_id in line for line in (tmp_path / "prefill-prefill-0.log").read_text().splitlines())
+    finally:
+        deployment.stop()
+        receiver.stop()
