@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from services.cli import generate, ps, serve, up
+from services.cli import doctor, generate, ps, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_parser(subcommands)
     ps.add_parser(subcommands)
     serve.add_parser(subcommands)
+    doctor.add_parser(subcommands)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""`splitserve doctor`: the environment checks an operator runs before deploying."""

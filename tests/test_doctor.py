@@ -1,0 +1,73 @@
+"""`splitserve doctor` on this machine (no GPU here: it says so and checks the rest), and its topology parsing."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import torch
+
+from services.doctor.gpu_topology import parse_topology, summarize_links
+from support.processes import ROOT, free_port
+
+TOPO = """\
+\tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
+GPU0\t X \tNV18\tNV18\tSYS\tPXB\t0-47\t0\t\tN/A
+GPU1\tNV18\t X \tNV18\tSYS\tSYS\t0-47\t0\t\tN/A
+GPU2\tNV18\tNV18\t X \tPHB\tSYS\t48-95\t1\t\tN/A
+GPU3\tSYS\tSYS\tPHB\t X \tSYS\t48-95\t1\t\tN/A
+NIC0\tPXB\tSYS\tSYS\tSYS\t X
+
+Legend:
+
+  X    = Self
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+
+
+def test_topology_matrix_calls_out_nvlink_and_pcie_pairs():
+    links = {(link.a, link.b): link for link in parse_topology(TOPO)}
+    assert len(links) == 6  # 4 GPUs: each pair once, NICs left out
+    assert links[("GPU0", "GPU1")].nvlink and links[("GPU0", "GPU1")].description == "NVLink (18 links)"
+    assert not links[("GPU0", "GPU3")].nvlink and links[("GPU2", "GPU3")].code == "PHB"
+    summary = summarize_links(list(links.values()))
+    assert "3 pair(s) over NVLink" in summary and "3 pair(s) over PCIe only (e.g. GPU0-GPU3" in summary
+    assert parse_topology("") == [] and summarize_links([]).startswith("one GPU")
+
+
+def doctor(*args) -> tuple[int, dict]:
+    done = subprocess.run([sys.executable, "-m", "services.cli.main", "doctor", "--json", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_doctor_reports_every_item(nats_server, default_model, tmp_path):
+    port = free_port()
+    code, report = doctor("--nats", nats_server.url, "--model", default_model, "--port", str(port),
+                          "--run-dir", str(tmp_path / "run"), "--kv-store-dir", str(tmp_path / "kv"))
+    checks = {c["name"]: c for c in report["checks"]}
+    assert code == 0 and report["ok"], report
+    names = set(checks)
+    assert {"gpu interconnect", "cpu", "disk (run directory)", "disk (model)", "disk (kv-store)", "nats", "api port",
+            "model", "libraries"} <= names
+    if torch.cuda.is_available():
+        assert checks["gpu 0"]["status"] == "ok" and "gpu driver" in names
+    else:
+        assert checks["gpu"]["status"] == "skip" and "no CUDA GPU" in checks["gpu"]["detail"]
+    assert checks["nats"]["status"] == "ok" and "JetStream on" in checks["nats"]["detail"]
+    assert checks["model"]["status"] == "ok" and "llama" in checks["model"]["detail"]
+    assert checks["api port"]["status"] == "ok" and "torch 2.13.0" in checks["libraries"]["detail"]
+
+
+def test_doctor_fails_on_what_would_stop_a_deployment(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (tmp_path / "model").mkdir()
+        code, report = doctor("--nats", f"nats://127.0.0.1:{free_port()}", "--model", str(tmp_path / "model"),
+                              "--port", str(port), "--run-dir", str(tmp_path / "run"))
+    checks = {c["name"]: c for c in report["checks"]}
+    assert code == 1 and not report["ok"]
+    assert checks["api port"]["status"] == "fail" and checks["nats"]["status"] == "fail"
+    assert checks["model"]["status"] == "fail" and "config.json" in checks["model"]["detail"]
