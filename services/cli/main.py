@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from services.cli import doctor, generate, ps, serve, up
+from services.cli import bench, doctor, generate, ps, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_parser(subcommands)
     serve.add_parser(subcommands)
     doctor.add_parser(subcommands)
+    bench.add_parser(subcommands)
     return parser
 
 

@@ -1,0 +1,135 @@
+"""`splitserve bench compare`: one workload against several topologies in turn, side by side.
+
+Each configuration is started with `splitserve up` (its flags after the name:
+`disagg`, `colocated`, `pipeline` are presets, `NAME=FLAGS` any other), its
+workers pinned one per core (--cores; unless --no-pin), served the same
+workload (same seed, same prompts, same sampling), and stopped before the
+next. The figures print as one table and go to --out; --plot draws every
+configuration's latency CDFs in one figure. This is the seed experiment:
+colocated vs disaggregated on the same hardware.
+
+    splitserve bench compare --configs colocated,disagg --dataset mixed --num-prompts 60 --request-rate 2 \\
+        --out compare.json --plot compare.png
+"""
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from loadtest import bench_serve
+from loadtest.up_process import UpProcess, pin_process
+
+PRESETS = {
+    "colocated": ["--topology", "colocated", "--decode", "2"],
+    "disagg": ["--topology", "disagg", "--prefill", "1", "--decode", "1"],
+    "pipeline": ["--topology", "pipeline", "--stages", "2"],
+}
+ROWS = (("completed", "completed", "{:.0f}"), ("failed", "failed", "{:.0f}"),
+        ("request_throughput", "requests/s", "{:.2f}"), ("output_throughput", "output tok/s", "{:.1f}"),
+        ("goodput", "goodput req/s", "{:.2f}"))
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+
+
+def add_parser_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--configs", default="colocated,disagg",
+                        help=f"comma-separated: presets ({', '.join(PRESETS)}) or NAME=FLAGS for `splitserve up` "
+                             "(default: colocated,disagg)")
+    parser.add_argument("--model", help="a local model directory (default: the built-in model)")
+    parser.add_argument("--up-args", default="", help="more `splitserve up` flags for every configuration")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cores", help="cores to pin workers to, one each, round-robin (default: all)")
+    parser.add_argument("--no-pin", action="store_true", help="leave the workers unpinned")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--run-dir-root", help="where the deployments' run directories go (default: a temp dir)")
+    bench_serve.add_workload_options(parser)
+    parser.add_argument("--out", help="write every configuration's figures and requests here (JSON)")
+    parser.add_argument("--plot", help="draw the latency CDFs of every configuration here (PNG)")
+
+
+def parse_configs(text: str) -> dict[str, list[str]]:
+    configs = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, flags = item.partition("=")
+        if flags:
+            configs[name] = shlex.split(flags)
+        elif name in PRESETS:
+            configs[name] = PRESETS[name]
+        else:
+            raise SystemExit(f"unknown configuration {name!r}: use a preset ({', '.join(PRESETS)}) or NAME=FLAGS")
+    if not configs:
+        raise SystemExit("--configs names no configuration")
+    return configs
+
+
+def run_config(name: str, flags: list[str], args, model_dir: str, run_root: Path) -> dict:
+    deployment = UpProcess(name, [*flags, *shlex.split(args.up_args)], model_dir=model_dir, served_name="bench",
+                           run_dir=run_root / "".join(c if c.isalnum() else "-" for c in name), dtype=args.dtype,
+                           worker_threads=1, ready_timeout_s=args.ready_timeout, stop_timeout_s=30.0)
+    print(f"\n== {name}: splitserve up {' '.join(deployment.cmd[4:])}", flush=True)
+    try:
+        deployment.start()
+        deployment.wait_ready(args.ready_timeout + 30)
+        if not args.no_pin:
+            workers = [s for s in deployment.ps().get("services", []) if s["role"] in ("decode", "prefill", "stage")]
+            for i, service in enumerate(sorted(workers, key=lambda s: s["name"])):
+                pin_process(service["pid"], args.cores[i % len(args.cores)])
+        bench_args = argparse.Namespace(**{**vars(args), "url": deployment.base_url, "model": "bench",
+                                           "tokenizer": args.tokenizer or model_dir})
+        result = bench_serve.run(bench_args)
+        result["config"], result["flags"] = name, flags
+        print(bench_serve.format_report(result, title=name), flush=True)
+        return result
+    finally:
+        teardown = deployment.stop()
+        if not teardown["clean"]:
+            print(f"   teardown was not clean: {teardown}", flush=True)
+
+
+def format_table(results: dict[str, dict]) -> str:
+    names = list(results)
+    lines = ["| metric | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for key, label, fmt in ROWS:
+        cells = ["-" if results[n].get(key) is None else fmt.format(results[n][key]) for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for key in LATENCIES:
+        for stat in ("mean", "p50", "p90", "p99"):
+            cells = ["-" if results[n][key][stat] is None else f"{results[n][key][stat]:.1f}" for n in names]
+            lines.append(f"| {key.removesuffix('_ms').upper()} {stat} ms | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from shared.engine.default_model import default_model_dir
+
+    configs = parse_configs(args.configs)
+    args.cores = [int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0))
+    model_dir = str(Path(args.model).resolve()) if args.model else str(default_model_dir())
+    run_root = Path(args.run_dir_root or tempfile.mkdtemp(prefix="splitserve-compare-"))
+    results = {}
+    for name, flags in configs.items():
+        try:
+            results[name] = run_config(name, flags, args, model_dir, run_root)
+        except Exception as exc:  # noqa: BLE001 -- reported; the other configurations still run
+            print(f"   {name} failed: {type(exc).__name__}: {exc}", flush=True)
+            results[name] = None
+    done = {name: result for name, result in results.items() if result is not None}
+    if done:
+        print("\n" + format_table(done))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"configs": {n: configs[n] for n in configs}, "results": results},
+                                             indent=2))
+        print(f"wrote {args.out}")
+    if args.plot and done:
+        bench_serve.plot_cdfs(done, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if len(done) == len(results) and all(r["completed"] for r in done.values()) else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_parser_options(parser)
+    sys.exit(main(parser.parse_args()))

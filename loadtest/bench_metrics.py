@@ -1,0 +1,92 @@
+"""Serving metrics from per-request timings, as `vllm bench serve` defines them (pure: no I/O).
+
+Per request (times in seconds from a common origin): `sent`, the arrival of
+each chunk that carried tokens (`chunk_times`), `end`, the output tokens the
+server reported (`output_tokens`) and the prompt's (`prompt_tokens`).
+
+- TTFT: first chunk - sent.
+- TPOT: (end - first chunk) / (output tokens - 1), for requests with more than
+  one output token.
+- ITL: every gap between successive chunks, pooled over all requests.
+- E2EL: end - sent.
+- Throughput: completed requests, output tokens, and prompt + output tokens,
+  each over the benchmark's duration.
+- Goodput: completed requests per second that met every SLO given
+  (TTFT <= --slo-ttft-ms, TPOT <= --slo-tpot-ms).
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass
+class RequestRecord:
+    sent: float
+    chunk_times: list[float] = field(default_factory=list)
+    end: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunk_times) and self.end is not None
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.end - self.chunk_times[0]) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    @property
+    def e2el(self) -> float:
+        return self.end - self.sent
+
+
+def summary_ms(values_s: list[float]) -> dict[str, float | None]:
+    """mean and p50/p90/p95/p99 in milliseconds (linear interpolation, as numpy's percentile); None when empty."""
+    if not values_s:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    values = np.asarray(values_s, dtype=np.float64) * 1000
+    return {"mean": float(values.mean()), **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}}
+
+
+def compute_metrics(records: list[RequestRecord], duration_s: float, slo_ttft_ms: float | None = None,
+                    slo_tpot_ms: float | None = None) -> dict:
+    """The benchmark's figures over `duration_s` (first send to last end)."""
+    done = [r for r in records if r.ok]
+    tpots = [t for t in (r.tpot for r in done) if t is not None]
+    output = sum(r.output_tokens for r in done)
+    prompt = sum(r.prompt_tokens for r in done)
+    good = [r for r in done
+            if (slo_ttft_ms is None or r.ttft * 1000 <= slo_ttft_ms)
+            and (slo_tpot_ms is None or r.tpot is None or r.tpot * 1000 <= slo_tpot_ms)]
+    duration_s = max(duration_s, 1e-9)
+    return {
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration_s,
+        "total_input_tokens": prompt,
+        "total_output_tokens": output,
+        "cached_tokens": sum(r.cached_tokens for r in done),
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": output / duration_s,
+        "total_token_throughput": (prompt + output) / duration_s,
+        "goodput": len(good) / duration_s if slo_ttft_ms is not None or slo_tpot_ms is not None else None,
+        "ttft_ms": summary_ms([r.ttft for r in done]),
+        "tpot_ms": summary_ms(tpots),
+        "itl_ms": summary_ms([gap for r in done for gap in r.itls]),
+        "e2el_ms": summary_ms([r.e2el for r in done]),
+    }
