@@ -91,6 +91,11 @@ def add_parser(subcommands) -> None:
                         help="the kv-store's RAM tier (default: 1 GiB)")
     parser.add_argument("--kv-store-disk-bytes", type=int, default=0, metavar="N",
                         help="the kv-store's disk tier, kept in the run directory (default: 0, none)")
+    parser.add_argument("--trace-viewer", action="store_true",
+                        help="run a local trace viewer (Arize Phoenix, on 127.0.0.1) and send every service's traces "
+                             "to it (pip install 'splitserve[trace-viewer]')")
+    parser.add_argument("--trace-viewer-port", type=_port, default=6006, metavar="PORT",
+                        help="the trace viewer's UI and OTLP/HTTP port; OTLP/gRPC on the next one (default: 6006)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000, help="port the gateway listens on (default: 8000)")
     parser.add_argument("--nats", metavar="URL", help="use this NATS server (with JetStream) instead of starting one")
@@ -127,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_store=args.kv_store,
         router=args.router,
+        trace_viewer=args.trace_viewer,
+        trace_viewer_port=args.trace_viewer_port,
         kv_store_ram_bytes=args.kv_store_ram_bytes,
         kv_store_disk_bytes=args.kv_store_disk_bytes,
         host=args.host,

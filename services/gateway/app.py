@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: validate, submit over NATS, stream back as SSE."""
 
 import asyncio
+import inspect
 import json
 import time
 import uuid
@@ -148,7 +149,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         await gateway.stop()
         shutdown_tracing()
 
-    app = FastAPI(title="splitserve", lifespan=lifespan)
+    app = FastAPI(title="splitserve", lifespan=lifespan, **_http_telemetry())
     app.state.gateway = gateway
     install_error_handlers(app)
 
@@ -192,6 +193,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return await generate(gateway, request, req, prompt_ids, chat=True)
 
     return app
+
+
+_UNTRACED_PATHS = ("/health", "/metrics")
+
+
+def _http_telemetry() -> dict:
+    """FastAPI's own HTTP spans (where this FastAPI makes them): the API's requests, not health checks and scrapes,
+    exported by our tracer provider (shared/telemetry/tracing.py), without per-dependency spans."""
+    if "telemetry" not in inspect.signature(FastAPI).parameters:
+        return {}
+    return {"telemetry": {"exclude": lambda scope: scope.get("path") in _UNTRACED_PATHS, "operation_spans": False,
+                          "auto_configure": False}}
 
 
 async def read_json(request: Request):

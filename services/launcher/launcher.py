@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from services.launcher import topology
+from services.launcher import topology, trace_viewer
 from services.launcher.deployment import (
     FAILED,
     READY,
@@ -81,6 +81,8 @@ class UpOptions:
     max_num_batched_tokens: int | None = None  # every worker's per-step token budget (None: the engine's default)
     kv_store: bool | None = None  # run a kv-store the workers use (None: on for disagg)
     router: str = "kv"
+    trace_viewer: bool = False  # run a local trace viewer (Arize Phoenix) and export the services' traces to it
+    trace_viewer_port: int = 6006  # its UI and OTLP/HTTP; OTLP/gRPC on the next port
     kv_store_ram_bytes: int = 1 << 30
     kv_store_disk_bytes: int = 0  # its disk tier lives in the run directory
     host: str = "127.0.0.1"
@@ -177,6 +179,7 @@ class Launcher:
         self.poll_interval_s = poll_interval_s
         self._stop_requested = False
         self._stage_ranges: tuple[tuple[int, int], ...] = ()
+        self._phoenix: str | None = None  # the trace viewer's command, with --trace-viewer
         self.nats: EmbeddedNats | None = None
         self.supervisor: Supervisor | None = None
         self.deployment: Deployment | None = None
@@ -254,6 +257,13 @@ class Launcher:
         try:
             self._check_leftovers()
             check_port_free(o.host, o.port)
+            if o.trace_viewer:
+                try:
+                    self._phoenix = trace_viewer.find_phoenix()
+                except trace_viewer.TraceViewerError as exc:
+                    raise LaunchError(str(exc), 2) from None
+                check_port_free("127.0.0.1", o.trace_viewer_port)
+                check_port_free("127.0.0.1", o.trace_viewer_port + 1)
             if o.nats is not None and not wait_for_nats(o.nats, timeout_s=o.nats_connect_timeout_s):
                 raise LaunchError(f"cannot reach a NATS server at {o.nats}", 2)
             self._say(f"starting in {self.run_dir} (logs in {self.log_dir})")
@@ -366,6 +376,12 @@ class Launcher:
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy)
         env = self._child_env()
+        if o.trace_viewer:
+            port = o.trace_viewer_port
+            self.supervisor.add("trace-viewer", trace_viewer.viewer_command(self._phoenix), role="trace-viewer",
+                                instance_id="trace-viewer",
+                                env={**env, **trace_viewer.viewer_env(self.run_dir / "trace-viewer", port, port + 1)})
+            env = {**env, **trace_viewer.exporter_env(port)}
         for spec in specs:
             self.supervisor.add(spec.name, spec.argv(self.python), env=env, role=spec.role, instance_id=spec.instance_id)
         self.deployment.services = [
@@ -373,6 +389,11 @@ class Launcher:
                           log=str(self.log_dir / f"{s.name}.log"), url=s.url)
             for s in specs
         ]
+        if o.trace_viewer:
+            self.deployment.services.insert(0, ServiceRecord(
+                name="trace-viewer", role="trace-viewer", instance_id="trace-viewer",
+                argv=trace_viewer.viewer_command(self._phoenix), log=str(self.log_dir / "trace-viewer.log"),
+                url=f"http://127.0.0.1:{o.trace_viewer_port}"))
         self.supervisor.start()
         self._record(force=True)
 
@@ -434,15 +455,18 @@ class Launcher:
         self.nats.start()
 
     def _wait_ready(self) -> bool:
-        """Poll /health until 200; False if asked to stop first."""
+        """Poll /health (and the trace viewer) until 200; False if asked to stop first."""
         o = self.options
         assert self.deployment is not None and self.deployment.gateway_url
         url = self.deployment.gateway_url + "/health"
+        viewer = f"http://127.0.0.1:{o.trace_viewer_port}/" if o.trace_viewer else None
         deadline = time.monotonic() + o.ready_timeout_s
         status, said = None, "no answer yet"
         while not self._stop_requested:
             self._step()
             status, said = probe_health(url, timeout_s=min(2.0, max(o.ready_timeout_s, 0.1)))
+            if status == 200 and viewer is not None and probe_health(viewer, timeout_s=2.0)[0] != 200:
+                status, said = None, f"the trace viewer ({viewer}) is not up yet"
             if status == 200:
                 return True
             if time.monotonic() >= deadline:
@@ -483,6 +507,9 @@ class Launcher:
                 file=self.out,
                 flush=True,
             )
+            if o.trace_viewer:
+                print(f"splitserve traces: http://127.0.0.1:{o.trace_viewer_port} (Arize Phoenix)", file=self.out,
+                      flush=True)
         except BrokenPipeError:  # `splitserve up | head -1`: nobody reads on; keep serving
             pass
 

@@ -66,7 +66,7 @@ def cached_blocks(worker: ServiceInfo, overlaps: dict[str, int], kvstore_blocks:
 
 def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int, overlap_weight: float) -> float:
     """Lower is better: the prompt blocks it would compute (weighted), plus the KV blocks it already has in use,
-    plus (for the requests queued there, which hold no blocks yet) this prompt's blocks per queued request.
+    plus this prompt's blocks for each request beyond its batch's sequence slots (those wait, holding no blocks).
 
     Both are in blocks, so a cached prefix draws a request to a worker until that worker's extra load
     outweighs the prefill it saves. Computing a block costs more than holding one for a while (and the load
@@ -74,7 +74,8 @@ def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int,
     """
     uncached = max(num_prompt_blocks - num_cached_blocks, 0)
     in_use = worker.kv_blocks_total - worker.kv_blocks_free
-    return overlap_weight * uncached + in_use + worker.num_waiting * num_prompt_blocks
+    queued = max(0, worker.num_running + worker.num_waiting - worker.max_num_seqs) if worker.max_num_seqs else 0
+    return overlap_weight * uncached + in_use + queued * num_prompt_blocks
 
 
 def rank_by_kv(workers: list[ServiceInfo], num_prompt_blocks: int, cached: dict[str, int],

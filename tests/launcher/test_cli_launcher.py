@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from launcher_helpers import cli, free_port
@@ -164,5 +165,14 @@ def test_ps_without_a_deployment(tmp_path):
 def test_every_subcommand_is_registered():
     result = cli("--help")
     assert result.returncode == 0
-    for name in ("generate", "up", "ps", "serve"):
+    for name in ("generate", "up", "ps", "serve", "doctor", "bench"):
         assert name in result.stdout
+
+
+def test_up_with_a_trace_viewer_that_is_not_installed_says_how_to_get_it(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_PHOENIX"} | {"PATH": "/usr/bin:/bin"}
+    if (Path(sys.executable).parent / "phoenix").exists():
+        pytest.skip("Arize Phoenix is installed in this environment")
+    result = cli("up", "--trace-viewer", "--port", str(free_port()), "--run-dir", str(tmp_path / "run"), env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "pip install 'splitserve[trace-viewer]'" in result.stderr

@@ -50,7 +50,7 @@ def _service_main(role: str):
 def test_the_compose_file_is_sane_compose_yaml(compose):
     assert set(compose) <= {"name", "services", "volumes", "networks"} | {k for k in compose if k.startswith("x-")}
     services = compose["services"]
-    assert set(services) == {"nats", *PROJECT_SERVICES}
+    assert set(services) == {"nats", "jaeger", *PROJECT_SERVICES}
     for name, svc in services.items():
         assert isinstance(svc, dict), name
         assert set(svc) <= {"image", "build", "command", "ports", "volumes", "environment", "depends_on",
@@ -63,6 +63,9 @@ def test_the_compose_file_is_sane_compose_yaml(compose):
 
     nats = services["nats"]
     assert nats["image"].startswith("nats:") and "build" not in nats
+    jaeger = services["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/jaeger:") and jaeger["ports"] == ["127.0.0.1:16686:16686"]
+    assert "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318" in jaeger["command"]
     assert "--jetstream" in nats["command"] or "-js" in nats["command"]
 
     images = set()
@@ -75,6 +78,10 @@ def test_the_compose_file_is_sane_compose_yaml(compose):
         depends = svc["depends_on"]
         assert "nats" in (depends if isinstance(depends, list) else list(depends)), name
         assert "ports" in svc if name == "gateway" else "ports" not in svc, name
+        # Each traces into the jaeger service, with the standard OpenTelemetry variables.
+        environment = svc["environment"]
+        assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
+        assert environment["OTEL_EXPORTER_OTLP_PROTOCOL"] in ("http/protobuf", "grpc"), name
     assert len(images) == 1  # one project image
 
 

@@ -93,6 +93,10 @@ def test_kv_ranking_trades_the_cached_prefix_against_load():
     # By default a computed block weighs two in use: a stale heartbeat still showing the holder's last request
     # (as many blocks as the prompt) does not push a fully cached prompt to a cold worker.
     assert [w.instance_id for w in rank_by_kv([worker("a", used=20), b], 20, {"a": 19})] == ["a", "b"]
+    # A worker whose batch is full queues the request: each queued one counts as this prompt's blocks.
+    full = worker("a", running=8)
+    full.num_waiting = 2
+    assert kv_cost(full, 20, 16, 1.0) == 4 + 2 * 20
     # No cache anywhere: least loaded, then by id.
     assert [w.instance_id for w in rank_by_kv([worker("c"), worker("b", running=2)], 20, {})] == ["c", "b"]
 

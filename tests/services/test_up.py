@@ -110,3 +110,43 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
     assert proc.wait(timeout=15) == 0
     assert time.monotonic() - stopping < 10
     assert not [pid for pid in all_pids if pid_alive(pid)]
+
+
+def test_up_with_a_trace_viewer_sends_it_every_services_traces(tmp_path):
+    # The viewer's command is a stand-in speaking `phoenix serve`'s settings and OTLP/HTTP (the real Phoenix is an
+    # optional extra); the launcher must start it on loopback, wait for it, and point every service at it.
+    viewer = tmp_path / "phoenix"
+    viewer.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'support' / 'stand_in_phoenix.py'} \"$@\"\n")
+    viewer.chmod(0o755)
+    port, viewer_port, run_dir = free_port(), free_port(), tmp_path / "run"
+    env = service_env(SPLITSERVE_PHOENIX=str(viewer))
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        env.pop(name, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up", "--topology", "disagg", "--max-local-prefill", "0",
+         "--port", str(port), "--run-dir", str(run_dir), "--trace-viewer", "--trace-viewer-port", str(viewer_port),
+         "--namespace", "tv" + uuid.uuid4().hex[:8]],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[1].startswith("splitserve ready:") and lines[2].strip() == (
+            f"splitserve traces: http://127.0.0.1:{viewer_port} (Arize Phoenix)"), "".join(lines)
+        assert "trace-viewer" in {s["name"] for s in ps(run_dir)["services"]}
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": list(range(100, 180)), "max_tokens": 4})
+        assert response.status_code == 200
+        trace_id = response.headers["x-trace-id"]
+        spans_file = run_dir / "trace-viewer" / "spans.jsonl"
+
+        def services_seen():
+            if not spans_file.exists():
+                return set()
+            spans = [json.loads(line) for line in spans_file.read_text().splitlines()]
+            return {s["service"] for s in spans if s["trace_id"] == trace_id}
+
+        wanted = {"splitserve-gateway", "splitserve-scheduler", "splitserve-decode", "splitserve-prefill"}
+        wait_until(lambda: wanted <= services_seen(), 30, f"the viewer to get spans of {wanted}")
+        assert "splitserve-kvstore" in services_seen()  # the prefill worker looked in the kv-store
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

@@ -47,9 +47,10 @@ def _value(value):
 
 
 class OtlpHttpReceiver(_Spans):
-    """POST /v1/traces (application/x-protobuf, maybe gzipped) on 127.0.0.1, a free port."""
+    """POST /v1/traces (application/x-protobuf, maybe gzipped) on 127.0.0.1, a free port (or those given);
+    GET / answers 200 (readiness)."""
 
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
         super().__init__()
         spans = self
 
@@ -72,11 +73,16 @@ class OtlpHttpReceiver(_Spans):
                 self.end_headers()
                 self.wfile.write(reply)
 
+            def do_GET(self):
+                self.send_response(200 if self.path == "/" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.endpoint = f"http://{host}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
 
