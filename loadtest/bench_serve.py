@@ -120,6 +120,7 @@ async def send(client, base: str, model: str, request: BenchRequest, args, origi
                 if payload == "[DONE]":
                     break
                 now = time.perf_counter() - origin
+                record.end = now  # the last data received (as vllm times a request's latency)
                 chunk = json.loads(payload)
                 if "error" in chunk:
                     record.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
@@ -133,7 +134,6 @@ async def send(client, base: str, model: str, request: BenchRequest, args, origi
                     record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
                     record.output_tokens = usage.get("completion_tokens", 0)
                     record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        record.end = time.perf_counter() - origin
         if not record.output_tokens:
             record.output_tokens = len(record.chunk_times)
         if not record.chunk_times:
@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         **figures,
         "model": model, "url": base, "endpoint": args.endpoint, "dataset": args.dataset,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("run", "out", "plot")},
+        "settings": {k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v)  # "inf": valid JSON
+                     for k, v in vars(args).items() if k not in ("run", "out", "plot")},
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "requests": [{"conversation": request.conversation, "turn": request.turn, "sent_s": record.sent,
                       "ttft_ms": record.ttft * 1000 if record.ok else None, "tpot_ms": _ms(record.tpot if record.ok else None),

@@ -76,8 +76,10 @@ def _length(rng: random.Random, mean: int, ratio: float) -> int:
 
 def build_dataset(args, tokenizer=None) -> list[list[BenchRequest]]:
     """The conversations of `args.dataset` (argparse options of `splitserve bench`), from `args.seed`."""
+    # Lengths and contents from separate generators: the same seed gives the same lengths with or without a
+    # tokenizer (which draws a different number of values per prompt).
     rng = random.Random(args.seed)
-    maker = PromptMaker(rng, tokenizer)
+    maker = PromptMaker(random.Random(args.seed + 1), tokenizer)
     name = args.dataset
     if name == "random":
         return [[maker.request(_length(rng, args.input_len, args.range_ratio),
@@ -118,22 +120,25 @@ def _sharegpt(path: Path, args, rng: random.Random, tokenizer) -> list[list[Benc
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else max(1, len(text) // 4)
 
-    pairs = []
-    for entry in entries if isinstance(entries, list) else []:
-        turns = entry.get("conversations") if isinstance(entry, dict) else None
-        if not isinstance(turns, list) or len(turns) < 2:
+    entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    rng.shuffle(entries)  # then take the first usable ones: no need to tokenize the whole file
+    chosen = []
+    for entry in entries:
+        if args.num_prompts and len(chosen) == args.num_prompts:
+            break
+        turns = entry.get("conversations")
+        if not isinstance(turns, list) or len(turns) < 2 or not all(isinstance(t, dict) for t in turns[:2]):
             continue
         prompt, reply = turns[0].get("value"), turns[1].get("value")
         if not isinstance(prompt, str) or not isinstance(reply, str):
             continue
-        prompt_len, output_len = count(prompt), count(reply)
+        prompt_len = count(prompt)
+        output_len = args.output_len if args.fixed_output_len else count(reply)
         if prompt_len < 4 or output_len < 4 or prompt_len > 1024 or prompt_len + output_len > 2048:
             continue  # as vllm's sample_sharegpt_requests
-        pairs.append((prompt, prompt_len, output_len))
-    if not pairs:
+        chosen.append((prompt, prompt_len, output_len))
+    if not chosen:
         raise ValueError(f"{path} has no usable conversations (ShareGPT format: [{{'conversations': [...]}}])")
-    rng.shuffle(pairs)
-    chosen = pairs[: args.num_prompts] if args.num_prompts else pairs
     return [[BenchRequest(tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else None, text,
-                          prompt_len, args.output_len if args.fixed_output_len else output_len, conversation=i)]
+                          prompt_len, output_len, conversation=i)]
             for i, (text, prompt_len, output_len) in enumerate(chosen)]

@@ -30,7 +30,7 @@ from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_events import engine_kv_events, kv_hashing_details
 from services.decode.remote_prefill import remote_prefill
-from shared.telemetry.tracing import extract, tracer, transfer_attributes
+from shared.telemetry.tracing import extract, tracer
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
@@ -252,7 +252,7 @@ class DecodeWorker:
 
     def record_transfer(self, result) -> None:
         self.transfer_seconds.observe(result.seconds)
-        trace.get_current_span().set_attributes(transfer_attributes(result))
+        trace.get_current_span().set_attributes(result.span_attributes())
 
     async def _on_stats(self, _: StatsRequest, msg) -> None:
         if msg.reply:

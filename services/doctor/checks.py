@@ -8,7 +8,6 @@ come up (or not as asked).
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -56,8 +55,12 @@ def gpus() -> list[Check]:
                 Check("gpu interconnect", SKIP, "no GPUs to connect")]
     checks = []
     for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        free, total = torch.cuda.mem_get_info(index)
+        try:
+            props = torch.cuda.get_device_properties(index)
+            free, total = torch.cuda.mem_get_info(index)
+        except Exception as exc:  # a GPU that is listed but cannot be used (busy, exclusive mode, broken)
+            checks.append(Check(f"gpu {index}", FAIL, f"cannot use it: {exc}"))
+            continue
         checks.append(Check(f"gpu {index}", OK, f"{props.name}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free), "
                                                 f"compute capability {props.major}.{props.minor}"))
     driver = out.strip().splitlines()[0].split(",")[-1].strip() if code == 0 and out.strip() else "unknown"
@@ -134,12 +137,12 @@ def _nats_binary() -> str | None:
 
 
 def api_port(host: str, port: int) -> list[Check]:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            return [Check("api port", FAIL, f"{host}:{port} is taken or not bindable: {exc.strerror}")]
+    from services.launcher.launcher import LaunchError, check_port_free
+
+    try:
+        check_port_free(host, port)  # the very check `splitserve up` makes
+    except LaunchError as exc:
+        return [Check("api port", FAIL, str(exc))]
     return [Check("api port", OK, f"{host}:{port} is free")]
 
 

@@ -4,6 +4,7 @@ import re
 from dataclasses import dataclass
 
 _GPU = re.compile(r"GPU\d+")
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi underlines the header on some versions
 
 # The matrix's link codes, as nvidia-smi's legend explains them.
 LINKS = {
@@ -35,7 +36,7 @@ class GpuLink:
 
 def parse_topology(text: str) -> list[GpuLink]:
     """Every GPU pair (each once) with its link code, from `nvidia-smi topo -m` output."""
-    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    lines = [_ESCAPES.sub("", line).rstrip() for line in text.splitlines() if line.strip()]
     header = next((line for line in lines if line.split() and _GPU.fullmatch(line.split()[0])), None)
     if header is None:
         return []

@@ -250,6 +250,9 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         except StreamError as exc:
             telemetry.finish(exc.code, message=str(exc))
             raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
+        except asyncio.CancelledError:
+            telemetry.finish("cancelled")
+            raise
         except BaseException:
             telemetry.finish("internal")
             raise
@@ -364,8 +367,8 @@ async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Render
                 yield responses.sse(renderer.chunk(chunk))
         if renderer.include_usage:
             yield responses.sse(renderer.usage_chunk())
-        yield responses.SSE_DONE
         telemetry.finish("ok", renderer.usage, renderer.finish_reason)
+        yield responses.SSE_DONE
     except StreamError as exc:
         telemetry.finish(exc.code, message=str(exc))
         yield responses.sse_error(from_failure(exc.code, str(exc), exc.param, exc.retry_after_s))
@@ -397,6 +400,9 @@ async def _collect_until_done(gateway: Gateway, request: Request, stream: Reques
     except StreamError as exc:
         telemetry.finish(exc.code, message=str(exc))
         raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
+    except asyncio.CancelledError:
+        telemetry.finish("cancelled")
+        raise
     except BaseException:
         telemetry.finish("internal")
         raise

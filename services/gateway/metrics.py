@@ -16,7 +16,7 @@ class GatewayMetrics:
                                 registry=self.registry)
         self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("splitserve_inter_token_latency_seconds", "Time between streamed chunks",
+        self.itl = Histogram("splitserve_inter_token_latency_seconds", "Time between successive token chunks of a request",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=self.registry)

@@ -17,7 +17,7 @@ import torch
 from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, Subjects
 from contracts.codec import ContractError
 from shared.bus.subscribe import decode
-from shared.telemetry.tracing import inject, transfer_attributes
+from shared.telemetry.tracing import inject
 from shared.transfer import KVReceiver, KVSender, TransferTicket
 
 
@@ -87,7 +87,7 @@ class KVStoreClient:
             self.receiver.cancel(transfer_id)
             return False
         result = await self.receiver.wait(transfer_id)
-        trace.get_current_span().set_attributes(transfer_attributes(result))
+        trace.get_current_span().set_attributes(result.span_attributes())
         if not result.ok:
             self.misses["get_transfer"] += 1
         return result.ok

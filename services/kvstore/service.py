@@ -27,7 +27,7 @@ from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.block_hash import BLOCK_HASH_BYTES
 from shared.telemetry.logging import get_logger
-from shared.telemetry.tracing import extract, tracer, transfer_attributes
+from shared.telemetry.tracing import extract, tracer
 from shared.transfer import KVReceiver, KVSender, TransferTicket
 from shared.transfer.wire import DTYPES
 
@@ -108,12 +108,11 @@ class KVStoreService:
         problem = self._bad_hashes(request.hashes)
         if problem:
             return await self._answer(msg, KVStoreReply(ok=False, error=problem), "lookup_refused")
-        count = self.store.longest_prefix(request.hashes)
-        tiers = [self.store.tier_of(h) or "gone" for h in request.hashes[:count]]
         with tracer().start_as_current_span("kvstore.lookup", context=extract(msg.headers), kind=SpanKind.SERVER,
-                                            attributes={"splitserve.blocks_asked": len(request.hashes),
-                                                        "splitserve.blocks_held": count,
-                                                        "splitserve.blocks_on_disk": tiers.count("disk")}):
+                                            attributes={"splitserve.blocks_asked": len(request.hashes)}) as span:
+            count = self.store.longest_prefix(request.hashes)
+            tiers = [self.store.tier_of(h) or "gone" for h in request.hashes[:count]]
+            span.set_attributes({"splitserve.blocks_held": count, "splitserve.blocks_on_disk": tiers.count("disk")})
             await self._answer(msg, KVStoreReply(ok=True, num_hit=count, tiers=tiers), "lookup")
 
     async def _on_put(self, request: KVStorePut, msg) -> None:
@@ -166,32 +165,41 @@ class KVStoreService:
             self._puts_in_flight -= 1
 
     async def _on_get(self, request: KVStoreGet, msg) -> None:
-        problem = self._bad_hashes(request.hashes)
-        ticket = None
-        if problem is None:
-            try:
-                ticket = TransferTicket.from_dict(request.ticket)
-            except ValueError as exc:
-                problem = f"bad ticket: {exc}"
-        if problem:
-            return await self._answer(msg, KVStoreReply(ok=False, error=problem), "get_refused")
-        found = await asyncio.to_thread(lambda: [self.store.get(h) for h in request.hashes])
-        missing = sum(1 for item in found if item is None)
-        if missing:
-            return await self._answer(msg, KVStoreReply(ok=False, error=f"{missing} of the blocks are not here"),
-                                      "get_missing")
-        tiers = [tier for _, tier in found]
-        span = tracer().start_span("kvstore.get", context=extract(msg.headers), kind=SpanKind.SERVER, attributes={
-            "splitserve.blocks": len(found), "splitserve.blocks_from_disk": tiers.count("disk")})
-        await self._answer(msg, KVStoreReply(ok=True, num_hit=len(found), tiers=tiers), "get")
-        parts = [(i, i + 1, block.tensor()[None]) for i, (block, _) in enumerate(found)]
-        self._spawn(self._send(ticket, parts, span))
+        span = tracer().start_span("kvstore.get", context=extract(msg.headers), kind=SpanKind.SERVER,
+                                   attributes={"splitserve.blocks": len(request.hashes)})
+        sending = False
+        try:
+            problem = self._bad_hashes(request.hashes)
+            ticket = None
+            if problem is None:
+                try:
+                    ticket = TransferTicket.from_dict(request.ticket)
+                except ValueError as exc:
+                    problem = f"bad ticket: {exc}"
+            if problem:
+                span.set_status(Status(StatusCode.ERROR, problem))
+                return await self._answer(msg, KVStoreReply(ok=False, error=problem), "get_refused")
+            found = await asyncio.to_thread(lambda: [self.store.get(h) for h in request.hashes])
+            missing = sum(1 for item in found if item is None)
+            if missing:
+                span.set_status(Status(StatusCode.ERROR, f"{missing} blocks missing"))
+                return await self._answer(msg, KVStoreReply(ok=False, error=f"{missing} of the blocks are not here"),
+                                          "get_missing")
+            tiers = [tier for _, tier in found]
+            span.set_attribute("splitserve.blocks_from_disk", tiers.count("disk"))
+            await self._answer(msg, KVStoreReply(ok=True, num_hit=len(found), tiers=tiers), "get")
+            parts = [(i, i + 1, block.tensor()[None]) for i, (block, _) in enumerate(found)]
+            self._spawn(self._send(ticket, parts, span))
+            sending = True  # the send ends the span
+        finally:
+            if not sending:
+                span.end()
 
     async def _send(self, ticket: TransferTicket, parts, span) -> None:
         started = time.perf_counter()
         try:
             result = await self.sender.send(ticket, parts)
-            span.set_attributes(transfer_attributes(result))
+            span.set_attributes(result.span_attributes())
             if not result.ok:
                 self.counts["get_failed"] = self.counts.get("get_failed", 0) + 1
                 span.set_status(Status(StatusCode.ERROR, result.error or "transfer failed"))

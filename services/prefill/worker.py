@@ -40,7 +40,7 @@ from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import EngineError
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
-from shared.telemetry.tracing import extract, tracer, transfer_attributes
+from shared.telemetry.tracing import extract, tracer
 from shared.transfer import KVSender, TransferTicket
 from shared.transfer.shm import region_of
 
@@ -265,7 +265,7 @@ class PrefillWorker:
                 return "finished_at_first_token"
             result = await sending
             trace.get_current_span().set_attributes(
-                {**transfer_attributes(result), "splitserve.cached_tokens": output.num_cached_tokens})
+                {**result.span_attributes(), "splitserve.cached_tokens": output.num_cached_tokens})
             # Even when this process's own part failed: the other stages may still read the blocks in place.
             others_error = await self._others_shipped(job)
         finally:

@@ -141,6 +141,7 @@ class Router:
             info = await self.nc.jetstream().consumer_info(self.subjects.requests_stream, self.subjects.scheduler_consumer)
             self.request_queue_depth = info.num_pending
         except Exception as exc:
+            self.request_queue_depth = 0  # unknown
             log.debug("request queue depth unknown", error=repr(exc))
 
     # ---- one request --------------------------------------------------------------------

@@ -74,7 +74,8 @@ def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int,
     """
     uncached = max(num_prompt_blocks - num_cached_blocks, 0)
     in_use = worker.kv_blocks_total - worker.kv_blocks_free
-    queued = max(0, worker.num_running + worker.num_waiting - worker.max_num_seqs) if worker.max_num_seqs else 0
+    slots = worker.max_num_seqs
+    queued = max(0, worker.num_running + worker.num_waiting - slots) if slots else worker.num_waiting
     return overlap_weight * uncached + in_use + queued * num_prompt_blocks
 
 

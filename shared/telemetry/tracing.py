@@ -14,6 +14,7 @@ The context crosses NATS as a W3C `traceparent` header on the message
 (`inject` when sending, `extract` when receiving).
 """
 
+import logging
 import os
 
 from opentelemetry import propagate, trace
@@ -34,7 +35,11 @@ def configure_tracing(role: str, instance_id: str) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    exporter = otlp_exporter_from_env()
+    try:
+        exporter = otlp_exporter_from_env()
+    except ValueError as exc:  # a protocol this SDK cannot speak: trace locally rather than not start
+        logging.getLogger(__name__).warning("traces will not be exported: %s", exc)
+        exporter = None
     resource = Resource.create({"service.name": f"splitserve-{role}", "service.instance.id": instance_id,
                                 "splitserve.role": role})
     _provider = TracerProvider(resource=resource)
@@ -86,14 +91,3 @@ def trace_id_of(span: trace.Span) -> str:
     context = span.get_span_context()
     return format(context.trace_id, "032x") if context.is_valid else ""
 
-
-def transfer_attributes(result, prefix: str = "splitserve.kv_transfer") -> dict:
-    """Span attributes of a side-channel transfer (a shared.transfer TransferResult): backend, bytes, time,
-    bandwidth, and why it failed."""
-    attributes = {f"{prefix}.ok": result.ok, f"{prefix}.backend": result.backend,
-                  f"{prefix}.bytes": result.num_bytes, f"{prefix}.seconds": result.seconds}
-    if result.seconds > 0:
-        attributes[f"{prefix}.gbytes_per_s"] = result.num_bytes / result.seconds / 1e9
-    if result.error:
-        attributes[f"{prefix}.error"] = result.error
-    return attributes

@@ -102,6 +102,16 @@ class TransferResult:
     def failed(cls, exc: TransferFailed, backend: str, num_bytes: int, seconds: float) -> "TransferResult":
         return cls(False, str(exc), backend, num_bytes, seconds, exc.reason)
 
+    def span_attributes(self, prefix: str = "splitserve.kv_transfer") -> dict:
+        """Trace span attributes: backend, bytes, time, bandwidth, and why it failed."""
+        attributes = {f"{prefix}.ok": self.ok, f"{prefix}.backend": self.backend, f"{prefix}.bytes": self.num_bytes,
+                      f"{prefix}.seconds": self.seconds}
+        if self.seconds > 0:
+            attributes[f"{prefix}.gbytes_per_s"] = self.num_bytes / self.seconds / 1e9
+        if self.error:
+            attributes[f"{prefix}.error"] = self.error
+        return attributes
+
 
 @dataclass
 class TransferStats:

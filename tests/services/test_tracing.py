@@ -36,7 +36,7 @@ def test_one_request_through_disagg_is_one_trace(nats_server, default_model, tmp
 
         wanted = {"splitserve-gateway", "splitserve-scheduler", "splitserve-decode", "splitserve-prefill"}
         deadline = time.monotonic() + 30
-        while {s.service for s in receiver.of_trace(trace_id)} < wanted | {"splitserve-kvstore"}:
+        while not wanted | {"splitserve-kvstore"} <= {s.service for s in receiver.of_trace(trace_id)}:
             assert time.monotonic() < deadline, f"spans so far: {receiver.of_trace(trace_id)}"
             time.sleep(0.2)
         time.sleep(1.0)  # anything else of this trace

@@ -7,7 +7,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from shared.telemetry.tracing import extract, inject, otlp_exporter_from_env, trace_id_of, transfer_attributes
+from shared.telemetry.tracing import extract, inject, otlp_exporter_from_env, trace_id_of
 from shared.transfer.types import TransferResult
 from support.otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
 
@@ -59,12 +59,14 @@ def test_the_trace_context_crosses_message_headers():
     assert received.parent.span_id == span.get_span_context().span_id
     assert trace_id_of(received) == trace_id_of(span)
     assert not trace.get_current_span().get_span_context().is_valid  # nothing leaked into the caller's context
-    assert extract(None) is not None and inject({}) == {}  # no current span: nothing to carry
+    assert inject({}) == {}  # no current span: nothing to carry
+    orphan = tracer.start_span("orphan", context=extract(None))
+    assert orphan.parent is None  # no headers: a new trace
 
 
 def test_transfer_attributes_name_backend_bytes_and_bandwidth():
-    attributes = transfer_attributes(TransferResult(True, None, "shm", 2_000_000_000, 2.0))
+    attributes = TransferResult(True, None, "shm", 2_000_000_000, 2.0).span_attributes()
     assert attributes["splitserve.kv_transfer.gbytes_per_s"] == 1.0
     assert attributes["splitserve.kv_transfer.backend"] == "shm" and "splitserve.kv_transfer.error" not in attributes
-    failed = transfer_attributes(TransferResult(False, "deadline", "tcp", 0, 0.0, "timeout"))
+    failed = TransferResult(False, "deadline", "tcp", 0, 0.0, "timeout").span_attributes()
     assert failed["splitserve.kv_transfer.error"] == "deadline" and not failed["splitserve.kv_transfer.ok"]
