@@ -167,6 +167,8 @@ class StageActivation(Message):
     deadline_ms: int  # after this the head has given up on the step
     ship: list[dict[str, Any]] = field(default_factory=list)  # prompts completing in this step whose KV each
     # stage ships, its own layers, straight to the decode worker: {request_id, ticket, attempt, block_ids, num_tokens}
+    traces: list[dict[str, Any]] = field(default_factory=list)  # requests whose prompt this step computes, for the
+    # stages' spans: {request_id, tokens, traceparent[, tracestate]} (a few at most)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -40,7 +40,7 @@ from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import EngineError
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
-from shared.telemetry.tracing import extract, tracer
+from shared.telemetry.tracing import extract, inject, tracer
 from shared.transfer import KVSender, TransferTicket
 from shared.transfer.shm import region_of
 
@@ -73,6 +73,7 @@ class PrefillWorker:
         self._heartbeat = Heartbeat(registry, self.info)
         self.counts: dict[str, int] = {}
         self.kv_cache = None  # services.common.kvstore_cache.KVStoreCache, with --kv-store
+        self.job_traces: dict[str, dict[str, str]] = {}  # request id -> its job span's trace context
         self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
                                           engine_loop=self.engine_loop)
 
@@ -170,7 +171,11 @@ class PrefillWorker:
                         "splitserve.prompt_tokens": len(job.prompt_token_ids), "splitserve.offered": msg is None,
                         "splitserve.queue_wait_s": max(0.0, (now_ms() - job.created_ms) / 1000)},
         ) as span, structlog.contextvars.bound_contextvars(request_id=job.request_id):
-            outcome = await self._run_job(job, msg)
+            self.job_traces[job.request_id] = inject({}, span)
+            try:
+                outcome = await self._run_job(job, msg)
+            finally:
+                self.job_traces.pop(job.request_id, None)
             span.set_attribute("splitserve.outcome", outcome)
             if outcome not in ("shipped", "finished_at_first_token", "cancelled"):
                 span.set_status(Status(StatusCode.ERROR, outcome))

@@ -166,7 +166,8 @@ async def serve(args: argparse.Namespace) -> int:
                             model=model_dir, served_model_name=served_name,
                             max_active_requests=args.max_active_requests, driver=driver)
 
-    return await run_service(args, args.head_role if is_head else "stage", build)
+    # Every stage process logs and traces as a stage (splitserve-stage); a head registers as its head role.
+    return await run_service(args, "stage", build)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from shared.telemetry.logging import get_logger
 log = get_logger(__name__)
 
 _WATCH_INTERVAL_S = 0.5
+_MAX_TRACED_PER_STEP = 16  # requests of one step whose trace gets the stages' spans
 
 
 async def wait_for_stages(registry: Registry, stages: list[str], timeout_s: float) -> dict:
@@ -55,6 +56,7 @@ class PipelineDriver:
         self.boot_id = ""
         self.on_reset: Callable[[list[RequestOutput]], None] = lambda outputs: None
         self.shipment_of: Callable[[str], dict | None] = lambda request_id: None
+        self.trace_of: Callable[[str], dict[str, str] | None] = lambda request_id: None
         self.stages_missing: list[str] = []
         self.resets = 0
         self._sends: set[asyncio.Task] = set()
@@ -62,16 +64,20 @@ class PipelineDriver:
 
     def attach(self, *, engine: PipelineHeadEngine, engine_loop: EngineLoop, boot_id: str,
                on_reset: Callable[[list[RequestOutput]], None],
-               shipment_of: Callable[[str], dict | None] | None = None) -> None:
+               shipment_of: Callable[[str], dict | None] | None = None,
+               trace_of: Callable[[str], dict[str, str] | None] | None = None) -> None:
         """`on_reset(outputs)` publishes the failures a reset produced (on the event loop);
         `shipment_of(request_id)` says how the stages ship a request's KV ({ticket, attempt}: a prefill
-        head's requests), None for requests whose KV stays."""
+        head's requests), None for requests whose KV stays; `trace_of(request_id)` is the request's trace
+        context (headers), None if it has none."""
         self.engine = engine
         self.engine_loop = engine_loop
         self.boot_id = boot_id
         self.on_reset = on_reset
         if shipment_of is not None:
             self.shipment_of = shipment_of
+        if trace_of is not None:
+            self.trace_of = trace_of
 
     async def start(self) -> list[asyncio.Task]:
         self._loop = asyncio.get_running_loop()
@@ -96,13 +102,20 @@ class PipelineDriver:
         }
 
     # ---- steps out (from the engine thread) and results in ------------------------------------
-    def submit(self, step_id: int, batch: StepBatch, hidden, shipping: list[ShipKV]) -> None:
+    def submit(self, step_id: int, batch: StepBatch, hidden, shipping: list[ShipKV],
+               prompt_chunks: list[tuple[str, int]]) -> None:
         """The engine's `submit`: called on the engine thread, right after the head's own layers. The stage
         boot ids are taken here: they change only on the engine thread, with the reset that goes with them."""
         boots = dict(self.stage_boot_ids)
-        self._loop.call_soon_threadsafe(self._send_step, step_id, batch, hidden, shipping, boots)
+        self._loop.call_soon_threadsafe(self._send_step, step_id, batch, hidden, shipping, prompt_chunks, boots)
 
-    def _send_step(self, step_id: int, batch: StepBatch, hidden, shipping: list[ShipKV], boots: dict) -> None:
+    def _send_step(self, step_id: int, batch: StepBatch, hidden, shipping: list[ShipKV],
+                   prompt_chunks: list[tuple[str, int]], boots: dict) -> None:
+        traces = []
+        for request_id, tokens in prompt_chunks[:_MAX_TRACED_PER_STEP]:
+            carrier = self.trace_of(request_id)
+            if carrier:
+                traces.append({**carrier, "request_id": request_id, "tokens": tokens})
         ship = []
         for item in shipping:
             shipment = self.shipment_of(item.request_id)
@@ -111,7 +124,7 @@ class PipelineDriver:
                              "num_tokens": item.num_tokens})
         step = StageActivation(step_id=step_id, head=self.instance_id, head_boot_id=self.boot_id,
                                route=list(self.stages), batch=batch.to_dict(), stage_boot_ids=boots,
-                               kind="hidden", ship=ship,
+                               kind="hidden", ship=ship, traces=traces,
                                deadline_ms=now_ms() + int(self.engine.step_timeout_s * 1000))
         task = asyncio.create_task(self._send(step, hidden))
         self._sends.add(task)

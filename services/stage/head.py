@@ -11,6 +11,7 @@ import asyncio
 
 from services.decode.worker import DecodeWorker
 from services.stage.driver import PipelineDriver
+from shared.telemetry.tracing import inject
 
 
 class PipelineHead(DecodeWorker):
@@ -18,7 +19,12 @@ class PipelineHead(DecodeWorker):
         super().__init__(mode="pipeline", **kwargs)
         self.driver = driver
         driver.attach(engine=self.engine, engine_loop=self.engine_loop, boot_id=self.identity.boot_id,
-                      on_reset=self._outbox.put_nowait)
+                      on_reset=self._outbox.put_nowait, trace_of=self._trace_of)
+
+    def _trace_of(self, request_id: str) -> dict[str, str] | None:
+        """The trace context of a request's span here, for the stages' spans of its prompt steps."""
+        active = self.requests.get(request_id)
+        return inject({}, active.span) if active is not None and active.span.is_recording() else None
 
     async def start(self) -> list[asyncio.Task]:
         driver_tasks = await self.driver.start()

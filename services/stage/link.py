@@ -109,7 +109,8 @@ class ActivationLink:
         else:
             future = loop.create_future()
             try:
-                future.set_result(_inline_tensor(activation) if activation.data else None)
+                # A tensor came when it has a dtype (possibly empty: logits of a step that samples no row).
+                future.set_result(_inline_tensor(activation) if activation.dtype else None)
             except ValueError as exc:
                 future.set_exception(exc)
         try:
@@ -224,4 +225,6 @@ def _inline_tensor(activation: StageActivation) -> torch.Tensor:
         numel *= dim
     if numel * dtype.itemsize != len(activation.data):
         raise ValueError(f"{len(activation.data)} bytes are not a {activation.dtype} tensor of shape {activation.shape}")
+    if numel == 0:
+        return torch.empty(activation.shape, dtype=dtype)
     return torch.frombuffer(bytearray(activation.data), dtype=dtype).view(activation.shape)

@@ -30,7 +30,7 @@ class PrefillPipelineHead(PrefillWorker):
         self._shipments: dict[str, dict] = {}  # request id -> {ticket, attempt}, while prefilling
         self._reports: dict[str, dict[str, asyncio.Future]] = {}  # request id -> stage -> its KVShipped
         driver.attach(engine=self.engine, engine_loop=self.engine_loop, boot_id=self.identity.boot_id,
-                      on_reset=self._deliver, shipment_of=self._shipments.get)
+                      on_reset=self._deliver, shipment_of=self._shipments.get, trace_of=self.job_traces.get)
 
     async def start(self) -> list[asyncio.Task]:
         driver_tasks = await self.driver.start()

@@ -26,6 +26,7 @@ from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.stage import StageRunner
 from shared.engine.step_batch import StepBatch
 from shared.telemetry.logging import get_logger
+from shared.telemetry.tracing import extract, tracer
 from shared.transfer import TransferTicket
 
 log = get_logger(__name__)
@@ -105,11 +106,12 @@ class StageWorker:
             shipments = [self._start_shipment(step, entry) for entry in step.ship]
             try:
                 batch = StepBatch.from_dict(step.batch)
-                started = time.monotonic()
+                started, started_ns = time.monotonic(), time.time_ns()
                 # One step at a time, in arrival order; the event loop keeps receiving the next ones meanwhile.
                 output = await asyncio.to_thread(self.runner.execute, batch, incoming.tensor,
                                                  self._layer_shipper(shipments))
                 self.utilization.record(started, time.monotonic())
+                self._trace_prompt_chunks(step, batch, started_ns, time.time_ns())
             except Exception as exc:
                 log.exception("stage step failed", step_id=step.step_id)
                 self._count("failed")
@@ -126,6 +128,20 @@ class StageWorker:
             except Exception as exc:
                 self._count("failed")
                 await self.link.fail_to_head(step, f"{self.instance_id} could not pass the step on: {exc!r}")
+
+    def _trace_prompt_chunks(self, step: StageActivation, batch: StepBatch, started_ns: int, ended_ns: int) -> None:
+        """A span in each traced request's trace for this stage's share of the step computing its prompt."""
+        layers = self.runner.layer_range
+        for entry in step.traces:
+            if not isinstance(entry, dict):
+                continue
+            span = tracer().start_span("stage.prefill_chunk", context=extract(entry), start_time=started_ns,
+                                       attributes={"splitserve.stage": self.instance_id, "splitserve.step_id": step.step_id,
+                                                   "splitserve.layers": f"{layers.start}:{layers.end}",
+                                                   "splitserve.request_id": str(entry.get("request_id", "")),
+                                                   "splitserve.prompt_tokens_in_step": int(entry.get("tokens", 0)),
+                                                   "splitserve.step_tokens": batch.num_tokens})
+            span.end(end_time=ended_ns)
 
     # ---- shipping a prompt's KV (prefill pipelines) ---------------------------------------------
     def _start_shipment(self, step: StageActivation, entry: dict) -> "_Shipment":

@@ -13,11 +13,13 @@ so up to m steps travel the pipeline at once: while stage k computes step s,
 stage k-1 computes step s+1. With one micro-batch the stages take turns.
 
 No NATS in here: the head hands each step to `submit(step_id, batch, hidden,
-shipping)` (the service sends it on) and the service puts what comes back
-into `results` (`StepResult`). `shipping` names the requests whose prompt
-completes in the step and that asked for their KV (`on_prompt_kv`, as a
+shipping, prompt_chunks)` (the service sends it on) and the service puts what
+comes back into `results` (`StepResult`). `shipping` names the requests whose
+prompt completes in the step and that asked for their KV (`on_prompt_kv`, as a
 prefill worker's requests do): the head streams its own layers' KV to the
 callback, and every stage must ship its layers' KV of those blocks.
+`prompt_chunks` names the requests whose prompt tokens the step computes, and
+how many (for tracing: the stages' share of a request's prefill).
 """
 
 import queue
@@ -104,7 +106,7 @@ class ShipKV:
     num_tokens: int
 
 
-Submit = Callable[[int, StepBatch, torch.Tensor, list[ShipKV]], None]
+Submit = Callable[[int, StepBatch, torch.Tensor, list[ShipKV], list[tuple[str, int]]], None]
 
 
 class PipelineHeadEngine(LLMEngine):
@@ -183,7 +185,9 @@ class PipelineHeadEngine(LLMEngine):
         self._in_flight[step_id] = (planned, time.monotonic() + self.step_timeout_s)
         self._busy.add(virtual_engine)
         self.steps_started += 1
-        self._submit(step_id, planned.batch, hidden, shipping)
+        prompt_chunks = [(item.seq.request_id, item.num_new_tokens) for item in planned.scheduled.scheduled
+                         if item.seq.num_computed_tokens < item.seq.num_prompt_tokens]
+        self._submit(step_id, planned.batch, hidden, shipping, prompt_chunks)
 
     def _finish(self, result: StepResult) -> list[RequestOutput]:
         entry = self._in_flight.pop(result.step_id, None)

@@ -56,11 +56,13 @@ class ThreadPipeline:
         self.head: PipelineHeadEngine | None = None
         self.fail_step = fail_step
         self.max_in_flight = 0  # most steps in the pipeline at once
+        self.prompt_chunks: list[tuple[str, int]] = []  # (request id, prompt tokens) of every step sent
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(self.stages))]
         for thread in self.threads:
             thread.start()
 
-    def submit(self, step_id, batch, hidden, shipping) -> None:
+    def submit(self, step_id, batch, hidden, shipping, prompt_chunks) -> None:
+        self.prompt_chunks.extend(prompt_chunks)
         self.max_in_flight = max(self.max_in_flight, self.head.num_in_flight)
         self.inboxes[0].put((step_id, batch, hidden))
 
@@ -112,6 +114,12 @@ def test_pipeline_output_matches_transformers(default_model, prompts, ranges, mi
         assert [r.token_ids for r in results] == [e for _, e in prompts] * 2
         assert head.block_manager.num_used_blocks == 0 and head.num_in_flight == 0
         assert stages.max_in_flight == min(microbatches, len(prompts) * 2)  # the micro-batches were in flight together
+        # Each step named the prompt tokens it computed: every prompt's uncached tokens, once, in budget-sized chunks.
+        computed: dict[str, int] = {}
+        for request_id, tokens in stages.prompt_chunks:
+            assert 0 < tokens <= 64
+            computed[request_id] = computed.get(request_id, 0) + tokens
+        assert [computed[r.request_id] + r.num_cached_tokens for r in results] == [len(p) for p, _ in prompts] * 2
     finally:
         stages.close()
 
@@ -142,7 +150,7 @@ def test_a_failed_step_ends_its_requests_with_an_error_and_the_rest_go_on(defaul
 def test_a_step_that_never_returns_times_out(default_model, prompts):
     head = PipelineHeadEngine(
         EngineConfig(model=default_model, dtype="float32", num_kv_blocks=NUM_BLOCKS, layer_ranges=[LayerRange(0, 2)]),
-        lambda step_id, batch, hidden, shipping: None, step_timeout_s=0.2, load_tokenizer=False)
+        lambda step_id, batch, hidden, shipping, prompt_chunks: None, step_timeout_s=0.2, load_tokenizer=False)
     results = head.generate([prompts[0][0]], GREEDY)
     assert results[0].finish_reason == "error" and head.block_manager.num_used_blocks == 0
 

@@ -72,3 +72,44 @@ def test_one_request_through_disagg_is_one_trace(nats_server, default_model, tmp
     finally:
         deployment.stop()
         receiver.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_pipeline_requests_trace_has_each_stages_share_of_its_prompt(nats_server, default_model, tmp_path,
+                                                                       monkeypatch):
+    from support.deployment import start_pipeline
+
+    receiver = OtlpHttpReceiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    deployment = start_pipeline(nats_server.url, tmp_path, default_model, [(0, 2), (2, 3), (3, 4)],
+                                head_args=("--max-num-batched-tokens", "32"))
+    try:
+        body = {"model": MODEL, "prompt": list(range(100, 180)), "max_tokens": 4, "temperature": 0}
+        response = httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        trace_id = response.headers["x-trace-id"]
+
+        def chunks():
+            return [s for s in receiver.of_trace(trace_id) if s.name == "stage.prefill_chunk"]
+
+        deadline = time.monotonic() + 30
+        while len(chunks()) < 6:  # 80 prompt tokens in steps of 32: 3 steps, on each of 2 stages
+            assert time.monotonic() < deadline, f"spans so far: {receiver.of_trace(trace_id)}"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        spans = receiver.of_trace(trace_id)
+        head = next(s for s in spans if s.name == "decode.request")
+        assert head.service == "splitserve-stage"  # the head takes requests like a decode worker
+        per_stage = {}
+        for chunk in chunks():
+            assert chunk.service == "splitserve-stage" and chunk.parent_span_id == head.span_id
+            per_stage.setdefault(chunk.attributes["splitserve.stage"], []).append(
+                chunk.attributes["splitserve.prompt_tokens_in_step"])
+        assert {stage: sorted(tokens) for stage, tokens in per_stage.items()} == {
+            "stage-1": [16, 32, 32], "stage-2": [16, 32, 32]}
+        assert {c.attributes["splitserve.layers"] for c in chunks()} == {"2:3", "3:4"}
+    finally:
+        deployment.stop()
+        receiver.stop()
