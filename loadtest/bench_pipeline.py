@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_interference import prepare_model, send_request
-from loadtest.up_process import UpProcess, fetch_metrics, pin_process
+from loadtest.up_process import UpProcess, fetch_metrics, pin_process, write_deployment_results
 
 RESULT_KEYS = ("machine", "model", "settings", "runs")
 RUN_KEYS = ("stages", "microbatches", "ok", "output_tokens_per_s", "tpot_ms", "ttft_ms", "bubble_measured",
@@ -207,20 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     for stages in stage_counts:
         for microbatches in ([1] if stages == 1 else micro_counts):
             runs.append(run_one(stages, microbatches, args, model_dir, prompts, run_root))
-    table = format_table(runs)
-    print("\n" + table)
-    results = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-                    "cores": args.cores},
-        "model": {"dir": model_dir, "num_hidden_layers": config["num_hidden_layers"],
-                  "hidden_size": config["hidden_size"], "vocab_size": config["vocab_size"]},
-        "settings": {k: v for k, v in vars(args).items() if k != "output"} | {"command": " ".join(sys.argv)},
-        "runs": runs,
-        "table": table,
-    }
-    if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2, default=str))
-        print(f"wrote {args.output}")
+    write_deployment_results(args, model_dir, config, runs, format_table(runs))
     return 0 if all(r["ok"] for r in runs) else 1
 
 

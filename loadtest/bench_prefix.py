@@ -40,7 +40,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -50,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_interference import prepare_model, send_request
-from loadtest.up_process import UpProcess, fetch_metrics, pin_process
+from loadtest.up_process import UpProcess, fetch_metrics, pin_process, write_deployment_results
 
 CONFIGS = {
     "load": ["--topology", "colocated", "--decode", "2", "--no-kv-store", "--router", "load"],
@@ -225,20 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     conversations = make_conversations(args, config["vocab_size"])
     run_root = Path(args.run_dir_root or tempfile.mkdtemp(prefix="bench-prefix-"))
     runs = [run_one(label, CONFIGS[label], args, model_dir, conversations, run_root) for label in labels]
-    table = format_table(runs)
-    print("\n" + table)
-    results = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-                    "cores": args.cores},
-        "model": {"dir": model_dir, "num_hidden_layers": config["num_hidden_layers"],
-                  "hidden_size": config["hidden_size"], "vocab_size": config["vocab_size"]},
-        "settings": {k: v for k, v in vars(args).items() if k != "output"} | {"command": " ".join(sys.argv)},
-        "runs": runs,
-        "table": table,
-    }
-    if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2, default=str))
-        print(f"wrote {args.output}")
+    write_deployment_results(args, model_dir, config, runs, format_table(runs))
     return 0 if all(r["ok"] for r in runs) else 1
 
 

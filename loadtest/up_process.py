@@ -197,3 +197,23 @@ def fetch_metrics(base_url: str, prefix: str) -> dict[str, float]:
             except ValueError:
                 pass
     return samples
+
+
+def write_deployment_results(args, model_dir: str, config: dict, runs: list[dict], table: str) -> None:
+    """Print a deployment benchmark's table and write its results (machine, model, settings, runs) to
+    `args.output`, if given."""
+    import platform
+
+    print("\n" + table)
+    results = {
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+                    "cores": args.cores},
+        "model": {"dir": model_dir, "num_hidden_layers": config["num_hidden_layers"],
+                  "hidden_size": config["hidden_size"], "vocab_size": config["vocab_size"]},
+        "settings": {k: v for k, v in vars(args).items() if k != "output"} | {"command": " ".join(sys.argv)},
+        "runs": runs,
+        "table": table,
+    }
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2, default=str))
+        print(f"wrote {args.output}")

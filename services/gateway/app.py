@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import structlog
@@ -241,21 +241,12 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
                                  bool(req.stream))
     request.state.trace_id = telemetry.trace_id
     with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):
-        try:
+        with _failures_counted(telemetry):
             stream = await _unless_disconnected(request, gateway.pipeline.submit(
                 request_id, req.model, prompt_ids, sampling, headers=telemetry.headers({})))
             if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
                 telemetry.finish("cancelled")
                 return Response(status_code=499)
-        except StreamError as exc:
-            telemetry.finish(exc.code, message=str(exc))
-            raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
-        except asyncio.CancelledError:
-            telemetry.finish("cancelled")
-            raise
-        except BaseException:
-            telemetry.finish("internal")
-            raise
         telemetry.assigned(stream.worker_instance or "")
         try:
             renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage)
@@ -268,6 +259,23 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
             gateway.spawn(gateway.pipeline.release(stream))
             raise
         return await _collect_until_done(gateway, request, stream, renderer, telemetry)
+
+
+@contextmanager
+def _failures_counted(telemetry: RequestTelemetry):
+    """End the request's telemetry by how the block failed: a stream error (turned into its HTTP error), the
+    client or the server going away ("cancelled"), anything else ("internal")."""
+    try:
+        yield
+    except StreamError as exc:
+        telemetry.finish(exc.code, message=str(exc))
+        raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
+    except asyncio.CancelledError:
+        telemetry.finish("cancelled")
+        raise
+    except BaseException:
+        telemetry.finish("internal")
+        raise
 
 
 class _EventStream(StreamingResponse):
@@ -392,20 +400,12 @@ async def _collect_until_done(gateway: Gateway, request: Request, stream: Reques
         return "".join(text), logprob_entries
 
     try:
-        collected = await _unless_disconnected(request, collect())
-        if collected is None:
-            telemetry.finish("cancelled")
-            return Response(status_code=499)
-        body = renderer.whole(*collected)
-    except StreamError as exc:
-        telemetry.finish(exc.code, message=str(exc))
-        raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
-    except asyncio.CancelledError:
-        telemetry.finish("cancelled")
-        raise
-    except BaseException:
-        telemetry.finish("internal")
-        raise
+        with _failures_counted(telemetry):
+            collected = await _unless_disconnected(request, collect())
+            if collected is None:
+                telemetry.finish("cancelled")
+                return Response(status_code=499)
+            body = renderer.whole(*collected)
     finally:
         await gateway.pipeline.release(stream)
     telemetry.finish("ok", renderer.usage, renderer.finish_reason)
