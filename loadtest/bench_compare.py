@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from loadtest import bench_serve
-from loadtest.up_process import UpProcess, pin_process
+from loadtest.up_process import UpProcess
 
 PRESETS = {
     "colocated": ["--topology", "colocated", "--decode", "2"],
@@ -74,9 +74,7 @@ def run_config(name: str, flags: list[str], args, model_dir: str, run_root: Path
         deployment.start()
         deployment.wait_ready(args.ready_timeout + 30)
         if not args.no_pin:
-            workers = [s for s in deployment.ps().get("services", []) if s["role"] in ("decode", "prefill", "stage")]
-            for i, service in enumerate(sorted(workers, key=lambda s: s["name"])):
-                pin_process(service["pid"], args.cores[i % len(args.cores)])
+            deployment.pin_workers(("decode", "prefill", "stage"), args.cores)
         bench_args = argparse.Namespace(**{**vars(args), "url": deployment.base_url, "model": "bench",
                                            "tokenizer": args.tokenizer or model_dir})
         result = bench_serve.run(bench_args)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_interference import prepare_model, send_request
-from loadtest.up_process import UpProcess, fetch_metrics, pin_process, write_deployment_results
+from loadtest.up_process import UpProcess, fetch_metrics, write_deployment_results
 
 RESULT_KEYS = ("machine", "model", "settings", "runs")
 RUN_KEYS = ("stages", "microbatches", "ok", "output_tokens_per_s", "tpot_ms", "ttft_ms", "bubble_measured",
@@ -138,12 +138,7 @@ def run_one(stages: int, microbatches: int, args, model_dir: str, prompts, run_r
     try:
         dep.start()
         dep.wait_ready(args.ready_timeout + 30)
-        services = [s for s in dep.ps().get("services", []) if s["role"] in ("decode", "stage")]
-        result["pinned"] = {}
-        for i, service in enumerate(sorted(services, key=lambda s: s["name"])):
-            core = args.cores[i % len(args.cores)]
-            pin_process(service["pid"], core)
-            result["pinned"][service["name"]] = core
+        result["pinned"] = dep.pin_workers(("decode", "stage"), args.cores)
         warm = asyncio.run(run_load(dep.base_url, "bench", prompts[:2], argparse.Namespace(**{**vars(args), "concurrency": 2})))
         if any(r["error"] for r in warm):
             raise RuntimeError(f"warm-up failed: {[r['error'] for r in warm if r['error']][0]}")

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_interference import prepare_model, send_request
-from loadtest.up_process import UpProcess, fetch_metrics, pin_process, write_deployment_results
+from loadtest.up_process import UpProcess, fetch_metrics, write_deployment_results
 
 CONFIGS = {
     "load": ["--topology", "colocated", "--decode", "2", "--no-kv-store", "--router", "load"],
@@ -161,12 +161,7 @@ def run_one(label: str, flags: list[str], args, model_dir: str, conversations, r
     try:
         dep.start()
         dep.wait_ready(args.ready_timeout + 30)
-        workers = [s for s in dep.ps().get("services", []) if s["role"] in ("decode", "prefill")]
-        result["pinned"] = {}
-        for i, service in enumerate(sorted(workers, key=lambda s: s["name"])):
-            core = args.cores[i % len(args.cores)]
-            pin_process(service["pid"], core)
-            result["pinned"][service["name"]] = core
+        result["pinned"] = dep.pin_workers(("decode", "prefill"), args.cores)
         warm_up = [{"group": -1, "index": -1, "turns": [[11 + i for i in range(64)]]}]
         asyncio.run(run_conversations(dep.base_url, warm_up, args))  # first-call costs, not counted
         time.sleep(3.0)  # heartbeat (1 s) + the gateway's registry refresh: /metrics shows the warm-up

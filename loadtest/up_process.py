@@ -114,6 +114,15 @@ class UpProcess:
                 self.processes.append(e)
         return data
 
+    def pin_workers(self, roles: tuple[str, ...], cores: list[int]) -> dict[str, int]:
+        """Pin each service of `roles` to one of `cores`, round-robin in name order; {name: core}."""
+        services = [s for s in self.ps().get("services", []) if s["role"] in roles]
+        pinned = {}
+        for i, service in enumerate(sorted(services, key=lambda s: s["name"])):
+            pinned[service["name"]] = cores[i % len(cores)]
+            pin_process(service["pid"], pinned[service["name"]])
+        return pinned
+
     def stop(self) -> dict[str, Any]:
         """SIGTERM the launcher and wait; past the deadline kill its group and every service it started."""
         result: dict[str, Any] = {"clean": True, "exit_code": None, "seconds": 0.0, "killed": []}
