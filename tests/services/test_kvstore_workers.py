@@ -78,6 +78,7 @@ def test_disagg_prefill_workers_load_shared_prefixes_from_the_kv_store(nats_serv
                    "the blocks were not written back")
 
     try:
+        deployment.wait_scheduler_sees("prefill", 2)  # else the first prompt may be prefilled by the decode worker
         cached = run_conversation(deployment, requests, tokenizer, written_back)
         # The next turn starts from 400 cached tokens: the first turn's 392 and 8 of its answer, written back by
         # the decode worker as it filled the block. The third request shares 320 tokens.

@@ -1,6 +1,7 @@
 """A colocated deployment started service by service (scheduler, decode workers, gateway)."""
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,13 @@ class Deployment:
             finally:
                 await nc.close()
         return asyncio.run(ask())
+
+    def wait_scheduler_sees(self, role: str, count: int, timeout_s: float = 15.0) -> None:
+        """Until the scheduler's view of the registry (refreshed twice a second) holds `count` ready `role`s."""
+        deadline = time.monotonic() + timeout_s
+        while self.stats("scheduler-0").details["workers_seen"].get(role, 0) < count:
+            assert time.monotonic() < deadline, f"the scheduler does not see {count} {role} worker(s)"
+            time.sleep(0.1)
 
     @property
     def api(self) -> str:
