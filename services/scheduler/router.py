@@ -28,8 +28,10 @@ from contracts import (
 )
 from services.common.identity import ServiceIdentity, now_ms
 from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.routed import RoutedTally
 from services.scheduler.routing import (
     CachedPrefixes,
+    blocks_to_take,
     cached_prefixes,
     decide_prefill,
     eligible_workers,
@@ -77,6 +79,7 @@ class Router:
         self.router = router
         self.overlap_weight = overlap_weight
         self.index = PrefixIndex(max_index_blocks)
+        self.routed = RoutedTally()  # what the workers' heartbeats do not show yet
         self._snapshot_asked: dict[str, float] = {}
         self.prefix_hits = {"requests": 0, "prompt_blocks": 0, "cached_blocks": 0}  # of the workers chosen (kv router)
 
@@ -87,7 +90,7 @@ class Router:
                      "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth,
                      "queue_depths": {"requests": self.request_queue_depth, "prefill": self.prefill_queue_depth},
                      "workers_seen": dict(Counter(w.role for w in self.workers if w.state == "ready")),
-                     "router": self.router,
+                     "router": self.router, "routed_unconfirmed": self.routed.counts(),
                      "prefix_index": {"blocks": len(self.index), **self.index.counts,
                                       "by_instance": {i: self.index.blocks_of(i) for i in self.index.instances()}},
                      "prefix_hits": dict(self.prefix_hits)},
@@ -120,6 +123,7 @@ class Router:
 
     async def _refresh(self) -> None:
         self.workers = await self.registry.list()
+        self.routed.settle(self.workers, now_ms())
         if self.router == "kv":
             present = {w.instance_id for w in self.workers}
             known = set(self.index.instances())
@@ -179,7 +183,7 @@ class Router:
         if not eligible_workers(self.workers, "decode", request.model):
             await self._refresh()  # the snapshot may predate a worker that just registered
         prompt = request.prompt_token_ids
-        decode_workers = eligible_workers(self.workers, "decode", request.model)
+        decode_workers = self.routed.apply(eligible_workers(self.workers, "decode", request.model))
         prefill_workers = eligible_workers(self.workers, "prefill", request.model)
         cached = None
         if self.router == "kv":
@@ -189,7 +193,14 @@ class Router:
             candidates = rank_by_load(decode_workers)
         for worker in candidates:
             self._plan_prefill(request, worker, prefill_workers, cached)
+            # Counted on the worker before the handoff, so that the requests routed meanwhile see it.
+            self.routed.offered(request.request_id, worker.instance_id, now_ms=now_ms(), num_blocks=blocks_to_take(
+                worker, len(prompt), cached.blocks.get(worker.instance_id, 0) if cached is not None else 0))
             reply = await self._offer(worker, request)
+            if isinstance(reply, HandoffReply) and reply.accepted:
+                self.routed.accepted(request.request_id, now_ms())
+            else:
+                self.routed.discard(request.request_id)
             if reply == "timeout":
                 # It may have taken the request after all: offering it elsewhere could run it twice.
                 await self.nc.publish(self.subjects.cancel, CancelRequest(request_id=request.request_id,
@@ -224,10 +235,6 @@ class Router:
         self.decisions[request.prefill] = self.decisions.get(request.prefill, 0) + 1
         if request.prefill == "remote":
             self.prefill_queue_depth += 1  # until the next refresh shows the real depth
-        # Until the next refresh shows the real load:
-        worker.num_waiting += 1
-        block_size = worker.details.get("kv_block_size") or 1
-        worker.kv_blocks_free -= -(-len(request.prompt_token_ids) // block_size)
         self._remember(request.request_id, worker.instance_id)
         span = trace.get_current_span()
         span.set_attributes({"splitserve.worker": worker.instance_id, "splitserve.prefill": request.prefill,

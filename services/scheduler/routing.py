@@ -12,11 +12,17 @@ def eligible_workers(entries: list[ServiceInfo], role: str, served_model_name: s
     return [e for e in entries if e.role == role and e.state == "ready" and e.served_model_name == served_model_name]
 
 
+def num_seqs(worker: ServiceInfo) -> int:
+    """The requests a worker holds: running and waiting in its engine, or (a decode worker's `active_requests`)
+    every one it has taken and not finished, including those still loading or waiting for their prefill."""
+    return max(worker.num_running + worker.num_waiting, worker.details.get("active_requests") or 0)
+
+
 def load_score(worker: ServiceInfo) -> tuple[float, float]:
     """Lower is better: share of sequence slots in use, then share of KV blocks in use."""
     slots = max(worker.max_num_seqs, 1)
     blocks = max(worker.kv_blocks_total, 1)
-    return ((worker.num_running + worker.num_waiting) / slots, 1 - worker.kv_blocks_free / blocks)
+    return (num_seqs(worker) / slots, 1 - worker.kv_blocks_free / blocks)
 
 
 def rank_by_load(workers: list[ServiceInfo]) -> list[ServiceInfo]:
@@ -75,15 +81,28 @@ def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int,
     uncached = max(num_prompt_blocks - num_cached_blocks, 0)
     in_use = worker.kv_blocks_total - worker.kv_blocks_free
     slots = worker.max_num_seqs
-    queued = max(0, worker.num_running + worker.num_waiting - slots) if slots else worker.num_waiting
+    queued = max(0, num_seqs(worker) - slots) if slots else worker.num_waiting
     return overlap_weight * uncached + in_use + queued * num_prompt_blocks
 
 
 def rank_by_kv(workers: list[ServiceInfo], num_prompt_blocks: int, cached: dict[str, int],
                overlap_weight: float = 2.0) -> list[ServiceInfo]:
-    """Cheapest first by `kv_cost`; ties go to the less loaded, then by instance id."""
+    """Cheapest first by `kv_cost`; ties go to the less loaded, then by instance id.
+
+    When every worker holds as much of the prompt as the others (usually none), the cache decides nothing
+    and the request goes by `rank_by_load`: sequences first, as KV blocks alone miss the requests that hold
+    none yet (waiting, loading a prefix, being prefilled elsewhere).
+    """
+    if len({cached.get(w.instance_id, 0) for w in workers}) <= 1:
+        return rank_by_load(workers)
     return sorted(workers, key=lambda w: (kv_cost(w, num_prompt_blocks, cached.get(w.instance_id, 0), overlap_weight),
                                           load_score(w), w.instance_id))
+
+
+def blocks_to_take(worker: ServiceInfo, num_prompt_tokens: int, num_cached_blocks: int = 0) -> int:
+    """The KV blocks a prompt will take on `worker`: its blocks, less the cached prefix it starts from."""
+    block_size = worker.details.get("kv_block_size") or 1
+    return max(-(-num_prompt_tokens // block_size) - num_cached_blocks, 0)
 
 
 def pick_prefill_worker(workers: list[ServiceInfo], num_prompt_blocks: int, cached: dict[str, int],
