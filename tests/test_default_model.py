@@ -160,9 +160,9 @@ def test_concurrent_first_use_builds_once(tmp_path, monkeypatch):
     builds = []
     real_build = dm._build_atomically
 
-    def counting_build(final):
+    def counting_build(final, build):
         builds.append(final)
-        real_build(final)
+        real_build(final, build)
 
     monkeypatch.setattr(dm, "_build_atomically", counting_build)
     results = []

@@ -11,9 +11,12 @@ def add_parser(subcommands) -> None:
     parser = subcommands.add_parser(
         "generate",
         help="generate text offline with the engine (no services)",
-        description="Generate from one prompt with the engine. Without --model, the built-in default model is used.",
+        description="Generate from one prompt with the engine. Without --model, the default model "
+                    "(smollm2-135m-instruct, fetched into the cache on first use) is used.",
     )
-    parser.add_argument("--model", help="local Hugging Face model directory (default: the built-in default model)")
+    parser.add_argument("--model", metavar="NAME|DIR|FILE.gguf",
+                        help="a known model's name, a Hugging Face model directory or a .gguf file "
+                             "(default: smollm2-135m-instruct)")
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -35,8 +38,8 @@ def add_parser(subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     # Heavy imports stay here so `splitserve --help` is instant.
     from shared.engine.config import EngineConfig
-    from shared.engine.default_model import default_model_dir
     from shared.engine.engine import LLMEngine
+    from shared.engine.model_registry import resolve_model
     from shared.engine.sampling_params import SamplingParams
 
     try:
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
             logprobs=args.logprobs,
         )
-        model_dir = args.model or str(default_model_dir())
+        model_dir = str(resolve_model(args.model).model_dir)
         engine = LLMEngine(EngineConfig(model=model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len))
         prompt_ids = encode_prompt(engine.tokenizer, args.prompt, args.chat)
         engine.add_request("generate", prompt_ids, params)

@@ -52,11 +52,14 @@ def add_parser(subcommands) -> None:
             "running; Ctrl-C or SIGTERM stops everything. `splitserve ps` shows what runs."
         ),
     )
-    parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the built-in default model)")
+    parser.add_argument("--model", metavar="NAME|DIR|FILE.gguf",
+                        help="a known model's name (`splitserve models list`; fetched into the cache on first use), "
+                             "a Hugging Face model directory or a .gguf file, converted once into the cache "
+                             "(default: smollm2-135m-instruct)")
     parser.add_argument(
         "--served-model-name",
         metavar="NAME",
-        help="the model name clients ask for (default: the default model's name, else the directory's name)",
+        help="the model name clients ask for (default: a known model's name, else the directory's or file's name)",
     )
     parser.add_argument("--topology", default="disagg", choices=["colocated", "disagg", "pipeline"],
                         help="how inference is split: colocated workers, separate prefill and decode pools, or "

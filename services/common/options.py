@@ -21,19 +21,23 @@ def add_bus_options(parser: argparse.ArgumentParser, role: str) -> None:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=env_default("MODEL", None), help="local Hugging Face model directory (default: the built-in default model)")
+    parser.add_argument("--model", default=env_default("MODEL", None), metavar="NAME|DIR|FILE.gguf",
+                        help="a known model's name (fetched into the cache on first use), a Hugging Face model "
+                             "directory or a .gguf file (default: smollm2-135m-instruct)")
     parser.add_argument("--served-model-name", default=env_default("SERVED_MODEL_NAME", None), help="the name clients ask for")
     parser.add_argument("--dtype", default=env_default("DTYPE", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
-    """(model directory, served model name), defaulting to the built-in default model."""
-    from shared.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+    """(model directory, served model name) of --model (see `shared.engine.model_registry`); exits if it names none."""
+    from shared.engine.errors import ModelLoadError
+    from shared.engine.model_registry import resolve_model as resolve
 
-    if args.model:
-        model_dir = os.path.abspath(args.model)
-        return model_dir, args.served_model_name or os.path.basename(model_dir.rstrip("/"))
-    return str(default_model_dir()), args.served_model_name or DEFAULT_MODEL_NAME
+    try:
+        resolved = resolve(args.model)
+    except ModelLoadError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return str(resolved.model_dir), args.served_model_name or resolved.served_model_name
 
 
 def run_async(coro) -> int:

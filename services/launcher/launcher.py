@@ -131,18 +131,22 @@ def probe_health(url: str, timeout_s: float = 2.0) -> tuple[int | None, str]:
         return None, str(reason)
 
 
-def resolve_model(model: str | None, served_model_name: str | None) -> tuple[str, str]:
-    """(model directory, served name). Without `model`, the default model (built on first use)."""
-    if model:
-        path = Path(model).expanduser().absolute()
-        if not path.is_dir():
-            raise LaunchError(f"model directory {path} does not exist", 2)
-        if not (path / "config.json").is_file():
-            raise LaunchError(f"{path} is not a Hugging Face model directory (it has no config.json)", 2)
-        return str(path), served_model_name or path.name
-    from shared.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+def resolve_model(model: str | None, served_model_name: str | None, say) -> tuple[str, str]:
+    """(model directory, served name) of --model, or of the default model without one.
 
-    return str(default_model_dir()), served_model_name or DEFAULT_MODEL_NAME
+    A known name is fetched into the cache on first use, a .gguf file
+    converted once (`shared.engine.model_registry`); `say` tells what it does.
+    """
+    from shared.engine.errors import ModelFetchError, ModelLoadError
+    from shared.engine.model_registry import resolve_model as resolve
+
+    try:
+        resolved = resolve(model, say=say)
+    except ModelLoadError as exc:
+        raise LaunchError(str(exc), 1 if isinstance(exc, ModelFetchError) else 2) from None
+    if not (resolved.model_dir / "config.json").is_file():
+        raise LaunchError(f"{resolved.model_dir} is not a Hugging Face model directory (it has no config.json)", 2)
+    return str(resolved.model_dir), served_model_name or resolved.served_model_name
 
 
 def _tail(path: Path, lines: int = 20) -> list[str]:
@@ -267,7 +271,7 @@ class Launcher:
             if o.nats is not None and not wait_for_nats(o.nats, timeout_s=o.nats_connect_timeout_s):
                 raise LaunchError(f"cannot reach a NATS server at {o.nats}", 2)
             self._say(f"starting in {self.run_dir} (logs in {self.log_dir})")
-            model_dir, served_name = resolve_model(o.model, o.served_model_name)
+            model_dir, served_name = resolve_model(o.model, o.served_model_name, self._say)
             pipelined = o.topology == "pipeline" or (o.topology == "disagg" and o.prefill_stages is not None)
             self._stage_ranges = self._pipeline_split(model_dir) if pipelined else ()
             if self._stop_requested:

@@ -1,7 +1,9 @@
 """A tiny, random-weight default model that needs no download.
 
-Tests, examples and `splitserve up` without a model flag all need *some*
-Hugging Face causal LM. This module builds one locally in a few seconds:
+Tests and examples need *some* Hugging Face causal LM that works offline.
+This module builds one locally in a few seconds (`--model
+splitserve-default-llama`; what splitserve serves without `--model` is a real
+one, see `shared.engine.model_registry`):
 
 - `build_tokenizer` trains a byte-level BPE tokenizer on a short English
   corpus kept in this file, so any UTF-8 text round-trips.
@@ -9,6 +11,8 @@ Hugging Face causal LM. This module builds one locally in a few seconds:
   safetensors weights, generation config, tokenizer) for several
   architectures; tests use it to make models of other shapes.
 - `default_model_dir` builds the default small Llama once and caches it.
+- `build_once` is how anything lands in the cache: built in a temp dir,
+  renamed into place, under a file lock.
 
 Everything is deterministic: the same arguments give byte-identical files.
 """
@@ -20,7 +24,7 @@ import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -412,11 +416,11 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _build_atomically(final: Path) -> None:
-    """Build the default model in a temp sibling, then rename into place."""
+def _build_atomically(final: Path, build: Callable[[Path], None]) -> None:
+    """Run `build` on a temp sibling of `final`, then rename it into place."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        build_random_model(tmp, **_default_build_args())
+        build(tmp)
         _make_readable(tmp)
         os.rename(tmp, final)
     except BaseException:
@@ -431,23 +435,28 @@ def _make_readable(directory: Path) -> None:
         os.chmod(path, 0o644)
 
 
+def build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """`final`, made by `build(tmp_dir)` unless it already exists.
+
+    The directory only ever appears complete (it is renamed into place), and
+    a file lock beside it makes concurrent first callers, threads or
+    processes, build it once.
+    """
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(final.parent / f".{final.name}.lock"):
+        if not final.is_dir():  # another process may have built it meanwhile
+            _build_atomically(final, build)
+    return final
+
+
 def _default_build_args() -> dict[str, Any]:
     """Arguments `default_model_dir` passes to `build_random_model`."""
     return {"model_type": "llama", "seed": 0, "init_std": DEFAULT_INIT_STD, **DEFAULT_MODEL_CONFIG}
 
 
 def default_model_dir() -> Path:
-    """Path of the cached default model, built on first use.
-
-    The directory only ever appears complete (it is renamed into place), and
-    a file lock makes concurrent first callers build it once.
-    """
-    models = cache_root() / "models"
-    final = models / DEFAULT_MODEL_DIRNAME
-    if final.is_dir():
-        return final
-    models.mkdir(parents=True, exist_ok=True)
-    with file_lock(models / f".{DEFAULT_MODEL_DIRNAME}.lock"):
-        if not final.is_dir():  # another process may have built it meanwhile
-            _build_atomically(final)
-    return final
+    """Path of the cached default model, built on first use."""
+    return build_once(cache_root() / "models" / DEFAULT_MODEL_DIRNAME,
+                      lambda tmp: build_random_model(tmp, **_default_build_args()))

@@ -19,3 +19,7 @@ class InvalidRequestError(EngineError, ValueError):
 
 class EngineOverloadedError(EngineError):
     """The engine cannot take more work now; the caller should retry later."""
+
+
+class ModelFetchError(ModelLoadError):
+    """A known model could not be downloaded, verified or converted."""
