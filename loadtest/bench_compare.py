@@ -38,7 +38,9 @@ def add_parser_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default="colocated,disagg",
                         help=f"comma-separated: presets ({', '.join(PRESETS)}) or NAME=FLAGS for `splitserve up` "
                              "(default: colocated,disagg)")
-    parser.add_argument("--model", help="a local model directory (default: the built-in model)")
+    parser.add_argument("--model", metavar="NAME|DIR|FILE.gguf",
+                        help="a known model's name, a model directory or a .gguf file, as `splitserve up` takes "
+                             "(default: smollm2-135m-instruct)")
     parser.add_argument("--up-args", default="", help="more `splitserve up` flags for every configuration")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--cores", help="cores to pin workers to, one each, round-robin (default: all)")
@@ -101,11 +103,11 @@ def format_table(results: dict[str, dict]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from shared.engine.default_model import default_model_dir
+    from shared.engine.model_registry import resolve_model
 
     configs = parse_configs(args.configs)
     args.cores = [int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0))
-    model_dir = str(Path(args.model).resolve()) if args.model else str(default_model_dir())
+    model_dir = str(resolve_model(args.model).model_dir)  # fetched or converted once, before any deployment
     run_root = Path(args.run_dir_root or tempfile.mkdtemp(prefix="splitserve-compare-"))
     results = {}
     for name, flags in configs.items():

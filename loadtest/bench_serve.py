@@ -15,7 +15,6 @@ them with every request's record to --out; --plot draws the latency CDFs.
 import argparse
 import asyncio
 import json
-import os
 import platform
 import sys
 import time
@@ -81,13 +80,15 @@ def resolve_tokenizer(path: str | None, model: str):
     """The tokenizer prompts are made with, or None (text of random words)."""
     from transformers import AutoTokenizer
 
-    from shared.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+    from shared.engine.errors import ModelLoadError
+    from shared.engine.model_registry import resolve_model
 
-    if path is None and model == DEFAULT_MODEL_NAME:
-        path = str(default_model_dir())
-    elif path is None and os.path.isdir(model):
-        path = model
-    return AutoTokenizer.from_pretrained(path) if path else None
+    if path is None:
+        try:  # a served name that is a known model's (in the cache) or a directory's
+            path = str(resolve_model(model, fetch=False).model_dir)
+        except ModelLoadError:
+            return None
+    return AutoTokenizer.from_pretrained(path)
 
 
 def served_model(client, base: str) -> str:

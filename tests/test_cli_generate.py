@@ -1,4 +1,4 @@
-"""`splitserve generate` on the default model and on another local model directory."""
+"""`splitserve generate` on the built-in random model (by name) and on another local model directory."""
 
 import json
 import os
@@ -18,12 +18,13 @@ def run_cli(*args, env_cache):
 
 
 def test_generate_json_on_default_model_matches_transformers(cache_dir, default_model):
-    result = run_cli("--prompt", "The old clock in the hall", "--max-tokens", "24", "--json", env_cache=cache_dir)
+    result = run_cli("--model", "splitserve-default-llama", "--prompt", "The old clock in the hall",
+                     "--max-tokens", "24", "--json", env_cache=cache_dir)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     prompt = AutoTokenizer.from_pretrained(default_model)("The old clock in the hall").input_ids
     expected, _ = reference_greedy(default_model, prompt, 24, ignore_eos=False)
-    assert out["token_ids"] == expected
+    assert out["token_ids"] == expected and out["model"] == default_model
     assert out["text"] and out["finish_reason"] in ("length", "stop")
 
 
@@ -43,5 +44,5 @@ def test_generate_reports_a_bad_model_directory(cache_dir, tmp_path):
 
 
 def test_generate_reports_bad_parameters(cache_dir, default_model):
-    result = run_cli("--prompt", "x", "--top-p", "1.5", env_cache=cache_dir)
+    result = run_cli("--model", default_model, "--prompt", "x", "--top-p", "1.5", env_cache=cache_dir)
     assert result.returncode == 2 and "top_p" in result.stderr

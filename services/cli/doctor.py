@@ -18,7 +18,9 @@ def add_parser(subcommands) -> None:
                     "models and KV spill, the NATS server (with JetStream), the API port, the model directory and "
                     "library versions. On a machine without a GPU it says so and checks the rest.",
     )
-    parser.add_argument("--model", help="the local model directory to serve (default: the built-in model)")
+    parser.add_argument("--model", metavar="NAME|DIR|FILE.gguf",
+                        help="the model to serve: a known name, a directory or a .gguf file "
+                             "(default: smollm2-135m-instruct)")
     parser.add_argument("--nats", metavar="URL", help="an existing NATS server to check (default: the embedded one)")
     parser.add_argument("--host", default="127.0.0.1", help="the address the API will listen on")
     parser.add_argument("--port", type=int, default=8000, help="the port the API will listen on")
@@ -32,11 +34,11 @@ def add_parser(subcommands) -> None:
 def run(args: argparse.Namespace) -> int:
     from services.doctor import checks
     from services.launcher.deployment import resolve_run_dir
+    from shared.engine.default_model import cache_root
 
     run_dir = resolve_run_dir(args.run_dir)
     places = {"run directory": run_dir}
-    if args.model:
-        places["model"] = Path(args.model)
+    places["model"] = Path(args.model) if args.model and Path(args.model).is_dir() else cache_root() / "models"
     if args.kv_store_dir:
         places["kv-store"] = Path(args.kv_store_dir)
     results = [

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from services.cli import bench, doctor, generate, ps, serve, up
+from services.cli import bench, doctor, generate, models, ps, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(subcommands)
     doctor.add_parser(subcommands)
     bench.add_parser(subcommands)
+    models.add_parser(subcommands)
     return parser
 
 

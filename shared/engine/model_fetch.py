@@ -113,6 +113,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.architectures = [type(model).__name__]  # what save_pretrained would write
     config.save_pretrained(str(out_dir))
     model.generation_config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))

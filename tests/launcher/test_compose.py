@@ -117,7 +117,8 @@ def test_the_commands_describe_one_consistent_deployment(compose):
         assert "--kv-store" in commands[name]
         assert _flag(commands[name], "--kv-store-receiver-advertise") == name
     for name in ("gateway", "decode", "prefill"):
-        assert _flag(commands[name], "--served-model-name") == DEFAULT_MODEL_NAME  # the model baked into the image
+        # The model baked into the image, named: without --model a service would fetch the default one.
+        assert _flag(commands[name], "--model") == _flag(commands[name], "--served-model-name") == DEFAULT_MODEL_NAME
     port = _flag(gateway, "--port")
     for mapping in services["gateway"]["ports"]:
         parts = str(mapping).split(":")

@@ -31,7 +31,7 @@ def test_the_stages_form_one_pipeline_over_the_default_model(services, default_m
     check_layer_split([LayerRange(r.start, r.end) for r in ranges], read_config(default_model).num_hidden_layers)
     for name, args in stages.items():
         assert args.instance_id == name and args.transfer_host == "0.0.0.0" and args.transfer_advertise == name
-        assert args.served_model_name == DEFAULT_MODEL_NAME and args.activation_transport == "tcp"
+        assert args.model == args.served_model_name == DEFAULT_MODEL_NAME and args.activation_transport == "tcp"
         assert "nats" in services[name]["depends_on"]
 
 

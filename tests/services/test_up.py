@@ -13,7 +13,7 @@ import pytest
 
 from support.processes import ROOT, free_port, service_env
 
-MODEL = "splitserve-default-llama"
+MODEL = "splitserve-default-llama"  # the built-in random model, by name: no download
 
 
 def splitserve(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -50,8 +50,8 @@ def up(tmp_path, default_model):
     port = free_port()
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--port", str(port), "--run-dir", str(run_dir),
-         "--namespace", "up" + uuid.uuid4().hex[:8]],
+        [sys.executable, "-m", "services.cli.main", "up", "--model", MODEL, "--port", str(port), "--run-dir",
+         str(run_dir), "--namespace", "up" + uuid.uuid4().hex[:8]],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(), cwd=ROOT,
         start_new_session=True,
     )
@@ -112,7 +112,7 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
     assert not [pid for pid in all_pids if pid_alive(pid)]
 
 
-def test_up_with_a_trace_viewer_sends_it_every_services_traces(tmp_path):
+def test_up_with_a_trace_viewer_sends_it_every_services_traces(tmp_path, default_model):
     # The viewer's command is a stand-in speaking `phoenix serve`'s settings and OTLP/HTTP (the real Phoenix is an
     # optional extra); the launcher must start it on loopback, wait for it, and point every service at it.
     viewer = tmp_path / "phoenix"
@@ -123,9 +123,9 @@ def test_up_with_a_trace_viewer_sends_it_every_services_traces(tmp_path):
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         env.pop(name, None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--topology", "disagg", "--max-local-prefill", "0",
-         "--port", str(port), "--run-dir", str(run_dir), "--trace-viewer", "--trace-viewer-port", str(viewer_port),
-         "--namespace", "tv" + uuid.uuid4().hex[:8]],
+        [sys.executable, "-m", "services.cli.main", "up", "--model", MODEL, "--topology", "disagg",
+         "--max-local-prefill", "0", "--port", str(port), "--run-dir", str(run_dir), "--trace-viewer",
+         "--trace-viewer-port", str(viewer_port), "--namespace", "tv" + uuid.uuid4().hex[:8]],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True)
     try:
         lines = [proc.stdout.readline() for _ in range(3)]
