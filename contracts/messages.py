@@ -75,6 +75,8 @@ class HandoffReply(Message):
     code: str = ""  # when not accepted: "overloaded" | "invalid_request" | "draining"
     message: str = ""
     param: str | None = None
+    handoffs_taken: int = 0  # when accepted: the worker's requests taken since it started, this one included; its
+    # registry entry shows the request once the entry's details["handoffs_taken"] reaches this (0: it does not say)
 
 
 @dataclass(slots=True, kw_only=True)

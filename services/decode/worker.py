@@ -95,6 +95,7 @@ class DecodeWorker:
         self.identity = ServiceIdentity(instance_id, "decode")
         self.state = "starting"
         self.requests: dict[str, ActiveRequest] = {}
+        self.handoffs_taken = 0  # requests taken since start; a heartbeat with this count shows them all
         # Filled once per engine step by the engine thread; drained in order by one publisher.
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -153,7 +154,8 @@ class DecodeWorker:
             kv_blocks_total=block_manager.num_blocks,
             kv_blocks_free=block_manager.num_free_blocks,
             max_model_len=self.engine.max_model_len,
-            details={"mode": self.mode, "active_requests": len(self.requests), "rejected_messages": dict(REJECTED),
+            details={"mode": self.mode, "active_requests": len(self.requests), "handoffs_taken": self.handoffs_taken,
+                     "rejected_messages": dict(REJECTED),
                      "prefill_decisions": dict(self.prefill_counts), "kv_transfer": self._transfer_details(),
                      "uses_kv_store": self.kv_cache is not None,
                      "prefix_cache": self.engine.prefix_cache_counts(),
@@ -179,6 +181,7 @@ class DecodeWorker:
                                            "splitserve.prefill": request.prefill})
             active = ActiveRequest(request.reply_subject, span)
             self.requests[request.request_id] = active
+            self.handoffs_taken += 1  # with no await in between: a heartbeat counting it shows the request
             # The tasks started here log with the request's ids and hang their spans under its span.
             with trace.use_span(span), structlog.contextvars.bound_contextvars(request_id=request.request_id):
                 if request.prefill == "remote" and self.receiver is not None:
@@ -188,6 +191,8 @@ class DecodeWorker:
                 else:
                     self.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params))
         if msg.reply:
+            if reply.accepted:
+                reply.handoffs_taken = self.handoffs_taken
             await msg.respond(reply.encode())
 
     def _admit(self, request: GenerateRequest) -> tuple[HandoffReply, SamplingParams | None]:

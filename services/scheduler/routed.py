@@ -1,16 +1,14 @@
-"""Requests this scheduler has handed to workers that their registry entries may not show yet.
+"""Requests this scheduler has handed to workers that their registry entries do not show yet.
 
 A worker's entry is a heartbeat old (a second, plus the scheduler's refresh), so requests routed within one
-heartbeat would all see the same load and go to the same worker. Each request counts on the worker it was
+heartbeat would all see the same load and go to the same worker. Each request counts on the worker it is
 offered to from the moment it is chosen (before the handoff, so routings in flight see each other) until
-the worker's first heartbeat made after it accepted: that entry shows the request itself (or that it has
-finished). A refused or failed handoff stops counting at once.
+the worker's entry shows it: a worker counts the requests it takes (`handoffs_taken` in its entry's
+details, and in its reply to each handoff), so an entry whose count has reached the one its reply carried
+holds the request in its figures (or it has finished). A refused or failed handoff stops counting at once.
 
-Heartbeats are stamped with the worker's wall clock and acceptances with the scheduler's, as deadlines
-already assume; a heartbeat in the same millisecond counts as after, since counting a request for a moment
-too little only loosens the balance, while counting it twice as well as the heartbeat pushes work away.
-Bounded: a request counts `max_age_ms` at most, its worker leaving ends it, and at most `max_requests`
-are held (the oldest go first).
+Bounded: a request counts `max_age_ms` at most (also the only end for a worker that does not count), its
+worker leaving or restarting ends it, and at most `max_requests` are held (the oldest go first).
 """
 
 from collections import OrderedDict
@@ -23,9 +21,10 @@ from services.scheduler.routing import num_seqs
 @dataclass(slots=True)
 class _Routed:
     instance_id: str
+    boot_id: str  # the worker process offered it: another one (a restart) never had it
     num_blocks: int
     chosen_ms: int
-    accepted_ms: int = 0  # when the worker's acceptance came back; 0 while the handoff is in flight
+    handoffs_taken: int = 0  # from the worker's acceptance; 0 while the handoff is in flight
 
 
 @dataclass(slots=True)
@@ -44,24 +43,24 @@ class RoutedTally:
     def __len__(self) -> int:
         return len(self._routed)
 
-    def offered(self, request_id: str, instance_id: str, num_blocks: int, now_ms: int) -> None:
-        """`request_id` is being offered to `instance_id`, where it will take `num_blocks` KV blocks."""
+    def offered(self, request_id: str, worker: ServiceInfo, num_blocks: int, now_ms: int) -> None:
+        """`request_id` is being offered to `worker`, where it will take `num_blocks` KV blocks."""
         self.discard(request_id)
-        self._routed[request_id] = _Routed(instance_id, num_blocks, now_ms)
-        counted = self._by_worker.setdefault(instance_id, _Counted())
+        self._routed[request_id] = _Routed(worker.instance_id, worker.boot_id, num_blocks, now_ms)
+        counted = self._by_worker.setdefault(worker.instance_id, _Counted())
         counted.num_requests += 1
         counted.num_blocks += num_blocks
         while len(self._routed) > self.max_requests:
             self.discard(next(iter(self._routed)))
 
-    def accepted(self, request_id: str, now_ms: int) -> None:
-        """The worker took it: its next heartbeat will show it."""
+    def accepted(self, request_id: str, handoffs_taken: int) -> None:
+        """The worker took it, as its `handoffs_taken`-th request: an entry with that count shows it."""
         routed = self._routed.get(request_id)
         if routed is not None:
-            routed.accepted_ms = now_ms
+            routed.handoffs_taken = handoffs_taken
 
     def discard(self, request_id: str) -> None:
-        """It is not (or no longer) counted: refused, failed, or shown by its worker's entry."""
+        """It is not (or no longer) counted here: refused, failed, or shown by its worker's entry."""
         routed = self._routed.pop(request_id, None)
         if routed is None:
             return
@@ -72,13 +71,13 @@ class RoutedTally:
             del self._by_worker[routed.instance_id]
 
     def settle(self, entries: list[ServiceInfo], now_ms: int) -> None:
-        """Given fresh registry entries: stop counting what they show, what went to a worker that left,
-        and anything older than `max_age_ms`."""
-        heartbeats = {entry.instance_id: entry.heartbeat_ms for entry in entries}
+        """Given fresh registry entries: stop counting what they show, what went to a worker that has left
+        or restarted, and anything older than `max_age_ms`."""
+        by_id = {entry.instance_id: entry for entry in entries}
         for request_id, routed in list(self._routed.items()):
-            heartbeat_ms = heartbeats.get(routed.instance_id)
-            shown = routed.accepted_ms and heartbeat_ms is not None and heartbeat_ms >= routed.accepted_ms
-            if shown or heartbeat_ms is None or now_ms - routed.chosen_ms > self.max_age_ms:
+            entry = by_id.get(routed.instance_id)
+            if (entry is None or entry.boot_id != routed.boot_id or now_ms - routed.chosen_ms > self.max_age_ms
+                    or 0 < routed.handoffs_taken <= (entry.details.get("handoffs_taken") or 0)):
                 self.discard(request_id)
 
     def apply(self, workers: list[ServiceInfo]) -> list[ServiceInfo]:

@@ -194,11 +194,11 @@ class Router:
         for worker in candidates:
             self._plan_prefill(request, worker, prefill_workers, cached)
             # Counted on the worker before the handoff, so that the requests routed meanwhile see it.
-            self.routed.offered(request.request_id, worker.instance_id, now_ms=now_ms(), num_blocks=blocks_to_take(
+            self.routed.offered(request.request_id, worker, now_ms=now_ms(), num_blocks=blocks_to_take(
                 worker, len(prompt), cached.blocks.get(worker.instance_id, 0) if cached is not None else 0))
             reply = await self._offer(worker, request)
             if isinstance(reply, HandoffReply) and reply.accepted:
-                self.routed.accepted(request.request_id, now_ms())
+                self.routed.accepted(request.request_id, reply.handoffs_taken)
             else:
                 self.routed.discard(request.request_id)
             if reply == "timeout":

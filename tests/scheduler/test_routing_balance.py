@@ -5,13 +5,15 @@ from services.scheduler.routed import RoutedTally
 from services.scheduler.routing import blocks_to_take, kv_cost, load_score, num_seqs, rank_by_kv, rank_by_load
 
 
-def worker(instance, used=0, running=0, waiting=0, active=None, heartbeat_ms=0, total=100, slots=8):
+def worker(instance, used=0, running=0, waiting=0, active=None, taken=None, boot="b1", total=100, slots=8):
     details = {"kv_block_size": 16}
     if active is not None:
         details["active_requests"] = active
+    if taken is not None:
+        details["handoffs_taken"] = taken
     return ServiceInfo(instance_id=instance, role="decode", state="ready", served_model_name="m", max_num_seqs=slots,
                        num_running=running, num_waiting=waiting, kv_blocks_total=total, kv_blocks_free=total - used,
-                       heartbeat_ms=heartbeat_ms, details=details)
+                       boot_id=boot, details=details)
 
 
 def route(tally, workers, request_id, prompt_blocks=4, cached=None, router="kv", now_ms=1000):
@@ -20,7 +22,7 @@ def route(tally, workers, request_id, prompt_blocks=4, cached=None, router="kv",
     cached = cached or {}
     ranked = rank_by_kv(shown, prompt_blocks, cached) if router == "kv" else rank_by_load(shown)
     chosen = ranked[0]
-    tally.offered(request_id, chosen.instance_id, prompt_blocks - cached.get(chosen.instance_id, 0), now_ms)
+    tally.offered(request_id, chosen, prompt_blocks - cached.get(chosen.instance_id, 0), now_ms)
     return chosen.instance_id
 
 
@@ -49,13 +51,12 @@ def test_a_cached_prefix_still_draws_its_request_to_the_holder():
     # A conversation: the first turn (25 blocks), the next (28 blocks, 25 of them cached), a third sharing 20 of
     # its 24 blocks; what the scheduler sees of decode-0 is a heartbeat made while the first turn ran (26 blocks).
     tally = RoutedTally()
-    idle = [worker("decode-0", heartbeat_ms=50), worker("decode-1", heartbeat_ms=50)]
-    assert route(tally, idle, "first", prompt_blocks=25) == "decode-0"
-    tally.accepted("first", now_ms=100)
-    stale = [worker("decode-0", used=26, heartbeat_ms=150), worker("decode-1", heartbeat_ms=150)]
-    tally.settle(stale, now_ms=160)
+    assert route(tally, [worker("decode-0"), worker("decode-1")], "first", prompt_blocks=25) == "decode-0"
+    tally.accepted("first", handoffs_taken=1)
+    stale = [worker("decode-0", used=26, running=1, taken=1), worker("decode-1", taken=0)]
+    tally.settle(stale, now_ms=1100)
     assert route(tally, stale, "second", prompt_blocks=28, cached={"decode-0": 25}) == "decode-0"
-    tally.accepted("second", now_ms=200)
+    tally.accepted("second", handoffs_taken=2)
     # Both turns have finished, no heartbeat since: the second still counts here, but only with the blocks it
     # added to the cache, so the holder's stale blocks and it do not outweigh the 20 cached blocks.
     assert route(tally, stale, "third", prompt_blocks=24, cached={"decode-0": 20}) == "decode-0"
@@ -64,51 +65,54 @@ def test_a_cached_prefix_still_draws_its_request_to_the_holder():
                  cached={"decode-0": 20}) == "decode-1"
 
 
-def test_the_tally_counts_until_a_heartbeat_made_after_the_acceptance():
+def test_the_tally_counts_until_the_workers_entry_shows_the_request():
     tally = RoutedTally()
-    tally.offered("r1", "decode-0", 4, now_ms=1000)
+    tally.offered("r1", worker("decode-0"), 4, now_ms=1000)
     shown = tally.apply([worker("decode-0", used=10, running=2), worker("decode-1")])
     assert (shown[0].num_running, shown[0].num_waiting, shown[0].kv_blocks_free) == (2, 1, 86)
     assert shown[1] == worker("decode-1")
-    tally.settle([worker("decode-0", heartbeat_ms=2000)], now_ms=2000)
-    assert tally.counts() == {"decode-0": 1}  # the handoff is still in flight: no heartbeat can show it yet
-    tally.accepted("r1", now_ms=2010)
-    tally.settle([worker("decode-0", heartbeat_ms=2000)], now_ms=2020)
+    tally.settle([worker("decode-0", taken=7)], now_ms=1100)
+    assert tally.counts() == {"decode-0": 1}  # the handoff is still in flight: no entry can show it yet
+    tally.accepted("r1", handoffs_taken=8)
+    tally.settle([worker("decode-0", taken=7)], now_ms=1200)
     assert tally.counts() == {"decode-0": 1}  # that heartbeat was made before the worker took it
-    tally.settle([worker("decode-0", heartbeat_ms=2010)], now_ms=3000)
+    tally.settle([worker("decode-0", taken=8)], now_ms=1300)
     assert tally.counts() == {} and len(tally) == 0  # this one shows it (or that it has finished)
     assert tally.apply([worker("decode-0")]) == [worker("decode-0")]
 
 
 def test_the_tally_adds_to_what_the_worker_reports_it_holds():
     tally = RoutedTally()
-    tally.offered("r1", "decode-0", 3, now_ms=0)
+    tally.offered("r1", worker("decode-0"), 3, now_ms=0)
     shown, = tally.apply([worker("decode-0", running=1, waiting=1, active=4)])
     assert num_seqs(shown) == 5 and load_score(shown) == (5 / 8, 1 - 97 / 100)
 
 
 def test_a_refused_or_failed_handoff_stops_counting_at_once():
     tally = RoutedTally()
-    tally.offered("r1", "decode-0", 4, now_ms=0)
-    tally.offered("r2", "decode-0", 4, now_ms=0)
+    tally.offered("r1", worker("decode-0"), 4, now_ms=0)
+    tally.offered("r2", worker("decode-0"), 4, now_ms=0)
     tally.discard("r1")
     tally.discard("r1")  # twice is harmless
     shown, = tally.apply([worker("decode-0")])
     assert (num_seqs(shown), shown.kv_blocks_free) == (1, 96)
-    tally.offered("r2", "decode-1", 2, now_ms=0)  # offered again elsewhere: counted there only
+    tally.offered("r2", worker("decode-1"), 2, now_ms=0)  # offered again elsewhere: counted there only
     assert tally.counts() == {"decode-1": 1}
 
 
 def test_the_tally_is_bounded():
     tally = RoutedTally(max_age_ms=5000, max_requests=3)
     for i in range(5):
-        tally.offered(f"r{i}", "decode-0", 1, now_ms=i * 1000)
+        tally.offered(f"r{i}", worker("decode-0"), 1, now_ms=i * 1000)
+        tally.accepted(f"r{i}", handoffs_taken=0)  # a worker that does not count its handoffs
     assert len(tally) == 3 and tally.counts() == {"decode-0": 3}  # the oldest went first
-    tally.settle([worker("decode-0")], now_ms=8500)  # its heartbeat never showed them: too old now
+    tally.settle([worker("decode-0")], now_ms=8500)  # its entry never says: too old now
     assert tally.counts() == {"decode-0": 1}
-    tally.offered("r9", "decode-1", 1, now_ms=8500)
+    tally.offered("r8", worker("decode-1"), 1, now_ms=8500)
     tally.settle([worker("decode-0")], now_ms=8600)  # decode-1 left the registry: what went there is gone
     assert tally.counts() == {"decode-0": 1}
+    tally.settle([worker("decode-0", boot="b2")], now_ms=8700)  # decode-0 restarted: its requests died with it
+    assert tally.counts() == {}
 
 
 def test_blocks_to_take_are_the_prompt_blocks_the_cache_does_not_hold():
