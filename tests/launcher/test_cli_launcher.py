@@ -165,7 +165,7 @@ def test_ps_without_a_deployment(tmp_path):
 def test_every_subcommand_is_registered():
     result = cli("--help")
     assert result.returncode == 0
-    for name in ("generate", "up", "ps", "serve", "doctor", "bench"):
+    for name in ("generate", "up", "ps", "serve", "doctor", "bench", "models"):
         assert name in result.stdout
 
 

