@@ -40,6 +40,8 @@ def test_port_checks():
     [
         (["--namespace", "a.b"], "namespace 'a.b' may only contain"),
         (["--model", "/no/such/model"], "model directory /no/such/model does not exist"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model': not a directory, a .gguf file or a known "
+                                       "model (known: smollm2-135m-instruct, splitserve-default-llama)"),
     ],
 )
 def test_up_reports_bad_settings_without_a_traceback(tmp_path, args, message):
