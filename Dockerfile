@@ -13,8 +13,9 @@ ENV PYTHONUNBUFFERED=1 \
 # Torch first, in its own layer: it is by far the largest and changes least.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
-# The project, then the default model built once into the image (so
-# containers start at once), then an unprivileged user to run as.
+# The project, then the built-in random model built once into the image
+# (`--model splitserve-default-llama`, what compose/ runs, so containers start
+# at once and offline), then an unprivileged user to run as.
 WORKDIR /opt/splitserve/src
 COPY . .
 RUN pip install . \
