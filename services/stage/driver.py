@@ -97,7 +97,7 @@ class PipelineDriver:
             "microbatches": len(engine.schedulers), "steps_started": engine.steps_started,
             "steps_failed": engine.steps_failed, "steps_in_flight": engine.num_in_flight,
             "stages_missing": list(self.stages_missing), "resets": self.resets,
-            "parameter_bytes": sum(r.loaded.parameter_bytes() for r in engine.executor.runners),
+            "parameter_bytes": sum(r.loaded.parameter_bytes for r in engine.executor.runners),
             "link": dict(self.link.stats), "utilization": engine.utilization.snapshot(),
         }
 

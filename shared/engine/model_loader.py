@@ -3,8 +3,9 @@
 The model is built by transformers on the meta device (no memory), pruned to
 the requested decoder-layer range, materialised, and filled tensor by tensor
 from the safetensors files, so a range's process only ever reads and holds
-its own weights. transformers' modules do the math; attention is routed to
-splitserve's paged attention through the attention-function registry.
+its own weights. transformers' modules hold the weights; the runner moves the decoder
+layers' weights into a `DecoderStack` and computes with it (paged attention
+included).
 """
 
 import hashlib
@@ -20,7 +21,6 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shared.engine.errors import ModelLoadError
 from shared.engine.kv_cache import DTYPES
-from shared.engine.paged_attention import ATTENTION_IMPLEMENTATION
 
 # Families whose transformers forward is exactly embed -> decoder layers -> norm -> head,
 # which the runner re-creates layer range by layer range. Others (e.g. Granite's
@@ -54,6 +54,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     fingerprint: bytes  # identifies the weights and KV dtype; part of every block hash
+    parameter_bytes: int  # of the range's weights, as loaded
 
     @property
     def is_first(self) -> bool:
@@ -78,10 +79,6 @@ class LoadedModel:
     @property
     def head_dim(self) -> int:
         return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
-
-    def parameter_bytes(self) -> int:
-        seen = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
-        return sum(seen.values())
 
 
 def read_config(model_dir: str | os.PathLike) -> PretrainedConfig:
@@ -138,7 +135,8 @@ def load_model(
         raise ModelLoadError(f"layer range [{layer_range.start}, {layer_range.end}) exceeds the model's {num_layers} layers")
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=ATTENTION_IMPLEMENTATION)
+        # The modules' own attention never runs (the runner's DecoderStack computes), so any implementation does.
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
     _check_structure(model, path)
     tied = _prune_to_range(model, layer_range, num_layers)
     shared_params = _shared_parameter_names(model)
@@ -155,7 +153,13 @@ def load_model(
         dtype=torch_dtype,
         device=device_obj,
         fingerprint=model_fingerprint(path, torch_dtype),
+        parameter_bytes=_parameter_bytes(model),
     )
+
+
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
 
 
 def _check_structure(model: torch.nn.Module, path: Path) -> None:

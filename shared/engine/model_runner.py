@@ -4,9 +4,12 @@ from collections.abc import Callable
 
 import torch
 
+from shared.engine.decoder_stack import DecoderStack
 from shared.engine.kv_cache import KVAllocator, PagedKVCache
 from shared.engine.model_loader import LoadedModel
-from shared.engine.paged_attention import DecodeGroup, PagedAttentionMetadata, PrefillSpan, group_decodes_by_length
+from shared.engine.packed_linear import PackedLinear
+from shared.engine.paged_attention import (DecodeGroup, PagedAttentionMetadata, PrefillSpan, group_decodes_by_length,
+                                           native_decode_library)
 from shared.engine.step_batch import StepBatch
 
 
@@ -33,12 +36,15 @@ class ModelRunner:
             loaded.device,
             kv_allocator,
         )
+        self.native_decode = native_decode_library(self.kv_cache)
         decoder = loaded.decoder
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
-        self.layers = loaded.layers
+        self.stack = DecoderStack(loaded.config, loaded.layers, loaded.layer_range.start)
+        for index in range(loaded.layer_range.start, loaded.layer_range.end):
+            decoder.layers[index] = torch.nn.Module()  # its weights live in the stack now
         self.norm = decoder.norm
-        self.lm_head = loaded.model.lm_head if loaded.is_last else None
+        self.lm_head = PackedLinear(loaded.model.lm_head.weight, loaded.model.lm_head.bias) if loaded.is_last else None
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, hidden_states: torch.Tensor | None = None,
@@ -54,21 +60,8 @@ class ModelRunner:
             hidden = self.embed_tokens(token_ids)  # (1, T, hidden)
         else:
             hidden = hidden_states.to(device=self.device, dtype=self.loaded.dtype)[None]
-        position_embeddings = self.rotary_emb(hidden, positions)
-        metadata = self._attention_metadata(batch)
-        for index, layer in enumerate(self.layers, start=self.loaded.layer_range.start):
-            hidden = layer(
-                hidden,
-                attention_mask=None,
-                position_ids=positions,
-                position_embeddings=position_embeddings,
-                paged_attention=metadata,
-            )
-            if isinstance(hidden, tuple):  # older decoder layers return (hidden, ...)
-                hidden = hidden[0]
-            if after_layer is not None:
-                after_layer(index)
-        hidden = hidden[0]  # (T, hidden)
+        cos, sin = self.rotary_emb(hidden, positions)  # (1, T, head_dim) each
+        hidden = self.stack.forward(hidden[0], cos[0], sin[0], self._attention_metadata(batch), after_layer)  # (T, hidden)
         if self.lm_head is None:
             return hidden
         last_token = torch.tensor(batch.query_lens, device=self.device).cumsum(0) - 1  # (seqs,)
@@ -96,6 +89,8 @@ class ModelRunner:
                     block_ids = torch.tensor(table, dtype=torch.long, device=device)
                 prefills.append(PrefillSpan(query_start, query_len, context_len, block_ids))
             query_start += query_len
+        # The native kernel reads each sequence's own blocks, so one group holds every decode.
+        groups = [list(range(len(decode_lens)))] if self.native_decode and decode_lens else group_decodes_by_length(decode_lens)
         return PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -103,8 +98,9 @@ class ModelRunner:
             decode_groups=[
                 self._decode_group([decode_index[i] for i in members], [decode_tables[i] for i in members],
                                    [decode_lens[i] for i in members])
-                for members in group_decodes_by_length(decode_lens)
+                for members in groups
             ],
+            native_decode=self.native_decode,
         )
 
     def _decode_group(self, token_index: list[int], tables: list[list[int]], context_lens: list[int]) -> DecodeGroup:

@@ -1,26 +1,23 @@
-"""Attention over the paged KV cache, plugged into transformers' attention registry.
+"""Attention over the paged KV cache.
 
-transformers' attention modules compute q/k/v projections, q/k norms and
-rotary embeddings, then call the registered attention function. Ours writes
-the new keys/values into the paged cache and attends over each sequence's
-blocks. The batch is flattened: `query` is `(1, heads, total_tokens, head_dim)`
-holding every scheduled token of every sequence, back to back.
+Each layer writes its new keys/values into the paged cache and attends over
+each sequence's blocks. The batch is flattened: `query` is `(total_tokens,
+heads, head_dim)` holding every scheduled token of every sequence, back to
+back.
 
 This is the plain-torch CPU path (SDPA per prefill span, one padded SDPA per
-group of single-token decodes of similar length); a GPU kernel can replace `paged_attention_forward`
-without touching anything else.
+group of single-token decodes of similar length); a GPU kernel can replace
+`paged_attention` without touching anything else.
 """
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
+from shared.engine.kernels import paged_decode_library
 from shared.engine.kv_cache import PagedKVCache
-
-ATTENTION_IMPLEMENTATION = "splitserve_paged"
-
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -49,21 +46,52 @@ class PagedAttentionMetadata:
     prefills: list[PrefillSpan]
     decode_groups: list[DecodeGroup]
     masks: dict = field(default_factory=dict)  # prefill masks, shared by every layer of a step
+    native_decode: ctypes.CDLL | None = None  # the compiled decode kernel, when it serves this cache
 
 
-def group_decodes_by_length(context_lens: list[int], max_padding: float = 0.25, max_groups: int = 8) -> list[list[int]]:
+def native_decode_library(kv_cache: PagedKVCache) -> ctypes.CDLL | None:
+    """The compiled decode attention kernel if it can read `kv_cache` (CPU, float32 or bfloat16), else None."""
+    if kv_cache.tensor.device.type != "cpu" or kv_cache.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return paged_decode_library()
+
+
+def _native_decode(library: ctypes.CDLL, group: DecodeGroup, query: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, scaling: float, sliding_window: int | None, out: torch.Tensor) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    num_kv_heads = key_cache.shape[2]
+    status = library.paged_decode_attention(
+        query.data_ptr(), query.stride(0), group.token_index.data_ptr(),
+        key_cache.data_ptr(), value_cache.data_ptr(),
+        group.block_tables.data_ptr(), group.block_tables.shape[1], group.context_lens.data_ptr(),
+        group.token_index.numel(), key_cache.shape[1], num_kv_heads, num_heads // num_kv_heads, head_dim,
+        sliding_window or 0, scaling, out.data_ptr(), int(query.dtype == torch.bfloat16), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("the decode attention kernel could not allocate its scratch memory")
+
+
+def group_decodes_by_length(context_lens: list[int], max_padding: float = 0.25, max_groups: int = 8,
+                            min_padding_tokens: int = 256) -> list[list[int]]:
     """Split decodes (by index) into groups whose padded length wastes at most ~max_padding.
 
-    Gathering KV is the CPU decode path's main cost and padding to the longest
-    context multiplies it, so similar lengths are attended together.
+    Gathering KV is the CPU decode path's main cost at long contexts and padding to
+    the longest context multiplies it, so similar lengths are attended together. At
+    short contexts each group's fixed cost (a gather and an SDPA per layer) outweighs
+    the padding, so lengths within `min_padding_tokens` of a group's longest always join it.
     """
     order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
     groups: list[list[int]] = []
     for i in order:
-        if groups and (context_lens[i] >= (1 - max_padding) * context_lens[groups[-1][0]] or len(groups) == max_groups):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+        if groups:
+            longest = context_lens[groups[-1][0]]
+            slack = max(max_padding * longest, min_padding_tokens)
+            if context_lens[i] >= longest - slack or len(groups) == max_groups:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
     return groups
 
 
@@ -93,36 +121,33 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, block_ids.flatten()).view(*block_ids.shape, *cache.shape[1:])
 
 
-def paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,  # (1, heads, T, head_dim)
-    key: torch.Tensor,  # (1, kv_heads, T, head_dim)
+def paged_attention(
+    meta: PagedAttentionMetadata,
+    layer: int,
+    query: torch.Tensor,  # (T, heads, head_dim)
+    key: torch.Tensor,  # (T, kv_heads, head_dim)
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
+    scaling: float,
     sliding_window: int | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    meta: PagedAttentionMetadata = kwargs["paged_attention"]
-    key_cache, value_cache = meta.kv_cache.layer(module.layer_idx)
+) -> torch.Tensor:
+    """This step's attention output `(T, heads, head_dim)`; stores the step's keys and values first."""
+    key_cache, value_cache = meta.kv_cache.layer(layer)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    total_tokens = query.shape[2]
+    total_tokens = query.shape[0]
 
     # 1. Store this step's keys and values in their slots.
-    new_keys = key[0].transpose(0, 1)  # (T, kv_heads, head_dim)
-    new_values = value[0].transpose(0, 1)
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_keys)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new_values)
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
 
     out = query.new_empty(total_tokens, query.shape[1], head_dim)  # (T, heads, head_dim)
 
     # 2. Prompt chunks: one causal SDPA per sequence.
     for span in meta.prefills:
-        q = query[:, :, span.query_start : span.query_start + span.query_len]  # (1, heads, q_len, d)
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        q = query[rows].transpose(0, 1)[None]  # (1, heads, q_len, d)
         if span.block_ids is None:
-            k = key[:, :, span.query_start : span.query_start + span.query_len]
-            v = value[:, :, span.query_start : span.query_start + span.query_len]
+            k = key[rows].transpose(0, 1)[None]
+            v = value[rows].transpose(0, 1)[None]
         else:
             # (blocks, block_size, kv_heads, d) -> (1, kv_heads, context_len, d)
             k = _gather(key_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
@@ -134,11 +159,15 @@ def paged_attention_forward(
             if mask_key not in meta.masks:
                 meta.masks[mask_key] = _causal_mask(span.query_len, span.context_len, sliding_window, q.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.masks[mask_key], scale=scaling, enable_gqa=True)
-        out[span.query_start : span.query_start + span.query_len] = o[0].transpose(0, 1)
+        out[rows] = o[0].transpose(0, 1)
 
-    # 3. Single-token decodes: one SDPA per group of similar lengths, padded and masked.
+    # 3. Single-token decodes: the native kernel reads the blocks in place; else one SDPA per group of similar
+    # lengths, padded and masked.
     for group in meta.decode_groups:
-        q = query[0, :, group.token_index].transpose(0, 1)[:, :, None]  # (n, heads, 1, d)
+        if meta.native_decode is not None:
+            _native_decode(meta.native_decode, group, query, key_cache, value_cache, scaling, sliding_window, out)
+            continue
+        q = query[group.token_index][:, :, None]  # (n, heads, 1, d)
         # (n, max_blocks, block_size, kv_heads, d) -> (n, kv_heads, slots, d)
         k = _gather(key_cache, group.block_tables).flatten(1, 2).transpose(1, 2)
         v = _gather(value_cache, group.block_tables).flatten(1, 2).transpose(1, 2)
@@ -152,7 +181,4 @@ def paged_attention_forward(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[group.token_index] = o[:, :, 0]
 
-    return out[None], None  # (1, T, heads, head_dim), no attention weights
-
-
-AttentionInterface.register(ATTENTION_IMPLEMENTATION, paged_attention_forward)
+    return out

@@ -42,7 +42,7 @@ class StageRunner:
 
     @property
     def parameter_bytes(self) -> int:
-        return self.loaded.parameter_bytes()
+        return self.loaded.parameter_bytes
 
     def view_kv(self, block_ids: list[int], num_tokens: int, layer: int):
         """One of this stage's layers' KV of `block_ids`, in place: (BlockSlice, KVLayout)."""

@@ -30,3 +30,9 @@ def test_group_count_is_capped():
 def test_equal_lengths_share_one_group():
     assert group_decodes_by_length([64] * 10) == [list(range(10))]
     assert group_decodes_by_length([]) == []
+
+
+def test_short_contexts_share_one_group_whatever_their_ratio():
+    # Below min_padding_tokens of padding a group's fixed cost (a gather and an SDPA per layer) is the larger one.
+    assert group_decodes_by_length([200, 40, 120, 10], min_padding_tokens=256) == [[0, 2, 1, 3]]
+    assert len(group_decodes_by_length([200, 40, 120, 10], min_padding_tokens=0)) == 4

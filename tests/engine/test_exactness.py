@@ -109,5 +109,5 @@ def test_layer_range_holds_only_its_weights(default_model, model_zoo, name):
     bounds = [0, 1, num_layers - 1, num_layers]
     for start, end in zip(bounds, bounds[1:]):
         part = load_model(path, "float32", layer_range=LayerRange(start, end))
-        assert part.parameter_bytes() == expected(start, end)
-        assert part.parameter_bytes() < whole.parameter_bytes()
+        assert part.parameter_bytes == expected(start, end)
+        assert part.parameter_bytes < whole.parameter_bytes

@@ -1,0 +1,148 @@
+/* Decode attention straight from the paged KV cache: one query token per sequence.
+ *
+ * For each (sequence, KV head) the kernel reads the sequence's keys block by block
+ * from the cache (no gather into a padded copy), computes the scores of the KV head's
+ * query-head group, a softmax in float32, and the weighted sum of the values.
+ * Work items (sequence, KV head) are split over `num_threads` threads.
+ *
+ * Layouts (element strides, row-major):
+ *   query       [tokens][heads][head_dim], rows `token_index[i]`, row stride `query_row_stride`
+ *   key/value   [blocks][block_size][kv_heads][head_dim] of one layer (contiguous)
+ *   block_table [num_seqs][table_width] (int64), context_lens [num_seqs] (int64)
+ *   out         [tokens][heads][head_dim] (contiguous), rows `token_index[i]`
+ * `window` > 0 attends to the last `window` positions only.
+ */
+#include <float.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const void *query; int64_t query_row_stride;
+    const int64_t *token_index;
+    const void *key_cache; const void *value_cache;
+    const int64_t *block_table; int64_t table_width;
+    const int64_t *context_lens;
+    int64_t num_seqs, block_size, num_kv_heads, group, head_dim, window;
+    float scale;
+    void *out;
+    int is_bf16;
+    int64_t first_item, last_item;  /* [first, last) of num_seqs * num_kv_heads */
+    int failed;
+} Job;
+
+static inline float load(const void *base, int64_t i, int is_bf16) {
+    if (!is_bf16) return ((const float *)base)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+static inline void store(void *base, int64_t i, float x, int is_bf16) {
+    if (!is_bf16) { ((float *)base)[i] = x; return; }
+    uint32_t bits; memcpy(&bits, &x, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);  /* round to nearest even */
+    ((uint16_t *)base)[i] = (uint16_t)(bits >> 16);
+}
+
+/* `n` elements at `offset` as float32: in place for float32, else converted into `scratch`
+ * (so the inner loops vectorize on one type). */
+static inline const float *as_f32(float *scratch, const void *src, int64_t offset, int64_t n, int is_bf16) {
+    if (!is_bf16) return (const float *)src + offset;
+    const uint16_t *s = (const uint16_t *)src + offset;
+    for (int64_t i = 0; i < n; i++) { uint32_t bits = (uint32_t)s[i] << 16; memcpy(scratch + i, &bits, 4); }
+    return scratch;
+}
+
+static void run_items(Job *job) {
+    const int64_t D = job->head_dim, G = job->group, H = job->num_kv_heads * G, bs = job->block_size;
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < job->num_seqs; s++) if (job->context_lens[s] > max_len) max_len = job->context_lens[s];
+    float *scores = malloc(sizeof(float) * (size_t)(G * max_len + G * D * 2 + D));
+    if (!scores) { job->failed = 1; return; }
+    float *q = scores + G * max_len, *acc = q + G * D, *row = acc + G * D;
+    for (int64_t item = job->first_item; item < job->last_item; item++) {
+        const int64_t seq = item / job->num_kv_heads, kv_head = item % job->num_kv_heads;
+        const int64_t len = job->context_lens[seq], token = job->token_index[seq];
+        const int64_t start = (job->window > 0 && len > job->window) ? len - job->window : 0;
+        const int64_t n = len - start;
+        const int64_t *table = job->block_table + seq * job->table_width;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = as_f32(q + g * D, job->query, token * job->query_row_stride + (kv_head * G + g) * D, D,
+                                     job->is_bf16);
+            if (qg != q + g * D) memcpy(q + g * D, qg, sizeof(float) * (size_t)D);
+        }
+        /* Scores, one key at a time (each key read once for the whole group). */
+        for (int64_t p = start; p < len; p++) {
+            const int64_t slot = table[p / bs] * bs + p % bs;
+            const float *k = as_f32(row, job->key_cache, (slot * job->num_kv_heads + kv_head) * D, D, job->is_bf16);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = q + g * D; float dot = 0.f;
+                #pragma omp simd reduction(+:dot)
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * k[d];
+                scores[g * max_len + (p - start)] = dot * job->scale;
+            }
+        }
+        /* Softmax per query head. */
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = scores + g * max_len, mx = -FLT_MAX, sum = 0.f;
+            #pragma omp simd reduction(max:mx)
+            for (int64_t i = 0; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t i = 0; i < n; i++) { sg[i] = expf(sg[i] - mx); sum += sg[i]; }
+            const float inv = 1.f / sum;
+            #pragma omp simd
+            for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+        }
+        /* Weighted values. */
+        memset(acc, 0, sizeof(float) * (size_t)(G * D));
+        for (int64_t p = start; p < len; p++) {
+            const int64_t slot = table[p / bs] * bs + p % bs;
+            const float *v = as_f32(row, job->value_cache, (slot * job->num_kv_heads + kv_head) * D, D, job->is_bf16);
+            for (int64_t g = 0; g < G; g++) {
+                const float w = scores[g * max_len + (p - start)];
+                float *ag = acc + g * D;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) ag[d] += w * v[d];
+            }
+        }
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d++)
+                store(job->out, (token * H + kv_head * G + g) * D + d, acc[g * D + d], job->is_bf16);
+    }
+    free(scores);
+}
+
+static void *thread_main(void *arg) { run_items((Job *)arg); return NULL; }
+
+int paged_decode_attention(
+    const void *query, int64_t query_row_stride, const int64_t *token_index,
+    const void *key_cache, const void *value_cache,
+    const int64_t *block_table, int64_t table_width, const int64_t *context_lens,
+    int64_t num_seqs, int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+    int64_t window, float scale, void *out, int is_bf16, int num_threads)
+{
+    const int64_t items = num_seqs * num_kv_heads;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > items) num_threads = (int)items;
+    if (num_threads > 64) num_threads = 64;
+    Job jobs[64];
+    pthread_t threads[64];
+    for (int t = 0; t < num_threads; t++) {
+        Job j = {query, query_row_stride, token_index, key_cache, value_cache, block_table, table_width,
+                 context_lens, num_seqs, block_size, num_kv_heads, group, head_dim, window, scale, out, is_bf16,
+                 items * t / num_threads, items * (t + 1) / num_threads, 0};
+        jobs[t] = j;
+    }
+    int started = 0;
+    for (int t = 1; t < num_threads; t++) {
+        if (pthread_create(&threads[t], NULL, thread_main, &jobs[t]) != 0) break;
+        started = t;
+    }
+    run_items(&jobs[0]);
+    for (int t = started + 1; t < num_threads; t++) run_items(&jobs[t]);  /* threads that failed to start */
+    for (int t = 1; t <= started; t++) pthread_join(threads[t], NULL);
+    for (int t = 0; t < num_threads; t++) if (jobs[t].failed) return -1;
+    return 0;
+}

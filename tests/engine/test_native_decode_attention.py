@@ -1,0 +1,62 @@
+"""The compiled decode attention kernel agrees with the torch path on the same paged cache."""
+
+import random
+
+import pytest
+import torch
+
+from shared.engine.kv_cache import PagedKVCache
+from shared.engine.paged_attention import DecodeGroup, PagedAttentionMetadata, native_decode_library, paged_attention
+
+
+def _decode_step(dtype, num_heads, num_kv_heads, head_dim, context_lens, window, native: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    block_size, num_blocks = 16, 64
+    cache = PagedKVCache(0, 1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=gen).to(dtype))
+    rng = random.Random(seed)
+    tables = [rng.sample(range(num_blocks), -(-n // block_size)) for n in context_lens]
+    width = max(len(t) for t in tables)
+    tokens = len(context_lens)
+    # Every decode writes its new key/value into the slot of its last position.
+    slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, context_lens)]
+    qk = torch.randn(tokens, num_heads + num_kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    group = DecodeGroup(token_index=torch.arange(tokens),
+                        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                        context_lens=torch.tensor(context_lens))
+    meta = PagedAttentionMetadata(cache, torch.tensor(slots), [], [group],
+                                  native_decode=native_decode_library(cache) if native else None)
+    return paged_attention(meta, 0, qk[:, :num_heads], qk[:, num_heads:], value, head_dim ** -0.5, window)
+
+
+needs_kernel = pytest.mark.skipif(native_decode_library(PagedKVCache(0, 1, 1, 16, 1, 8, torch.float32, "cpu")) is None,
+                                  reason="no C compiler on this machine: the native kernel is not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 32), (9, 3, 64), (4, 4, 16), (14, 2, 64)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_kernel_matches_torch_in_float32(num_heads, num_kv_heads, head_dim, window):
+    lens = [1, 2, 15, 16, 17, 100, 333, 64]
+    native = _decode_step(torch.float32, num_heads, num_kv_heads, head_dim, lens, window, native=True)
+    reference = _decode_step(torch.float32, num_heads, num_kv_heads, head_dim, lens, window, native=False)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_matches_torch_in_bfloat16():
+    lens = [5, 40, 200]
+    native = _decode_step(torch.bfloat16, 8, 2, 64, lens, None, native=True)
+    reference = _decode_step(torch.bfloat16, 8, 2, 64, lens, None, native=False)
+    torch.testing.assert_close(native.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_disabled_kernel_falls_back(monkeypatch):
+    from shared.engine import kernels
+    kernels.paged_decode_library.cache_clear()
+    monkeypatch.setenv("SPLITSERVE_NATIVE_KERNELS", "0")
+    try:
+        assert native_decode_library(PagedKVCache(0, 1, 1, 16, 1, 8, torch.float32, "cpu")) is None
+    finally:
+        kernels.paged_decode_library.cache_clear()
