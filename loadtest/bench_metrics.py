@@ -30,6 +30,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    text: str = ""  # the generated text, as streamed
     error: str | None = None
 
     @property

@@ -51,6 +51,8 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", help="a local tokenizer directory (default: the served model's, if local)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length (extension)")
+    parser.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                        help="more fields for every request's body, a JSON object (server-specific options)")
     parser.add_argument("--slo-ttft-ms", type=float, help="goodput: a request must get its first token within this")
     parser.add_argument("--slo-tpot-ms", type=float, help="goodput: ... and its later tokens within this each")
     parser.add_argument("--request-timeout", type=float, default=600.0)
@@ -104,6 +106,7 @@ async def send(client, base: str, model: str, request: BenchRequest, args, origi
             "max_tokens": request.output_len, "temperature": args.temperature}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    body.update(args.extra_body or {})
     if args.endpoint == "chat":
         url, body["messages"] = f"{base}/v1/chat/completions", [{"role": "user", "content": request.text}]
     else:
@@ -130,6 +133,7 @@ async def send(client, base: str, model: str, request: BenchRequest, args, origi
                     text = (choice.get("delta") or {}).get("content") if args.endpoint == "chat" else choice.get("text")
                     if text:
                         record.chunk_times.append(now)
+                        record.text += text
                 usage = chunk.get("usage")
                 if usage:
                     record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
@@ -185,7 +189,11 @@ def run(args: argparse.Namespace) -> dict:
     with httpx.Client() as client:
         model = args.model or served_model(client, base)
     tokenizer = resolve_tokenizer(args.tokenizer, model)
-    conversations = build_dataset(args, tokenizer)
+    return measure(base, model, build_dataset(args, tokenizer), args)
+
+
+def measure(base: str, model: str, conversations: list[list[BenchRequest]], args: argparse.Namespace) -> dict:
+    """Send `conversations` to the server at `base` as `args` says; the figures and every request's record."""
     results, duration = asyncio.run(run_load(base, model, conversations, args))
     figures = compute_metrics([record for _, record in results], duration, args.slo_ttft_ms, args.slo_tpot_ms)
     return {
@@ -198,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
                       "ttft_ms": record.ttft * 1000 if record.ok else None, "tpot_ms": _ms(record.tpot if record.ok else None),
                       "e2el_ms": record.e2el * 1000 if record.ok else None, "itl_ms": [g * 1000 for g in record.itls],
                       "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
-                      "cached_tokens": record.cached_tokens, "error": record.error}
+                      "cached_tokens": record.cached_tokens, "text": record.text, "error": record.error}
                      for request, record in results],
     }
 
