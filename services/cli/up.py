@@ -30,6 +30,16 @@ _port = _checked(int, lambda v: 0 < v < 65536, "a port number (1-65535)")
 _seconds = _checked(float, lambda v: v > 0, "a positive number of seconds")
 
 
+def _cpus(text: str) -> str:
+    from services.common.cpus import worker_cpus
+
+    try:
+        worker_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_run_dir_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir",
@@ -104,6 +114,9 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--nats", metavar="URL", help="use this NATS server (with JetStream) instead of starting one")
     parser.add_argument("--namespace", default="splitserve", help="subject prefix of this deployment (default: splitserve)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="model weights' dtype (default: auto)")
+    parser.add_argument("--cpus", default="auto", type=_cpus, metavar="auto|none|LIST",
+                        help="CPUs the model workers share out, each its own contiguous part, one torch thread per "
+                             "CPU (default: auto, every CPU this process may use; none: the OS places them)")
     add_run_dir_option(parser)
     parser.add_argument(
         "--ready-timeout",
@@ -144,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         nats=args.nats,
         namespace=args.namespace,
         dtype=args.dtype,
+        cpus=args.cpus,
         ready_timeout_s=args.ready_timeout,
     )
     launcher = Launcher(options)

@@ -60,6 +60,26 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--cpus", type=_cpu_list, default=env_default("CPUS", None), metavar="LIST",
+                        help="run the worker's threads on these CPUs (e.g. 0-3 or 0,2), one torch thread each "
+                             "(default: wherever the OS places them, torch's default thread count)")
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    from services.common.cpus import parse_cpu_list
+
+    try:
+        return parse_cpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def apply_engine_placement(args: argparse.Namespace) -> None:
+    """Bind the worker to its --cpus (see `services.common.cpus`); call first thing in a worker's main."""
+    from services.common.cpus import bind_cpus
+
+    if args.cpus:
+        bind_cpus(args.cpus)
 
 
 def engine_config(args: argparse.Namespace, model_dir: str):

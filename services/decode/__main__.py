@@ -6,6 +6,7 @@ import sys
 
 from services.common.options import (
     add_bus_options,
+    apply_engine_placement,
     add_kv_store_options,
     add_engine_options,
     add_model_options,
@@ -68,7 +69,9 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_async(serve(build_parser().parse_args(argv)))
+    args = build_parser().parse_args(argv)
+    apply_engine_placement(args)
+    return run_async(serve(args))
 
 
 if __name__ == "__main__":

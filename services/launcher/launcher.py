@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from services.common.cpus import worker_cpus
 from services.launcher import topology, trace_viewer
 from services.launcher.deployment import (
     FAILED,
@@ -90,6 +91,7 @@ class UpOptions:
     nats: str | None = None
     namespace: str = "splitserve"
     dtype: str = "auto"
+    cpus: str = "auto"  # CPUs the model workers share out: "auto" (all this process may use), "none", or a list
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 10.0
     nats_connect_timeout_s: float = 5.0  # how long a --nats server may take to answer
@@ -376,6 +378,7 @@ class Launcher:
             max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,
             kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
             kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
+            cpus=worker_cpus(o.cpus),
         )
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy)

@@ -7,8 +7,11 @@ launcher and the services cannot drift apart silently.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
+
+from services.common.cpus import format_cpu_list, share_cpus
 
 TOPOLOGIES = ("colocated", "disagg", "pipeline")
 
@@ -38,6 +41,7 @@ class UpConfig:
     kv_store_ram_bytes: int = 1 << 30
     kv_store_disk_bytes: int = 0
     kv_store_dir: str | None = None  # the disk tier's directory (needed with kv_store_disk_bytes)
+    cpus: tuple[int, ...] = ()  # shared out among the model workers (decode, prefill, stage); () leaves it to the OS
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,19 @@ def expect_arg(counts: dict[str, int]) -> str:
     return ",".join(f"{role}={n}" for role, n in counts.items())
 
 
+ENGINE_ROLES = ("decode", "prefill", "stage")
+
+
 def plan(config: UpConfig) -> list[ServiceSpec]:
-    """The services of the deployment, in start order (the gateway last)."""
+    """The services of the deployment, in start order (the gateway last); model workers each on their own CPUs."""
+    specs = _plan(config)
+    workers = [s.name for s in specs if s.role in ENGINE_ROLES]
+    shares = share_cpus(workers, config.cpus)
+    return [dataclasses.replace(s, args=(*s.args, "--cpus", format_cpu_list(shares[s.name])))
+            if s.name in shares else s for s in specs]
+
+
+def _plan(config: UpConfig) -> list[ServiceSpec]:
     if config.topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {config.topology!r} (choose from {', '.join(TOPOLOGIES)})")
     if config.decode < 1:

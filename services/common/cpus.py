@@ -1,0 +1,74 @@
+"""Which CPUs a worker's threads run on: parsing a CPU list, sharing CPUs among workers, binding to them.
+
+Workers that share cores fight: two torch thread pools on the same two cores
+each run slower than one pool on one core, and a prefill step stalls the
+decode step beside it. `splitserve up` gives each worker its own CPUs
+(`share_cpus`), and each worker binds its threads to them (`bind_cpus`) and
+runs one torch thread per CPU.
+"""
+
+import os
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """'0-3,6' -> (0, 1, 2, 3, 6), sorted and without repeats; ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{text!r} is not a CPU list (e.g. 0-3,6)")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"{part!r} in {text!r} counts down")
+        cpus.update(range(low, high + 1))
+    return tuple(sorted(cpus))
+
+
+def format_cpu_list(cpus: tuple[int, ...]) -> str:
+    return ",".join(str(c) for c in cpus)
+
+
+def share_cpus(workers: list[str], cpus: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Each worker's CPUs: contiguous, disjoint shares as even as possible (earlier workers get the extra);
+    with fewer CPUs than workers, one CPU each, in turn (some are shared)."""
+    if not workers or not cpus:
+        return {}
+    if len(cpus) < len(workers):
+        return {w: (cpus[i % len(cpus)],) for i, w in enumerate(workers)}
+    share, extra = divmod(len(cpus), len(workers))
+    shares, start = {}, 0
+    for i, worker in enumerate(workers):
+        size = share + (1 if i < extra else 0)
+        shares[worker] = cpus[start : start + size]
+        start += size
+    return shares
+
+
+def usable_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on."""
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def bind_cpus(cpus: tuple[int, ...]) -> None:
+    """Run this process's threads (those started from now on, torch's pool included) on `cpus`, one torch
+    thread per CPU. Call before the model loads."""
+    import torch
+
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+
+
+def worker_cpus(spec: str) -> tuple[int, ...]:
+    """`splitserve up --cpus`: "auto" (every CPU this process may use), "none" (no binding) or a CPU list
+    within those."""
+    if spec == "auto":
+        return usable_cpus()
+    if spec == "none":
+        return ()
+    cpus = parse_cpu_list(spec)
+    outside = sorted(set(cpus) - set(usable_cpus()))
+    if outside:
+        raise ValueError(f"CPUs {format_cpu_list(tuple(outside))} are not available to this process "
+                         f"(it may use {format_cpu_list(usable_cpus())})")
+    return cpus
