@@ -2,12 +2,14 @@
 
 transformers' modules spend most of a small model's decode step in Python and
 per-op dispatch (module calls, reshapes, a rotary helper, an attention
-registry, ~90 ops a layer). Here each layer is ~20 ops: q/k/v in one linear,
-gate/up in one linear, torch's fused RMSNorm, rotary on q and k together,
+registry, ~90 ops a layer). Here each layer is ~10 ops: q/k/v in one linear,
+gate/up in one linear, fused residual add + RMSNorm, rotary on q and k together,
 and weights packed for the CPU's matrix units where that is faster
-(`packed_linear`). The math is transformers' (same order of operations per
-element), so greedy float32 output stays token-identical; the modules'
-weights are moved here at build time and the modules dropped.
+(`packed_linear`). Residual add + RMSNorm, rotary and SiLU-and-multiply run as one
+compiled pass each where they can (`layer_ops`). The math is transformers'
+(same operations per element, bfloat16 rounding included), so greedy float32
+output stays token-identical; the modules' weights are moved here at build
+time and the modules dropped.
 
 Families: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm per head).
 """
@@ -15,9 +17,9 @@ Families: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm per head).
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from shared.engine.errors import ModelLoadError
+from shared.engine.layer_ops import layer_ops_for
 from shared.engine.packed_linear import PackedLinear, fuse
 from shared.engine.paged_attention import PagedAttentionMetadata, paged_attention
 
@@ -50,7 +52,8 @@ def layer_sliding_window(config, layer_index: int) -> int | None:
 class DecoderStack:
     """Runs a range's decoder layers on a flat batch `(tokens, hidden)`."""
 
-    def __init__(self, config, layers: list[torch.nn.Module], layer_start: int):
+    def __init__(self, config, layers: list[torch.nn.Module], layer_start: int, device: torch.device,
+                 dtype: torch.dtype):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ModelLoadError(f"hidden_act {config.hidden_act!r} is not supported (silu only)")
         self.eps = config.rms_norm_eps
@@ -59,6 +62,7 @@ class DecoderStack:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.intermediate = config.intermediate_size
         self.layers = [self._take_weights(config, layer, index) for index, layer in enumerate(layers, start=layer_start)]
+        self.ops = layer_ops_for(device, dtype)
 
     def _take_weights(self, config, layer: torch.nn.Module, index: int) -> DecoderLayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
@@ -84,29 +88,23 @@ class DecoderStack:
         """`hidden` (T, hidden); `cos`/`sin` (T, head_dim) for the tokens' positions."""
         tokens = hidden.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, head_dim): broadcast over heads
+        ops, eps = self.ops, self.eps
+        x, residual = hidden.contiguous(), None
         for w in self.layers:
-            # Attention block.
-            x = torch.rms_norm(hidden, (hidden.shape[-1],), w.input_norm, self.eps)
+            # Attention block: x = norm(residual += x), then q/k/v, rotary, paged attention, output projection.
+            x, residual = ops.add_rms_norm(x, residual, w.input_norm, eps)
             qkv = w.qkv(x)  # (T, (heads + 2 kv_heads) * head_dim)
             qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
             v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
             if w.q_norm is not None:
-                qk = torch.cat([torch.rms_norm(qk[:, :heads], (head_dim,), w.q_norm, self.eps),
-                                torch.rms_norm(qk[:, heads:], (head_dim,), w.k_norm, self.eps)], dim=1)
-            qk = qk * cos + _rotate_half(qk) * sin  # rotary on q and k at once
+                qk = torch.cat([torch.rms_norm(qk[:, :heads], (head_dim,), w.q_norm, eps),
+                                torch.rms_norm(qk[:, heads:], (head_dim,), w.k_norm, eps)], dim=1)
+            qk = ops.rotary(qk, cos, sin)  # q and k at once
             attn = paged_attention(metadata, w.index, qk[:, :heads], qk[:, heads:], v, w.scaling, w.sliding_window)
-            hidden = hidden + w.o_proj(attn.view(tokens, heads * head_dim))
+            x = w.o_proj(attn.view(tokens, heads * head_dim))
             # MLP block.
-            x = torch.rms_norm(hidden, (hidden.shape[-1],), w.post_norm, self.eps)
-            gate_up = w.gate_up(x)  # (T, 2 * intermediate)
-            x = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-            hidden = hidden + w.down(x)
+            x, residual = ops.add_rms_norm(x, residual, w.post_norm, eps)
+            x = w.down(ops.silu_and_mul(w.gate_up(x)))
             if after_layer is not None:
                 after_layer(w.index)
-        return hidden
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x if residual is None else residual + x

@@ -40,7 +40,7 @@ class ModelRunner:
         decoder = loaded.decoder
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
-        self.stack = DecoderStack(loaded.config, loaded.layers, loaded.layer_range.start)
+        self.stack = DecoderStack(loaded.config, loaded.layers, loaded.layer_range.start, loaded.device, loaded.dtype)
         for index in range(loaded.layer_range.start, loaded.layer_range.end):
             decoder.layers[index] = torch.nn.Module()  # its weights live in the stack now
         self.norm = decoder.norm

@@ -54,9 +54,9 @@ def test_kernel_matches_torch_in_bfloat16():
 
 def test_disabled_kernel_falls_back(monkeypatch):
     from shared.engine import kernels
-    kernels.paged_decode_library.cache_clear()
+    kernels.native_library.cache_clear()
     monkeypatch.setenv("SPLITSERVE_NATIVE_KERNELS", "0")
     try:
         assert native_decode_library(PagedKVCache(0, 1, 1, 16, 1, 8, torch.float32, "cpu")) is None
     finally:
-        kernels.paged_decode_library.cache_clear()
+        kernels.native_library.cache_clear()

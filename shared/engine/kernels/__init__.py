@@ -21,9 +21,20 @@ from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode.c")
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-pthread"]
-_LIBRARY_NAME = "paged_decode.so"
+_HERE = Path(__file__).parent
+_COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-pthread"]
+# Per source: extra flags. Decode attention's exponentials never overflow (scores minus their max), so it may
+# use fast math (vectorized expf); the layer ops follow transformers' arithmetic and keep IEEE semantics.
+_SOURCES = {"paged_decode": ["-ffast-math"], "layer_ops": []}
+
+i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "paged_decode_attention": [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, c_int,
+                               c_int],
+    "add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, c_int, c_int],
+    "rotary": [ptr, ptr, ptr, i64, i64, i64, i64, c_int],
+    "silu_and_mul": [ptr, ptr, i64, i64, c_int],
+}
 
 
 def _cpu_id() -> str:
@@ -41,33 +52,41 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str, out_dir: Path) -> None:
-    result = subprocess.run([compiler, *_FLAGS, "-o", str(out_dir / _LIBRARY_NAME), str(_SOURCE), "-lm"],
+def _build(compiler: str, name: str, flags: list[str], out_dir: Path) -> None:
+    result = subprocess.run([compiler, *flags, "-o", str(out_dir / f"{name}.so"), str(_HERE / f"{name}.c"), "-lm"],
                             capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise OSError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
 
 
 @cache
-def paged_decode_library() -> ctypes.CDLL | None:
-    """The compiled paged decode attention kernel, or None (disabled, no compiler, or the build failed)."""
+def native_library(name: str) -> ctypes.CDLL | None:
+    """The compiled kernels of `<name>.c`, or None (disabled, no compiler, or the build failed)."""
     if os.environ.get("SPLITSERVE_NATIVE_KERNELS", "1") == "0":
         return None
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C compiler found: decode attention runs on the slower torch path")
+        log.warning("no C compiler found: the slower torch path runs instead of native kernels", kernels=name)
         return None
-    key = hashlib.blake2b(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_id().encode() + compiler.encode(),
-                          digest_size=8).hexdigest()
+    flags = [*_COMMON_FLAGS, *_SOURCES[name]]
+    key = hashlib.blake2b((_HERE / f"{name}.c").read_bytes() + " ".join(flags).encode() + _cpu_id().encode()
+                          + compiler.encode(), digest_size=8).hexdigest()
     try:
-        directory = build_once(cache_root() / "kernels" / f"paged_decode-{key}", lambda tmp: _build(compiler, tmp))
-        library = ctypes.CDLL(str(directory / _LIBRARY_NAME))
+        directory = build_once(cache_root() / "kernels" / f"{name}-{key}", lambda tmp: _build(compiler, name, flags, tmp))
+        library = ctypes.CDLL(str(directory / f"{name}.so"))
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("native decode attention unavailable, using the torch path", error=str(exc))
+        log.warning("native kernels unavailable, using the torch path", kernels=name, error=str(exc))
         return None
-    function = library.paged_decode_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                         ctypes.c_int, ctypes.c_int]
-    function.restype = ctypes.c_int
+    for function, argtypes in _SIGNATURES.items():
+        if hasattr(library, function):
+            getattr(library, function).argtypes = argtypes
+            getattr(library, function).restype = c_int if function == "paged_decode_attention" else None
     return library
+
+
+def paged_decode_library() -> ctypes.CDLL | None:
+    return native_library("paged_decode")
+
+
+def layer_ops_library() -> ctypes.CDLL | None:
+    return native_library("layer_ops")

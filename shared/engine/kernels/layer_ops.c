@@ -1,0 +1,82 @@
+/* The small per-layer ops of a decoder layer, each one pass over memory instead of
+ * several torch kernels: residual add + RMSNorm, rotary embedding, SiLU-and-multiply.
+ *
+ * Arithmetic follows transformers' modules step by step, including where they round
+ * to bfloat16 between steps, so bfloat16 results match theirs as float32 ones do.
+ * Rows are contiguous; `is_bf16` selects bfloat16 storage (else float32).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float ld(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+/* Round to the storage type and back (identity for float32). */
+static inline float rnd(float x, int bf16) {
+    if (!bf16) return x;
+    uint32_t bits; memcpy(&bits, &x, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    bits &= 0xFFFF0000u;
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+static inline void st(void *p, int64_t i, float x, int bf16) {
+    if (!bf16) { ((float *)p)[i] = x; return; }
+    uint32_t bits; memcpy(&bits, &x, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+}
+
+/* residual += x (if add_residual), then x = weight * rms_norm(residual), per row of `hidden`. */
+void add_rms_norm(void *x, void *residual, const void *weight, int64_t rows, int64_t hidden, float eps,
+                  int add_residual, int bf16) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * hidden;
+        double sum = 0.0;
+        for (int64_t i = 0; i < hidden; i++) {
+            float h = ld(residual, base + i, bf16);
+            if (add_residual) { h = rnd(h + ld(x, base + i, bf16), bf16); st(residual, base + i, h, bf16); }
+            sum += (double)h * h;
+        }
+        const float inv = 1.0f / sqrtf((float)(sum / hidden) + eps);
+        for (int64_t i = 0; i < hidden; i++) {
+            const float normed = rnd(ld(residual, base + i, bf16) * inv, bf16);
+            st(x, base + i, ld(weight, i, bf16) * normed, bf16);
+        }
+    }
+}
+
+/* In place on x[t][h][:] for every token t and head h (row stride `row_stride` elements, heads
+ * `head_dim` apart): x = x * cos + rotate_half(x) * sin, with cos/sin [tokens][head_dim]. */
+void rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads, int64_t head_dim,
+            int64_t row_stride, int bf16) {
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t base = t * row_stride + h * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = ld(x, base + i, bf16), x2 = ld(x, base + half + i, bf16);
+                const float c1 = ld(cos, t * head_dim + i, bf16), s1 = ld(sin, t * head_dim + i, bf16);
+                const float c2 = ld(cos, t * head_dim + half + i, bf16), s2 = ld(sin, t * head_dim + half + i, bf16);
+                const float out1 = rnd(x1 * c1, bf16) + rnd(-x2 * s1, bf16);
+                const float out2 = rnd(x2 * c2, bf16) + rnd(x1 * s2, bf16);
+                st(x, base + i, out1, bf16);
+                st(x, base + half + i, out2, bf16);
+            }
+        }
+    }
+}
+
+/* out[t][:] = silu(gate_up[t][:n]) * gate_up[t][n:], gate_up [tokens][2n], out [tokens][n]. */
+void silu_and_mul(const void *gate_up, void *out, int64_t tokens, int64_t n, int bf16) {
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t i = 0; i < n; i++) {
+            const float g = ld(gate_up, t * 2 * n + i, bf16), u = ld(gate_up, t * 2 * n + n + i, bf16);
+            st(out, t * n + i, rnd(g / (1.0f + expf(-g)), bf16) * u, bf16);
+        }
+    }
+}

@@ -1,0 +1,64 @@
+"""The compiled layer ops compute what transformers' modules do, in float32 and bfloat16."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from shared.engine.kernels import layer_ops_library
+from shared.engine.layer_ops import NativeLayerOps, TorchLayerOps
+
+pytestmark = pytest.mark.skipif(layer_ops_library() is None, reason="no C compiler: the native ops are not built")
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+@pytest.fixture
+def native():
+    return NativeLayerOps(layer_ops_library())
+
+
+def _randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_transformers_rmsnorm_of_the_sum(native, dtype):
+    x, residual = _randn(5, 96, dtype=dtype), _randn(5, 96, dtype=dtype, seed=1)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = _randn(96, dtype=dtype, seed=2)
+    expected_residual = residual + x
+    expected = norm(expected_residual)
+    out, new_residual = native.add_rms_norm(x.clone(), residual.clone(), norm.weight, 1e-5)
+    torch.testing.assert_close(new_residual, expected_residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_first_layer_norm_leaves_its_input_alone(native):
+    x, weight = _randn(3, 64, dtype=torch.float32), _randn(64, dtype=torch.float32, seed=1)
+    before = x.clone()
+    out, residual = native.add_rms_norm(x, None, weight, 1e-6)
+    torch.testing.assert_close(x, before, rtol=0, atol=0)
+    torch.testing.assert_close(residual, before, rtol=0, atol=0)
+    torch.testing.assert_close(out, TorchLayerOps().add_rms_norm(before, None, weight, 1e-6)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_transformers_rotary_on_a_strided_view(native, dtype):
+    tokens, heads, kv_heads, head_dim = 4, 6, 2, 32
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    cos, sin = _randn(tokens, head_dim, dtype=dtype, seed=1), _randn(tokens, head_dim, dtype=dtype, seed=2)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    # transformers: (batch, heads, T, head_dim) with cos/sin (batch, T, head_dim)
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    qk = native.rotary(qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim), cos, sin)
+    torch.testing.assert_close(qk[:, :heads], q_ref[0].transpose(0, 1), **TOLERANCE[dtype])
+    torch.testing.assert_close(qk[:, heads:], k_ref[0].transpose(0, 1), **TOLERANCE[dtype])
+    torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim :], _randn(
+        tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)[:, (heads + kv_heads) * head_dim :], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(native, dtype):
+    gate_up = _randn(7, 2 * 40, dtype=dtype) * 8  # large enough to reach silu's saturated ends
+    torch.testing.assert_close(native.silu_and_mul(gate_up), TorchLayerOps().silu_and_mul(gate_up), **TOLERANCE[dtype])
