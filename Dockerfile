@@ -10,6 +10,11 @@ ENV PYTHONUNBUFFERED=1 \
     SPLITSERVE_CACHE_DIR=/opt/splitserve/cache \
     HF_HOME=/tmp/huggingface
 
+# A C compiler: the engine compiles its CPU kernels (shared/engine/kernels) for the CPU it runs on.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # Torch first, in its own layer: it is by far the largest and changes least.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
@@ -20,8 +25,10 @@ WORKDIR /opt/splitserve/src
 COPY . .
 RUN pip install . \
  && python -c "from shared.engine.default_model import default_model_dir; print(default_model_dir())" \
+ && python -c "from shared.engine.kernels import native_library; print([native_library(n) for n in ('paged_decode', 'layer_ops')])" \
  && useradd --system --uid 1000 --home-dir /opt/splitserve splitserve \
- && chmod -R a+rX /opt/splitserve
+ && chmod -R a+rX /opt/splitserve \
+ && chown -R splitserve /opt/splitserve/cache/kernels
 
 USER splitserve
 WORKDIR /opt/splitserve
