@@ -8,7 +8,6 @@ rows but slower for 1-2, and single-stream decode is the latency users feel.
 """
 
 import torch
-import torch.nn.functional as F
 
 # oneDNN chooses its blocking for this many rows; the packed weight serves any number of rows.
 PACK_ROWS_HINT = 64
@@ -32,13 +31,15 @@ class PackedLinear:
         if self.packed:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
         else:
-            self.weight = weight.contiguous()
+            self.weight = weight.contiguous().t()  # (in, out) view: mm/addmm straight, no linear->t->matmul layers
         self.bias = None if bias is None else bias.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (rows, in) -> (rows, out)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight)
+        return torch.addmm(self.bias, x, self.weight)
 
 
 def fuse(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedLinear:

@@ -3,20 +3,21 @@
  *
  * Arithmetic follows transformers' modules step by step, including where they round
  * to bfloat16 between steps, so bfloat16 results match theirs as float32 ones do.
- * Rows are contiguous; `is_bf16` selects bfloat16 storage (else float32).
+ * Rows are contiguous; `bf16` selects bfloat16 storage (else float32). Built with fast math:
+ * nothing here reaches an infinity or a NaN from finite inputs.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-static inline float ld(const void *p, int64_t i, int bf16) {
+static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, int bf16) {
     if (!bf16) return ((const float *)p)[i];
     uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
     float f; memcpy(&f, &bits, 4); return f;
 }
 
 /* Round to the storage type and back (identity for float32). */
-static inline float rnd(float x, int bf16) {
+static inline __attribute__((always_inline)) float rnd(float x, int bf16) {
     if (!bf16) return x;
     uint32_t bits; memcpy(&bits, &x, 4);
     bits += 0x7FFF + ((bits >> 16) & 1);
@@ -24,16 +25,20 @@ static inline float rnd(float x, int bf16) {
     float f; memcpy(&f, &bits, 4); return f;
 }
 
-static inline void st(void *p, int64_t i, float x, int bf16) {
+static inline __attribute__((always_inline)) void st(void *p, int64_t i, float x, int bf16) {
     if (!bf16) { ((float *)p)[i] = x; return; }
     uint32_t bits; memcpy(&bits, &x, 4);
     bits += 0x7FFF + ((bits >> 16) & 1);
     ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
 }
 
+/* Each kernel's body is inlined twice, with `bf16` a constant 0 or 1, so each copy's loops vectorize. */
+#define SPECIALIZE(call) do { if (bf16) call(1); else call(0); } while (0)
+
 /* residual += x (if add_residual), then x = weight * rms_norm(residual), per row of `hidden`. */
-void add_rms_norm(void *x, void *residual, const void *weight, int64_t rows, int64_t hidden, float eps,
-                  int add_residual, int bf16) {
+static inline __attribute__((always_inline)) void add_rms_norm_impl(
+        void *x, void *residual, const void *weight, int64_t rows, int64_t hidden, float eps, int add_residual,
+        const int bf16) {
     for (int64_t r = 0; r < rows; r++) {
         const int64_t base = r * hidden;
         double sum = 0.0;
@@ -50,10 +55,18 @@ void add_rms_norm(void *x, void *residual, const void *weight, int64_t rows, int
     }
 }
 
+void add_rms_norm(void *x, void *residual, const void *weight, int64_t rows, int64_t hidden, float eps,
+                  int add_residual, int bf16) {
+#define CALL(b) add_rms_norm_impl(x, residual, weight, rows, hidden, eps, add_residual, b)
+    SPECIALIZE(CALL);
+#undef CALL
+}
+
 /* In place on x[t][h][:] for every token t and head h (row stride `row_stride` elements, heads
  * `head_dim` apart): x = x * cos + rotate_half(x) * sin, with cos/sin [tokens][head_dim]. */
-void rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads, int64_t head_dim,
-            int64_t row_stride, int bf16) {
+static inline __attribute__((always_inline)) void rotary_impl(
+        void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads, int64_t head_dim,
+        int64_t row_stride, const int bf16) {
     const int64_t half = head_dim / 2;
     for (int64_t t = 0; t < tokens; t++) {
         for (int64_t h = 0; h < heads; h++) {
@@ -71,12 +84,28 @@ void rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t h
     }
 }
 
-/* out[t][:] = silu(gate_up[t][:n]) * gate_up[t][n:], gate_up [tokens][2n], out [tokens][n]. */
-void silu_and_mul(const void *gate_up, void *out, int64_t tokens, int64_t n, int bf16) {
+void rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads, int64_t head_dim,
+            int64_t row_stride, int bf16) {
+#define CALL(b) rotary_impl(x, cos, sin, tokens, heads, head_dim, row_stride, b)
+    SPECIALIZE(CALL);
+#undef CALL
+}
+
+/* out[t][:] = silu(gate_up[t][:n]) * gate_up[t][n:], gate_up [tokens][2n], out [tokens][n].
+ * exp's argument is capped so it never overflows (silu there is -0 either way). */
+static inline __attribute__((always_inline)) void silu_and_mul_impl(
+        const void *gate_up, void *out, int64_t tokens, int64_t n, const int bf16) {
     for (int64_t t = 0; t < tokens; t++) {
+        #pragma omp simd
         for (int64_t i = 0; i < n; i++) {
             const float g = ld(gate_up, t * 2 * n + i, bf16), u = ld(gate_up, t * 2 * n + n + i, bf16);
-            st(out, t * n + i, rnd(g / (1.0f + expf(-g)), bf16) * u, bf16);
+            st(out, t * n + i, rnd(g / (1.0f + expf(fminf(-g, 80.0f))), bf16) * u, bf16);
         }
     }
+}
+
+void silu_and_mul(const void *gate_up, void *out, int64_t tokens, int64_t n, int bf16) {
+#define CALL(b) silu_and_mul_impl(gate_up, out, tokens, n, b)
+    SPECIALIZE(CALL);
+#undef CALL
 }
