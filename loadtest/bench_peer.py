@@ -9,12 +9,15 @@ One run measures, for each dtype (--dtypes, default float32 and bfloat16), each 
 - `disagg`: `splitserve up --topology disagg --prefill 1 --decode 1`;
 - `disagg-2d`: `splitserve up --topology disagg --prefill 1 --decode 2` (the mixed workload only).
 
-Every server gets the same cores (--cores; this process and everything it starts are bound to them) and one
-compute thread: splitserve's workers are pinned one per core with OMP_NUM_THREADS=1, vLLM's OpenMP thread is
-bound to the first core (VLLM_CPU_OMP_THREADS_BIND), `transformers serve` runs one torch thread. vLLM gets
-splitserve's worker limits (`peer_server.engine_limits()`): the same KV cache bytes (--kv-cache-gib, both),
-sequences and tokens per step, the model's full context as max model len, prefix caching on in both (the
-prompts are random: nothing is shared, `cached_tokens` is recorded to show it).
+Every server gets the same cores (--cores: this process and everything it starts are bound to them) and uses
+them its own way, as it ships: splitserve shares them out among its model workers (`up --cpus`, one torch
+thread per core: colocated's one worker gets every core, disagg's workers one each on 2 cores), vLLM binds
+its OpenMP threads to all of them but one, left to its API server and engine core (VLLM_CPU_OMP_THREADS_BIND
+=auto: on 2 cores, one thread), and `transformers serve` follows vLLM's rule (a torch thread per core but
+one, unbound). Where each one's compute threads ran is recorded (`placement`). The peers get splitserve's worker limits
+(`peer_server.engine_limits()`): the same KV cache bytes (--kv-cache-gib), sequences and tokens per step,
+the model's full context as max model len, prefix caching on in vLLM as in splitserve (the prompts are
+random: nothing is shared).
 
 The workloads (`WORKLOADS`; --quick: fewer requests and tokens), generated once from their seeds, so every
 server gets the same prompts: random token ids, made stable under decode/encode so that `transformers serve`,
@@ -44,6 +47,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 import tempfile
@@ -222,9 +226,10 @@ def _ms(value: float | None) -> str:
     return f"{value / 1000:.1f} s" if value >= 10_000 else f"{value:,.1f} ms" if value < 100 else f"{value:,.0f} ms"
 
 
-def table_rows(summary: dict, agreement: dict, settings: dict) -> list[tuple[str, dict[str, str]]]:
+def table_rows(summary: dict, agreement: dict, settings: dict, reference: str) -> list[tuple[str, dict[str, str]]]:
     """(label, {server: cell}) rows for one dtype. `summary[server][workload]` from `summarize`,
-    `agreement[server][workload]` from `compare_outputs`, `settings[workload]` the workload's options."""
+    `agreement[server][workload]` from `compare_outputs` against `reference`, `settings[workload]` the
+    workload's options."""
     rows = []
 
     def add(label: str, workload: str, cell) -> None:
@@ -255,7 +260,7 @@ def table_rows(summary: dict, agreement: dict, settings: dict) -> list[tuple[str
         cells = {server: f"{a['identical']}/{a['compared']}" for server, by in agreement.items()
                  for name, a in by.items() if name == workload}
         if cells:
-            rows.append((f"{workload}: outputs identical to the reference", cells))
+            rows.append((f"{workload}: outputs identical to {reference}'s", cells))
     for workload in settings:
         cells = {server: f"{by[workload]['failed']} / {by[workload]['wrong_output_lengths']}"
                  for server, by in summary.items() if workload in by
@@ -265,13 +270,13 @@ def table_rows(summary: dict, agreement: dict, settings: dict) -> list[tuple[str
     return rows
 
 
-def format_table(summary: dict, agreement: dict, settings: dict, servers: list[str]) -> str:
+def format_table(summary: dict, agreement: dict, settings: dict, servers: list[str], reference: str) -> str:
     """One markdown table, a block of rows per dtype. `summary[dtype][server][workload]`,
-    `agreement[dtype][server][workload]`."""
+    `agreement[dtype][server][workload]` (against `reference`)."""
     lines = ["| | " + " | ".join(servers) + " |", "|---" * (len(servers) + 1) + "|"]
     for dtype, by_server in summary.items():
         lines.append(f"| **{dtype}** |" + " |" * len(servers))
-        for label, cells in table_rows(by_server, agreement.get(dtype, {}), settings):
+        for label, cells in table_rows(by_server, agreement.get(dtype, {}), settings, reference):
             lines.append(f"| {label} | " + " | ".join(cells.get(server, "-") for server in servers) + " |")
     return "\n".join(lines)
 
@@ -315,13 +320,27 @@ def make_server(name: str, dtype: str, args, model_dir: str, max_model_len: int,
     from loadtest.up_process import UpProcess
 
     if name == "vllm":
-        return vllm_server(venv, model_dir, dtype=dtype, max_model_len=max_model_len, compute_core=args.cores[0],
-                           log_dir=run_dir)
+        return vllm_server(venv, model_dir, dtype=dtype, max_model_len=max_model_len, log_dir=run_dir)
     if name == "transformers":
         return transformers_server(venv, model_dir, dtype=dtype, log_dir=run_dir)
-    return UpProcess(name, SPLITSERVE_FLAGS[name], model_dir=model_dir, served_name="bench",
-                     run_dir=run_dir / f"{name}-{dtype}", dtype=dtype, worker_threads=1,
-                     ready_timeout_s=args.ready_timeout, stop_timeout_s=30.0)
+    flags = [*SPLITSERVE_FLAGS[name], "--cpus", ",".join(map(str, args.cores))]
+    return UpProcess(name, flags, model_dir=model_dir, served_name="bench", run_dir=run_dir / f"{name}-{dtype}",
+                     dtype=dtype, worker_threads=len(args.cores), ready_timeout_s=args.ready_timeout,
+                     stop_timeout_s=30.0)
+
+
+def placement(name: str, server) -> dict:
+    """Where `server`'s compute threads run: splitserve's workers' --cpus, vLLM's OpenMP binding (from its
+    log), transformers' thread count."""
+    if name in SPLITSERVE_FLAGS:
+        return {s["name"]: s["argv"][s["argv"].index("--cpus") + 1] if "--cpus" in s["argv"] else "unbound"
+                for s in server.ps().get("services", []) if s["role"] in ("decode", "prefill")}
+    if name == "vllm":
+        log = server.log_path.read_text(errors="replace")
+        bound = re.findall(r"local_rank=\d+, core ids=\[([\d, ]*)\]", log)
+        reserved = re.findall(r"reserved_cpus=\[([\d, ]*)\]", log)
+        return {"omp_threads_on": bound[-1] if bound else "unknown", "reserved": reserved[-1] if reserved else ""}
+    return {"torch_threads": server.env["OMP_NUM_THREADS"], "bound": "no"}
 
 
 def run_server(name: str, dtype: str, args, model_dir: str, max_model_len: int, venv, run_dir: Path,
@@ -334,8 +353,8 @@ def run_server(name: str, dtype: str, args, model_dir: str, max_model_len: int, 
         server.start()
         run["ready_s"] = server.wait_ready(args.ready_timeout + 30)
         print(f"   ready in {run['ready_s']:.0f} s", flush=True)
-        if name in SPLITSERVE_FLAGS:
-            run["pinned"] = server.pin_workers(("decode", "prefill"), args.cores)
+        run["placement"] = placement(name, server)
+        print(f"   compute threads: {run['placement']}", flush=True)
         base = server.base_url.removesuffix("/v1")
         for warm_args, conversations in warmups:
             bench_serve.measure(base, server.served_name, server_conversations(name, conversations),
@@ -412,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     agreement = {d: {s: {w: compare_outputs(runs[d][reference]["results"][w]["requests"], r["requests"], encode)
                          for w, r in runs[d][s]["results"].items() if w in runs[d][reference]["results"]}
                      for s in servers if s != reference} for d in dtypes}
-    table = format_table(summary, agreement, settings, servers)
+    table = format_table(summary, agreement, settings, servers, reference)
     print(f"\n{table}\n\n(reference for identical outputs: {reference}; "
           f"run took {time.monotonic() - started:.0f} s)")
     if args.table:

@@ -4,8 +4,8 @@ Each runs from the peer venv (`loadtest/peer_venv.py`) in its own process group,
 and is ready when GET /health answers 200. It has the methods of `UpProcess` the benchmark uses (`start`,
 `wait_ready`, `stop`, `base_url`, `served_name`), so a peer and a splitserve deployment are driven alike.
 
-Both get what a splitserve worker gets (`engine_limits()`): one compute thread, the same KV cache bytes,
-sequences per step, tokens per step and context length.
+Both get a splitserve worker's limits (`engine_limits()`): the same KV cache bytes, sequences and tokens per
+step, and context length. Each uses the cores it is given (the affinity it inherits) its own way.
 """
 
 from __future__ import annotations
@@ -116,11 +116,11 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def vllm_server(venv: PeerVenv, model_dir: str, *, dtype: str, max_model_len: int, compute_core: int,
-                log_dir: Path) -> PeerServer:
-    """`python -m vllm.entrypoints.openai.api_server` on a free port, its OpenMP thread bound to `compute_core`
-    (VLLM_CPU_OMP_THREADS_BIND; the API server and engine core are not bound), prefix caching on (as
-    splitserve's), KV cache of splitserve's size (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
+def vllm_server(venv: PeerVenv, model_dir: str, *, dtype: str, max_model_len: int, log_dir: Path) -> PeerServer:
+    """`python -m vllm.entrypoints.openai.api_server` on a free port with its own CPU placement
+    (VLLM_CPU_OMP_THREADS_BIND=auto: OpenMP threads bound to the cores it may use but one, kept for its API
+    server and engine core; on 2 cores, one thread), prefix caching on (as splitserve's), a KV cache of
+    splitserve's size (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
     limits = engine_limits()
     if limits["kv_cache_bytes"] % (1 << 30):
         raise ValueError(f"vLLM's CPU KV cache is set in whole GiB; splitserve's is {limits['kv_cache_bytes']} bytes")
@@ -131,15 +131,17 @@ def vllm_server(venv: PeerVenv, model_dir: str, *, dtype: str, max_model_len: in
            "--max-num-batched-tokens", str(limits["max_num_batched_tokens"]),
            "--enable-prefix-caching", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(limits["kv_cache_bytes"] >> 30),
-               VLLM_CPU_OMP_THREADS_BIND=str(compute_core), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+               VLLM_CPU_OMP_THREADS_BIND="auto", PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)  # nothing of the project's may shadow the venv's packages
     return PeerServer(f"vllm-{dtype}", cmd, env, served_name="bench", port=port,
                       log_path=log_dir / f"vllm-{dtype}.log")
 
 
 def transformers_server(venv: PeerVenv, model_dir: str, *, dtype: str, log_dir: Path) -> PeerServer:
-    """`transformers serve --continuous-batching` on a free port, one torch thread, the model preloaded, a KV
-    cache of splitserve's block size and bytes.
+    """`transformers serve --continuous-batching` on a free port, the model preloaded, a KV cache of
+    splitserve's block size and bytes, and vLLM's placement rule: a torch thread per core it may use but one,
+    left to its HTTP server (torch's default, a thread per core, oversubscribes 2 cores: one stream ran 4x
+    slower).
 
     It reads the model's class from config.json's `architectures`, which a converted model may lack: then it
     serves a copy of the directory (links to the files, a config naming the class) made under `log_dir`."""
@@ -156,7 +158,8 @@ def transformers_server(venv: PeerVenv, model_dir: str, *, dtype: str, log_dir: 
            "--cb-num-blocks", str(limits["kv_cache_bytes"] // bytes_per_block),
            "--cb-max-batch-tokens", str(limits["max_num_batched_tokens"]),
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    threads = str(max(1, len(os.sched_getaffinity(0)) - 1))
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)
     return PeerServer(f"transformers-{dtype}", cmd, env, served_name=str(served), port=port,
                       log_path=log_dir / f"transformers-{dtype}.log")

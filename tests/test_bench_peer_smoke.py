@@ -90,13 +90,13 @@ def test_table_has_a_block_per_dtype_and_marks_what_did_not_run():
     summary = {"float32": {"vllm": ok, "colocated": ok, "disagg-2d": {"mixed": ok["mixed"]}},
                "bfloat16": {"vllm": ok, "colocated": failed, "disagg-2d": {}}}
     agreement = {"float32": {"colocated": {"steady-c16": {"identical": 1, "compared": 1}}}}
-    table = format_table(summary, agreement, settings, ["vllm", "colocated", "disagg-2d"])
+    table = format_table(summary, agreement, settings, ["vllm", "colocated", "disagg-2d"], "vllm")
     lines = table.splitlines()
     assert lines[0] == "| | vllm | colocated | disagg-2d |"
     assert "| **float32** |" in lines[2] and any("| **bfloat16** |" in line for line in lines)
     assert "| 32 requests x 64 tokens, concurrency 16: output tokens/s | 42 | 42 | - |" in lines
     assert "| mixed, Poisson 2/s, concurrency 8: wall time for 48 requests | 12.5 s | 12.5 s | 12.5 s |" in lines
-    assert "| steady-c16: outputs identical to the reference | - | 1/1 | - |" in lines
+    assert "| steady-c16: outputs identical to vllm's | - | 1/1 | - |" in lines
     bf16 = lines[lines.index(next(line for line in lines if "**bfloat16**" in line)):]
     assert "| 32 requests x 64 tokens, concurrency 16: output tokens/s | 42 | - | - |" in bf16
     assert "| steady-c16: failed / wrong output length | - | 1 / 0 | - |" in bf16
@@ -123,6 +123,7 @@ def test_quick_run_against_splitserve(default_model, tmp_path, capsys, monkeypat
         run = report["runs"]["float32"][server]
         assert run["error"] is None and run["teardown"]["clean"], run
         assert set(run["results"]) == {"steady-c1", "mixed"}
+        assert run["placement"] and "unbound" not in run["placement"].values(), run["placement"]  # up --cpus
         for workload, figures in report["summary"]["float32"][server].items():
             assert figures["failed"] == 0 and figures["wrong_output_lengths"] == 0, (server, workload)
     assert report["summary"]["float32"]["disagg"]["mixed"]["long_requests"] == 2
