@@ -380,6 +380,14 @@ def run_server(name: str, dtype: str, args, model_dir: str, max_model_len: int, 
     return run
 
 
+def without_gaps(runs: dict) -> dict:
+    """`runs` with each request's inter-token gaps left out (their percentiles are in the summary): the JSON
+    of a full run stays a few hundred KB."""
+    return {dtype: {name: {**run, "results": {w: {**result, "requests": [
+        {k: v for k, v in r.items() if k != "itl_ms"} for r in result["requests"]]}
+        for w, result in run["results"].items()}} for name, run in by.items()} for dtype, by in runs.items()}
+
+
 def _names(text: str, known, what: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
@@ -447,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                          "splitserve_flags": {s: SPLITSERVE_FLAGS[s] for s in servers if s in SPLITSERVE_FLAGS},
                          "reference": reference},
             "peer_versions": venv.versions if venv else None,
-            "runs": runs, "summary": summary, "agreement": agreement, "table": table,
+            "runs": without_gaps(runs), "summary": summary, "agreement": agreement, "table": table,
         }
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
         print(f"wrote {args.out}")
