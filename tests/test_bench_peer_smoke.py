@@ -80,6 +80,7 @@ def test_mixed_short_requests_and_output_lengths():
     assert (figures["short_requests"], figures["long_requests"]) == (2, 1)
     assert figures["short_itl_ms"]["p99"] < 100  # the long request's gap is not a short request's
     assert figures["wrong_output_lengths"] == 1
+    assert figures["tokens_per_chunk"] == pytest.approx(1.0)  # 3 + 3 + 2 tokens in 3 + 2 + 3 chunks
 
 
 def test_table_has_a_block_per_dtype_and_marks_what_did_not_run():
