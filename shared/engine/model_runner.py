@@ -110,4 +110,5 @@ class ModelRunner:
             token_index=torch.tensor(token_index, dtype=torch.long, device=self.device),
             block_tables=torch.tensor(padded, dtype=torch.long, device=self.device),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
+            num_context_tokens=sum(context_lens),
         )

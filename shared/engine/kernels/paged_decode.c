@@ -1,9 +1,10 @@
 /* Decode attention straight from the paged KV cache: one query token per sequence.
  *
- * For each (sequence, KV head) the kernel reads the sequence's keys block by block
- * from the cache (no gather into a padded copy), computes the scores of the KV head's
- * query-head group, a softmax in float32, and the weighted sum of the values.
- * Work items (sequence, KV head) are split over `num_threads` threads.
+ * For each sequence the kernel reads its keys position by position from the cache
+ * (every KV head of a position is one contiguous row, and a block's positions are
+ * contiguous, so it streams; no gather into a padded copy), computes every query
+ * head's scores, a softmax in float32, and the weighted sum of the values.
+ * Sequences are split over `num_threads` threads.
  *
  * Layouts (element strides, row-major):
  *   query       [tokens][heads][head_dim], rows `token_index[i]`, row stride `query_row_stride`
@@ -29,7 +30,7 @@ typedef struct {
     float scale;
     void *out;
     int is_bf16;
-    int64_t first_item, last_item;  /* [first, last) of num_seqs * num_kv_heads */
+    int64_t first_item, last_item;  /* the sequences [first, last) */
     int failed;
 } Job;
 
@@ -56,60 +57,55 @@ static inline const float *as_f32(float *scratch, const void *src, int64_t offse
 }
 
 static void run_items(Job *job) {
-    const int64_t D = job->head_dim, G = job->group, H = job->num_kv_heads * G, bs = job->block_size;
+    const int64_t D = job->head_dim, G = job->group, KV = job->num_kv_heads, H = KV * G, bs = job->block_size;
     int64_t max_len = 0;
     for (int64_t s = 0; s < job->num_seqs; s++) if (job->context_lens[s] > max_len) max_len = job->context_lens[s];
-    float *scores = malloc(sizeof(float) * (size_t)(G * max_len + G * D * 2 + D));
+    float *scores = malloc(sizeof(float) * (size_t)(H * max_len + 2 * H * D + KV * D));
     if (!scores) { job->failed = 1; return; }
-    float *q = scores + G * max_len, *acc = q + G * D, *row = acc + G * D;
-    for (int64_t item = job->first_item; item < job->last_item; item++) {
-        const int64_t seq = item / job->num_kv_heads, kv_head = item % job->num_kv_heads;
+    float *q = scores + H * max_len, *acc = q + H * D, *row = acc + H * D;
+    for (int64_t seq = job->first_item; seq < job->last_item; seq++) {
         const int64_t len = job->context_lens[seq], token = job->token_index[seq];
         const int64_t start = (job->window > 0 && len > job->window) ? len - job->window : 0;
         const int64_t n = len - start;
         const int64_t *table = job->block_table + seq * job->table_width;
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = as_f32(q + g * D, job->query, token * job->query_row_stride + (kv_head * G + g) * D, D,
-                                     job->is_bf16);
-            if (qg != q + g * D) memcpy(q + g * D, qg, sizeof(float) * (size_t)D);
-        }
-        /* Scores, one key at a time (each key read once for the whole group). */
+        const float *qrow = as_f32(q, job->query, token * job->query_row_stride, H * D, job->is_bf16);
+        if (qrow != q) memcpy(q, qrow, sizeof(float) * (size_t)(H * D));
+        /* Scores: one position's keys (every KV head, contiguous in the cache) at a time. */
         for (int64_t p = start; p < len; p++) {
             const int64_t slot = table[p / bs] * bs + p % bs;
-            const float *k = as_f32(row, job->key_cache, (slot * job->num_kv_heads + kv_head) * D, D, job->is_bf16);
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = q + g * D; float dot = 0.f;
+            const float *keys = as_f32(row, job->key_cache, slot * KV * D, KV * D, job->is_bf16);
+            for (int64_t h = 0; h < H; h++) {
+                const float *qh = q + h * D, *k = keys + (h / G) * D;
+                float dot = 0.f;
                 #pragma omp simd reduction(+:dot)
-                for (int64_t d = 0; d < D; d++) dot += qg[d] * k[d];
-                scores[g * max_len + (p - start)] = dot * job->scale;
+                for (int64_t d = 0; d < D; d++) dot += qh[d] * k[d];
+                scores[h * max_len + (p - start)] = dot * job->scale;
             }
         }
         /* Softmax per query head. */
-        for (int64_t g = 0; g < G; g++) {
-            float *sg = scores + g * max_len, mx = -FLT_MAX, sum = 0.f;
+        for (int64_t h = 0; h < H; h++) {
+            float *sh = scores + h * max_len, mx = -FLT_MAX, sum = 0.f;
             #pragma omp simd reduction(max:mx)
-            for (int64_t i = 0; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;
+            for (int64_t i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
             #pragma omp simd reduction(+:sum)
-            for (int64_t i = 0; i < n; i++) { sg[i] = expf(sg[i] - mx); sum += sg[i]; }
+            for (int64_t i = 0; i < n; i++) { sh[i] = expf(sh[i] - mx); sum += sh[i]; }
             const float inv = 1.f / sum;
             #pragma omp simd
-            for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+            for (int64_t i = 0; i < n; i++) sh[i] *= inv;
         }
-        /* Weighted values. */
-        memset(acc, 0, sizeof(float) * (size_t)(G * D));
+        /* Weighted values, one position's values at a time. */
+        memset(acc, 0, sizeof(float) * (size_t)(H * D));
         for (int64_t p = start; p < len; p++) {
             const int64_t slot = table[p / bs] * bs + p % bs;
-            const float *v = as_f32(row, job->value_cache, (slot * job->num_kv_heads + kv_head) * D, D, job->is_bf16);
-            for (int64_t g = 0; g < G; g++) {
-                const float w = scores[g * max_len + (p - start)];
-                float *ag = acc + g * D;
+            const float *values = as_f32(row, job->value_cache, slot * KV * D, KV * D, job->is_bf16);
+            for (int64_t h = 0; h < H; h++) {
+                const float w = scores[h * max_len + (p - start)], *v = values + (h / G) * D;
+                float *ah = acc + h * D;
                 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) ag[d] += w * v[d];
+                for (int64_t d = 0; d < D; d++) ah[d] += w * v[d];
             }
         }
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d++)
-                store(job->out, (token * H + kv_head * G + g) * D + d, acc[g * D + d], job->is_bf16);
+        for (int64_t i = 0; i < H * D; i++) store(job->out, token * H * D + i, acc[i], job->is_bf16);
     }
     free(scores);
 }
@@ -123,7 +119,7 @@ int paged_decode_attention(
     int64_t num_seqs, int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,
     int64_t window, float scale, void *out, int is_bf16, int num_threads)
 {
-    const int64_t items = num_seqs * num_kv_heads;
+    const int64_t items = num_seqs;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = (int)items;
     if (num_threads > 64) num_threads = 64;
