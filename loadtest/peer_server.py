@@ -116,11 +116,13 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def vllm_server(venv: PeerVenv, model_dir: str, *, dtype: str, max_model_len: int, log_dir: Path) -> PeerServer:
-    """`python -m vllm.entrypoints.openai.api_server` on a free port with its own CPU placement
+def vllm_server(venv: PeerVenv, model_dir: str, *, dtype: str, max_model_len: int, log_dir: Path,
+                omp_bind: str = "auto", label: str = "vllm") -> PeerServer:
+    """`python -m vllm.entrypoints.openai.api_server` on a free port with its own CPU placement by default
     (VLLM_CPU_OMP_THREADS_BIND=auto: OpenMP threads bound to the cores it may use but one, kept for its API
-    server and engine core; on 2 cores, one thread), prefix caching on (as splitserve's), a KV cache of
-    splitserve's size (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
+    server and engine core; on 2 cores, one thread) or `omp_bind` (e.g. "0-1": a compute thread on every
+    core), prefix caching on (as splitserve's), a KV cache of splitserve's size (VLLM_CPU_KVCACHE_SPACE, whole
+    GiB)."""
     limits = engine_limits()
     if limits["kv_cache_bytes"] % (1 << 30):
         raise ValueError(f"vLLM's CPU KV cache is set in whole GiB; splitserve's is {limits['kv_cache_bytes']} bytes")
@@ -131,10 +133,10 @@ def vllm_server(venv: PeerVenv, model_dir: str, *, dtype: str, max_model_len: in
            "--max-num-batched-tokens", str(limits["max_num_batched_tokens"]),
            "--enable-prefix-caching", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(limits["kv_cache_bytes"] >> 30),
-               VLLM_CPU_OMP_THREADS_BIND="auto", PYTHONUNBUFFERED="1")
+               VLLM_CPU_OMP_THREADS_BIND=omp_bind, PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)  # nothing of the project's may shadow the venv's packages
-    return PeerServer(f"vllm-{dtype}", cmd, env, served_name="bench", port=port,
-                      log_path=log_dir / f"vllm-{dtype}.log")
+    return PeerServer(f"{label}-{dtype}", cmd, env, served_name="bench", port=port,
+                      log_path=log_dir / f"{label}-{dtype}.log")
 
 
 def transformers_server(venv: PeerVenv, model_dir: str, *, dtype: str, log_dir: Path) -> PeerServer:
