@@ -18,7 +18,7 @@ from support.deployment import start_deployment
 
 MODEL = "splitserve-default-llama"
 PROMPT_TOKENS = 40
-MAX_TOKENS = 200
+MAX_TOKENS = 800  # long enough that the last request starts well before the first ends, even on a loaded machine
 
 
 @pytest.mark.timeout(300)
