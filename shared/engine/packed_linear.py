@@ -28,10 +28,9 @@ def packs_on_cpu(dtype: torch.dtype) -> bool:
 class PackedLinear:
     """A linear layer's weight (out_features, in_features) and optional bias, ready to apply."""
 
-    __slots__ = ("plain", "packed", "bias", "packed_min_rows", "out_features")
+    __slots__ = ("plain", "packed", "bias", "packed_min_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.out_features = weight.shape[0]
         packs = weight.device.type == "cpu" and packs_on_cpu(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT) if packs else None
         # (in, out) view for mm/addmm straight (no linear -> t -> matmul layers); dropped when packed serves all rows.
