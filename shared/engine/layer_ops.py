@@ -11,7 +11,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from shared.engine.kernels import layer_ops_library
+from shared.engine.kernels import bf16_flag, native_library_for
 
 
 class TorchLayerOps:
@@ -42,31 +42,24 @@ class NativeLayerOps(TorchLayerOps):
         if residual is None:  # the first layer: its input starts the residual stream (copied: it is the caller's)
             residual, x = x.clone(), torch.empty_like(x)
             self.lib.add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), residual.shape[0],
-                                  residual.shape[1], eps, 0, _bf16(x))
+                                  residual.shape[1], eps, 0, bf16_flag(x))
             return x, residual
         self.lib.add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, 1,
-                              _bf16(x))
+                              bf16_flag(x))
         return x, residual
 
     def rotary(self, qk, cos, sin):
         tokens, heads, head_dim = qk.shape
-        self.lib.rotary(qk.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, qk.stride(0), _bf16(qk))
+        self.lib.rotary(qk.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, qk.stride(0), bf16_flag(qk))
         return qk
 
     def silu_and_mul(self, gate_up):
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-        self.lib.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], _bf16(gate_up))
+        self.lib.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], bf16_flag(gate_up))
         return out
-
-
-def _bf16(t: torch.Tensor) -> int:
-    return int(t.dtype == torch.bfloat16)
 
 
 def layer_ops_for(device: torch.device, dtype: torch.dtype) -> TorchLayerOps:
     """The native ops where they run (CPU, float32 or bfloat16, a compiler found), else torch's."""
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        library = layer_ops_library()
-        if library is not None:
-            return NativeLayerOps(library)
-    return TorchLayerOps()
+    library = native_library_for("layer_ops", device, dtype)
+    return NativeLayerOps(library) if library is not None else TorchLayerOps()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from shared.engine.kernels import paged_decode_library
+from shared.engine.kernels import bf16_flag, native_library_for
 from shared.engine.kv_cache import PagedKVCache
 
 @dataclass(slots=True)
@@ -64,9 +64,7 @@ class PagedAttentionMetadata:
 
 def native_decode_library(kv_cache: PagedKVCache) -> ctypes.CDLL | None:
     """The compiled decode attention kernel if it can read `kv_cache` (CPU, float32 or bfloat16), else None."""
-    if kv_cache.tensor.device.type != "cpu" or kv_cache.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    return paged_decode_library()
+    return native_library_for("paged_decode", kv_cache.tensor.device, kv_cache.dtype)
 
 
 def _native_decode(library: ctypes.CDLL, group: DecodeGroup, query: torch.Tensor, key_cache: torch.Tensor,
@@ -80,7 +78,7 @@ def _native_decode(library: ctypes.CDLL, group: DecodeGroup, query: torch.Tensor
         key_cache.data_ptr(), value_cache.data_ptr(),
         group.block_tables.data_ptr(), group.block_tables.shape[1], group.context_lens.data_ptr(),
         group.token_index.numel(), key_cache.shape[1], num_kv_heads, num_heads // num_kv_heads, head_dim,
-        sliding_window or 0, scaling, out.data_ptr(), int(query.dtype == torch.bfloat16),
+        sliding_window or 0, scaling, out.data_ptr(), bf16_flag(query),
         decode_kernel_threads(group.num_context_tokens * num_kv_heads, torch.get_num_threads()),
     )
     if status != 0:

@@ -4,17 +4,17 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from shared.engine.kernels import layer_ops_library
+from shared.engine.kernels import native_library
 from shared.engine.layer_ops import NativeLayerOps, TorchLayerOps
 
-pytestmark = pytest.mark.skipif(layer_ops_library() is None, reason="no C compiler: the native ops are not built")
+pytestmark = pytest.mark.skipif(native_library("layer_ops") is None, reason="no C compiler: the native ops are not built")
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 
 
 @pytest.fixture
 def native():
-    return NativeLayerOps(layer_ops_library())
+    return NativeLayerOps(native_library("layer_ops"))
 
 
 def _randn(*shape, dtype, seed=0):

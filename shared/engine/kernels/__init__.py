@@ -16,6 +16,8 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
+import torch
+
 from shared.engine.default_model import build_once, cache_root
 from shared.telemetry.logging import get_logger
 
@@ -68,8 +70,9 @@ def native_library(name: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: the slower torch path runs instead of native kernels", kernels=name)
         return None
     flags = _FLAGS
-    key = hashlib.blake2b((_HERE / f"{name}.c").read_bytes() + " ".join(flags).encode() + _cpu_id().encode()
-                          + compiler.encode(), digest_size=8).hexdigest()
+    sources = b"".join(path.read_bytes() for path in [_HERE / f"{name}.c", *sorted(_HERE.glob("*.h"))])
+    key = hashlib.blake2b(sources + " ".join(flags).encode() + _cpu_id().encode() + compiler.encode(),
+                          digest_size=8).hexdigest()
     try:
         directory = build_once(cache_root() / "kernels" / f"{name}-{key}", lambda tmp: _build(compiler, name, flags, tmp))
         library = ctypes.CDLL(str(directory / f"{name}.so"))
@@ -83,9 +86,14 @@ def native_library(name: str) -> ctypes.CDLL | None:
     return library
 
 
-def paged_decode_library() -> ctypes.CDLL | None:
-    return native_library("paged_decode")
+def native_library_for(name: str, device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None:
+    """`native_library(name)` where its kernels can serve tensors of `device` and `dtype` (CPU, float32 or
+    bfloat16), else None."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return native_library(name)
 
 
-def layer_ops_library() -> ctypes.CDLL | None:
-    return native_library("layer_ops")
+def bf16_flag(tensor: torch.Tensor) -> int:
+    """The kernels' storage argument: 1 for bfloat16, 0 for float32."""
+    return int(tensor.dtype == torch.bfloat16)

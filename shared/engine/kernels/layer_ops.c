@@ -7,30 +7,8 @@
  * nothing here reaches an infinity or a NaN from finite inputs.
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f; memcpy(&f, &bits, 4); return f;
-}
-
-/* Round to the storage type and back (identity for float32). */
-static inline __attribute__((always_inline)) float rnd(float x, int bf16) {
-    if (!bf16) return x;
-    uint32_t bits; memcpy(&bits, &x, 4);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    bits &= 0xFFFF0000u;
-    float f; memcpy(&f, &bits, 4); return f;
-}
-
-static inline __attribute__((always_inline)) void st(void *p, int64_t i, float x, int bf16) {
-    if (!bf16) { ((float *)p)[i] = x; return; }
-    uint32_t bits; memcpy(&bits, &x, 4);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
-}
+#include "storage.h"
 
 /* Each kernel's body is inlined twice, with `bf16` a constant 0 or 1, so each copy's loops vectorize. */
 #define SPECIALIZE(call) do { if (bf16) call(1); else call(0); } while (0)

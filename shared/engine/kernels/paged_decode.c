@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "storage.h"
+
 typedef struct {
     const void *query; int64_t query_row_stride;
     const int64_t *token_index;
@@ -34,25 +36,11 @@ typedef struct {
     int failed;
 } Job;
 
-static inline float load(const void *base, int64_t i, int is_bf16) {
-    if (!is_bf16) return ((const float *)base)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
-    float f; memcpy(&f, &bits, 4); return f;
-}
-
-static inline void store(void *base, int64_t i, float x, int is_bf16) {
-    if (!is_bf16) { ((float *)base)[i] = x; return; }
-    uint32_t bits; memcpy(&bits, &x, 4);
-    bits += 0x7FFF + ((bits >> 16) & 1);  /* round to nearest even */
-    ((uint16_t *)base)[i] = (uint16_t)(bits >> 16);
-}
-
 /* `n` elements at `offset` as float32: in place for float32, else converted into `scratch`
  * (so the inner loops vectorize on one type). */
 static inline const float *as_f32(float *scratch, const void *src, int64_t offset, int64_t n, int is_bf16) {
     if (!is_bf16) return (const float *)src + offset;
-    const uint16_t *s = (const uint16_t *)src + offset;
-    for (int64_t i = 0; i < n; i++) { uint32_t bits = (uint32_t)s[i] << 16; memcpy(scratch + i, &bits, 4); }
+    for (int64_t i = 0; i < n; i++) scratch[i] = ld(src, offset + i, 1);
     return scratch;
 }
 
@@ -105,7 +93,7 @@ static void run_items(Job *job) {
                 for (int64_t d = 0; d < D; d++) ah[d] += w * v[d];
             }
         }
-        for (int64_t i = 0; i < H * D; i++) store(job->out, token * H * D + i, acc[i], job->is_bf16);
+        for (int64_t i = 0; i < H * D; i++) st(job->out, token * H * D + i, acc[i], job->is_bf16);
     }
     free(scores);
 }
