@@ -40,11 +40,11 @@ class DecodeGroup:
     num_context_tokens: int = 0  # sum of context_lens: the native kernel's work
 
 
-# Keys (context tokens x KV heads) below which the native kernel runs on the calling thread alone: starting a
-# thread costs tens of microseconds, and right after a GEMM torch's OpenMP workers still spin on the other
-# cores, so a second thread only pays off for big steps (measured: 1 sequence of 128 tokens, 29 us on one
-# thread vs 106 us on two; 16 of ~384, 1,233 vs 791 us).
-KEYS_PER_KERNEL_THREAD = 16384
+# Keys (context tokens x KV heads) per thread of the native decode kernel. It runs on torch's own OpenMP
+# workers, awake after the step's matrix multiplies, so a second thread costs a few microseconds and pays off
+# from a few hundred keys (measured on 2 cores, SmolLM2's 3 KV heads, 30 layers' caches: 1 sequence of 128
+# tokens 12.5 -> 11.5 us, 16 of 200 tokens 506 -> 276 us per layer; 32 tokens, no gain).
+KEYS_PER_KERNEL_THREAD = 128
 
 
 def decode_kernel_threads(num_keys: int, max_threads: int) -> int:

@@ -1,6 +1,7 @@
 """The compiled decode attention kernel agrees with the torch path on the same paged cache."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from shared.engine.kv_cache import PagedKVCache
 from shared.engine.paged_attention import DecodeGroup, PagedAttentionMetadata, native_decode_library, paged_attention
 
 
-def _decode_step(dtype, num_heads, num_kv_heads, head_dim, context_lens, window, native: bool, seed: int = 0):
+def _decode_step(dtype, num_heads, num_kv_heads, head_dim, context_lens, window, native: bool, seed: int = 0,
+                 portable: bool = False):
     gen = torch.Generator().manual_seed(seed)
     block_size, num_blocks = 16, 64
     cache = PagedKVCache(0, 1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
@@ -24,9 +26,11 @@ def _decode_step(dtype, num_heads, num_kv_heads, head_dim, context_lens, window,
     value = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
     group = DecodeGroup(token_index=torch.arange(tokens),
                         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                        context_lens=torch.tensor(context_lens))
-    meta = PagedAttentionMetadata(cache, torch.tensor(slots), [], [group],
-                                  native_decode=native_decode_library(cache) if native else None)
+                        context_lens=torch.tensor(context_lens), num_context_tokens=sum(context_lens))
+    library = native_decode_library(cache) if native else None
+    if portable:  # the kernel's plain C implementation, which serves where AVX-512 does not
+        library = SimpleNamespace(paged_decode_attention=library.paged_decode_attention_portable)
+    meta = PagedAttentionMetadata(cache, torch.tensor(slots), [], [group], native_decode=library)
     return paged_attention(meta, 0, qk[:, :num_heads], qk[:, num_heads:], value, head_dim ** -0.5, window)
 
 
@@ -34,20 +38,37 @@ needs_kernel = pytest.mark.skipif(native_decode_library(PagedKVCache(0, 1, 1, 16
                                   reason="no C compiler on this machine: the native kernel is not built")
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def torch_threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+# Head counts and sizes that reach every register blocking of the AVX-512 path (head_dim 32/64/128/256, query
+# groups that leave a remainder of heads) and the portable fallback (head_dim 16 and 48).
+SHAPES = [(8, 2, 32), (18, 2, 32), (9, 3, 64), (14, 2, 64), (10, 2, 128), (5, 1, 128), (3, 1, 256), (4, 4, 16),
+          (6, 2, 48)]
+
+
 @needs_kernel
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 32), (9, 3, 64), (4, 4, 16), (14, 2, 64)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("window", [None, 20])
-def test_kernel_matches_torch_in_float32(num_heads, num_kv_heads, head_dim, window):
+@pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+def test_kernel_matches_torch_in_float32(num_heads, num_kv_heads, head_dim, window, portable, torch_threads):
     lens = [1, 2, 15, 16, 17, 100, 333, 64]
-    native = _decode_step(torch.float32, num_heads, num_kv_heads, head_dim, lens, window, native=True)
+    native = _decode_step(torch.float32, num_heads, num_kv_heads, head_dim, lens, window, native=True,
+                          portable=portable)
     reference = _decode_step(torch.float32, num_heads, num_kv_heads, head_dim, lens, window, native=False)
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
-def test_kernel_matches_torch_in_bfloat16():
+@pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+def test_kernel_matches_torch_in_bfloat16(portable, torch_threads):
     lens = [5, 40, 200]
-    native = _decode_step(torch.bfloat16, 8, 2, 64, lens, None, native=True)
+    native = _decode_step(torch.bfloat16, 8, 2, 64, lens, None, native=True, portable=portable)
     reference = _decode_step(torch.bfloat16, 8, 2, 64, lens, None, native=False)
     torch.testing.assert_close(native.float(), reference.float(), rtol=2e-2, atol=2e-2)
 

@@ -26,12 +26,13 @@ log = get_logger(__name__)
 _HERE = Path(__file__).parent
 # Fast math vectorizes expf (glibc's libmvec) and reductions; the kernels never produce infinities or NaNs from
 # finite inputs (softmax subtracts the max, silu caps its exponent), which is what fast math assumes.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-pthread"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+_DECODE_ATTENTION = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, c_int, c_int]
 _SIGNATURES = {
-    "paged_decode_attention": [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, c_int,
-                               c_int],
+    "paged_decode_attention": _DECODE_ATTENTION,
+    "paged_decode_attention_portable": _DECODE_ATTENTION,
     "add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, c_int, c_int],
     "rotary": [ptr, ptr, ptr, i64, i64, i64, i64, c_int],
     "silu_and_mul": [ptr, ptr, i64, i64, c_int],
@@ -82,7 +83,7 @@ def native_library(name: str) -> ctypes.CDLL | None:
     for function, argtypes in _SIGNATURES.items():
         if hasattr(library, function):
             getattr(library, function).argtypes = argtypes
-            getattr(library, function).restype = c_int if function == "paged_decode_attention" else None
+            getattr(library, function).restype = c_int if function.startswith("paged_decode_attention") else None
     return library
 
 
