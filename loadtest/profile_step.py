@@ -24,6 +24,7 @@ import json
 import random
 import time
 
+import services  # noqa: F401  (before torch: the process settings the workers run with, e.g. large pages)
 import torch
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")

@@ -1,6 +1,6 @@
-"""The engine's own thread: the one place that touches the LLMEngine.
+"""The engine's loop: the one place that touches the LLMEngine, on the worker's `EngineThread`.
 
-The asyncio side (NATS I/O) sends it commands; the thread applies them between
+The asyncio side (NATS I/O) sends it commands; the loop applies them between
 steps, runs `engine.step()` while there is work, and hands every step's
 outputs back through `emit` (called on the engine thread: it must only
 schedule work on the event loop). Keeping the model's CPU/GPU work off the
@@ -9,11 +9,13 @@ runs. If the thread dies, `crashed` is set and the service exits non-zero.
 """
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.common.engine_thread import EngineThread
 from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import EngineError
 from shared.engine.sampling_params import SamplingParams
@@ -54,21 +56,28 @@ class RequestRejected:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, emit: Callable[[list[RequestOutput | RequestRejected]], None]):
+    def __init__(self, engine: LLMEngine, emit: Callable[[list[RequestOutput | RequestRejected]], None],
+                 thread: EngineThread):
+        """`thread`: the one the engine was built on; the loop holds it from `start` to `stop`."""
         self.engine = engine
         self._emit = emit
+        self._thread = thread
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self.crashed: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._running: concurrent.futures.Future | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._running = self._thread.submit(self._run)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._commands.put(None)  # wake the thread
-        self._thread.join(timeout_s)
+        if self._running is not None:
+            try:
+                self._running.result(timeout_s)
+            except concurrent.futures.TimeoutError:
+                log.warning("the engine loop did not stop in time", timeout_s=timeout_s)
 
     def add(self, command: AddRequest) -> None:
         self._commands.put(command)

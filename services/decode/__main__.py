@@ -1,7 +1,6 @@
 """`python -m services.decode`: one decode worker."""
 
 import argparse
-import asyncio
 import sys
 
 from services.common.options import (
@@ -37,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.decode.worker import DecodeWorker
     from shared.engine.engine import LLMEngine
@@ -44,7 +44,8 @@ async def serve(args: argparse.Namespace) -> int:
     model_dir, served_name = resolve_model(args)
 
     async def build(nc, js, registry, subjects):
-        engine = await asyncio.to_thread(LLMEngine, engine_config(args, model_dir))
+        engine_thread = EngineThread()
+        engine = await engine_thread.run(LLMEngine, engine_config(args, model_dir))
         receiver = None
         if args.mode == "disagg":
             from services.common.queues import provision_prefill_queue
@@ -54,7 +55,8 @@ async def serve(args: argparse.Namespace) -> int:
             receiver = KVReceiver()
             await receiver.start(args.kv_receiver_host, args.kv_receiver_port,
                                  advertise_host=args.kv_receiver_advertise)
-        worker = DecodeWorker(nc=nc, registry=registry, engine=engine, subjects=subjects, instance_id=args.instance_id,
+        worker = DecodeWorker(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
+                              instance_id=args.instance_id,
                               model=model_dir, served_model_name=served_name, mode=args.mode,
                               max_active_requests=args.max_active_requests, receiver=receiver,
                               prefill_timeout_s=args.prefill_timeout)

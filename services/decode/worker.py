@@ -27,6 +27,7 @@ from contracts import (
     TokenChunk,
 )
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
+from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_events import engine_kv_events, kv_hashing_details
 from services.decode.remote_prefill import remote_prefill
@@ -67,6 +68,7 @@ class DecodeWorker:
         nc,
         registry: Registry,
         engine: LLMEngine,
+        engine_thread: EngineThread,
         subjects: Subjects,
         instance_id: str,
         model: str,
@@ -99,7 +101,7 @@ class DecodeWorker:
         # Filled once per engine step by the engine thread; drained in order by one publisher.
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
-        self.engine_loop = EngineLoop(engine, self._emit_from_engine_thread)
+        self.engine_loop = EngineLoop(engine, self._emit_from_engine_thread, engine_thread)
         self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
                                           engine_loop=self.engine_loop)
         self._heartbeat = Heartbeat(registry, self.info)

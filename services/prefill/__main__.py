@@ -28,9 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    import asyncio
-
     from services.common.queues import provision_prefill_queue
+    from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.common.kv_memory import kv_cache_allocator
     from services.prefill.worker import PrefillWorker
@@ -39,10 +38,11 @@ async def serve(args: argparse.Namespace) -> int:
     model_dir, served_name = resolve_model(args)
 
     async def build(nc, js, registry, subjects):
-        engine = await asyncio.to_thread(LLMEngine, engine_config(args, model_dir),
+        engine_thread = EngineThread()
+        engine = await engine_thread.run(LLMEngine, engine_config(args, model_dir),
                                          kv_allocator=kv_cache_allocator(args.kv_transport, args.device))
         await provision_prefill_queue(js, subjects)
-        worker = PrefillWorker(nc=nc, registry=registry, engine=engine, subjects=subjects,
+        worker = PrefillWorker(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
                                instance_id=args.instance_id, model=model_dir, served_model_name=served_name,
                                max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport)
         if args.kv_store:

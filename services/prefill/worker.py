@@ -32,6 +32,7 @@ from contracts import (
     Subjects,
 )
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
+from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_events import engine_kv_events, kv_hashing_details
 from shared.bus.registry import Heartbeat, Registry
@@ -50,8 +51,8 @@ _KEEPALIVE_S = 1.0  # in-progress acks while a job runs (the consumer's ack wait
 
 
 class PrefillWorker:
-    def __init__(self, *, nc, registry: Registry, engine: LLMEngine, subjects: Subjects, instance_id: str,
-                 model: str, served_model_name: str, max_concurrent_jobs: int, kv_transport: str):
+    def __init__(self, *, nc, registry: Registry, engine: LLMEngine, engine_thread: EngineThread, subjects: Subjects,
+                 instance_id: str, model: str, served_model_name: str, max_concurrent_jobs: int, kv_transport: str):
         self.nc = nc
         self.js = nc.jetstream()
         self.registry = registry
@@ -69,7 +70,7 @@ class PrefillWorker:
         self._cancelled: dict[str, bool] = {}
         self._first_tokens: dict[str, asyncio.Future] = {}
         self._loop = asyncio.get_running_loop()
-        self.engine_loop = EngineLoop(engine, self._from_engine_thread)
+        self.engine_loop = EngineLoop(engine, self._from_engine_thread, engine_thread)
         self._heartbeat = Heartbeat(registry, self.info)
         self.counts: dict[str, int] = {}
         self.kv_cache = None  # services.common.kvstore_cache.KVStoreCache, with --kv-store

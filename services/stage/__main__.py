@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from services.common.options import (
     add_bus_options,
@@ -13,6 +14,9 @@ from services.common.options import (
     resolve_model,
     run_async,
 )
+
+if TYPE_CHECKING:
+    from services.common.engine_thread import EngineThread
 
 
 def layer_range(text: str):
@@ -81,9 +85,9 @@ def head_bytes_per_block(model_dir: str, args: argparse.Namespace) -> int:
                                         resolve_dtype(args.dtype, config))
 
 
-async def build_head(args: argparse.Namespace, registry, link, model_dir: str, num_layers: int):
+async def build_head(args: argparse.Namespace, registry, link, model_dir: str, num_layers: int,
+                     engine_thread: "EngineThread"):
     """The head's engine and its pipeline driver, once its stages are up and fit together."""
-    import asyncio
     import dataclasses
 
     from services.common.kv_memory import kv_cache_allocator
@@ -108,14 +112,14 @@ async def build_head(args: argparse.Namespace, registry, link, model_dir: str, n
     driver = PipelineDriver(instance_id=args.instance_id, registry=registry, link=link, stages=list(args.stages),
                             stage_boot_ids={iid: stages[iid].boot_id for iid in args.stages})
     allocator = kv_cache_allocator(args.kv_transport, args.device) if args.head_role == "prefill" else None
-    engine = await asyncio.to_thread(PipelineHeadEngine, config, driver.submit, num_microbatches=args.microbatches,
+    engine = await engine_thread.run(PipelineHeadEngine, config, driver.submit, num_microbatches=args.microbatches,
                                      step_timeout_s=args.step_timeout, kv_allocator=allocator)
     return engine, driver
 
 
 async def serve(args: argparse.Namespace) -> int:
-    import asyncio
 
+    from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.stage.link import ActivationLink
     from shared.engine.model_loader import read_config
@@ -132,6 +136,7 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit("--microbatches must be at least 1")
 
     async def build(nc, js, registry, subjects):
+        engine_thread = EngineThread()
         # An activation travels as one part: a prefill chunk of 8k tokens of a 8192-wide float32 model is 256 MiB.
         receiver = KVReceiver(max_part_bytes=1 << 30, max_buffer_bytes=2 << 30)
         await receiver.start(args.transfer_host, 0, advertise_host=args.transfer_advertise)
@@ -143,27 +148,29 @@ async def serve(args: argparse.Namespace) -> int:
             from services.stage.worker import StageWorker
             from shared.engine.stage import StageRunner
 
-            runner = await asyncio.to_thread(
+            runner = await engine_thread.run(
                 StageRunner, model_dir, args.layers, dtype=args.dtype, device=args.device,
                 block_size=args.block_size, num_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
                 kv_allocator=kv_cache_allocator(args.kv_transport, args.device) if args.ships_kv else None)
             return StageWorker(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id,
-                               runner=runner, link=link, model=model_dir, served_model_name=served_name,
+                               runner=runner, engine_thread=engine_thread, link=link, model=model_dir, served_model_name=served_name,
                                kv_transport=args.kv_transport)
 
-        engine, driver = await build_head(args, registry, link, model_dir, num_layers)
+        engine, driver = await build_head(args, registry, link, model_dir, num_layers, engine_thread)
         if args.head_role == "prefill":
             from services.common.queues import provision_prefill_queue
             from services.stage.prefill_head import PrefillPipelineHead
 
             await provision_prefill_queue(js, subjects)
-            return PrefillPipelineHead(nc=nc, registry=registry, engine=engine, subjects=subjects,
+            return PrefillPipelineHead(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread,
+                                       subjects=subjects,
                                        instance_id=args.instance_id, model=model_dir, served_model_name=served_name,
                                        max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport,
                                        driver=driver)
         from services.stage.head import PipelineHead
 
-        return PipelineHead(nc=nc, registry=registry, engine=engine, subjects=subjects, instance_id=args.instance_id,
+        return PipelineHead(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
+                            instance_id=args.instance_id,
                             model=model_dir, served_model_name=served_name,
                             max_active_requests=args.max_active_requests, driver=driver)
 

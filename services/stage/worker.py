@@ -18,6 +18,7 @@ import dataclasses
 import time
 
 from contracts import KVShipped, ServiceInfo, StageActivation, StatsRequest, Subjects
+from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
 from services.stage.link import ActivationLink
 from shared.telemetry.utilization import Utilization
@@ -34,12 +35,14 @@ log = get_logger(__name__)
 
 class StageWorker:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str, runner: StageRunner,
-                 link: ActivationLink, model: str, served_model_name: str, kv_transport: str = "auto"):
+                 engine_thread: EngineThread, link: ActivationLink, model: str, served_model_name: str,
+                 kv_transport: str = "auto"):
         self.nc = nc
         self.registry = registry
         self.subjects = subjects
         self.instance_id = instance_id
         self.runner = runner
+        self.engine_thread = engine_thread  # the runner was built on it; every step runs on it
         self.link = link
         self.model = model
         self.served_model_name = served_model_name
@@ -108,8 +111,8 @@ class StageWorker:
                 batch = StepBatch.from_dict(step.batch)
                 started, started_ns = time.monotonic(), time.time_ns()
                 # One step at a time, in arrival order; the event loop keeps receiving the next ones meanwhile.
-                output = await asyncio.to_thread(self.runner.execute, batch, incoming.tensor,
-                                                 self._layer_shipper(shipments))
+                output = await self.engine_thread.run(self.runner.execute, batch, incoming.tensor,
+                                                      self._layer_shipper(shipments))
                 self.utilization.record(started, time.monotonic())
                 self._trace_prompt_chunks(step, batch, started_ns, time.time_ns())
             except Exception as exc:
