@@ -79,6 +79,9 @@ def add_parser(subcommands) -> None:
                         help="number of prefill workers with --topology disagg (default: 1)")
     parser.add_argument("--max-local-prefill", type=int, metavar="N",
                         help="disagg: prompts with more uncached tokens than N are prefilled remotely (0: always)")
+    parser.add_argument("--offload-short-prefills", action=argparse.BooleanOptionalAction, default=True,
+                        help="disagg: a shorter prompt goes to an idle prefill worker too while its decode worker "
+                             "is busy streaming (default: on)")
     parser.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp"],
                         help="disagg: how KV moves from prefill to decode workers (default: auto)")
     parser.add_argument("--stages", type=_positive_int, metavar="N",
@@ -140,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         decode=args.decode,
         prefill=args.prefill,
         max_local_prefill=args.max_local_prefill,
+        offload_short_prefills=args.offload_short_prefills,
         kv_transport=args.kv_transport,
         stages=args.stages,
         layer_split=args.layer_split,

@@ -18,8 +18,10 @@ before the process runs any torch op elsewhere.
 
 import asyncio
 import functools
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -35,13 +37,28 @@ def _use_threads(threads: int) -> None:
 class EngineThread:
     def __init__(self, name: str = "engine"):
         threads = torch.get_num_threads()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._executor.submit(_use_threads, threads).result()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        # A daemon: a process exiting on a signal does not wait for a step in progress (or a loop still held).
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+        self.submit(_use_threads, threads).result()
         torch.set_num_threads(1)  # this thread, and the threads started from now on
 
-    async def run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        """`fn(*args, **kwargs)` on the engine thread, after what was submitted before it."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+    def _serve(self) -> None:
+        while True:
+            future, fn = self._calls.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # the caller's to handle
+                    future.set_exception(exc)
 
-    def submit(self, fn: Callable, *args: Any) -> Future:
-        return self._executor.submit(fn, *args)
+    def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
+        """Run `fn(*args, **kwargs)` on the engine thread, after what was submitted before it."""
+        future: Future = Future()
+        self._calls.put((future, functools.partial(fn, *args, **kwargs)))
+        return future
+
+    async def run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """`submit`, awaited."""
+        return await asyncio.wrap_future(self.submit(fn, *args, **kwargs))

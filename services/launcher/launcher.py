@@ -74,6 +74,7 @@ class UpOptions:
     decode: int = 1
     prefill: int = 1  # disagg only
     max_local_prefill: int | None = None  # disagg only; None: the scheduler's default
+    offload_short_prefills: bool = True  # disagg only
     kv_transport: str = "auto"
     stages: int | None = None  # pipeline: split the layers evenly over this many stages (default 2)
     layer_split: str | None = None  # pipeline: "0:6,6:12,...", instead of --stages
@@ -373,7 +374,8 @@ class Launcher:
 
         config = topology.UpConfig(
             model=model_dir, served_model_name=served_name, nats_url=nats_url, topology=o.topology,
-            decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill, kv_transport=o.kv_transport,
+            decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill,
+            offload_short_prefills=o.offload_short_prefills, kv_transport=o.kv_transport,
             stage_ranges=self._stage_ranges, microbatches=o.microbatches,
             max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,
             kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,

@@ -14,6 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompts with more uncached tokens than this are prefilled remotely (0: always remote)")
     parser.add_argument("--max-prefill-queue", type=int, default=64,
                         help="prefill locally when this many prefill jobs are already queued")
+    parser.add_argument("--offload-short-prefills", action=argparse.BooleanOptionalAction, default=True,
+                        help="send a prompt within --max-local-prefill to an idle prefill worker too, when its "
+                             "decode worker is busy streaming (computing it there stalls every stream for a step)")
     parser.add_argument("--router", default="kv", choices=["load", "kv"],
                         help="kv: score workers by the prompt prefix their caches hold (from KV events) and their "
                              "load; load: least loaded first")
@@ -34,7 +37,8 @@ async def serve(args: argparse.Namespace) -> int:
         await provision_request_queue(js, subjects)
         return Router(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id,
                       handoff_timeout_s=args.handoff_timeout, max_local_prefill=args.max_local_prefill,
-                      max_prefill_queue=args.max_prefill_queue, router=args.router,
+                      max_prefill_queue=args.max_prefill_queue, offload_short_prefills=args.offload_short_prefills,
+                      router=args.router,
                       overlap_weight=args.kv_overlap_weight, max_index_blocks=args.prefix_index_blocks)
 
     return await run_service(args, "scheduler", build)

@@ -56,7 +56,8 @@ ROUTERS = ("load", "kv")
 class Router:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str,
                  handoff_timeout_s: float = 5.0, max_concurrent_handoffs: int = 64,
-                 max_local_prefill: int = 256, max_prefill_queue: int = 64, router: str = "kv",
+                 max_local_prefill: int = 256, max_prefill_queue: int = 64, offload_short_prefills: bool = True,
+                 router: str = "kv",
                  overlap_weight: float = 2.0, max_index_blocks: int = 1 << 18):
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
@@ -73,6 +74,7 @@ class Router:
         self.counts: dict[str, int] = {}
         self.decisions: dict[str, int] = {}
         self.max_local_prefill = max_local_prefill
+        self.offload_short_prefills = offload_short_prefills
         self.max_prefill_queue = max_prefill_queue
         self.prefill_queue_depth = 0
         self.request_queue_depth = 0
@@ -225,6 +227,7 @@ class Router:
         request.prefill = decide_prefill(
             uncached, self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,
             max_prefill_queue=self.max_prefill_queue, prefill_workers_ready=len(prefill_workers),
+            decode_worker_busy=worker.num_running + worker.num_waiting > 0, offload_short=self.offload_short_prefills,
         )
         request.prefill_instance = ""
         if request.prefill == "remote" and cached is not None:

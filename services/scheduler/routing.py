@@ -121,19 +121,29 @@ def pick_prefill_worker(workers: list[ServiceInfo], num_prompt_blocks: int, cach
     return ranked[0].instance_id
 
 
+# Below this many uncached tokens a prompt is always computed where it decodes: shipping its KV costs more
+# than the stall it would cause.
+MIN_OFFLOADED_PREFILL = 32
+
+
 def decide_prefill(uncached_prompt_tokens: int, prefill_queue_depth: int, *, max_local_prefill: int,
-                   max_prefill_queue: int, prefill_workers_ready: int) -> str:
+                   max_prefill_queue: int, prefill_workers_ready: int, decode_worker_busy: bool = False,
+                   offload_short: bool = True) -> str:
     """"remote" or "local": where a request's prompt is computed.
 
-    Remote only when there is a prefill pool, the part of the prompt not
-    already cached is longer than `max_local_prefill` tokens (0: every
-    prompt), and the prefill queue is short enough that waiting in it beats
-    prefilling on the decode worker.
+    Never remote without a prefill pool, or when its queue (waiting and
+    running jobs) is `max_prefill_queue` deep: then waiting in it is worse
+    than prefilling on the decode worker. Otherwise remote when the part of
+    the prompt not already cached is longer than `max_local_prefill` tokens
+    (0: every prompt); and, with `offload_short`, a shorter prompt too when
+    its decode worker is busy streaming (computing the prompt there stalls
+    every stream for that step) while a prefill worker sits idle.
     """
-    if prefill_workers_ready == 0:
+    if prefill_workers_ready == 0 or prefill_queue_depth >= max_prefill_queue:
         return "local"
-    if uncached_prompt_tokens <= max_local_prefill:
-        return "local"
-    if prefill_queue_depth >= max_prefill_queue:
-        return "local"
-    return "remote"
+    if uncached_prompt_tokens > max_local_prefill:
+        return "remote"
+    pool_idle = prefill_queue_depth < prefill_workers_ready
+    if offload_short and decode_worker_busy and pool_idle and uncached_prompt_tokens >= MIN_OFFLOADED_PREFILL:
+        return "remote"
+    return "local"

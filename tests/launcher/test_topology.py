@@ -77,6 +77,9 @@ def test_disagg_plan():
     assert [s.name for s in without] == ["scheduler-0", "prefill-0", "prefill-1", "decode-0", "gateway-0"]
     assert not any("--kv-store" in s.args for s in without)
     assert without[0].args[without[0].args.index("--router") + 1] == "load"
+    assert "--no-offload-short-prefills" not in plan(DISAGG)[0].args
+    kept_local = plan(dataclasses.replace(DISAGG, offload_short_prefills=False))
+    assert kept_local[0].args[-1] == "--no-offload-short-prefills"
 
 
 PIPELINE = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", topology="pipeline",

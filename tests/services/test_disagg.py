@@ -182,7 +182,10 @@ def test_each_kv_transport_decodes_identically(nats_server, default_model, tmp_p
 
 
 def test_default_threshold_prefills_short_prompts_locally(nats_server, default_model, tmp_path, cases):
-    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1)
+    # One request at a time; a decode worker's load is a heartbeat old, so with short-prompt offloading on a
+    # short prompt right after another request may count it as busy and go remote (tested below).
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1,
+                                  scheduler_args=("--no-offload-short-prefills",))
     try:
         tokenizer = AutoTokenizer.from_pretrained(default_model)
         for prompt, expected in cases:  # 3 .. 1000 tokens: both sides of the 256-token default
@@ -195,6 +198,34 @@ def test_default_threshold_prefills_short_prompts_locally(nats_server, default_m
                 break
             assert time.monotonic() < deadline, decisions
             time.sleep(0.3)
+    finally:
+        deployment.stop()
+
+
+def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_streams(
+        nats_server, default_model, tmp_path, cases):
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1)
+    try:
+        deployment.wait_scheduler_sees("prefill", 1)
+        tokenizer = AutoTokenizer.from_pretrained(default_model)
+        with ThreadPoolExecutor(1) as pool:
+            # A long stream keeps the decode worker busy (a short prompt to an idle worker: computed there).
+            streaming = pool.submit(complete, deployment.base_url, cases[1][0], max_tokens=1500)
+            deadline = time.monotonic() + 30
+            while asyncio.run(_scheduler_entry(deployment)).details["disagg_decisions"].get("local", 0) < 1:
+                assert time.monotonic() < deadline, "the first request was never routed"
+                time.sleep(0.1)
+            prompt, expected = cases[3]  # 150 tokens: under the 256-token threshold
+            body = complete(deployment.base_url, prompt)
+            assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+            assert not streaming.done(), "the long stream ended first: nothing was busy"
+            assert deployment.stats("decode-0").details["prefill_decisions"].get("remote") == 1
+            deadline = time.monotonic() + 5  # the scheduler's registry entry is refreshed every second
+            while (decisions := asyncio.run(_scheduler_entry(deployment)).details["disagg_decisions"]) != {
+                    "local": 1, "remote": 1}:
+                assert time.monotonic() < deadline, decisions
+                time.sleep(0.3)
+            streaming.result(timeout=120)
     finally:
         deployment.stop()
 
