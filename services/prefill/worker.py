@@ -74,6 +74,7 @@ class PrefillWorker:
         self._heartbeat = Heartbeat(registry, self.info)
         self.counts: dict[str, int] = {}
         self.kv_cache = None  # services.common.kvstore_cache.KVStoreCache, with --kv-store
+        self._consumer = None  # the prefill queue's pull subscription, once started
         self.job_traces: dict[str, dict[str, str]] = {}  # request id -> its job span's trace context
         self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
                                           engine_loop=self.engine_loop)
@@ -98,6 +99,13 @@ class PrefillWorker:
 
     async def stop(self) -> None:
         self.state = "draining"
+        if self._consumer is not None:
+            # A fetch cancelled mid-wait leaves the server's timeout status in the subscription's queue, where
+            # nothing reads it; the connection's drain would then wait for it until its deadline.
+            try:
+                await self._consumer.unsubscribe()
+            except nats.errors.Error as exc:
+                log.warning("could not unsubscribe from the prefill queue", error=repr(exc))
         for task in list(self.jobs.values()):
             task.cancel()  # their jobs are redelivered to another worker
         await asyncio.gather(*self.jobs.values(), return_exceptions=True)

@@ -110,6 +110,8 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
     assert proc.wait(timeout=15) == 0
     assert time.monotonic() - stopping < 10
     assert not [pid for pid in all_pids if pid_alive(pid)]
+    said = proc.stdout.read()
+    assert "did not stop" not in said, said  # every service stopped on SIGTERM, none had to be killed
 
 
 def test_up_with_a_trace_viewer_sends_it_every_services_traces(tmp_path, default_model):
