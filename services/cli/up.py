@@ -4,10 +4,19 @@ The work is in `services.launcher.launcher`; this module is the flags.
 """
 
 import argparse
+import os
 
 from services.launcher.deployment import DEFAULT_RUN_DIR, RUN_DIR_ENV
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
+def take_gateway_api_keys(flags: list[str] | None) -> tuple[str, ...]:
+    """The gateway's API keys (--api-key, SPLITSERVE_API_KEY). The variable leaves this process's environment,
+    which every service inherits: the launcher hands the keys to the gateway alone."""
+    from services.gateway.edge import parse_api_keys
+
+    return parse_api_keys(flags, os.environ.pop("SPLITSERVE_API_KEY", None))
 
 
 def _checked(convert, ok, kind: str):
@@ -112,6 +121,9 @@ def add_parser(subcommands) -> None:
                              "to it (pip install 'splitserve[trace-viewer]')")
     parser.add_argument("--trace-viewer-port", type=_port, default=6006, metavar="PORT",
                         help="the trace viewer's UI and OTLP/HTTP port; OTLP/gRPC on the next one (default: 6006)")
+    parser.add_argument("--api-key", action="append", metavar="KEY",
+                        help="the gateway requires `Authorization: Bearer KEY` on /v1/* (repeatable; or "
+                             "SPLITSERVE_API_KEY, comma-separated, which other local users cannot read)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000, help="port the gateway listens on (default: 8000)")
     parser.add_argument("--nats", metavar="URL", help="use this NATS server (with JetStream) instead of starting one")
@@ -156,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         trace_viewer_port=args.trace_viewer_port,
         kv_store_ram_bytes=args.kv_store_ram_bytes,
         kv_store_disk_bytes=args.kv_store_disk_bytes,
+        api_keys=take_gateway_api_keys(args.api_key),
         host=args.host,
         port=args.port,
         nats=args.nats,

@@ -4,7 +4,10 @@ import argparse
 import signal
 import sys
 
+import os
+
 from services.common.options import add_bus_options, add_model_options, env_default, resolve_model
+from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, parse_api_keys
 
 
 def parse_expect(text: str) -> dict[str, int]:
@@ -26,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=int(env_default("PORT", 8000)))
     parser.add_argument("--expect", type=parse_expect, default=parse_expect(env_default("EXPECT", "scheduler=1,decode=1")),
                         help="services that must be ready for /health to answer 200, e.g. scheduler=1,decode=2")
+    parser.add_argument("--api-key", action="append", metavar="KEY",
+                        help="require `Authorization: Bearer KEY` on /v1/* (repeatable; also SPLITSERVE_API_KEY, "
+                             "comma-separated, which other local users cannot read from the command line)")
+    parser.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics too")
+    parser.add_argument("--max-request-bytes", type=int, default=int(env_default("MAX_REQUEST_BYTES",
+                                                                                 DEFAULT_MAX_REQUEST_BYTES)),
+                        help="larger request bodies are refused with 413 (default: 4 MiB)")
     return parser
 
 
@@ -42,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, served_name = resolve_model(args)
     settings = GatewaySettings(nats_url=args.nats, namespace=args.namespace, instance_id=args.instance_id,
                                model_dir=model_dir, served_model_name=served_name, expect=args.expect,
-                               http_port=args.port)
+                               http_port=args.port,
+                               api_keys=parse_api_keys(args.api_key, os.environ.get("SPLITSERVE_API_KEY")),
+                               protect_metrics=args.protect_metrics, max_request_bytes=args.max_request_bytes)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal into the
     # handler that was installed before it; a no-op one lets the gateway exit 0 like every service.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from contracts import ServiceInfo, Subjects
 from services.common.identity import ServiceIdentity
 from services.gateway import responses
+from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, authorized, check_text, read_body, unauthorized
 from services.gateway.errors import (
     RequestError,
     from_failure,
@@ -59,6 +60,12 @@ class GatewaySettings:
     served_model_name: str
     expect: dict[str, int] = field(default_factory=lambda: {"scheduler": 1, "decode": 1})
     http_port: int | None = None
+    api_keys: tuple[str, ...] = ()  # none: the API is open
+    protect_metrics: bool = False  # /metrics needs a key too
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+    def __repr__(self) -> str:  # never print the keys
+        return f"GatewaySettings({self.instance_id!r}, {len(self.api_keys)} API key(s))"
 
 
 class Gateway:
@@ -154,6 +161,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     install_error_handlers(app)
 
     @app.middleware("http")
+    async def api_key(request: Request, call_next):
+        path = request.url.path
+        guarded = path.startswith("/v1/") or (path == "/metrics" and settings.protect_metrics)
+        if settings.api_keys and guarded and not authorized(request.headers.get("authorization"), settings.api_keys):
+            return unauthorized().response()
+        return await call_next(request)
+
+    @app.middleware("http")  # added last, so it runs first: every answer, a 401 too, carries x-request-id
     async def request_id_header(request: Request, call_next):
         request.state.request_id = uuid.uuid4().hex
         request.state.trace_id = ""
@@ -180,14 +195,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await read_json(request))
+        req = parse_request(CompletionRequest, await read_json(request, settings.max_request_bytes))
         check_model(gateway, req.model)
         prompt_ids = await run_in_threadpool(gateway.model.encode_prompt, req.prompt)
         return await generate(gateway, request, req, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_request(ChatCompletionRequest, await read_json(request))
+        req = parse_request(ChatCompletionRequest, await read_json(request, settings.max_request_bytes))
         check_model(gateway, req.model)
         prompt_ids = await run_in_threadpool(gateway.model.encode_chat, req.template_messages())
         return await generate(gateway, request, req, prompt_ids, chat=True)
@@ -207,12 +222,14 @@ def _http_telemetry() -> dict:
                           "auto_configure": False}}
 
 
-async def read_json(request: Request):
-    raw = await request.body()
+async def read_json(request: Request, max_bytes: int):
+    raw = await read_body(request, max_bytes)
     try:
-        return json.loads(raw)
+        document = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise RequestError("Could not parse the request body as JSON.", code="invalid_json") from None
+    check_text(document)
+    return document
 
 
 def check_model(gateway: Gateway, name: str) -> None:

@@ -75,6 +75,7 @@ class UpOptions:
     prefill: int = 1  # disagg only
     max_local_prefill: int | None = None  # disagg only; None: the scheduler's default
     offload_short_prefills: bool = True  # disagg only
+    api_keys: tuple[str, ...] = ()  # the gateway's; they reach it in its environment, never on a command line
     kv_transport: str = "auto"
     stages: int | None = None  # pipeline: split the layers evenly over this many stages (default 2)
     layer_split: str | None = None  # pipeline: "0:6,6:12,...", instead of --stages
@@ -392,7 +393,9 @@ class Launcher:
                                 env={**env, **trace_viewer.viewer_env(self.run_dir / "trace-viewer", port, port + 1)})
             env = {**env, **trace_viewer.exporter_env(port)}
         for spec in specs:
-            self.supervisor.add(spec.name, spec.argv(self.python), env=env, role=spec.role, instance_id=spec.instance_id)
+            own = {"SPLITSERVE_API_KEY": ",".join(o.api_keys)} if spec.role == "gateway" and o.api_keys else {}
+            self.supervisor.add(spec.name, spec.argv(self.python), env={**env, **own}, role=spec.role,
+                                instance_id=spec.instance_id)
         self.deployment.services = [
             ServiceRecord(name=s.name, role=s.role, instance_id=s.instance_id, argv=s.argv(self.python),
                           log=str(self.log_dir / f"{s.name}.log"), url=s.url)

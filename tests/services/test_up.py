@@ -152,3 +152,27 @@ def test_up_with_a_trace_viewer_sends_it_every_services_traces(tmp_path, default
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_up_api_key_reaches_the_gateway_in_its_environment_only(tmp_path, default_model):
+    port, run_dir, key = free_port(), tmp_path / "run", "up-key-" + uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up", "--model", MODEL, "--topology", "colocated",
+         "--port", str(port), "--run-dir", str(run_dir), "--namespace", "ak" + uuid.uuid4().hex[:8]],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(SPLITSERVE_API_KEY=key), cwd=ROOT,
+        start_new_session=True)
+    try:
+        line = proc.stdout.readline() + proc.stdout.readline()
+        assert "splitserve ready:" in line, line
+        url, body = f"http://127.0.0.1:{port}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(url, json=body, timeout=60).status_code == 401
+        assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60).status_code == 200
+        services = ps(run_dir)["services"]
+        assert not any(key in " ".join(s["argv"]) for s in services)  # command lines are readable by every user
+        assert key not in (run_dir / "deployment.json").read_text()
+        for service in services:  # only the gateway's environment holds it
+            with open(f"/proc/{service['pid']}/environ", "rb") as environ:
+                assert (key.encode() in environ.read()) == (service["role"] == "gateway"), service["name"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

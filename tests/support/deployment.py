@@ -73,7 +73,8 @@ class Deployment:
 def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int = 1,
                      expect: str | None = None, prefill: int = 0, scheduler_args: tuple = (),
                      decode_args: tuple = (), prefill_args: tuple = (),
-                     prefill_split: list[tuple[int, int]] | None = None, kvstore_args: tuple | None = None) -> Deployment:
+                     prefill_split: list[tuple[int, int]] | None = None, kvstore_args: tuple | None = None,
+                     gateway_args: tuple = (), gateway_env: dict[str, str] | None = None) -> Deployment:
     """scheduler-0, `prefill` prefill workers, `workers` decode workers and gateway-0 on a fresh namespace.
 
     With prefill workers, the decode workers run in disagg mode. With `prefill_split`, the prefill pool is
@@ -110,8 +111,8 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
     counts = (f"scheduler=1,decode={workers}" + (f",prefill={prefill}" if prefill else "")
               + (f",stage={len(stages)}" if stages else "") + (",kvstore=1" if kvstore_args is not None else ""))
     deployment.procs["gateway"] = start_service(
-        "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts],
-        log_dir)
+        "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts,
+                    *gateway_args], log_dir, **(gateway_env or {}))
     try:
         wait_for_http(f"{deployment.base_url}/health", 120, list(deployment.procs.values()))
     except BaseException:

@@ -1,0 +1,97 @@
+"""The gateway's edge: who may call the API, how large a request body may be, and what its strings may hold.
+
+- API keys: `Authorization: Bearer KEY`, compared in constant time with every configured key; a missing or
+  wrong key is a 401 in OpenAI's error shape. Keys are never logged or echoed.
+- Bodies: at most `max_request_bytes`; a larger declared length is refused before anything is read, and a
+  body without one (chunked) stops being read at the limit. Either way a 413.
+- Strings: JSON can spell a lone UTF-16 surrogate (`"\\ud800"`), which is not a character: no tokenizer or
+  encoder takes it, and echoing it back fails. Such a request is a 400 naming the field.
+"""
+
+import hmac
+from collections.abc import Iterable
+
+from fastapi import Request
+
+from services.gateway.errors import RequestError
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+
+
+def parse_api_keys(flags: Iterable[str] | None, env_value: str | None) -> tuple[str, ...]:
+    """Keys from `--api-key` (repeatable) and SPLITSERVE_API_KEY (comma-separated); blanks dropped."""
+    keys = [*(flags or ()), *(env_value or "").split(",")]
+    return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
+
+
+def authorized(header: str | None, keys: tuple[str, ...]) -> bool:
+    """Whether an Authorization header carries one of `keys` (every key is compared: no early exit)."""
+    scheme, _, presented = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not presented:
+        return False
+    given = presented.strip().encode()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(given, key.encode())
+    return matched
+
+
+def unauthorized() -> RequestError:
+    return RequestError("Incorrect or missing API key. Send it as `Authorization: Bearer KEY`.", status=401,
+                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _too_large(limit: int) -> RequestError:
+    return RequestError(f"The request body is larger than this server takes ({limit} bytes).", status=413,
+                        code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or a 413 once it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def lone_surrogate_at(document) -> str | None:
+    """The path (`messages[0].content`) of the first string, key or value, holding a lone surrogate; None if
+    every string is text. Iterative: as deep as the JSON parser allowed."""
+    stack = [(document, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else str(key)
+                if not _is_text(key):
+                    return path or "body"
+                stack.append((item, child))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def check_text(document) -> None:
+    """A 400 naming the field when a string of the request is not valid Unicode."""
+    where = lone_surrogate_at(document)
+    if where is not None:
+        param = None if where == "body" else where
+        raise RequestError(f"Invalid value for '{where}': the string holds a lone surrogate (an escape such as "
+                           "\\ud800 without its pair), which is not valid Unicode.", param, code="invalid_value")
