@@ -33,6 +33,7 @@ from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    check_token_ids,
     parse_request,
     resolve_max_tokens,
     to_sampling_kwargs,
@@ -239,6 +240,7 @@ def check_model(gateway: Gateway, name: str) -> None:
 
 async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int], chat: bool):
     endpoint = "chat" if chat else "completions"
+    check_token_ids(req.stop_token_ids or [], gateway.model.vocab_size, "stop_token_ids")
     sampling = to_sampling_kwargs(req)
     requested = sampling["max_tokens"]
     if requested is None and not chat:

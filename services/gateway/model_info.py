@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer
 
 from services.gateway.errors import RequestError
-from services.gateway.protocol import check_prompt_token_ids
+from services.gateway.protocol import check_token_ids
 from shared.engine.model_loader import read_config
 
 
@@ -26,7 +26,7 @@ class ModelInfo:
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
-        check_prompt_token_ids(prompt, self.vocab_size)
+        check_token_ids(prompt, self.vocab_size, "prompt")
         return list(prompt)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:

@@ -21,6 +21,8 @@ from services.gateway.errors import RequestError, from_validation_errors
 from shared.engine.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 1024  # per stop sequence: each is matched against the tail of the text every step
+MAX_STOP_TOKEN_IDS = 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -76,6 +78,8 @@ class _SamplingRequest(_Strict):
             raise _invalid("stop", f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}")
         if any(not s for s in stops):
             raise _invalid("stop", "stop sequences must not be empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise _invalid("stop", f"a stop sequence may hold at most {MAX_STOP_CHARS} characters")
         return stops
 
     def _check_sampling(self) -> None:
@@ -97,6 +101,9 @@ class _SamplingRequest(_Strict):
             raise _invalid("top_k", f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
             raise _invalid("seed", f"seed must fit in a signed 64-bit integer, got {self.seed}")
+        if self.stop_token_ids and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise _invalid("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                                             f"got {len(self.stop_token_ids)}")
         if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
             raise _invalid("stop_token_ids", "stop_token_ids must be non-negative token ids")
         if self.n is not None and self.n != 1:
@@ -338,8 +345,8 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     return requested if requested is not None else max_model_len - prompt_len
 
 
-def check_prompt_token_ids(token_ids: list[int], vocab_size: int) -> None:
-    """Reject a token-id prompt the model cannot embed."""
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """Reject token ids (a prompt, stop_token_ids) outside the model's vocabulary."""
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise _invalid("prompt", f"token id {bad} in the prompt is outside the vocabulary [0, {vocab_size})")
+        raise _invalid(param, f"token id {bad} in {param} is outside the vocabulary [0, {vocab_size})")

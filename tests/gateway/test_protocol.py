@@ -24,7 +24,9 @@ from services.gateway.errors import (
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    check_prompt_token_ids,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    check_token_ids,
     parse_request,
     resolve_max_tokens,
     to_sampling_kwargs,
@@ -212,11 +214,20 @@ def test_batched_prompts_are_refused_clearly():
     assert "one prompt per request" in error.message and error.code == "unsupported_value"
 
 
-def test_prompt_token_ids_against_the_vocabulary():
-    check_prompt_token_ids([0, 5, 9], vocab_size=10)
-    with pytest.raises(RequestError) as info:
-        check_prompt_token_ids([0, 10], vocab_size=10)
-    assert info.value.param == "prompt" and "10" in info.value.message
+def test_token_ids_against_the_vocabulary():
+    check_token_ids([0, 5, 9], vocab_size=10, param="prompt")
+    for param in ("prompt", "stop_token_ids"):
+        with pytest.raises(RequestError) as info:
+            check_token_ids([0, 10], vocab_size=10, param=param)
+        assert info.value.param == param and "10" in info.value.message
+
+
+def test_stop_sequences_and_stop_token_ids_are_bounded():
+    parse_request(CompletionRequest, completion(stop=["x" * MAX_STOP_CHARS], stop_token_ids=[1] * MAX_STOP_TOKEN_IDS))
+    error = rejected(CompletionRequest, completion(stop=["ok", "x" * (MAX_STOP_CHARS + 1)]))
+    assert error.param == "stop" and str(MAX_STOP_CHARS) in error.message
+    error = rejected(CompletionRequest, completion(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)))
+    assert error.param == "stop_token_ids"
 
 
 def test_chat_content_parts_and_template_messages():

@@ -68,6 +68,14 @@ def test_missing_prompt_and_bad_token_ids(http):
     assert_error(completion(http, prompt=[1, 2, 10**9]), 400, "prompt", "vocabulary")
 
 
+def test_stop_token_ids_and_stop_sequences_are_checked_at_the_gateway(http):
+    assert_error(completion(http, stop_token_ids=[10**30]), 400, "stop_token_ids", "vocabulary")
+    # Streamed too: a 400 before the stream starts, not a 200 with an error event.
+    assert_error(completion(http, stream=True, stop_token_ids=[3, 10**6]), 400, "stop_token_ids", "vocabulary")
+    assert_error(completion(http, stop=["x" * 100_000] * 4), 400, "stop", "characters")
+    assert completion(http, max_tokens=2, stop_token_ids=[3], stop=["zzz"]).status_code == 200
+
+
 def test_every_response_has_a_request_id(http):
     ids = {http.get("/health").headers["x-request-id"], http.get("/v1/models").headers["x-request-id"],
            completion(http, max_tokens=2).headers["x-request-id"], http.get("/nope").headers["x-request-id"]}
