@@ -151,7 +151,7 @@ def write_deployment(run_dir: str | os.PathLike, deployment: Deployment) -> Path
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o600)  # it names every endpoint of the deployment: its user's alone
         os.replace(tmp, path)
     except BaseException:
         try:

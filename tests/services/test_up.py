@@ -170,6 +170,8 @@ def test_up_api_key_reaches_the_gateway_in_its_environment_only(tmp_path, defaul
         services = ps(run_dir)["services"]
         assert not any(key in " ".join(s["argv"]) for s in services)  # command lines are readable by every user
         assert key not in (run_dir / "deployment.json").read_text()
+        for path in [run_dir, run_dir / "deployment.json", *run_dir.rglob("*.log")]:  # the user's alone
+            assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
         for service in services:  # only the gateway's environment holds it
             with open(f"/proc/{service['pid']}/environ", "rb") as environ:
                 assert (key.encode() in environ.read()) == (service["role"] == "gateway"), service["name"]
