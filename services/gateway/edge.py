@@ -61,6 +61,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _is_text(value: str) -> bool:
+    if value.isascii():  # most strings: no copy made
+        return True
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
