@@ -6,9 +6,11 @@ cluster by using different namespaces.
 """
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+_ANY = "ANY-9f3c1e7a5b"  # a valid token standing for one wildcard position while a subject is built
 
 
 def check_token(value: str, what: str) -> str:
@@ -24,6 +26,16 @@ class Subjects:
 
     def __post_init__(self) -> None:
         check_token(self.namespace, "namespace")
+
+    def any(self, subject_of: Callable[..., str], tokens: int = 1) -> str:
+        """The pattern matching `subject_of(...)` for every instance (`*` in place of each of its `tokens` names),
+        e.g. `subjects.any(subjects.worker_generate)` is `{ns}.worker.*.generate`."""
+        return subject_of(*[_ANY] * tokens).replace(_ANY, "*")
+
+    @property
+    def all(self) -> str:
+        """Every subject of this deployment."""
+        return f"{self.namespace}.>"
 
     # JetStream: requests from gateways, taken by the scheduler pool.
     @property

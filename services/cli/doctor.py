@@ -22,6 +22,8 @@ def add_parser(subcommands) -> None:
                         help="the model to serve: a known name, a directory or a .gguf file "
                              "(default: smollm2-135m-instruct)")
     parser.add_argument("--nats", metavar="URL", help="an existing NATS server to check (default: the embedded one)")
+    parser.add_argument("--nats-creds", metavar="FILE",
+                        help="credentials for --nats: an NKey seed or .creds file (or SPLITSERVE_NATS_CREDS)")
     parser.add_argument("--host", default="127.0.0.1", help="the address the API will listen on")
     parser.add_argument("--port", type=int, default=8000, help="the port the API will listen on")
     parser.add_argument("--kv-store-dir", help="where the kv-store's disk tier will live")
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         places["kv-store"] = Path(args.kv_store_dir)
     results = [
         *checks.gpus(), *checks.cpu(), *checks.disk(places, int(args.min_free_gib * 2**30)),
-        *checks.nats_server(args.nats), *checks.api_port(args.host, args.port), *checks.model(args.model),
+        *checks.nats_server(args.nats, creds_file=args.nats_creds), *checks.api_port(args.host, args.port), *checks.model(args.model),
         *checks.libraries(),
     ]
     if args.json:

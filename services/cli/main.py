@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from services.cli import bench, doctor, generate, models, ps, serve, up
+from services.cli import bench, doctor, generate, models, nats_auth, ps, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_parser(subcommands)
     bench.add_parser(subcommands)
     models.add_parser(subcommands)
+    nats_auth.add_parser(subcommands)
     return parser
 
 

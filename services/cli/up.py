@@ -127,6 +127,12 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000, help="port the gateway listens on (default: 8000)")
     parser.add_argument("--nats", metavar="URL", help="use this NATS server (with JetStream) instead of starting one")
+    parser.add_argument("--nats-creds-dir", metavar="DIR",
+                        help="with --nats: each service's credentials, DIR/ROLE.nk (`splitserve nats-auth DIR` "
+                             "writes them and the server's authorization config)")
+    parser.add_argument("--nats-auth", action=argparse.BooleanOptionalAction, default=True,
+                        help="the embedded NATS server admits only this deployment's services, each role with its "
+                             "own credentials (RUN_DIR/creds) and only the subjects its job needs (default: on)")
     parser.add_argument("--namespace", default="splitserve", help="subject prefix of this deployment (default: splitserve)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="model weights' dtype (default: auto)")
     parser.add_argument("--cpus", default="auto", type=_cpus, metavar="auto|none|LIST",
@@ -172,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         nats=args.nats,
+        nats_auth=args.nats_auth,
+        nats_creds_dir=args.nats_creds_dir,
         namespace=args.namespace,
         dtype=args.dtype,
         cpus=args.cpus,

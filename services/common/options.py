@@ -11,6 +11,9 @@ def env_default(name: str, default):
 
 def add_bus_options(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--nats", default=env_default("NATS_URL", "nats://127.0.0.1:4222"), help="NATS server URL")
+    parser.add_argument("--nats-creds", metavar="FILE",
+                        help="this service's NATS credentials: an NKey seed file or a .creds file (also "
+                             "SPLITSERVE_NATS_CREDS; or the seed itself in SPLITSERVE_NATS_NKEY_SEED)")
     parser.add_argument("--namespace", default=env_default("NAMESPACE", "splitserve"), help="subject prefix of this deployment")
     parser.add_argument(
         "--instance-id",
@@ -18,6 +21,18 @@ def add_bus_options(parser: argparse.ArgumentParser, role: str) -> None:
         help="unique name of this service instance (letters, digits, '_' and '-')",
     )
     parser.add_argument("--log-level", default=env_default("LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"])
+
+
+def bus_credentials(args: argparse.Namespace):
+    """The service's NATS credentials (see `shared.bus.credentials`), checked now: exits if they are unusable."""
+    from shared.bus.credentials import CredentialsError, credentials_from
+
+    credentials = credentials_from(args.nats_creds)
+    try:
+        credentials.connect_options()
+    except CredentialsError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return credentials
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,9 @@ import argparse
 from collections.abc import Awaitable, Callable
 
 from contracts import Subjects
+from services.common.options import bus_credentials
 from shared.bus.connection import ShutdownSignal, connect, drain
+from shared.bus.permissions import inbox_prefix
 from shared.bus.registry import Registry
 from shared.bus.service import run_until_stopped
 from shared.telemetry.logging import configure_logging, get_logger
@@ -22,7 +24,8 @@ async def run_service(args: argparse.Namespace, role: str, build: Callable[..., 
     log = get_logger(role)
     shutdown = ShutdownSignal()
     subjects = Subjects(args.namespace)
-    nc = await connect(args.nats, name=args.instance_id)
+    nc = await connect(args.nats, name=args.instance_id, credentials=bus_credentials(args),
+                       inbox_prefix=inbox_prefix(args.namespace, role))
     js = nc.jetstream()
     registry = await Registry.open(js, subjects.registry_bucket)
     service = await build(nc=nc, js=js, registry=registry, subjects=subjects)

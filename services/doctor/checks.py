@@ -97,7 +97,7 @@ def disk(paths: dict[str, Path], min_free_bytes: int) -> list[Check]:
     return checks
 
 
-def nats_server(url: str | None, timeout_s: float = 5.0) -> list[Check]:
+def nats_server(url: str | None, timeout_s: float = 5.0, creds_file: str | None = None) -> list[Check]:
     if not url:
         found = _nats_binary()
         return [Check("nats", SKIP if found else FAIL,
@@ -106,9 +106,12 @@ def nats_server(url: str | None, timeout_s: float = 5.0) -> list[Check]:
     async def probe() -> Check:
         import nats
 
+        from shared.bus.credentials import credentials_from
+
         try:
+            auth = credentials_from(creds_file).connect_options()
             nc = await asyncio.wait_for(nats.connect(url, connect_timeout=timeout_s, max_reconnect_attempts=0,
-                                                     allow_reconnect=False, error_cb=_quiet), timeout_s)
+                                                     allow_reconnect=False, error_cb=_quiet, **auth), timeout_s)
         except Exception as exc:
             return Check("nats", FAIL, f"cannot connect to {url}: {exc!r}")
         try:

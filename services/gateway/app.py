@@ -40,6 +40,8 @@ from services.gateway.protocol import (
 )
 from services.gateway.streams import RequestStream, StreamError, TokenStreams
 from shared.bus.connection import connect, drain
+from shared.bus.credentials import BusCredentials
+from shared.bus.permissions import inbox_prefix
 from shared.bus.registry import Heartbeat, Registry
 from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
@@ -64,6 +66,7 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()  # none: the API is open
     protect_metrics: bool = False  # /metrics needs a key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    nats_credentials: BusCredentials | None = None
 
     def __repr__(self) -> str:  # never print the keys
         return f"GatewaySettings({self.instance_id!r}, {len(self.api_keys)} API key(s))"
@@ -83,7 +86,9 @@ class Gateway:
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self.nc = await connect(self.settings.nats_url, name=self.settings.instance_id)
+        self.nc = await connect(self.settings.nats_url, name=self.settings.instance_id,
+                                credentials=self.settings.nats_credentials,
+                                inbox_prefix=inbox_prefix(self.settings.namespace, "gateway"))
         self.registry = await Registry.open(self.nc.jetstream(), self.subjects.registry_bucket)
         await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)
         self.pipeline = Pipeline(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,

@@ -90,6 +90,7 @@ class NatsRecord:
     start_time: int | None = None
     restarts: int = 0
     log: str | None = None
+    creds_dir: str | None = None  # each role's NATS credentials (ROLE.nk; admin.nk for the operator)
 
     def alive(self) -> bool:
         return self.embedded and pid_alive(self.pid, self.start_time)

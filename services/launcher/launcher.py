@@ -42,8 +42,10 @@ from services.launcher.deployment import (
     read_deployment,
     write_deployment,
 )
+from services.launcher.nats_auth import creds_path, ensure_credentials, write_server_config
 from services.launcher.nats_server import EmbeddedNats, NatsServerError, nats_endpoints, wait_for_nats
 from services.launcher.procs import describe_exit, process_start_time
+from shared.bus.permissions import ROLES
 from services.launcher.supervisor import (
     RestartPolicy,
     Supervisor,
@@ -91,6 +93,8 @@ class UpOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     nats: str | None = None
+    nats_auth: bool = True  # the embedded server: per-role NKey users with least-privilege permissions
+    nats_creds_dir: str | None = None  # --nats: a directory of ROLE.nk seeds (from `splitserve nats-auth`)
     namespace: str = "splitserve"
     dtype: str = "auto"
     cpus: str = "auto"  # CPUs the model workers share out: "auto" (all this process may use), "none", or a list
@@ -258,6 +262,13 @@ class Launcher:
                 nats_endpoints(o.nats)
             except ValueError as exc:
                 raise LaunchError(str(exc), 2) from None
+        if o.nats_creds_dir is not None:
+            if o.nats is None:
+                raise LaunchError("--nats-creds-dir is for a --nats server; the embedded one gets its own", 2)
+            missing = [role for role in ROLES if not creds_path(o.nats_creds_dir, role).is_file()]
+            if missing:
+                raise LaunchError(f"--nats-creds-dir {o.nats_creds_dir} lacks credentials of: {', '.join(missing)} "
+                                  "(`splitserve nats-auth DIR` writes them)", 2)
 
     def _run_locked(self) -> int:
         o = self.options
@@ -295,6 +306,12 @@ class Launcher:
                 self._say(f"error: {failure}")
             self._shutdown(failure)
         return failure.exit_code
+
+    def _bus_credentials(self) -> tuple[Path, Path]:
+        """New credentials for every role (and `admin`) in RUN_DIR/creds, and the server config that admits them."""
+        creds_dir = self.run_dir / "creds"
+        public_keys = ensure_credentials(creds_dir, fresh=True)
+        return creds_dir, write_server_config(self.run_dir / "nats.conf", public_keys, self.options.namespace)
 
     def _pipeline_split(self, model_dir: str) -> tuple[tuple[int, int], ...]:
         """The pipeline's layer ranges, checked against the model before anything starts (exit 2 if bad)."""
@@ -367,11 +384,13 @@ class Launcher:
             # A fresh deployment starts from empty streams: what an earlier
             # one left queued has nobody waiting for it any more.
             shutil.rmtree(self.run_dir / "nats", ignore_errors=True)
-            self.nats = EmbeddedNats(self.run_dir)
+            creds_dir, server_config = self._bus_credentials() if o.nats_auth else (None, None)
+            self.nats = EmbeddedNats(self.run_dir, config_file=server_config)
             nats_url = self.nats.start()
         else:
-            nats_url = o.nats
-        self.deployment.nats = NatsRecord(url=nats_url, embedded=self.nats is not None)
+            nats_url, creds_dir = o.nats, o.nats_creds_dir
+        self.deployment.nats = NatsRecord(url=nats_url, embedded=self.nats is not None,
+                                          creds_dir=str(creds_dir) if creds_dir else None)
 
         config = topology.UpConfig(
             model=model_dir, served_model_name=served_name, nats_url=nats_url, topology=o.topology,
@@ -381,7 +400,7 @@ class Launcher:
             max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,
             kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
             kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
-            cpus=worker_cpus(o.cpus),
+            cpus=worker_cpus(o.cpus), nats_creds_dir=str(creds_dir) if creds_dir else None,
         )
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy)

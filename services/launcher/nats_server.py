@@ -146,7 +146,7 @@ class EmbeddedNats:
             connect(nats.url)
 
     `port=None` picks a free port (and retries with another if it was taken
-    in the meantime). `start()` returns once the server answers with
+    in the meantime). `config_file` adds a server config (its flags still win). `start()` returns once the server answers with
     JetStream enabled, or raises `NatsServerError` with its log's tail.
     """
 
@@ -157,6 +157,7 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         port: int | None = None,
         binary: str | os.PathLike | None = None,
+        config_file: str | os.PathLike | None = None,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
     ) -> None:
@@ -165,6 +166,7 @@ class EmbeddedNats:
         self.requested_port = port
         self.port: int | None = port
         self.binary = binary
+        self.config_file = config_file  # e.g. the deployment's authorization (see `nats_auth`)
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.store_dir = self.run_dir / "nats"
@@ -192,8 +194,10 @@ class EmbeddedNats:
         return self.process.poll() if self.process is not None else None
 
     def argv(self, binary: Path, port: int) -> list[str]:
+        config = ["--config", str(self.config_file)] if self.config_file is not None else []
         return [
             str(binary),
+            *config,
             "--addr", self.host,
             "--port", str(port),
             "--jetstream",

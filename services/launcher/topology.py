@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 
 from services.common.cpus import format_cpu_list, share_cpus
+from services.launcher.nats_auth import creds_path
 
 TOPOLOGIES = ("colocated", "disagg", "pipeline")
 
@@ -43,6 +44,7 @@ class UpConfig:
     kv_store_disk_bytes: int = 0
     kv_store_dir: str | None = None  # the disk tier's directory (needed with kv_store_disk_bytes)
     cpus: tuple[int, ...] = ()  # shared out among the model workers (decode, prefill, stage); () leaves it to the OS
+    nats_creds_dir: str | None = None  # each service gets `--nats-creds DIR/ROLE.nk` (None: no credentials)
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,12 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
     specs = _plan(config)
     workers = [s.name for s in specs if s.role in ENGINE_ROLES]
     shares = share_cpus(workers, config.cpus)
-    return [dataclasses.replace(s, args=(*s.args, "--cpus", format_cpu_list(shares[s.name])))
-            if s.name in shares else s for s in specs]
+    specs = [dataclasses.replace(s, args=(*s.args, "--cpus", format_cpu_list(shares[s.name])))
+             if s.name in shares else s for s in specs]
+    if config.nats_creds_dir is None:
+        return specs
+    return [dataclasses.replace(s, args=(*s.args, "--nats-creds", str(creds_path(config.nats_creds_dir, s.role))))
+            for s in specs]
 
 
 def _plan(config: UpConfig) -> list[ServiceSpec]:

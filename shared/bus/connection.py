@@ -15,6 +15,7 @@ import ssl
 import nats
 from nats.aio.client import Client
 
+from shared.bus.credentials import BusCredentials
 from shared.bus.service import within
 from shared.telemetry.logging import get_logger
 
@@ -31,13 +32,17 @@ async def connect(
     *,
     connect_timeout_s: float = 5.0,
     reconnect_wait_s: float = 1.0,
-    user: str | None = None,
-    password: str | None = None,
-    token: str | None = None,
+    credentials: BusCredentials | None = None,
+    inbox_prefix: str | None = None,
     tls: ssl.SSLContext | None = None,
     tls_hostname: str | None = None,
 ) -> Client:
-    """Connect to `url` (comma-separated for a cluster), giving up after `connect_timeout_s`."""
+    """Connect to `url` (comma-separated for a cluster), giving up after `connect_timeout_s`.
+
+    `credentials` prove who the service is (see `shared.bus.credentials`); `inbox_prefix` is where its replies
+    arrive (a role's own, see `shared.bus.permissions.inbox_prefix`, so that no other role may read them).
+    """
+    auth = credentials.connect_options() if credentials is not None else {}
 
     async def on_disconnected() -> None:
         if not nc.is_closed:  # closing also reports a disconnect; `on_closed` says that one
@@ -47,7 +52,11 @@ async def connect(
         log.info("nats reconnected", connection=name, server=_server_of(nc))
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error", connection=name, error=str(exc) or type(exc).__name__)
+        error = str(exc) or type(exc).__name__
+        if "permissions violation" in error.lower():  # the server refused what this role may not do: a bug or a misconfiguration
+            log.error("nats refused an operation outside this service's permissions", connection=name, error=error)
+        else:
+            log.warning("nats error", connection=name, error=error)
 
     async def on_closed() -> None:
         log.info("nats connection closed", connection=name)
@@ -59,9 +68,8 @@ async def connect(
             nc.connect(
                 servers=[u.strip() for u in url.split(",")],
                 name=name,
-                user=user,
-                password=password,
-                token=token,
+                **auth,
+                **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}),
                 tls=tls,
                 tls_hostname=tls_hostname,
                 connect_timeout=min(2.0, connect_timeout_s),

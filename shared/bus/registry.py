@@ -1,5 +1,10 @@
 """The service registry: a JetStream KV bucket of `ServiceInfo`, one key per instance.
 
+Keys are `{role}.{instance_id}`: NATS permissions then let each role write only
+its own entries (`$KV.{bucket}.{role}.>`), so a credential of one role cannot
+pose as a worker of another, and an entry whose key does not match its
+contents is not trusted.
+
 Liveness is the bucket's max age (`ttl_s`): every put is a new message, the
 server deletes messages older than the max age, so an entry whose service stops
 heartbeating disappears about `ttl_s` after its last put. A `Heartbeat` puts
@@ -55,17 +60,18 @@ class Registry:
         return cls(js, kv, bucket, ttl_s)
 
     async def put(self, info: ServiceInfo) -> None:
-        await self.kv.put(check_token(info.instance_id, "instance id"), info.encode())
+        await self.kv.put(entry_key(info.role, info.instance_id), info.encode())
 
-    async def remove(self, instance_id: str) -> None:
-        await self.kv.delete(check_token(instance_id, "instance id"))
+    async def remove(self, role: str, instance_id: str) -> None:
+        await self.kv.delete(entry_key(role, instance_id))
 
-    async def get(self, instance_id: str) -> ServiceInfo | None:
+    async def get(self, role: str, instance_id: str) -> ServiceInfo | None:
+        key = entry_key(role, instance_id)
         try:
-            entry = await self.kv.get(check_token(instance_id, "instance id"))
+            entry = await self.kv.get(key)
         except KeyNotFoundError:
             return None
-        return self._decode(instance_id, entry.value)
+        return self._decode(key, entry.value)
 
     async def list(self) -> list[ServiceInfo]:
         """Every live entry, in key order."""
@@ -87,13 +93,17 @@ class Registry:
     def _decode(self, key: str, value: bytes | None) -> ServiceInfo | None:
         try:
             info = ServiceInfo.decode(value or b"")
-            if info.instance_id != key:
-                raise ContractError(f"entry under key {key!r} names instance {info.instance_id!r}", "wrong_key")
+            if key != f"{info.role}.{info.instance_id}":
+                raise ContractError(f"entry under key {key!r} is {info.role} {info.instance_id!r}", "wrong_key")
         except ContractError as exc:
             self.num_malformed += 1
             log.warning("malformed registry entry skipped", bucket=self.bucket, key=key, reason=exc.reason, error=str(exc))
             return None
         return info
+
+
+def entry_key(role: str, instance_id: str) -> str:
+    return f"{check_token(role, 'role')}.{check_token(instance_id, 'instance id')}"
 
 
 class Heartbeat:
@@ -108,7 +118,7 @@ class Heartbeat:
         self.num_failed = 0
         self._task: asyncio.Task | None = None
         self._stopping = False
-        self._instance_id: str | None = None
+        self._entry: tuple[str, str] | None = None  # (role, instance id) last put
 
     def start(self) -> asyncio.Task:
         if self._task is None:
@@ -122,11 +132,11 @@ class Heartbeat:
             self._stopping = True  # ends the loop even if a cancellation gets swallowed
             await cancel_and_wait(self._task, timeout_s=self.registry.ttl_s)
             self._task = None
-        if remove and self._instance_id is not None:
+        if remove and self._entry is not None:
             try:
-                await within(self.registry.ttl_s, self.registry.remove(self._instance_id))
+                await within(self.registry.ttl_s, self.registry.remove(*self._entry))
             except Exception as exc:  # the entry expires by itself anyway
-                log.warning("registry entry not removed", instance_id=self._instance_id, error=str(exc) or type(exc).__name__)
+                log.warning("registry entry not removed", instance_id=self._entry[1], error=str(exc) or type(exc).__name__)
 
     async def _run(self) -> None:
         next_beat = time.monotonic()
@@ -139,7 +149,7 @@ class Heartbeat:
         try:
             info = self.make_info()
             info.heartbeat_ms = int(time.time() * 1000)
-            self._instance_id = info.instance_id
+            self._entry = (info.role, info.instance_id)
             await within(self.registry.ttl_s, self.registry.put(info))
         except Exception as exc:  # NATS away, a bad info: try again next tick, never end the task
             self.num_failed += 1

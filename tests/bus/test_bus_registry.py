@@ -28,7 +28,7 @@ async def wait_until(predicate, timeout_s: float, interval_s: float = 0.1):
 async def test_put_list_get_remove(js, unique):
     registry = await Registry.open(js, unique("reg"))
     assert await registry.list() == []
-    assert await registry.get("nobody") is None
+    assert await registry.get("decode", "nobody") is None
 
     await registry.put(info("decode-1", num_running=3))
     await registry.put(info("decode-2"))
@@ -36,11 +36,11 @@ async def test_put_list_get_remove(js, unique):
 
     listed = await registry.list()
     assert [i.instance_id for i in listed] == ["decode-1", "decode-2"]
-    assert (await registry.get("decode-1")).num_running == 4
+    assert (await registry.get("decode", "decode-1")).num_running == 4
 
-    await registry.remove("decode-1")
+    await registry.remove("decode", "decode-1")
     assert [i.instance_id for i in await registry.list()] == ["decode-2"]
-    assert await registry.get("decode-1") is None
+    assert await registry.get("decode", "decode-1") is None
     assert registry.num_malformed == 0
 
 
@@ -59,11 +59,11 @@ async def test_an_entry_expires_when_heartbeats_stop(js, unique):
     registry = await Registry.open(js, unique("reg"), ttl_s=1.5)
     await registry.put(info("decode-1"))
     put_at = time.monotonic()
-    assert await registry.get("decode-1") is not None
+    assert await registry.get("decode", "decode-1") is not None
 
     await wait_until(lambda: _is_empty(registry), timeout_s=4.0)
     assert 1.0 < time.monotonic() - put_at < 3.5
-    assert await registry.get("decode-1") is None
+    assert await registry.get("decode", "decode-1") is None
 
 
 async def _is_empty(registry):
@@ -75,15 +75,16 @@ async def test_malformed_entries_are_skipped_and_counted(js, unique):
     await registry.put(info("good-1"))
     await registry.kv.put("garbage", b"\xc1 not msgpack")
     future = {"type": "service_info", "v": 99, "instance_id": "wrong-version", "role": "x"}
-    await registry.kv.put("wrong-version", msgpack.packb(future))
-    await registry.kv.put("wrong-type", msgpack.packb({"type": "token_chunk", "v": 1}))
-    await registry.kv.put("mismatch", info("someone-else").encode())
+    await registry.kv.put("x.wrong-version", msgpack.packb(future))
+    await registry.kv.put("decode.wrong-type", msgpack.packb({"type": "token_chunk", "v": 1}))
+    await registry.kv.put("decode.mismatch", info("someone-else").encode())
+    await registry.kv.put("prefill.good-1", info("good-1").encode())  # a decode entry under prefill's keys
     await registry.kv.put("empty", b"")
 
     assert [i.instance_id for i in await registry.list()] == ["good-1"]
-    assert registry.num_malformed == 5
-    assert await registry.get("garbage") is None
     assert registry.num_malformed == 6
+    assert await registry.get("decode", "mismatch") is None
+    assert registry.num_malformed == 7
 
 
 async def test_heartbeat_keeps_the_entry_alive_and_stop_removes_it(js, unique):
@@ -99,29 +100,29 @@ async def test_heartbeat_keeps_the_entry_alive_and_stop_removes_it(js, unique):
 
     heartbeat = Heartbeat(registry, make_info, interval_s=0.3)
     task = heartbeat.start()
-    first = await wait_until(lambda: registry.get("decode-1"), timeout_s=1.0, interval_s=0.02)
+    first = await wait_until(lambda: registry.get("decode", "decode-1"), timeout_s=1.0, interval_s=0.02)
     assert first.heartbeat_ms > 0
 
     for _ in range(7):  # 2.8 s: almost twice the TTL
         await asyncio.sleep(0.4)
-        assert await registry.get("decode-1") is not None
+        assert await registry.get("decode", "decode-1") is not None
     assert not task.done()
     assert heartbeat.num_failed == 1
-    latest = await registry.get("decode-1")
+    latest = await registry.get("decode", "decode-1")
     assert latest.num_running > 5 and latest.heartbeat_ms > first.heartbeat_ms
 
     await heartbeat.stop(remove=True)
     assert task.done()
-    assert await registry.get("decode-1") is None
+    assert await registry.get("decode", "decode-1") is None
 
 
 async def test_heartbeat_stop_without_remove_lets_the_entry_expire(js, unique):
     registry = await Registry.open(js, unique("reg"), ttl_s=1.5)
     heartbeat = Heartbeat(registry, lambda: info("decode-1"), interval_s=0.3)
     heartbeat.start()
-    await wait_until(lambda: registry.get("decode-1"), timeout_s=1.0, interval_s=0.02)
+    await wait_until(lambda: registry.get("decode", "decode-1"), timeout_s=1.0, interval_s=0.02)
     await heartbeat.stop(remove=False)
-    assert await registry.get("decode-1") is not None
+    assert await registry.get("decode", "decode-1") is not None
     await wait_until(lambda: _is_empty(registry), timeout_s=4.0)
 
 
@@ -139,7 +140,7 @@ async def test_heartbeat_survives_a_nats_restart(private_nats_server):
         registry = await Registry.open(nc.jetstream(timeout=1.0), "reg", ttl_s=1.5)
         heartbeat = Heartbeat(registry, lambda: info("decode-1"), interval_s=0.3)
         task = heartbeat.start()
-        await wait_until(lambda: registry.get("decode-1"), timeout_s=1.0, interval_s=0.02)
+        await wait_until(lambda: registry.get("decode", "decode-1"), timeout_s=1.0, interval_s=0.02)
 
         private_nats_server.stop()  # puts fail or wait meanwhile; the task must carry on
         await asyncio.sleep(1.0)
@@ -147,7 +148,7 @@ async def test_heartbeat_survives_a_nats_restart(private_nats_server):
         restarted_ms = int(time.time() * 1000)
 
         async def beat_after_restart():
-            entry = await registry.get("decode-1")
+            entry = await registry.get("decode", "decode-1")
             return entry is not None and entry.heartbeat_ms > restarted_ms
 
         await wait_until(beat_after_restart, timeout_s=5.0)

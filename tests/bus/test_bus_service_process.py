@@ -40,7 +40,7 @@ async def test_sigterm_drains_and_exits_0(nc, js, nats_url, unique):
     bucket, subject = unique("reg"), unique("cancel")
     registry = await Registry.open(js, bucket, ttl_s=2.0)
     proc = await asyncio.to_thread(start_tiny_service, nats_url, bucket, subject)
-    assert (await registry.get("tiny-1")).state == "ready"
+    assert (await registry.get("test", "tiny-1")).state == "ready"
 
     await nc.publish(subject, CancelRequest(request_id="req-7").encode())
     await nc.flush()
@@ -49,7 +49,7 @@ async def test_sigterm_drains_and_exits_0(nc, js, nats_url, unique):
     code, lines = await asyncio.to_thread(finish, proc, 5)
 
     assert code == 0
-    assert await registry.get("tiny-1") is None  # removed on the way out, not left to expire
+    assert await registry.get("test", "tiny-1") is None  # removed on the way out, not left to expire
     assert all(line["service"] == "tiny" and line["instance"] == "tiny-1" for line in lines)
     events = {line["event"]: line for line in lines}
     assert events["handling cancel"]["request_id"] == "req-7"

@@ -131,8 +131,9 @@ def test_a_kv_store_plan():
     assert "--kv-store" not in plan(CONFIG)[1].args
 
 
-@pytest.mark.parametrize("config", [CONFIG, DISAGG, PIPELINE, PREFILL_PIPELINE, WITH_KV_STORE],
-                         ids=["colocated", "disagg", "pipeline", "prefill-pipeline", "kv-store"])
+@pytest.mark.parametrize("config", [CONFIG, DISAGG, PIPELINE, PREFILL_PIPELINE, WITH_KV_STORE,
+                                    dataclasses.replace(PREFILL_PIPELINE, nats_creds_dir="/run/creds")],
+                         ids=["colocated", "disagg", "pipeline", "prefill-pipeline", "kv-store", "credentials"])
 @pytest.mark.parametrize("role", ["scheduler", "decode", "gateway", "prefill", "stage", "kvstore"])
 def test_every_planned_command_line_parses(role, config):
     try:
@@ -148,5 +149,6 @@ def test_every_planned_command_line_parses(role, config):
         parsed = module.build_parser().parse_args(list(spec.args))
         assert parsed.nats == config.nats_url and parsed.namespace == config.namespace
         assert parsed.instance_id == spec.instance_id
+        assert parsed.nats_creds == (f"/run/creds/{role}.nk" if config.nats_creds_dir else None)
         if role in ("decode", "gateway", "prefill", "stage"):  # (the kv-store holds no model)
             assert parsed.model == config.model and parsed.served_model_name == config.served_model_name

@@ -68,7 +68,7 @@ def test_malformed_and_wrong_version_messages_are_rejected(colocated):
             deadline = time.monotonic() + 5
             kv = await js.key_value(subjects.registry_bucket)
             while True:
-                scheduler = ServiceInfo.decode((await kv.get("scheduler-0")).value)
+                scheduler = ServiceInfo.decode((await kv.get("scheduler.scheduler-0")).value)
                 if sum(scheduler.details.get("rejected_messages", {}).values()) >= 2:
                     break
                 assert time.monotonic() < deadline, scheduler.details

@@ -234,6 +234,6 @@ async def _scheduler_entry(deployment) -> ServiceInfo:
     nc = await nats.connect(deployment.nats_url)
     try:
         kv = await nc.jetstream().key_value(Subjects(deployment.namespace).registry_bucket)
-        return ServiceInfo.decode((await kv.get("scheduler-0")).value)
+        return ServiceInfo.decode((await kv.get("scheduler.scheduler-0")).value)
     finally:
         await nc.close()

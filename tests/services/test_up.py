@@ -12,8 +12,7 @@ import httpx
 import pytest
 
 from support.processes import ROOT, free_port, service_env
-
-MODEL = "splitserve-default-llama"  # the built-in random model, by name: no download
+from support.up import MODEL, start_up
 
 
 def splitserve(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -47,27 +46,10 @@ def wait_until(predicate, timeout_s: float, what: str):
 
 @pytest.fixture
 def up(tmp_path, default_model):
-    port = free_port()
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--model", MODEL, "--port", str(port), "--run-dir",
-         str(run_dir), "--namespace", "up" + uuid.uuid4().hex[:8]],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(), cwd=ROOT,
-        start_new_session=True,
-    )
-    lines = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("splitserve ready:"):
-            break
-    assert lines and lines[-1].startswith(f"splitserve ready: http://127.0.0.1:{port}/v1"), "".join(lines)
-    yield proc, f"http://127.0.0.1:{port}", run_dir
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    run = start_up(tmp_path / "run")
+    yield run.proc, run.url, run.run_dir
+    if run.proc.poll() is None:
+        os.killpg(run.proc.pid, signal.SIGKILL)
 
 
 def test_up_survives_a_worker_kill_and_stops_cleanly(up):
@@ -112,6 +94,8 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
     assert not [pid for pid in all_pids if pid_alive(pid)]
     said = proc.stdout.read()
     assert "did not stop" not in said, said  # every service stopped on SIGTERM, none had to be killed
+    for log in (run_dir / "logs").glob("*.log"):  # the bus admitted every service, each within its permissions
+        assert "nats refused" not in log.read_text() and "Violation" not in log.read_text(), log.name
 
 
 def test_up_with_a_trace_viewer_sends_it_every_services_traces(tmp_path, default_model):

@@ -1,0 +1,44 @@
+"""`splitserve nats-auth DIR`: credentials and server authorization for a deployment on a NATS you run.
+
+`splitserve up` does this by itself for its embedded server. For a NATS server
+of your own (another host, a cluster, docker compose), run this once: it
+writes DIR/ROLE.nk for every role (0600, in a 0700 directory; existing ones are
+kept unless --rotate) and DIR/nats-auth.conf, the `authorization` block to
+`include` in the server's config. Each service then takes its role's file with
+`--nats-creds` (or `SPLITSERVE_NATS_CREDS`).
+"""
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(subcommands) -> None:
+    parser = subcommands.add_parser(
+        "nats-auth",
+        help="write per-role NATS credentials and the server's authorization config",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("dir", metavar="DIR", help="where to write ROLE.nk and nats-auth.conf")
+    parser.add_argument("--namespace", default="splitserve", help="the deployment's subject prefix (default: splitserve)")
+    parser.add_argument("--rotate", action="store_true", help="new keys for every role (restart the server and services)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from contracts import check_token
+    from services.launcher.nats_auth import creds_path, ensure_credentials, write_server_config
+
+    try:
+        check_token(args.namespace, "namespace")
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    creds_dir = Path(args.dir)
+    public_keys = ensure_credentials(creds_dir, fresh=args.rotate)
+    config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace)
+    print(f"wrote {', '.join(creds_path(creds_dir, r).name for r in public_keys)} and {config.name} in {creds_dir}")
+    print(f"server: `nats-server --jetstream --config {config.resolve()}`, or `include` it (a path relative to "
+          "your config file) in your own config")
+    print(f"services: `splitserve serve ROLE --nats-creds {creds_dir.resolve()}/ROLE.nk ...`, or "
+          f"`splitserve up --nats URL --nats-creds-dir {creds_dir.resolve()}`")
+    return 0

@@ -1,0 +1,56 @@
+"""`splitserve up` as the tests run it: a real launcher process, started until it says ready."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from support.processes import ROOT, free_port, service_env
+
+MODEL = "splitserve-default-llama"  # the built-in random model, by name: no download
+
+
+@dataclass
+class UpRun:
+    proc: subprocess.Popen
+    url: str  # the gateway, http://127.0.0.1:PORT
+    run_dir: Path
+    namespace: str
+    output: list[str]
+
+    def stop(self, timeout_s: float = 60) -> int:
+        """SIGTERM, as an operator stops it; SIGKILL to the whole group if it does not stop in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_up(run_dir: Path, *args: str, env: dict | None = None, namespace: str | None = None,
+             ready_timeout_s: float = 180) -> UpRun:
+    """`splitserve up --model MODEL ARGS...` on a free port and its own namespace; returns once it is ready."""
+    port, namespace = free_port(), namespace or "up" + uuid.uuid4().hex[:8]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up", "--model", MODEL, "--port", str(port), "--run-dir",
+         str(run_dir), "--namespace", namespace, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or service_env(), cwd=ROOT,
+        start_new_session=True)
+    run = UpRun(proc, f"http://127.0.0.1:{port}", run_dir, namespace, [])
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        run.output.append(line)
+        if line.startswith("splitserve ready:"):
+            return run
+    run.stop(timeout_s=10)
+    raise AssertionError("splitserve up did not become ready:\n" + "".join(run.output))
