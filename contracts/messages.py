@@ -34,6 +34,7 @@ class PrefillJob(Message):
     ticket: dict[str, Any]  # shared.transfer TransferTicket: where and how to ship the KV
     reply_subject: str  # where the PrefillResult goes (the decode worker)
     block_size: int  # the decode worker's KV block size; a prefill worker with another one refuses
+    model_fingerprint: bytes  # the decode worker's model (weights and KV dtype); a prefill worker with another refuses
     deadline_ms: int  # after this the decode worker has given up (and prefilled locally)
     created_ms: int
 
@@ -52,6 +53,7 @@ class PrefillResult(Message):
     num_cached_tokens: int = 0
     will_transfer: bool = True  # False when the request already ended at its first token
     kv_written_back: bool = False  # the prefill worker writes the prompt's full blocks to the kv-store
+    model_fingerprint: bytes = b""  # the prefill worker's model; the decode worker uses a result only from its own
     error: str = ""
 
 
@@ -225,6 +227,7 @@ class KVStorePut(Message):
     dtype: str
     block_shape: list[int]  # one block, all layers: [layers, 2, block_size, kv_heads, head_dim]
     deadline_ms: int
+    model_fingerprint: bytes  # the model that computed the blocks; stored with them
 
 
 @dataclass(slots=True, kw_only=True)
@@ -235,6 +238,7 @@ class KVStoreGet(Message):
     hashes: list[bytes]
     ticket: dict[str, Any]
     deadline_ms: int
+    model_fingerprint: bytes  # the asking worker's model: blocks stored by another are not served
 
 
 @dataclass(slots=True, kw_only=True)

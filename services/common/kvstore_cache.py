@@ -218,5 +218,6 @@ async def start_kv_store_cache(args: argparse.Namespace, *, nc, subjects, regist
 
     receiver = KVReceiver()
     await receiver.start(args.kv_store_receiver_host, 0, advertise_host=args.kv_store_receiver_advertise)
-    client = KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=KVSender(), timeout_s=args.kv_store_timeout)
+    client = KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=KVSender(),
+                           model_fingerprint=engine.fingerprint, timeout_s=args.kv_store_timeout)
     return KVStoreCache(client=client, registry=registry, engine=engine, engine_loop=engine_loop)

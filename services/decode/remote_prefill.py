@@ -92,7 +92,7 @@ async def _run(worker, request: GenerateRequest, params: SamplingParams, active,
     job = PrefillJob(
         request_id=rid, model=request.model, prompt_token_ids=prompt, sampling=dataclasses.asdict(params),
         ticket=ticket.to_dict(), reply_subject=worker.subjects.prefill_results(worker.instance_id),
-        block_size=engine.config.block_size, deadline_ms=int((time.time() + worker.prefill_timeout_s) * 1000),
+        block_size=engine.config.block_size, model_fingerprint=engine.fingerprint, deadline_ms=int((time.time() + worker.prefill_timeout_s) * 1000),
         created_ms=int(time.time() * 1000),
     )
     target = await _hand_out(worker, request, job)
@@ -105,6 +105,11 @@ async def _run(worker, request: GenerateRequest, params: SamplingParams, active,
         log.warning("no prefill result in time", request_id=rid)
     if result is None or not result.ok:
         worker.count_prefill("local_fallback_no_result")
+        return _prefill_locally(worker, request, params, held)
+    if result.model_fingerprint != engine.fingerprint:  # its first token and KV are another model's: not used
+        worker.count_prefill("local_fallback_other_model")
+        log.warning("prefill result from another model; prefilling locally", request_id=rid,
+                    prefill_worker=result.prefill_instance)
         return _prefill_locally(worker, request, params, held)
     trace.get_current_span().set_attributes({"splitserve.prefill_worker": result.prefill_instance,
                                              "splitserve.cached_tokens": result.num_cached_tokens})

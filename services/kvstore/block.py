@@ -9,11 +9,13 @@ from shared.transfer.wire import DTYPES
 
 @dataclass(frozen=True, slots=True)
 class StoredBlock:
-    """A block's KV, all layers (`[layers, 2, block_size, kv_heads, head_dim]`), as raw bytes."""
+    """A block's KV, all layers (`[layers, 2, block_size, kv_heads, head_dim]`), as raw bytes, and the model
+    (its fingerprint) that computed it."""
 
     dtype: str
     shape: tuple[int, ...]
     data: bytes
+    model_fingerprint: bytes = b""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -31,10 +33,10 @@ class StoredBlock:
         return len(self.data)
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> "StoredBlock":
+    def from_tensor(cls, tensor: torch.Tensor, model_fingerprint: bytes = b"") -> "StoredBlock":
         tensor = tensor.detach().to("cpu").contiguous()
         return cls(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                   tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+                   tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), model_fingerprint)
 
     def tensor(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(self.data), dtype=DTYPES[self.dtype]).view(self.shape)

@@ -22,8 +22,10 @@ from shared.transfer import KVReceiver, KVSender, TransferTicket
 
 
 class KVStoreClient:
-    def __init__(self, *, nc, subjects: Subjects, receiver: KVReceiver, sender: KVSender, timeout_s: float = 5.0):
+    def __init__(self, *, nc, subjects: Subjects, receiver: KVReceiver, sender: KVSender, model_fingerprint: bytes,
+                 timeout_s: float = 5.0):
         self.nc = nc
+        self.model_fingerprint = model_fingerprint  # the worker's model: what it puts is stored as that model's
         self.subjects = subjects
         self.receiver = receiver
         self.sender = sender
@@ -61,7 +63,7 @@ class KVStoreClient:
         deadline_ms = int((time.time() + self.timeout_s) * 1000)
         answer = await self._ask(instance, "put", KVStorePut(
             transfer_id=secrets.token_hex(8), hashes=list(hashes), dtype=str(blocks.dtype).removeprefix("torch."),
-            block_shape=list(blocks.shape[1:]), deadline_ms=deadline_ms))
+            block_shape=list(blocks.shape[1:]), deadline_ms=deadline_ms, model_fingerprint=self.model_fingerprint))
         if answer is None:
             return False
         try:
@@ -82,7 +84,8 @@ class KVStoreClient:
         ticket = self.receiver.expect(transfer_id, on_part=on_blocks, total_layers=(0, len(hashes)),
                                       deadline_s=self.timeout_s)
         answer = await self._ask(instance, "get", KVStoreGet(hashes=list(hashes), ticket=ticket.to_dict(),
-                                                             deadline_ms=int(ticket.deadline_unix_s * 1000)))
+                                                             deadline_ms=int(ticket.deadline_unix_s * 1000),
+                                                             model_fingerprint=self.model_fingerprint))
         if answer is None:
             self.receiver.cancel(transfer_id)
             return False

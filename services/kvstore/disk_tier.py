@@ -1,8 +1,10 @@
 """The kv-store's disk tier: one file per block under a directory, bounded in bytes, least recently used out first.
 
 A file is `<dir>/<first two hex digits>/<hash hex>.kvb`: a magic line, a
-length-prefixed msgpack header (dtype, shape, payload checksum) and the raw
-payload. Files are written to a temporary name and renamed, so a crash never
+length-prefixed msgpack header (the block's hash, the model fingerprint, dtype,
+shape, payload checksum) and the raw payload. A file whose header names another
+hash than the one asked for (copied or renamed) is dropped and counted, as is
+one that does not read back. Files are written to a temporary name and renamed, so a crash never
 leaves a half-written block under a real name. A restarted store finds its
 blocks again by scanning the directory (their order of use from the files'
 access times); a file that does not read back (truncated, corrupted, foreign)
@@ -21,7 +23,7 @@ import torch
 from services.kvstore.block import StoredBlock
 from shared.transfer.checksum import fold64
 
-MAGIC = b"splitserve-kv-block/1\n"
+MAGIC = b"splitserve-kv-block/2\n"
 SUFFIX = ".kvb"
 _LENGTH = struct.Struct("!I")
 _MAX_HEADER = 4096
@@ -33,11 +35,13 @@ class DiskTier:
             raise ValueError("the disk tier's capacity cannot be negative")
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)  # users' KV: the store's user alone reads it
         self._sizes: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
         self.bytes_used = 0
         self.evictions = 0
         self.dropped_corrupt = 0
+        self.dropped_misnamed = 0  # a file holding another block than its name says
         self._scan()
 
     # ---- the index ---------------------------------------------------------------------------
@@ -73,7 +77,8 @@ class DiskTier:
     # ---- blocks -------------------------------------------------------------------------------
     def put(self, key: bytes, block: StoredBlock) -> list[bytes]:
         """Store `block` (replacing any older copy); returns the keys evicted to make room."""
-        header = msgpack.packb({"dtype": block.dtype, "shape": list(block.shape),
+        header = msgpack.packb({"hash": key, "model": block.model_fingerprint, "dtype": block.dtype,
+                                "shape": list(block.shape),
                                 "sum": fold64(torch.frombuffer(bytearray(block.data), dtype=torch.uint8))
                                 if block.data else 0})
         size = len(MAGIC) + _LENGTH.size + len(header) + block.nbytes
@@ -82,9 +87,9 @@ class DiskTier:
         self.discard(key)
         evicted = self._evict_to(self.capacity_bytes - size)
         path = self._path(key)
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(MAGIC + _LENGTH.pack(len(header)) + header)
             f.write(block.data)
         os.replace(tmp, path)
@@ -99,9 +104,13 @@ class DiskTier:
         try:
             with open(path, "rb") as f:
                 raw = f.read()
-            block = _parse(raw)
+            stored_key, block = _parse(raw)
         except (OSError, ValueError, TypeError, struct.error):
             self.dropped_corrupt += 1
+            self.discard(key)
+            return None
+        if stored_key != key:
+            self.dropped_misnamed += 1
             self.discard(key)
             return None
         self._sizes.move_to_end(key)
@@ -129,7 +138,8 @@ class DiskTier:
         return evicted
 
 
-def _parse(raw: bytes) -> StoredBlock:
+def _parse(raw: bytes) -> tuple[bytes, StoredBlock]:
+    """(the hash the file says it holds, the block)."""
     if not raw.startswith(MAGIC):
         raise ValueError("not a kv block file")
     offset = len(MAGIC)
@@ -144,4 +154,5 @@ def _parse(raw: bytes) -> StoredBlock:
     total = fold64(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else 0
     if total != header.get("sum"):
         raise ValueError("block file payload fails its checksum")
-    return StoredBlock(header.get("dtype"), tuple(header.get("shape") or ()), data)
+    return header.get("hash"), StoredBlock(header.get("dtype"), tuple(header.get("shape") or ()), data,
+                                           bytes(header.get("model") or b""))

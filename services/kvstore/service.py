@@ -12,6 +12,7 @@ tiers' own (see `store.py`). Disk work runs off the event loop.
 """
 
 import asyncio
+import dataclasses
 import math
 import secrets
 import time
@@ -146,10 +147,11 @@ class KVStoreService:
         except ValueError as exc:
             return await self._answer(msg, KVStoreReply(ok=False, error=str(exc)), "put_refused")
         self._puts_in_flight += 1
-        self._spawn(self._finish_put(transfer_id, request.hashes, received))
+        self._spawn(self._finish_put(transfer_id, request.hashes, received, request.model_fingerprint))
         await self._answer(msg, KVStoreReply(ok=True, ticket=ticket.to_dict()), "put")
 
-    async def _finish_put(self, transfer_id: str, hashes: list[bytes], received: dict[int, StoredBlock]) -> None:
+    async def _finish_put(self, transfer_id: str, hashes: list[bytes], received: dict[int, StoredBlock],
+                          model_fingerprint: bytes) -> None:
         try:
             result = await self.receiver.wait(transfer_id)
             if not result.ok:
@@ -158,7 +160,7 @@ class KVStoreService:
 
             def store_all() -> None:
                 for index, block_hash in enumerate(hashes):
-                    self.store.put(block_hash, received[index])
+                    self.store.put(block_hash, dataclasses.replace(received[index], model_fingerprint=model_fingerprint))
 
             await asyncio.to_thread(store_all)
         finally:
@@ -180,6 +182,11 @@ class KVStoreService:
                 span.set_status(Status(StatusCode.ERROR, problem))
                 return await self._answer(msg, KVStoreReply(ok=False, error=problem), "get_refused")
             found = await asyncio.to_thread(lambda: [self.store.get(h) for h in request.hashes])
+            foreign = sum(1 for item in found if item is not None and item[0].model_fingerprint != request.model_fingerprint)
+            if foreign:  # computed by another model: never served as this one's (the hashes should have differed)
+                span.set_status(Status(StatusCode.ERROR, f"{foreign} blocks of another model"))
+                return await self._answer(msg, KVStoreReply(ok=False, error=f"{foreign} of the blocks are another "
+                                                                          "model's"), "get_wrong_model")
             missing = sum(1 for item in found if item is None)
             if missing:
                 span.set_status(Status(StatusCode.ERROR, f"{missing} blocks missing"))

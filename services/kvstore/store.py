@@ -104,7 +104,8 @@ class TieredBlockStore:
             return {
                 "ram": {"bytes": self.ram_used, "capacity_bytes": self.ram_bytes, "blocks": len(self._ram)},
                 "disk": {"bytes": disk.bytes_used if disk else 0, "capacity_bytes": disk.capacity_bytes if disk else 0,
-                         "blocks": len(disk) if disk else 0, "corrupt_dropped": disk.dropped_corrupt if disk else 0},
+                         "blocks": len(disk) if disk else 0, "corrupt_dropped": disk.dropped_corrupt if disk else 0,
+                         "misnamed_dropped": disk.dropped_misnamed if disk else 0},
                 "puts": self.stats.puts, "hits": dict(self.stats.hits), "misses": self.stats.misses,
                 "evictions": {RAM: self.stats.evictions[RAM], DISK: disk.evictions if disk else 0},
                 "dropped": self.stats.dropped,

@@ -230,6 +230,10 @@ class PrefillWorker:
         if job.block_size != self.engine.config.block_size:
             await self._report(job, ok=False, error=f"block size {job.block_size} != {self.engine.config.block_size}")
             return "refused"
+        if job.model_fingerprint != self.engine.fingerprint:  # another model's KV would be wrong, silently
+            self.counts["refused_other_model"] = self.counts.get("refused_other_model", 0) + 1
+            await self._report(job, ok=False, error="the job is for another model (or dtype) than this worker's")
+            return "refused"
         try:
             params = SamplingParams(**job.sampling)
             first_only = SamplingParams(**{**job.sampling, "max_tokens": 1})
@@ -326,7 +330,8 @@ class PrefillWorker:
     async def _report(self, job: PrefillJob, ok: bool, output: RequestOutput | None = None,
                       will_transfer: bool = False, error: str = "") -> None:
         result = PrefillResult(request_id=job.request_id, ok=ok, prefill_instance=self.instance_id, error=error,
-                               will_transfer=will_transfer, kv_written_back=self.kv_cache is not None)
+                               will_transfer=will_transfer, kv_written_back=self.kv_cache is not None,
+                               model_fingerprint=self.engine.fingerprint)
         if output is not None:
             result.first_token_id = output.new_token_ids[0]
             result.num_prompt_tokens = output.num_prompt_tokens

@@ -60,7 +60,8 @@ async def client(nats_server):
     receiver, sender = KVReceiver(), KVSender()
     await receiver.start()
     subjects = Subjects("t" + uuid.uuid4().hex[:10])
-    yield KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=sender, timeout_s=5), nc, subjects
+    yield (KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=sender, model_fingerprint=b"model-a",
+                         timeout_s=5), nc, subjects)
     await receiver.stop()
     sender.close()
     await nc.close()
@@ -99,6 +100,10 @@ async def test_put_lookup_get_round_trip_and_bounded_tiers(nats_server, client, 
         collect = Collect(6)
         assert await kv.get("kvstore-0", hashes(6, 1), collect)
         assert torch.equal(collect.out, data)  # from RAM and disk alike, bit-exact
+        kv.model_fingerprint = b"model-b"  # another model's worker is not served these blocks
+        assert not await kv.get("kvstore-0", hashes(6, 1), Collect(6))
+        assert kv.misses["get_refused"] == 1
+        kv.model_fingerprint = b"model-a"
 
         # Past the RAM bound, blocks spill to disk; past the disk bound the oldest go.
         assert await kv.put("kvstore-0", hashes(10, 2), blocks(10, seed=2))

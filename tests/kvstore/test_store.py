@@ -100,6 +100,21 @@ def test_corrupt_or_truncated_files_are_misses_and_removed(tmp_path):
     assert len(rescanned) == 0 and not (tmp_path / "ab" / "abcd.kvb.tmp-1").exists()
 
 
+def test_a_file_renamed_to_another_blocks_name_is_dropped_and_counted(tmp_path):
+    disk = DiskTier(tmp_path, 100 * SIZE)
+    disk.put(key(1), StoredBlock.from_tensor(block(1).tensor(), model_fingerprint=b"m1"))
+    disk.put(key(2), block(2))
+    disk._path(key(1)).replace(disk._path(key(2)))  # a valid block file, under another hash's name
+    disk._path(key(1)).touch()
+    again = DiskTier(tmp_path, 100 * SIZE)
+    assert again.get(key(2)) is None and again.dropped_misnamed == 1 and not disk._path(key(2)).exists()
+    assert again.get(key(1)) is None  # (the empty file left behind is corrupt)
+    disk.put(key(3), StoredBlock.from_tensor(block(3).tensor(), model_fingerprint=b"m3"))
+    assert disk.get(key(3)).model_fingerprint == b"m3"  # the model travels with the block through the disk
+    assert disk._path(key(3)).stat().st_mode & 0o777 == 0o600  # nobody else reads users' KV
+    assert disk._path(key(3)).parent.stat().st_mode & 0o777 == 0o700 and tmp_path.stat().st_mode & 0o077 == 0
+
+
 def test_a_smaller_disk_bound_at_restart_evicts_down_to_it(tmp_path):
     disk = DiskTier(tmp_path, 100 * SIZE)
     for i in range(6):

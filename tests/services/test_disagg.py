@@ -75,6 +75,40 @@ def test_seeded_sampling_is_the_same_as_colocated(disagg, default_model):
     assert complete(disagg.base_url, prompt, **params)["choices"][0]["text"] == expected
 
 
+def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):
+    from contracts import PrefillJob, PrefillResult
+    from shared.transfer import TransferTicket
+
+    subjects = Subjects(disagg.namespace)
+
+    async def offer(fingerprint: bytes, request_id: str) -> PrefillResult:
+        nc = await nats.connect(disagg.nats_url)
+        try:
+            results = await nc.subscribe(f"{disagg.namespace}.test.{request_id}")
+            ticket = TransferTicket(transfer_id=request_id, endpoint={"host": "127.0.0.1", "port": 9, "host_id": "elsewhere"}, token=b"t" * 32,
+                                    deadline_unix_s=time.time() + 5)
+            job = PrefillJob(request_id=request_id, model=MODEL, prompt_token_ids=list(range(100, 140)),
+                             sampling={"max_tokens": 4, "temperature": 0.0, "seed": 1}, ticket=ticket.to_dict(),
+                             reply_subject=f"{disagg.namespace}.test.{request_id}", block_size=16,
+                             model_fingerprint=fingerprint, deadline_ms=int((time.time() + 5) * 1000),
+                             created_ms=int(time.time() * 1000))
+            await nc.request(subjects.prefill_offer("prefill-0"), job.encode(), timeout=5)
+            return PrefillResult.decode((await results.next_msg(timeout=10)).data)
+        finally:
+            await nc.close()
+
+    refused = asyncio.run(offer(b"\x00" * 16, "other-model-job"))
+    assert not refused.ok and "another model" in refused.error and refused.first_token_id == -1
+    deadline = time.monotonic() + 10  # (the registry entry is heartbeated each second)
+    while (entry := asyncio.run(_registry_entry(disagg, "prefill", "prefill-0"))).details["jobs"].get(
+            "refused_other_model") != 1:
+        assert time.monotonic() < deadline, entry.details["jobs"]
+        time.sleep(0.2)
+    # control: the same job with the deployment's own fingerprint is computed (its KV then fails to ship: port 9)
+    own = asyncio.run(offer(bytes.fromhex(entry.details["kv_fingerprint"]), "own-model-job"))
+    assert own.ok and own.first_token_id >= 0 and own.model_fingerprint.hex() == entry.details["kv_fingerprint"]
+
+
 def test_transfer_that_never_arrives_falls_back_locally(nats_server, default_model, tmp_path, cases):
     """A frozen prefill worker: the decode worker gives up at its deadline and prefills itself."""
     deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1,
@@ -193,7 +227,7 @@ def test_default_threshold_prefills_short_prompts_locally(nats_server, default_m
             assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
         deadline = time.monotonic() + 5  # the registry entry is refreshed every second
         while True:
-            decisions = asyncio.run(_scheduler_entry(deployment)).details["disagg_decisions"]
+            decisions = asyncio.run(_registry_entry(deployment, "scheduler", "scheduler-0")).details["disagg_decisions"]
             if decisions.get("local", 0) >= 3 and decisions.get("remote", 0) >= 2:
                 break
             assert time.monotonic() < deadline, decisions
@@ -212,7 +246,7 @@ def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_
             # A long stream keeps the decode worker busy (a short prompt to an idle worker: computed there).
             streaming = pool.submit(complete, deployment.base_url, cases[1][0], max_tokens=1500)
             deadline = time.monotonic() + 30
-            while asyncio.run(_scheduler_entry(deployment)).details["disagg_decisions"].get("local", 0) < 1:
+            while asyncio.run(_registry_entry(deployment, "scheduler", "scheduler-0")).details["disagg_decisions"].get("local", 0) < 1:
                 assert time.monotonic() < deadline, "the first request was never routed"
                 time.sleep(0.1)
             prompt, expected = cases[3]  # 150 tokens: under the 256-token threshold
@@ -221,7 +255,7 @@ def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_
             assert not streaming.done(), "the long stream ended first: nothing was busy"
             assert deployment.stats("decode-0").details["prefill_decisions"].get("remote") == 1
             deadline = time.monotonic() + 5  # the scheduler's registry entry is refreshed every second
-            while (decisions := asyncio.run(_scheduler_entry(deployment)).details["disagg_decisions"]) != {
+            while (decisions := asyncio.run(_registry_entry(deployment, "scheduler", "scheduler-0")).details["disagg_decisions"]) != {
                     "local": 1, "remote": 1}:
                 assert time.monotonic() < deadline, decisions
                 time.sleep(0.3)
@@ -230,10 +264,10 @@ def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_
         deployment.stop()
 
 
-async def _scheduler_entry(deployment) -> ServiceInfo:
+async def _registry_entry(deployment, role: str, instance_id: str) -> ServiceInfo:
     nc = await nats.connect(deployment.nats_url)
     try:
         kv = await nc.jetstream().key_value(Subjects(deployment.namespace).registry_bucket)
-        return ServiceInfo.decode((await kv.get("scheduler.scheduler-0")).value)
+        return ServiceInfo.decode((await kv.get(f"{role}.{instance_id}")).value)
     finally:
         await nc.close()
