@@ -54,7 +54,7 @@ def test_the_compose_file_is_sane_compose_yaml(compose):
     for name, svc in services.items():
         assert isinstance(svc, dict), name
         assert set(svc) <= {"image", "build", "command", "ports", "volumes", "environment", "depends_on",
-                            "restart", "healthcheck"}, name
+                            "restart", "healthcheck", "env_file"}, name
         assert isinstance(svc.get("command"), list) and all(isinstance(a, str) for a in svc["command"]), name
         for volume in svc.get("volumes", []):
             source = volume.split(":")[0]
@@ -123,6 +123,31 @@ def test_the_commands_describe_one_consistent_deployment(compose):
     for mapping in services["gateway"]["ports"]:
         parts = str(mapping).split(":")
         assert parts[-1] == port and parts[-2].isdigit()
+
+
+@pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.pipeline.yml"])
+def test_nats_admits_each_service_with_its_roles_key_from_nats_auth(compose_file, tmp_path):
+    services = yaml.safe_load((COMPOSE.parent / compose_file).read_text())["services"]
+    secrets = tmp_path / "secrets"
+    assert cli_main.main(["nats-auth", str(secrets), "--namespace", "splitserve"]) == 0
+    nats = services["nats"]
+    config = _flag(nats["command"], "--config")
+    assert f"./secrets/nats-auth.conf:{config}:ro" in nats["volumes"]
+    from support.processes import find_nats_server
+
+    checked = subprocess.run([find_nats_server(), "-t", "--config", str(secrets / "nats-auth.conf")],
+                             capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0, checked.stderr
+    for name, svc in services.items():
+        if "command" not in svc or svc["command"][:1] != ["serve"]:
+            continue
+        role = svc["command"][1]
+        assert svc["env_file"] == [f"secrets/{role}.env"], name  # its own role's key, no other
+        written = (secrets / f"{role}.env").read_text()
+        assert written.startswith("SPLITSERVE_NATS_NKEY_SEED=SU") and (secrets / f"{role}.env").stat().st_mode & 0o077 == 0
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert "compose" in ignored  # the keys never go into an image
+    assert "compose/secrets/" in (ROOT / ".gitignore").read_text()
 
 
 def test_the_dockerfile_builds_the_splitserve_entrypoint():
