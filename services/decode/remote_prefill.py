@@ -181,7 +181,7 @@ async def _result_unless_gone(worker, result: asyncio.Future, target: str) -> Pr
         except TimeoutError:
             pass
         try:
-            entry = await worker.registry.get(target)
+            entry = await worker.registry.get("prefill", target)
         except Exception:  # the registry is unreachable: keep waiting (the deadline still holds)
             continue
         if entry is None or (boot_id is not None and entry.boot_id != boot_id):

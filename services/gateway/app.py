@@ -33,6 +33,7 @@ from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    check_prompt_chars,
     check_token_ids,
     parse_request,
     resolve_max_tokens,
@@ -203,6 +204,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def completions(request: Request):
         req = parse_request(CompletionRequest, await read_json(request, settings.max_request_bytes))
         check_model(gateway, req.model)
+        if isinstance(req.prompt, str):
+            check_prompt_chars(len(req.prompt), gateway.max_model_len, gateway.model.max_chars_per_token, "prompt")
         prompt_ids = await run_in_threadpool(gateway.model.encode_prompt, req.prompt)
         return await generate(gateway, request, req, prompt_ids, chat=False)
 
@@ -210,10 +213,22 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def chat_completions(request: Request):
         req = parse_request(ChatCompletionRequest, await read_json(request, settings.max_request_bytes))
         check_model(gateway, req.model)
-        prompt_ids = await run_in_threadpool(gateway.model.encode_chat, req.template_messages())
+        messages = req.template_messages()
+        check_prompt_chars(sum(_text_chars(m.get("content")) for m in messages), gateway.max_model_len,
+                           gateway.model.max_chars_per_token, "messages")
+        prompt_ids = await run_in_threadpool(gateway.model.encode_chat, messages)
         return await generate(gateway, request, req, prompt_ids, chat=True)
 
     return app
+
+
+def _text_chars(content) -> int:
+    """Characters of a message's content: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return 0
 
 
 _UNTRACED_PATHS = ("/health", "/metrics")

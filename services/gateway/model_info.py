@@ -16,12 +16,15 @@ class ModelInfo:
     tokenizer: object
     vocab_size: int
     max_model_len: int
+    max_chars_per_token: int  # the longest text one token stands for (its vocabulary string bounds it)
 
     @classmethod
     def load(cls, model_dir: str, served_name: str) -> "ModelInfo":
         config = read_config(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return cls(model_dir, served_name, tokenizer, config.vocab_size, config.max_position_embeddings)
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        longest = max((len(t) for t in tokens if isinstance(t, str)), default=1)
+        return cls(model_dir, served_name, tokenizer, config.vocab_size, config.max_position_embeddings, max(longest, 1))
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -212,7 +212,7 @@ class ChatMessage(_Strict):
         texts = []
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
-            key = {"text": "text", "refusal": "refusal"}.get(kind)
+            key = {"text": "text", "refusal": "refusal"}.get(kind) if isinstance(kind, str) else None
             if key is None:
                 raise PydanticCustomError(
                     "unsupported_value", "content part {index} has type '{kind}'; only text parts are supported",
@@ -343,6 +343,18 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
             f"Please reduce the length of the {where}.",
             prompt_param, code="context_length_exceeded")
     return requested if requested is not None else max_model_len - prompt_len
+
+
+def check_prompt_chars(num_chars: int, max_model_len: int, max_chars_per_token: int, param: str) -> None:
+    """Refuse, before tokenizing it, text longer than any `max_model_len` tokens could spell (with a margin of
+    two for normalizers that drop characters): the tokenizer's time and memory are not spent on it."""
+    limit = 2 * max_model_len * max_chars_per_token
+    if num_chars > limit:
+        where = "messages" if param == "messages" else "prompt"
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your {where} has "
+            f"{num_chars} characters, far more than that many tokens can hold. Please reduce the length of the "
+            f"{where}.", param, code="context_length_exceeded")
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

@@ -26,6 +26,7 @@ from services.gateway.protocol import (
     CompletionRequest,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
+    check_prompt_chars,
     check_token_ids,
     parse_request,
     resolve_max_tokens,
@@ -312,6 +313,20 @@ def test_a_prompt_too_long_by_itself_blames_the_prompt(requested, prompt_param):
         assert info.value.param == prompt_param
         assert "4096" in info.value.message and str(prompt_len) in info.value.message
         assert info.value.code == "context_length_exceeded"
+
+
+def test_text_no_context_could_hold_is_refused_before_tokenizing(default_model):
+    from services.gateway.model_info import ModelInfo
+
+    model = ModelInfo.load(default_model, "m")
+    text = "".join(chr(32 + (i * 7919) % 20000) for i in range(20000))  # all sorts of characters
+    # The bound never refuses text that could fit: no tokenization packs more characters per token than it says.
+    assert len(model.encode_prompt(text)) * model.max_chars_per_token >= len(text)
+    check_prompt_chars(2 * 100 * model.max_chars_per_token, 100, model.max_chars_per_token, "prompt")  # at the limit
+    for param in ("prompt", "messages"):
+        with pytest.raises(RequestError) as info:
+            check_prompt_chars(2 * 100 * model.max_chars_per_token + 1, 100, model.max_chars_per_token, param)
+        assert (info.value.status, info.value.param, info.value.code) == (400, param, "context_length_exceeded")
 
 
 def test_an_empty_prompt_is_refused():

@@ -91,7 +91,7 @@ async def test_a_job_offered_to_a_prefill_worker_that_leaves_is_given_up_at_once
         assert await asyncio.wait_for(waiting, 5) == "result"
         waiting = asyncio.create_task(_result_unless_gone(worker, asyncio.get_running_loop().create_future(),
                                                           "prefill-7"))
-        await registry.remove("prefill-7")
+        await registry.remove("prefill", "prefill-7")
         assert await asyncio.wait_for(waiting, 5) is None  # gone
     finally:
         await nc.close()
