@@ -176,8 +176,10 @@ class KVReceiver:
     buffers together; a connection waits for room), `idle_buffer_bytes` (of
     which kept for reuse while unused), `shm_cache_bytes` (mappings of senders'
     pool segments kept for reuse), `region_cache_bytes` (mappings of senders'
-    shared regions, their KV caches: address space, not memory), `max_connections`, `handshake_timeout_s` (a
-    new connection must authenticate within it), `idle_connection_s` (a
+    shared regions, their KV caches: address space, not memory), `max_connections` (senders' connections,
+    once authenticated), `max_handshakes` (connections not yet authenticated: past it, the oldest that has
+    sent nothing unread makes room, so a flood of silent connections never locks real senders out),
+    `handshake_timeout_s` (a new connection must authenticate within it), `idle_connection_s` (a
     sender's connection is kept this long between its transfers),
     `io_timeout_s` (a read or write that waits must make progress within
     it), `finished_memory` (ended transfers remembered, to answer a late
@@ -193,7 +195,8 @@ class KVReceiver:
         shm_cache_bytes: int = 1 << 30,
         region_cache_bytes: int = 1 << 40,
         max_connections: int = 256,
-        handshake_timeout_s: float = 5.0,
+        max_handshakes: int = 64,
+        handshake_timeout_s: float = 2.0,
         idle_connection_s: float = 60.0,
         io_timeout_s: float = 10.0,
         finished_memory: int = 4096,
@@ -204,6 +207,7 @@ class KVReceiver:
         self.max_buffer_bytes = max_buffer_bytes
         self.idle_buffer_bytes = idle_buffer_bytes
         self.max_connections = max_connections
+        self.max_handshakes = max_handshakes
         self.handshake_timeout_s = handshake_timeout_s
         self.idle_connection_s = idle_connection_s
         self.io_timeout_s = io_timeout_s
@@ -218,6 +222,7 @@ class KVReceiver:
         self._accept_task: asyncio.Task | None = None
         self._sweep_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
+        self._handshaking: OrderedDict[asyncio.Task, socket.socket] = OrderedDict()  # oldest first
         self._active: dict[str, _Expectation] = {}
         self._finished: OrderedDict[str, tuple[bytes, TransferResult]] = OrderedDict()
         self._last_shm_check = 0.0
@@ -235,7 +240,7 @@ class KVReceiver:
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind(address)
-            listener.listen(128)
+            listener.listen(1024)  # a burst of connections waits for accept rather than having its SYNs dropped
             listener.setblocking(False)
         except BaseException:
             listener.close()
@@ -370,15 +375,31 @@ class KVReceiver:
                 log.warning("kv receiver accept failed", error=str(exc))
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._connections) >= self.max_connections:
+            if len(self._connections) - len(self._handshaking) >= self.max_connections:
                 self.stats.refused_connections += 1
                 sock.close()
                 continue
+            if len(self._handshaking) >= self.max_handshakes:
+                self._evict_a_handshake()
             self.stats.connections += 1
             configure_socket(sock)
             task = asyncio.create_task(self._serve(sock), name="kv-receiver-connection")
             self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+            self._handshaking[task] = sock
+            task.add_done_callback(self._forget_connection)
+
+    def _forget_connection(self, task: asyncio.Task) -> None:
+        self._connections.discard(task)
+        self._handshaking.pop(task, None)
+
+    def _evict_a_handshake(self) -> None:
+        """Close the oldest unauthenticated connection with nothing waiting to be read (a sender whose auth
+        has arrived is never the one closed), or the oldest of all if every one has."""
+        victim = next((task for task, sock in self._handshaking.items() if not _has_unread(sock)),
+                      next(iter(self._handshaking)))
+        self._handshaking.pop(victim)
+        victim.cancel()
+        self.stats.evicted_handshakes += 1
 
     async def _serve(self, sock: socket.socket) -> None:
         """One connection: a hello, then transfers one after another until the sender leaves or one fails."""
@@ -400,6 +421,7 @@ class KVReceiver:
                     if first:
                         self.stats.unauthenticated += 1
                     return
+                self._handshaking.pop(asyncio.current_task(), None)  # it spoke: no longer evictable
                 first = False
                 exp, backend, keep, claim = await self._authenticate(channel, auth, receiver_nonce)
                 if exp is None:
@@ -736,3 +758,13 @@ def _region_part(msg: dict, bad, header: _PartHeader) -> _PartHeader:
     header.block_dim = block_dim
     header.block_ids = tuple(block_ids)
     return header
+
+
+def _has_unread(sock: socket.socket) -> bool:
+    """Whether bytes (or the peer's close) wait on the socket, without taking them."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) is not None
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True  # broken: closing it loses nothing

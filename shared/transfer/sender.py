@@ -147,6 +147,7 @@ class KVSender:
         shm_pool_bytes: int = 256 << 20,
         max_idle_connections: int = 4,
         keep_connections_s: float = 20.0,
+        connect_attempts: int = 5,
     ):
         if checksum not in checksums.ALGORITHMS:
             raise ValueError(f"unknown checksum {checksum!r}; known: {', '.join(checksums.ALGORITHMS)}")
@@ -161,6 +162,7 @@ class KVSender:
         self.stats = TransferStats()
         self.max_idle_connections = max_idle_connections
         self.keep_connections_s = keep_connections_s
+        self.connect_attempts = connect_attempts  # a connection lost before the receiver took anything is made again
         self._pool = SegmentPool(shm_pool_bytes)
         self.leases = LeaseTable()
         self._idle: dict[tuple[str, int], list[Channel]] = {}
@@ -210,6 +212,7 @@ class KVSender:
         loop = asyncio.get_running_loop()
         flow = _Flow(self.max_inflight_bytes)
         chosen = backend
+        parts = _Replayable(parts)
         try:
             chosen = self._choose_backend(ticket, backend)
             remaining = ticket.deadline_unix_s - time.time()
@@ -218,8 +221,23 @@ class KVSender:
             channel = None
             try:
                 async with asyncio.timeout_at(loop.time() + remaining) as deadline:
-                    channel = await self._open(ticket)
-                    await self._transfer(channel, ticket, parts, chosen, flow, layers)
+                    for attempt in range(self.connect_attempts):
+                        try:
+                            channel = await self._open(ticket)
+                            await self._transfer(channel, ticket, parts, chosen, flow, layers)
+                            break
+                        except _ConnectionLost as lost:
+                            # Nothing reached the receiver: a new connection starts the transfer afresh (the
+                            # receiver may have closed an idle kept one, or shed it among a flood of others).
+                            if attempt + 1 == self.connect_attempts or parts.broken:
+                                raise lost.failure from None
+                            if channel is not None:
+                                channel.close()
+                                channel = None
+                            self._abandon(flow)
+                            flow = _Flow(self.max_inflight_bytes)
+                            self.stats.retried_connections += 1
+                            await asyncio.sleep(0.01 * 2**attempt)
                 self._park(ticket, channel)
                 channel = None
             except TimeoutError:
@@ -229,13 +247,7 @@ class KVSender:
             finally:
                 if channel is not None:
                     channel.close()
-                for entry in flow.parts:  # never acked: the receiver may still read them, so never reuse them
-                    if entry.segment is not None:
-                        self._pool.release(entry.segment, reusable=False)
-                flow.parts.clear()
-                if flow.lease is not None:  # before returning: the caller may free the blocks once we return
-                    self.leases.release(flow.lease)
-                    flow.lease = None
+                self._abandon(flow)
         except TransferFailed as failure:
             result = TransferResult.failed(failure, chosen, flow.acked_bytes, time.perf_counter() - started)
             log.info("kv send failed", transfer_id=ticket.transfer_id, reason=failure.reason, error=str(failure),
@@ -244,6 +256,17 @@ class KVSender:
             result = TransferResult(True, None, chosen, flow.acked_bytes, time.perf_counter() - started)
         self.stats.record(result)
         return result
+
+    def _abandon(self, flow: _Flow) -> None:
+        """Let go of what a transfer's parts still hold: segments never acked (the receiver may still read
+        them, so never reused) and the lease on blocks read in place (the caller may free those at once)."""
+        for entry in flow.parts:
+            if entry.segment is not None:
+                self._pool.release(entry.segment, reusable=False)
+        flow.parts.clear()
+        if flow.lease is not None:
+            self.leases.release(flow.lease)
+            flow.lease = None
 
     def _choose_backend(self, ticket: TransferTicket, backend: str) -> str:
         if backend == "auto":
@@ -293,12 +316,15 @@ class KVSender:
                     sock.close()
                     raise
         except (OSError, TimeoutError) as exc:
-            raise TransferFailed(CONNECTION, f"cannot connect to the receiver at {host}:{port}: "
-                                             f"{exc or type(exc).__name__}") from None
+            raise _ConnectionLost(TransferFailed(CONNECTION, f"cannot connect to the receiver at {host}:{port}: "
+                                                             f"{exc or type(exc).__name__}")) from None
         configure_socket(sock)
         channel = Channel(sock, self.io_timeout_s)
         try:
             hello = await channel.recv_msg()
+        except TransferFailed as failure:
+            channel.close()
+            raise (_ConnectionLost(failure) if failure.reason == CONNECTION else failure) from None
         except BaseException:
             channel.close()
             raise
@@ -332,6 +358,10 @@ class KVSender:
                     raise task.exception()
             await writer
             await reader
+        except TransferFailed as failure:
+            if failure.reason == CONNECTION and not (ready.done() and not ready.cancelled()):
+                raise _ConnectionLost(failure) from None  # before the receiver's go: it took nothing
+            raise
         finally:
             ready.cancel()
             await cancel_and_wait(writer, reader, timeout_s=2.0)
@@ -376,14 +406,17 @@ class KVSender:
             else:
                 raise TransferFailed(PROTOCOL, f"unexpected message op {str(op)[:40]!r}")
 
-    async def _write(self, channel: Channel, parts, backend: str, flow: _Flow, ready: asyncio.Future) -> None:
+    async def _write(self, channel: Channel, parts: "_Replayable", backend: str, flow: _Flow,
+                     ready: asyncio.Future) -> None:
         seq = 0
-        iterator = _each(parts).__aiter__()
+        current = None  # the part being sent: handed back if the connection is lost before the receiver's go
         try:
             while True:
                 try:
-                    layer_start, layer_end, tensor = await iterator.__anext__()
+                    current = await parts.next()
+                    layer_start, layer_end, tensor = current
                 except StopAsyncIteration:
+                    current = None
                     break
                 except TransferFailed:
                     raise
@@ -405,13 +438,24 @@ class KVSender:
                         await channel.send_payload(payload)
                     del payload
                     seq += 1
+                current = None
         except TransferFailed as failure:
+            self._hand_back(parts, current, ready)
             already_delivered = ready.done() and not ready.cancelled() and ready.result() is False
             if failure.reason in (BAD_INPUT, SENDER_ABORTED, SHM_ERROR) and not already_delivered:
                 channel.try_send_msg({"op": "abort", "detail": str(failure)})
             raise
+        except BaseException:  # cancelled: the reader failed, or the deadline
+            self._hand_back(parts, current, ready)
+            raise
         if await ready:
             await channel.send_msg({"op": "end", "parts": seq})
+
+    @staticmethod
+    def _hand_back(parts: "_Replayable", current, ready: asyncio.Future) -> None:
+        """Before the receiver's go nothing of `current` was sent: a new connection sends it again."""
+        if current is not None and not (ready.done() and not ready.cancelled() and ready.result()):
+            parts.put_back(current)
 
     def _split(self, backend: str, layer_start, layer_end, tensor):
         """(layer_start, layer_end, piece, read in place) for each piece the part is cut into."""
@@ -492,6 +536,37 @@ class KVSender:
 
 def _nbytes(tensor: "torch.Tensor | BlockSlice") -> int:
     return tensor.nbytes if isinstance(tensor, BlockSlice) else tensor.numel() * tensor.element_size()
+
+
+class _Replayable:
+    """The caller's parts, read once, with room to put back the one a lost connection had taken."""
+
+    def __init__(self, parts):
+        self._iterator = _each(parts).__aiter__()
+        self._back: list = []
+        self.broken = False  # the producer was interrupted (or failed): it cannot be read again
+
+    async def next(self):
+        if self._back:
+            return self._back.pop()
+        try:
+            return await self._iterator.__anext__()
+        except StopAsyncIteration:
+            raise
+        except BaseException:
+            self.broken = True
+            raise
+
+    def put_back(self, part) -> None:
+        self._back.append(part)
+
+
+class _ConnectionLost(Exception):
+    """The connection failed before the receiver took anything (`failure` says how): safe to make anew."""
+
+    def __init__(self, failure: TransferFailed):
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 async def _each(parts):

@@ -127,6 +127,8 @@ class TransferStats:
     in_place_parts: int = 0  # parts read from the sender's shared-memory region, not staged (sent / applied)
     connections: int = 0  # connections accepted (receiver) or made (sender)
     refused_connections: int = 0  # receiver: connections closed at once because too many were open
+    evicted_handshakes: int = 0  # receiver: silent unauthenticated connections closed to make room for new ones
+    retried_connections: int = 0  # sender: connections lost before the receiver took anything, made again
 
     def record(self, result: TransferResult) -> None:
         if result.ok:
@@ -142,6 +144,8 @@ class TransferStats:
             "failed_by_reason": dict(self.failed_by_reason),
             "failed_by_backend": dict(self.failed_by_backend),
             "unauthenticated": self.unauthenticated,
+            "evicted_handshakes": self.evicted_handshakes,
+            "retried_connections": self.retried_connections,
             "corrupted_parts": self.corrupted_parts,
             "discarded_parts": self.discarded_parts,
             "in_place_parts": self.in_place_parts,
