@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
