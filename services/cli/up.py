@@ -139,6 +139,11 @@ def add_parser(subcommands) -> None:
                         help="CPUs the model workers share out, each its own contiguous part, one torch thread per "
                              "CPU (default: auto, every CPU this process may use; none: the OS places them)")
     add_run_dir_option(parser)
+    parser.add_argument("--log-max-bytes", type=_positive_int, default=64 << 20, metavar="N",
+                        help="each service's log (RUN_DIR/logs/NAME.log) rotates to NAME.log.1 past N bytes "
+                             "(default: 64 MiB)")
+    parser.add_argument("--log-backups", type=_positive_int, default=3, metavar="K",
+                        help="rotated logs kept per service, NAME.log.1 to NAME.log.K (default: 3)")
     parser.add_argument(
         "--ready-timeout",
         type=_seconds,
@@ -184,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         cpus=args.cpus,
         ready_timeout_s=args.ready_timeout,
+        log_max_bytes=args.log_max_bytes,
+        log_backups=args.log_backups,
     )
     launcher = Launcher(options)
     previous = install_signal_handlers(launcher)

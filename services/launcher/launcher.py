@@ -42,6 +42,7 @@ from services.launcher.deployment import (
     read_deployment,
     write_deployment,
 )
+from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, RotatingLog
 from services.launcher.nats_auth import creds_path, ensure_credentials, write_server_config
 from services.launcher.nats_server import EmbeddedNats, NatsServerError, nats_endpoints, wait_for_nats
 from services.launcher.procs import describe_exit, process_start_time
@@ -98,6 +99,8 @@ class UpOptions:
     namespace: str = "splitserve"
     dtype: str = "auto"
     cpus: str = "auto"  # CPUs the model workers share out: "auto" (all this process may use), "none", or a list
+    log_max_bytes: int = DEFAULT_MAX_BYTES  # each service's log rotates past it
+    log_backups: int = DEFAULT_BACKUPS  # rotated logs kept per service
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 10.0
     nats_connect_timeout_s: float = 5.0  # how long a --nats server may take to answer
@@ -385,7 +388,8 @@ class Launcher:
             # one left queued has nobody waiting for it any more.
             shutil.rmtree(self.run_dir / "nats", ignore_errors=True)
             creds_dir, server_config = self._bus_credentials() if o.nats_auth else (None, None)
-            self.nats = EmbeddedNats(self.run_dir, config_file=server_config)
+            self.nats = EmbeddedNats(self.run_dir, config_file=server_config,
+                                     log=RotatingLog(self.log_dir / "nats.log", o.log_max_bytes, o.log_backups))
             nats_url = self.nats.start()
         else:
             nats_url, creds_dir = o.nats, o.nats_creds_dir
@@ -403,7 +407,8 @@ class Launcher:
             cpus=worker_cpus(o.cpus), nats_creds_dir=str(creds_dir) if creds_dir else None,
         )
         specs = topology.plan(config)
-        self.supervisor = Supervisor(self.log_dir, self.policy)
+        self.supervisor = Supervisor(self.log_dir, self.policy, log_max_bytes=o.log_max_bytes,
+                                     log_backups=o.log_backups)
         env = self._child_env()
         if o.trace_viewer:
             port = o.trace_viewer_port

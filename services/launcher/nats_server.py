@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from services.launcher.log_files import RotatingLog
 from services.launcher.procs import parent_death_signal_preexec, process_start_time, signal_group
 
 BINARY_NAME = "nats-server"
@@ -158,6 +159,7 @@ class EmbeddedNats:
         port: int | None = None,
         binary: str | os.PathLike | None = None,
         config_file: str | os.PathLike | None = None,
+        log: RotatingLog | None = None,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
     ) -> None:
@@ -171,6 +173,7 @@ class EmbeddedNats:
         self.stop_timeout_s = stop_timeout_s
         self.store_dir = self.run_dir / "nats"
         self.log_path = self.run_dir / "logs" / "nats.log"
+        self._log = log  # where its output goes (made on first start if not given)
         self.process: subprocess.Popen | None = None
         self.start_time: int | None = None
         self.restarts = 0
@@ -229,22 +232,25 @@ class EmbeddedNats:
         # Another server on the port would answer our readiness probe.
         if not _port_free(self.host, port):
             return False, f"cannot start nats-server: port {port} on {self.host} is already in use"
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.argv(binary, port),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=parent_death_signal_preexec(),
-                close_fds=True,
-            )
+        if self._log is None:
+            self._log = RotatingLog(self.log_path)
+        self.process = subprocess.Popen(
+            self.argv(binary, port),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=parent_death_signal_preexec(),
+            close_fds=True,
+        )
+        self._log_thread = self._log.follow(self.process.stdout, "nats")
         self.port = port
         self.start_time = process_start_time(self.process.pid)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
+                self._log_thread.join(1.0)  # its last words reach the log before we quote them
                 return False, (
                     f"nats-server exited with code {code} while starting on {self.host}:{port}; "
                     f"see {self.log_path}:\n{_tail(self.log_path)}"
@@ -271,6 +277,7 @@ class EmbeddedNats:
             except subprocess.TimeoutExpired:
                 signal_group(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        self._log_thread.join(1.0)  # its last words reach the log
         return self.process.returncode
 
     def __enter__(self) -> EmbeddedNats:

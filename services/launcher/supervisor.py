@@ -1,7 +1,8 @@
 """Supervised child processes: restart the ones that die, stop them all cleanly.
 
 Each child runs in its own process group (its own session, in fact), with
-stdout and stderr appended to `LOG_DIR/NAME.log`, so:
+stdout and stderr copied into `LOG_DIR/NAME.log`, rotated by size (see
+`log_files`), so:
 
 - Ctrl-C in the launcher's terminal reaches only the launcher, which then
   stops the children in order instead of them all dying at once;
@@ -10,7 +11,8 @@ stdout and stderr appended to `LOG_DIR/NAME.log`, so:
 
 The restart policy is a handful of pure functions over a `RestartPolicy`
 (tested on their own); `Supervisor` applies them. The supervisor is driven by
-`poll()`, called from the owner's loop: no threads.
+`poll()`, called from the owner's loop; its only threads copy the children's
+output into their logs.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, RotatingLog
 from services.launcher.procs import (
     describe_exit,
     group_members,
@@ -127,6 +131,8 @@ class Child:
     instance_id: str | None = None
     state: ChildState = ChildState.PENDING
     process: subprocess.Popen | None = field(default=None, repr=False)
+    log: RotatingLog | None = field(default=None, repr=False)
+    log_thread: threading.Thread | None = field(default=None, repr=False)
     pid: int | None = None
     start_time: int | None = None  # clock ticks since boot, from /proc
     restarts: int = 0
@@ -164,8 +170,12 @@ class Supervisor:
         *,
         clock: Callable[[], float] = time.monotonic,
         parent_death_signal: int | None = signal.SIGTERM,
+        log_max_bytes: int = DEFAULT_MAX_BYTES,
+        log_backups: int = DEFAULT_BACKUPS,
     ) -> None:
         self.log_dir = Path(log_dir)
+        self.log_max_bytes = log_max_bytes
+        self.log_backups = log_backups
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.policy = policy or RestartPolicy()
         self._clock = clock
@@ -238,21 +248,20 @@ class Supervisor:
         if child.env is not None:
             env = dict(os.environ)
             env.update(child.env)
-        with open(child.log_path, "ab") as log:
-            attempt = f"restart {child.restarts}" if child.restarts else "start"
-            log.write(f"--- {_now_iso()} splitserve supervisor: {attempt} of {child.name}: {' '.join(child.argv)}\n".encode())
-            log.flush()
-            process = subprocess.Popen(
-                child.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=child.cwd,
-                start_new_session=True,  # own session and process group: pgid == pid
-                preexec_fn=self._preexec,
-                close_fds=True,
-            )
+        attempt = f"restart {child.restarts}" if child.restarts else "start"
+        self._log_note(child, f"{attempt} of {child.name}: {' '.join(child.argv)}")
+        process = subprocess.Popen(
+            child.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=child.cwd,
+            start_new_session=True,  # own session and process group: pgid == pid
+            preexec_fn=self._preexec,
+            close_fds=True,
+        )
+        child.log_thread = child.log.follow(process.stdout, child.name)
         child.process = process
         child.pid = process.pid
         child.start_time = process_start_time(process.pid)
@@ -262,11 +271,18 @@ class Supervisor:
         child.killed = False
 
     def _log_note(self, child: Child, text: str) -> None:
+        if child.log is None:
+            child.log = RotatingLog(child.log_path, self.log_max_bytes, self.log_backups)
         try:
-            with open(child.log_path, "a") as log:
-                log.write(f"--- {_now_iso()} splitserve supervisor: {text}\n")
+            child.log.write(f"--- {_now_iso()} splitserve supervisor: {text}")
         except OSError:
             pass
+
+    @staticmethod
+    def _flush_log(child: Child, timeout_s: float = 2.0) -> None:
+        """Wait until what the child wrote before it ended is in its log (its pipe closes with its group)."""
+        if child.log_thread is not None:
+            child.log_thread.join(timeout_s)
 
     def poll(self) -> list[SupervisorEvent]:
         """Notice children that died and restart the ones whose backoff is over."""
@@ -287,6 +303,7 @@ class Supervisor:
     def _on_exit(self, child: Child, code: int, now: float) -> SupervisorEvent:
         # Whatever the child left behind in its group goes with it.
         signal_group(child.pid, signal.SIGKILL)
+        self._flush_log(child)
         child.exit_code = code
         uptime = now - (child.started_at if child.started_at is not None else now)
         child.failures = consecutive_failures(child.failures, uptime, self.policy)
@@ -388,6 +405,10 @@ class Supervisor:
         # from /proc once their new parent reaps them.
         while any(group_members(pgid) for pgid in groups.values()) and time.monotonic() < deadline + 1.0:
             time.sleep(0.02)
+        for child in self._children.values():
+            self._flush_log(child, timeout_s=1.0)
+            if child.log is not None:
+                child.log.close()
         return {c.name: c.exit_code for c in self._children.values()}
 
     def __enter__(self) -> Supervisor:

@@ -141,6 +141,24 @@ def test_children_get_the_extra_environment_and_their_own_log(tmp_path):
     sup.stop(1)
 
 
+def test_a_chatty_childs_log_rotates_within_its_bound_and_keeps_the_newest_lines(tmp_path):
+    sup = Supervisor(tmp_path / "logs", FAST, log_max_bytes=20_000, log_backups=2)
+    child = sup.add("chatty", [PY, "-c", "import sys\nfor i in range(10000): print(f'line {i:05d}', flush=i % 100 == 0)\n"
+                                         "print('last words', file=sys.stderr)"])
+    sup.start()
+    assert wait_until(lambda: sup.poll() or not child.running, 10)
+    sup.stop(1)
+    logs = sorted((tmp_path / "logs").iterdir())
+    assert [p.name for p in logs] == ["chatty.log", "chatty.log.1", "chatty.log.2"]  # older ones are gone
+    assert all(p.stat().st_size <= 20_000 for p in logs)
+    assert all(p.stat().st_mode & 0o077 == 0 for p in logs)  # the launcher's user alone reads them
+    kept = (tmp_path / "logs" / "chatty.log.2").read_text() + (tmp_path / "logs" / "chatty.log.1").read_text() + \
+        child.log_path.read_text()
+    numbers = [int(line.split()[1]) for line in kept.splitlines() if line.startswith("line ")]
+    assert numbers == list(range(numbers[0], 10000)) and numbers[0] > 0  # the newest, in order, none missing
+    assert "last words" in child.log_path.read_text()  # stderr too, up to the very end
+
+
 def test_bad_children_are_refused(tmp_path):
     sup = Supervisor(tmp_path / "logs")
     sup.add("a", SLEEPER)
