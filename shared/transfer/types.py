@@ -49,7 +49,7 @@ class TransferTicket:
     """
 
     transfer_id: str
-    token: bytes
+    token: bytes = field(repr=False)  # a secret: never in a log line or an error message
     endpoint: dict
     deadline_unix_s: float
 

@@ -81,3 +81,20 @@ def test_disabled_kernel_falls_back(monkeypatch):
         assert native_decode_library(PagedKVCache(0, 1, 1, 16, 1, 8, torch.float32, "cpu")) is None
     finally:
         kernels.native_library.cache_clear()
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
+    # Linked with -ffast-math, a library would switch on flush-to-zero for the whole process that loads it, and
+    # torch's own arithmetic would lose its subnormals. A fresh process, so no earlier load hides it.
+    import subprocess
+    import sys
+
+    from support.processes import ROOT, service_env
+
+    code = ("import torch\nfrom shared.engine.kernels import native_library\n"
+            "assert native_library('paged_decode') is not None and native_library('layer_ops') is not None\n"
+            "print((torch.tensor([1e-39]) * 1.0).item())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=service_env(),
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout.split()[-1]) > 0

@@ -25,8 +25,11 @@ log = get_logger(__name__)
 
 _HERE = Path(__file__).parent
 # Fast math vectorizes expf (glibc's libmvec) and reductions; the kernels never produce infinities or NaNs from
-# finite inputs (softmax subtracts the max, silu caps its exponent), which is what fast math assumes.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# finite inputs (softmax subtracts the max, silu caps its exponent), which is what fast math assumes. It is a
+# compile flag only: linked with -ffast-math, the library would flush subnormals to zero in the whole process
+# that loads it (gcc's crtfastmath), changing torch's arithmetic too.
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _DECODE_ATTENTION = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, c_int, c_int]
@@ -55,10 +58,13 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str, name: str, flags: list[str], out_dir: Path) -> None:
-    result = subprocess.run([compiler, *flags, "-o", str(out_dir / f"{name}.so"), str(_HERE / f"{name}.c"), "-lm"],
-                            capture_output=True, text=True, timeout=120)
-    if result.returncode != 0:
-        raise OSError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+    objects = out_dir / f"{name}.o"
+    for command in ([compiler, *flags, "-c", "-o", str(objects), str(_HERE / f"{name}.c")],
+                    [compiler, *_LINK_FLAGS, "-o", str(out_dir / f"{name}.so"), str(objects), "-lm"]):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+    objects.unlink()
 
 
 @cache
@@ -72,7 +78,7 @@ def native_library(name: str) -> ctypes.CDLL | None:
         return None
     flags = _FLAGS
     sources = b"".join(path.read_bytes() for path in [_HERE / f"{name}.c", *sorted(_HERE.glob("*.h"))])
-    key = hashlib.blake2b(sources + " ".join(flags).encode() + _cpu_id().encode() + compiler.encode(),
+    key = hashlib.blake2b(sources + " ".join([*flags, *_LINK_FLAGS]).encode() + _cpu_id().encode() + compiler.encode(),
                           digest_size=8).hexdigest()
     try:
         directory = build_once(cache_root() / "kernels" / f"{name}-{key}", lambda tmp: _build(compiler, name, flags, tmp))
