@@ -130,6 +130,10 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--nats-creds-dir", metavar="DIR",
                         help="with --nats: each service's credentials, DIR/ROLE.nk (`splitserve nats-auth DIR` "
                              "writes them and the server's authorization config)")
+    parser.add_argument("--tls", action="store_true",
+                        help="the embedded NATS server speaks only TLS, with a certificate from a CA made for this "
+                             "deployment (RUN_DIR/tls); every service trusts that CA alone")
+    parser.add_argument("--nats-tls-ca", metavar="FILE", help="with --nats: talk TLS to it, trusting this CA")
     parser.add_argument("--nats-auth", action=argparse.BooleanOptionalAction, default=True,
                         help="the embedded NATS server admits only this deployment's services, each role with its "
                              "own credentials (RUN_DIR/creds) and only the subjects its job needs (default: on)")
@@ -185,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
         nats=args.nats,
         nats_auth=args.nats_auth,
         nats_creds_dir=args.nats_creds_dir,
+        tls=args.tls,
+        nats_tls_ca=args.nats_tls_ca,
         namespace=args.namespace,
         dtype=args.dtype,
         cpus=args.cpus,

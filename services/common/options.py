@@ -14,6 +14,10 @@ def add_bus_options(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--nats-creds", metavar="FILE",
                         help="this service's NATS credentials: an NKey seed file or a .creds file (also "
                              "SPLITSERVE_NATS_CREDS; or the seed itself in SPLITSERVE_NATS_NKEY_SEED)")
+    parser.add_argument("--nats-tls-ca", metavar="FILE",
+                        help="talk TLS to NATS, trusting only this CA (also SPLITSERVE_NATS_TLS_CA)")
+    parser.add_argument("--nats-tls-cert", metavar="FILE", help="a client certificate for NATS (SPLITSERVE_NATS_TLS_CERT)")
+    parser.add_argument("--nats-tls-key", metavar="FILE", help="its key (SPLITSERVE_NATS_TLS_KEY)")
     parser.add_argument("--namespace", default=env_default("NAMESPACE", "splitserve"), help="subject prefix of this deployment")
     parser.add_argument(
         "--instance-id",
@@ -33,6 +37,16 @@ def bus_credentials(args: argparse.Namespace):
     except CredentialsError as exc:
         raise SystemExit(f"error: {exc}") from None
     return credentials
+
+
+def bus_tls(args: argparse.Namespace):
+    """The NATS connection's TLS context (see `shared.bus.tls`), or None; exits if the files are unusable."""
+    from shared.bus.tls import TLSConfigError, client_tls_context
+
+    try:
+        return client_tls_context(args.nats_tls_ca, args.nats_tls_cert, args.nats_tls_key)
+    except TLSConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

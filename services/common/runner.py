@@ -4,7 +4,7 @@ import argparse
 from collections.abc import Awaitable, Callable
 
 from contracts import Subjects
-from services.common.options import bus_credentials
+from services.common.options import bus_credentials, bus_tls
 from shared.bus.connection import ShutdownSignal, connect, drain
 from shared.bus.permissions import inbox_prefix
 from shared.bus.registry import Registry
@@ -24,7 +24,7 @@ async def run_service(args: argparse.Namespace, role: str, build: Callable[..., 
     log = get_logger(role)
     shutdown = ShutdownSignal()
     subjects = Subjects(args.namespace)
-    nc = await connect(args.nats, name=args.instance_id, credentials=bus_credentials(args),
+    nc = await connect(args.nats, name=args.instance_id, credentials=bus_credentials(args), tls=bus_tls(args),
                        inbox_prefix=inbox_prefix(args.namespace, role))
     js = nc.jetstream()
     registry = await Registry.open(js, subjects.registry_bucket)

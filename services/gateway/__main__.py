@@ -6,7 +6,14 @@ import sys
 
 import os
 
-from services.common.options import add_bus_options, add_model_options, bus_credentials, env_default, resolve_model
+from services.common.options import (
+    add_bus_options,
+    add_model_options,
+    bus_credentials,
+    bus_tls,
+    env_default,
+    resolve_model,
+)
 from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, parse_api_keys
 
 
@@ -55,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                http_port=args.port,
                                api_keys=parse_api_keys(args.api_key, os.environ.get("SPLITSERVE_API_KEY")),
                                protect_metrics=args.protect_metrics, max_request_bytes=args.max_request_bytes,
-                               nats_credentials=bus_credentials(args))
+                               nats_credentials=bus_credentials(args), nats_tls=bus_tls(args))
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal into the
     # handler that was installed before it; a no-op one lets the gateway exit 0 like every service.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -2,6 +2,7 @@
 
 import asyncio
 import inspect
+import ssl
 import json
 import time
 import uuid
@@ -68,6 +69,7 @@ class GatewaySettings:
     protect_metrics: bool = False  # /metrics needs a key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     nats_credentials: BusCredentials | None = None
+    nats_tls: ssl.SSLContext | None = None
 
     def __repr__(self) -> str:  # never print the keys
         return f"GatewaySettings({self.instance_id!r}, {len(self.api_keys)} API key(s))"
@@ -88,7 +90,7 @@ class Gateway:
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, name=self.settings.instance_id,
-                                credentials=self.settings.nats_credentials,
+                                credentials=self.settings.nats_credentials, tls=self.settings.nats_tls,
                                 inbox_prefix=inbox_prefix(self.settings.namespace, "gateway"))
         self.registry = await Registry.open(self.nc.jetstream(), self.subjects.registry_bucket)
         await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)

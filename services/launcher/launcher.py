@@ -45,6 +45,7 @@ from services.launcher.deployment import (
 from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, RotatingLog
 from services.launcher.nats_auth import creds_path, ensure_credentials, write_server_config
 from services.launcher.nats_server import EmbeddedNats, NatsServerError, nats_endpoints, wait_for_nats
+from services.launcher.tls_files import TLSFiles, make_deployment_tls
 from services.launcher.procs import describe_exit, process_start_time
 from shared.bus.permissions import ROLES
 from services.launcher.supervisor import (
@@ -96,6 +97,8 @@ class UpOptions:
     nats: str | None = None
     nats_auth: bool = True  # the embedded server: per-role NKey users with least-privilege permissions
     nats_creds_dir: str | None = None  # --nats: a directory of ROLE.nk seeds (from `splitserve nats-auth`)
+    tls: bool = False  # the embedded server speaks only TLS, with a certificate from a CA made for the deployment
+    nats_tls_ca: str | None = None  # --nats: the CA its certificate chains to
     namespace: str = "splitserve"
     dtype: str = "auto"
     cpus: str = "auto"  # CPUs the model workers share out: "auto" (all this process may use), "none", or a list
@@ -265,6 +268,11 @@ class Launcher:
                 nats_endpoints(o.nats)
             except ValueError as exc:
                 raise LaunchError(str(exc), 2) from None
+        if o.tls and o.nats is not None:
+            raise LaunchError("--tls makes the embedded server's certificate; for a --nats server give its CA "
+                              "with --nats-tls-ca", 2)
+        if o.nats_tls_ca is not None and o.nats is None:
+            raise LaunchError("--nats-tls-ca is for a --nats server; the embedded one gets --tls", 2)
         if o.nats_creds_dir is not None:
             if o.nats is None:
                 raise LaunchError("--nats-creds-dir is for a --nats server; the embedded one gets its own", 2)
@@ -310,11 +318,14 @@ class Launcher:
             self._shutdown(failure)
         return failure.exit_code
 
-    def _bus_credentials(self) -> tuple[Path, Path]:
-        """New credentials for every role (and `admin`) in RUN_DIR/creds, and the server config that admits them."""
-        creds_dir = self.run_dir / "creds"
-        public_keys = ensure_credentials(creds_dir, fresh=True)
-        return creds_dir, write_server_config(self.run_dir / "nats.conf", public_keys, self.options.namespace)
+    def _bus_config(self, tls: TLSFiles | None) -> tuple[Path | None, Path]:
+        """The embedded server's config: with --nats-auth new credentials for every role (and `admin`) in
+        RUN_DIR/creds and the users that admit them, with --tls its certificate."""
+        creds_dir = self.run_dir / "creds" if self.options.nats_auth else None
+        public_keys = ensure_credentials(creds_dir, fresh=True) if creds_dir is not None else {}
+        config = write_server_config(self.run_dir / "nats.conf", public_keys, self.options.namespace,
+                                     (tls.cert, tls.key) if tls is not None else None)
+        return creds_dir, config
 
     def _pipeline_split(self, model_dir: str) -> tuple[tuple[int, int], ...]:
         """The pipeline's layer ranges, checked against the model before anything starts (exit 2 if bad)."""
@@ -387,12 +398,14 @@ class Launcher:
             # A fresh deployment starts from empty streams: what an earlier
             # one left queued has nobody waiting for it any more.
             shutil.rmtree(self.run_dir / "nats", ignore_errors=True)
-            creds_dir, server_config = self._bus_credentials() if o.nats_auth else (None, None)
+            tls = make_deployment_tls(self.run_dir / "tls", ["127.0.0.1", "localhost"]) if o.tls else None
+            tls_ca = str(tls.ca_cert) if tls is not None else None
+            creds_dir, server_config = self._bus_config(tls) if o.nats_auth or tls is not None else (None, None)
             self.nats = EmbeddedNats(self.run_dir, config_file=server_config,
                                      log=RotatingLog(self.log_dir / "nats.log", o.log_max_bytes, o.log_backups))
             nats_url = self.nats.start()
         else:
-            nats_url, creds_dir = o.nats, o.nats_creds_dir
+            nats_url, creds_dir, tls_ca = o.nats, o.nats_creds_dir, o.nats_tls_ca
         self.deployment.nats = NatsRecord(url=nats_url, embedded=self.nats is not None,
                                           creds_dir=str(creds_dir) if creds_dir else None)
 
@@ -404,7 +417,7 @@ class Launcher:
             max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,
             kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
             kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
-            cpus=worker_cpus(o.cpus), nats_creds_dir=str(creds_dir) if creds_dir else None,
+            cpus=worker_cpus(o.cpus), nats_creds_dir=str(creds_dir) if creds_dir else None, nats_tls_ca=tls_ca,
         )
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy, log_max_bytes=o.log_max_bytes,

@@ -69,7 +69,12 @@ def authorization_config(public_keys: dict[str, str], namespace: str) -> dict:
     return {"authorization": {"users": users}}
 
 
-def write_server_config(path: str | os.PathLike, public_keys: dict[str, str], namespace: str) -> Path:
+def write_server_config(path: str | os.PathLike, public_keys: dict[str, str], namespace: str,
+                        tls: tuple[Path, Path] | None = None) -> Path:
+    """The authorization block, and with `tls` (certificate, key) the server's TLS, required of every client."""
     path = Path(path)
-    write_private(path, (json.dumps(authorization_config(public_keys, namespace), indent=1) + "\n").encode())
+    config = authorization_config(public_keys, namespace)
+    if tls is not None:
+        config["tls"] = {"cert_file": str(tls[0]), "key_file": str(tls[1]), "timeout": 2}
+    write_private(path, (json.dumps(config, indent=1) + "\n").encode())
     return path

@@ -45,6 +45,7 @@ class UpConfig:
     kv_store_dir: str | None = None  # the disk tier's directory (needed with kv_store_disk_bytes)
     cpus: tuple[int, ...] = ()  # shared out among the model workers (decode, prefill, stage); () leaves it to the OS
     nats_creds_dir: str | None = None  # each service gets `--nats-creds DIR/ROLE.nk` (None: no credentials)
+    nats_tls_ca: str | None = None  # each service talks TLS to NATS, trusting this CA
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
     shares = share_cpus(workers, config.cpus)
     specs = [dataclasses.replace(s, args=(*s.args, "--cpus", format_cpu_list(shares[s.name])))
              if s.name in shares else s for s in specs]
+    if config.nats_tls_ca is not None:
+        specs = [dataclasses.replace(s, args=(*s.args, "--nats-tls-ca", config.nats_tls_ca)) for s in specs]
     if config.nats_creds_dir is None:
         return specs
     return [dataclasses.replace(s, args=(*s.args, "--nats-creds", str(creds_path(config.nats_creds_dir, s.role))))

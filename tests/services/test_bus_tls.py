@@ -1,0 +1,52 @@
+"""`splitserve up --tls`: NATS speaks only TLS, its certificate from a CA made for the deployment (issue 13, item 2)."""
+
+import asyncio
+import json
+import ssl
+
+import httpx
+import nats
+import pytest
+
+from services.launcher.nats_auth import creds_path
+from services.launcher.nats_server import read_server_info
+from services.launcher.tls_files import make_deployment_tls
+from shared.bus.tls import client_tls_context
+from support.up import MODEL, start_up
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def test_a_tls_deployment_serves_and_talks_to_nats_only_over_tls(tmp_path, default_model):
+    run = start_up(tmp_path / "run", "--topology", "colocated", "--tls")
+    try:
+        deployment = json.loads((run.run_dir / "deployment.json").read_text())
+        url = deployment["nats"]["url"]
+        ca = run.run_dir / "tls" / "ca.pem"
+        for service in deployment["services"]:  # each trusts the deployment's CA
+            assert service["argv"][service["argv"].index("--nats-tls-ca") + 1] == str(ca), service["name"]
+        response = httpx.post(f"{run.url}/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": "over tls", "max_tokens": 3})
+        assert response.status_code == 200, response.text
+        host, port = url.removeprefix("nats://").rsplit(":", 1)
+        assert read_server_info(host, int(port))["tls_required"] is True
+        for path in (run.run_dir / "tls").iterdir():
+            assert path.stat().st_mode & 0o077 == 0, path
+        assert not (run.run_dir / "tls" / "ca-key.pem").exists()  # the CA's key signed one certificate, then went
+
+        seed = str(creds_path(run.run_dir / "creds", "admin"))
+        other_ca = make_deployment_tls(tmp_path / "other", ["127.0.0.1"]).ca_cert
+
+        async def connects(tls) -> bool:
+            try:
+                nc = await nats.connect(url, nkeys_seed=seed, tls=tls, allow_reconnect=False, connect_timeout=3)
+            except (nats.errors.Error, ssl.SSLError, OSError, asyncio.TimeoutError):
+                return False
+            await nc.close()
+            return True
+
+        assert asyncio.run(connects(client_tls_context(str(ca))))  # the deployment's CA: in
+        assert not asyncio.run(connects(None))  # plaintext: refused
+        assert not asyncio.run(connects(client_tls_context(str(other_ca))))  # a server this CA did not vouch for
+    finally:
+        run.stop()
