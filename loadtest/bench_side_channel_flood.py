@@ -113,8 +113,8 @@ async def run_phase(args, receiver: KVReceiver, sender: asyncio.subprocess.Proce
         if not answer["ok"] and result.ok:
             failures.append(f"sender: {answer['error']}")
     after = receiver.stats.snapshot()
-    counters = {key: after[key] - before[key] for key in ("connections", "refused_connections", "unauthenticated",
-                                                            "evicted_handshakes")}
+    counters = {key: after.get(key, 0) - before.get(key, 0)  # (.get: also runs against older receivers)
+                for key in ("connections", "refused_connections", "unauthenticated", "evicted_handshakes")}
     return {"phase": name, "transfers": args.transfers, "met_deadline": len(latencies),
             "failures": failures[:5], "p50_ms": _ms(percentile(latencies, 0.5)),
             "p99_ms": _ms(percentile(latencies, 0.99)), "max_ms": _ms(max(latencies, default=None)),
