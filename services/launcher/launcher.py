@@ -45,9 +45,7 @@ from services.launcher.deployment import (
 from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, RotatingLog
 from services.launcher.nats_auth import creds_path, ensure_credentials, write_server_config
 from services.launcher.nats_server import EmbeddedNats, NatsServerError, nats_endpoints, wait_for_nats
-from services.launcher.tls_files import TLSFiles, make_deployment_tls
 from services.launcher.procs import describe_exit, process_start_time
-from shared.bus.permissions import ROLES
 from services.launcher.supervisor import (
     RestartPolicy,
     Supervisor,
@@ -55,6 +53,8 @@ from services.launcher.supervisor import (
     SupervisorEvent,
     should_give_up,
 )
+from services.launcher.tls_files import TLSFiles, make_deployment_tls
+from shared.bus.permissions import ROLES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 

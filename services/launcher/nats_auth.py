@@ -73,7 +73,7 @@ def write_server_config(path: str | os.PathLike, public_keys: dict[str, str], na
                         tls: tuple[Path, Path] | None = None) -> Path:
     """The authorization block, and with `tls` (certificate, key) the server's TLS, required of every client."""
     path = Path(path)
-    config = authorization_config(public_keys, namespace)
+    config = authorization_config(public_keys, namespace) if public_keys else {}  # none: no authorization at all
     if tls is not None:
         config["tls"] = {"cert_file": str(tls[0]), "key_file": str(tls[1]), "timeout": 2}
     write_private(path, (json.dumps(config, indent=1) + "\n").encode())
