@@ -7,9 +7,16 @@ kept unless --rotate), the same key as DIR/ROLE.env (`SPLITSERVE_NATS_NKEY_SEED=
 for compose's `env_file`), and DIR/nats-auth.conf, the server's `authorization`
 block. Each service then takes its role's file with `--nats-creds` (or
 `SPLITSERVE_NATS_CREDS`), or the seed in its environment.
+
+With --tls-name, it also makes a CA and a certificate for the server under
+those names (its key in DIR/tls, the CA's certificate in DIR/public/ca.pem,
+readable by all: it is not a secret); the config then requires TLS and each
+ROLE.env names the CA (SPLITSERVE_NATS_TLS_CA).
 """
 
 import argparse
+import os
+import shutil
 from pathlib import Path
 
 
@@ -23,13 +30,23 @@ def add_parser(subcommands) -> None:
     parser.add_argument("dir", metavar="DIR", help="where to write ROLE.nk and nats-auth.conf")
     parser.add_argument("--namespace", default="splitserve", help="the deployment's subject prefix (default: splitserve)")
     parser.add_argument("--rotate", action="store_true", help="new keys for every role (restart the server and services)")
+    parser.add_argument("--tls-name", action="append", metavar="NAME",
+                        help="make a CA and a TLS certificate for the NATS server under NAME (repeatable: every "
+                             "host name or address clients dial it by, e.g. `nats` in compose)")
+    parser.add_argument("--server-dir", metavar="PATH",
+                        help="where the NATS server sees DIR (e.g. /etc/nats/secrets in its container); the config "
+                             "names its certificate there (default: DIR)")
+    parser.add_argument("--client-ca-path", metavar="PATH",
+                        help="where services see DIR/public/ca.pem, written into ROLE.env (default: its path here)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from contracts import check_token
     from services.launcher.nats_auth import creds_path, ensure_credentials, write_private, write_server_config
+    from services.launcher.tls_files import make_deployment_tls
     from shared.bus.credentials import SEED_ENV
+    from shared.bus.tls import TLS_ENV
 
     try:
         check_token(args.namespace, "namespace")
@@ -37,10 +54,21 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {exc}") from None
     creds_dir = Path(args.dir)
     public_keys = ensure_credentials(creds_dir, fresh=args.rotate)
+    public = creds_dir / "public"  # (made even without TLS: compose mounts it)
+    public.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(public, 0o755)
+    tls, ca_env = None, ""
+    if args.tls_name:
+        files = make_deployment_tls(creds_dir / "tls", args.tls_name)
+        shutil.copyfile(files.ca_cert, public / "ca.pem")
+        os.chmod(public / "ca.pem", 0o644)
+        server_dir = Path(args.server_dir) if args.server_dir else creds_dir.resolve()
+        tls = (server_dir / "tls" / files.cert.name, server_dir / "tls" / files.key.name)
+        ca_env = f"{TLS_ENV['ca']}={args.client_ca_path or (public / 'ca.pem').resolve()}\n"
     for role in public_keys:
         seed = creds_path(creds_dir, role).read_text().strip()
-        write_private(creds_dir / f"{role}.env", f"{SEED_ENV}={seed}\n".encode())
-    config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace)
+        write_private(creds_dir / f"{role}.env", f"{SEED_ENV}={seed}\n{ca_env}".encode())
+    config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace, tls)
     print(f"wrote ROLE.nk and ROLE.env for {', '.join(public_keys)}, and {config.name}, in {creds_dir}")
     print(f"server: `nats-server --jetstream --config {config.resolve()}`, or `include` it (a path relative to "
           "your config file) in your own config")

@@ -6,6 +6,7 @@ exist yet is skipped, not failed.
 """
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -125,14 +126,24 @@ def test_the_commands_describe_one_consistent_deployment(compose):
         assert parts[-1] == port and parts[-2].isdigit()
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 @pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.pipeline.yml"])
-def test_nats_admits_each_service_with_its_roles_key_from_nats_auth(compose_file, tmp_path):
+def test_nats_admits_each_service_with_its_roles_key_from_nats_auth(compose_file, tls, tmp_path):
     services = yaml.safe_load((COMPOSE.parent / compose_file).read_text())["services"]
     secrets = tmp_path / "secrets"
-    assert cli_main.main(["nats-auth", str(secrets), "--namespace", "splitserve"]) == 0
     nats = services["nats"]
-    config = _flag(nats["command"], "--config")
-    assert f"./secrets/nats-auth.conf:{config}:ro" in nats["volumes"]
+    mount = next(v for v in nats["volumes"] if v.startswith("./secrets:"))
+    server_dir = mount.split(":")[1]
+    client_ca = next(v for v in services["gateway"]["volumes"] if v.startswith("./secrets/public:")).split(":")[1]
+    # (the server's view of the directory is this one here, so that nats-server can check the config below)
+    tls_args = ["--tls-name", "nats", "--server-dir", str(secrets), "--client-ca-path", f"{client_ca}/ca.pem"]
+    assert cli_main.main(["nats-auth", str(secrets), "--namespace", "splitserve", *(tls_args if tls else [])]) == 0
+    assert _flag(nats["command"], "--config") == f"{server_dir}/nats-auth.conf"
+    assert (json.loads((secrets / "nats-auth.conf").read_text()).get("tls") is not None) == tls
+    for name, svc in services.items():  # every service sees the CA directory (empty without TLS)
+        if "command" in svc and svc["command"][:1] == ["serve"]:
+            assert f"./secrets/public:{client_ca}:ro" in svc["volumes"], name
+    assert (secrets / "public").is_dir() and ((secrets / "public" / "ca.pem").exists() == tls)
     from support.processes import find_nats_server
 
     checked = subprocess.run([find_nats_server(), "-t", "--config", str(secrets / "nats-auth.conf")],
@@ -145,6 +156,7 @@ def test_nats_admits_each_service_with_its_roles_key_from_nats_auth(compose_file
         assert svc["env_file"] == [f"secrets/{role}.env"], name  # its own role's key, no other
         written = (secrets / f"{role}.env").read_text()
         assert written.startswith("SPLITSERVE_NATS_NKEY_SEED=SU") and (secrets / f"{role}.env").stat().st_mode & 0o077 == 0
+        assert (f"SPLITSERVE_NATS_TLS_CA={client_ca}/ca.pem" in written) == tls
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert "compose" in ignored  # the keys never go into an image
     assert "compose/secrets/" in (ROOT / ".gitignore").read_text()
