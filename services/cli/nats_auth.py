@@ -43,10 +43,11 @@ def add_parser(subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from contracts import check_token
-    from services.launcher.nats_auth import creds_path, ensure_credentials, write_private, write_server_config
+    from services.launcher.nats_auth import creds_path, ensure_credentials, write_server_config
     from services.launcher.tls_files import make_deployment_tls
     from shared.bus.credentials import SEED_ENV
     from shared.bus.tls import TLS_ENV
+    from shared.private_files import write_private
 
     try:
         check_token(args.namespace, "namespace")

@@ -21,6 +21,7 @@ import msgpack
 import torch
 
 from services.kvstore.block import StoredBlock
+from shared.private_files import private_dir
 from shared.transfer.checksum import fold64
 
 MAGIC = b"splitserve-kv-block/2\n"
@@ -35,8 +36,7 @@ class DiskTier:
             raise ValueError("the disk tier's capacity cannot be negative")
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)  # users' KV: the store's user alone reads it
+        private_dir(self.root)  # users' KV: the store's user alone reads it
         self._sizes: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
         self.bytes_used = 0
         self.evictions = 0

@@ -20,12 +20,12 @@ import datetime
 import fcntl
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from services.launcher.procs import pid_alive, process_start_time
+from shared.private_files import write_private
 
 FORMAT_VERSION = 1
 DEPLOYMENT_FILE = "deployment.json"
@@ -145,21 +145,8 @@ def write_deployment(run_dir: str | os.PathLike, deployment: Deployment) -> Path
     run_dir.mkdir(parents=True, exist_ok=True)
     deployment.updated_at = now_iso()
     path = deployment_path(run_dir)
-    fd, tmp = tempfile.mkstemp(prefix=f".{DEPLOYMENT_FILE}.", suffix=".tmp", dir=run_dir)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(deployment.to_dict(), fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o600)  # it names every endpoint of the deployment: its user's alone
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    # It names every endpoint of the deployment: its user's alone.
+    write_private(path, (json.dumps(deployment.to_dict(), indent=2) + "\n").encode())
     return path
 
 

@@ -17,6 +17,7 @@ import nkeys
 
 from contracts import Subjects
 from shared.bus.permissions import ADMIN, ROLES, role_permissions
+from shared.private_files import private_dir, write_private
 
 CREDENTIAL_ROLES = (*ROLES, ADMIN)
 
@@ -26,24 +27,10 @@ def creds_path(creds_dir: str | os.PathLike, role: str) -> Path:
     return Path(creds_dir) / f"{role}.nk"
 
 
-def write_private(path: Path, data: bytes) -> None:
-    """Write `data` to a file only its owner can read, whatever the umask (replacing one that was there)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
 def ensure_credentials(creds_dir: str | os.PathLike, roles: tuple[str, ...] = CREDENTIAL_ROLES,
                        fresh: bool = False) -> dict[str, str]:
     """Each role's public key, creating a seed for each role that has none (all anew with `fresh`)."""
-    creds_dir = Path(creds_dir)
-    creds_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(creds_dir, 0o700)
+    creds_dir = private_dir(creds_dir)
     public = {}
     for role in roles:
         path = creds_path(creds_dir, role)

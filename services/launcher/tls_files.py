@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.launcher.nats_auth import write_private
+from shared.private_files import private_dir, write_private
 
 VALID_DAYS = 397  # what public CAs may issue for; a deployment runs far shorter
 
@@ -43,9 +43,7 @@ def server_names(host: str) -> list[str]:
 
 def make_deployment_tls(directory: str | os.PathLike, names: list[str]) -> TLSFiles:
     """A new CA and a server certificate for `names` (host names or IP addresses), written into `directory`."""
-    directory = Path(directory)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(directory, 0o700)
+    directory = private_dir(directory)
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "splitserve deployment CA")])
