@@ -201,6 +201,7 @@ def test_each_kv_transport_decodes_identically(nats_server, default_model, tmp_p
     deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1,
                                   scheduler_args=("--max-local-prefill", "0"), prefill_args=("--kv-transport", transport))
     try:
+        deployment.wait_scheduler_sees("prefill", 1)  # else the first prompts may be prefilled locally
         tokenizer = AutoTokenizer.from_pretrained(default_model)
         for prompt, expected in cases[2:5]:
             body = complete(deployment.base_url, prompt)
