@@ -9,6 +9,10 @@ One run measures, for each dtype (--dtypes, default float32 and bfloat16), each 
 - `transformers`: `transformers serve --continuous-batching`, from the same peer venv;
 - `colocated`: `splitserve up --topology colocated --decode 1`;
 - `disagg`: `splitserve up --topology disagg --prefill 1 --decode 1`;
+- `disagg-unlent`: the same with `--no-lend-idle-cpus` (the decode worker never runs on the idle prefill
+  worker's CPUs);
+- `disagg-all-remote`: `disagg` with `--max-local-prefill 0 --no-offload-short-prefills` (every prompt is
+  prefilled by the prefill worker);
 - `disagg-2d`: `splitserve up --topology disagg --prefill 1 --decode 2` (the mixed workload only).
 
 Every server gets the same cores (--cores: this process and everything it starts are bound to them) and uses
@@ -64,6 +68,9 @@ from loadtest.datasets import BenchRequest, build_dataset
 SPLITSERVE_FLAGS = {
     "colocated": ["--topology", "colocated", "--decode", "1"],
     "disagg": ["--topology", "disagg", "--prefill", "1", "--decode", "1"],
+    "disagg-unlent": ["--topology", "disagg", "--prefill", "1", "--decode", "1", "--no-lend-idle-cpus"],
+    "disagg-all-remote": ["--topology", "disagg", "--prefill", "1", "--decode", "1", "--max-local-prefill", "0",
+                          "--no-offload-short-prefills"],
     "disagg-2d": ["--topology", "disagg", "--prefill", "1", "--decode", "2"],
 }
 SERVERS = ("vllm", "vllm-all-cores", "transformers", *SPLITSERVE_FLAGS)

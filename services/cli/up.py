@@ -91,6 +91,9 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--offload-short-prefills", action=argparse.BooleanOptionalAction, default=True,
                         help="disagg: a shorter prompt goes to an idle prefill worker too while its decode worker "
                              "is busy streaming (default: on)")
+    parser.add_argument("--lend-idle-cpus", action=argparse.BooleanOptionalAction, default=True,
+                        help="disagg: while a prefill worker has nothing to compute, its CPUs run its decode "
+                             "worker's steps too, handed back before each prefill (default: on)")
     parser.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp"],
                         help="disagg: how KV moves from prefill to decode workers (default: auto)")
     parser.add_argument("--stages", type=_positive_int, metavar="N",
@@ -171,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         max_local_prefill=args.max_local_prefill,
         offload_short_prefills=args.offload_short_prefills,
+        lend_idle_cpus=args.lend_idle_cpus,
         kv_transport=args.kv_transport,
         stages=args.stages,
         layer_split=args.layer_split,

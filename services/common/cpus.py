@@ -72,3 +72,14 @@ def worker_cpus(spec: str) -> tuple[int, ...]:
         raise ValueError(f"CPUs {format_cpu_list(tuple(outside))} are not available to this process "
                          f"(it may use {format_cpu_list(usable_cpus())})")
     return cpus
+
+
+def pair_cpu_loans(lenders: list[str], borrowers: list[str],
+                   shares: dict[str, tuple[int, ...]]) -> list[tuple[str, str]]:
+    """Which prefill worker (lender) lends its CPUs to which decode worker (borrower) while idle: the i-th to
+    the i-th, and only when every worker has CPUs of its own (a CPU already shared has nothing to lend)."""
+    taken = [cpu for cpus in shares.values() for cpu in cpus]
+    if len(taken) != len(set(taken)):
+        return []
+    return [(lender, borrower) for lender, borrower in zip(lenders, borrowers)
+            if shares.get(lender) and shares.get(borrower)]

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.common.cpu_loan import CpuShare
 from services.common.engine_thread import EngineThread
 from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import EngineError
@@ -57,9 +58,11 @@ class RequestRejected:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, emit: Callable[[list[RequestOutput | RequestRejected]], None],
-                 thread: EngineThread):
-        """`thread`: the one the engine was built on; the loop holds it from `start` to `stop`."""
+                 thread: EngineThread, cpu_share: CpuShare | None = None):
+        """`thread`: the one the engine was built on; the loop holds it from `start` to `stop`. `cpu_share`: CPUs
+        lent to or borrowed from another worker (`services.common.cpu_loan`), told of every step and idle spell."""
         self.engine = engine
+        self.cpu_share = cpu_share
         self._emit = emit
         self._thread = thread
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -92,11 +95,20 @@ class EngineLoop:
         return future
 
     def _run(self) -> None:
+        share = self.cpu_share
         try:
+            if share is not None:
+                share.start()
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished_requests()
+                if not busy and share is not None:
+                    share.idle()
                 rejected = self._apply_commands(block=not busy)
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                outputs = []
+                if self.engine.has_unfinished_requests():
+                    if share is not None:
+                        share.before_step()
+                    outputs = self.engine.step()
                 if outputs or rejected:
                     self._emit([*rejected, *outputs])
         except BaseException as exc:  # the service must die with it, loudly

@@ -103,11 +103,47 @@ def _cpu_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_cpu_loan_options(parser: argparse.ArgumentParser, *, borrower: bool) -> None:
+    """A prefill worker lends its CPUs while idle to a decode worker on the same host, which borrows them
+    (`services.common.cpu_loan`); both name the same loan file."""
+    if borrower:
+        parser.add_argument("--borrow-cpus", type=_cpu_list, metavar="LIST",
+                            help="also run decode steps on these CPUs (a prefill worker's --cpus) while the prefill "
+                                 "worker lending them through --cpu-loan is idle; needs --cpus")
+        parser.add_argument("--cpu-loan", metavar="FILE", help="the loan file the lending prefill worker creates")
+    else:
+        parser.add_argument("--cpu-loan", metavar="FILE",
+                            help="lend this worker's --cpus, while it has nothing to compute, to the decode worker "
+                                 "borrowing through FILE (created here, mode 0600)")
+
+
+def engine_cpu_share(args: argparse.Namespace):
+    """The worker's side of its --cpu-loan, or None."""
+    from pathlib import Path
+
+    from services.common.cpu_loan import CpuBorrower, CpuLender
+
+    if not args.cpu_loan:
+        return None
+    borrowed = getattr(args, "borrow_cpus", None)
+    if borrowed is not None:
+        return CpuBorrower(Path(args.cpu_loan), own=args.cpus, lent=borrowed)
+    return CpuLender(args.cpu_loan)
+
+
 def apply_engine_placement(args: argparse.Namespace) -> None:
-    """Bind the worker to its --cpus (see `services.common.cpus`); call first thing in a worker's main."""
+    """Bind the worker to its --cpus (and any it may borrow; see `services.common.cpus`); call first thing in a
+    worker's main."""
     from services.common.cpus import bind_cpus
 
-    if args.cpus:
+    borrowed = getattr(args, "borrow_cpus", None)
+    if borrowed is not None:
+        if not args.cpus or not args.cpu_loan:
+            raise SystemExit("--borrow-cpus needs --cpus (this worker's own) and --cpu-loan")
+        if set(borrowed) & set(args.cpus):
+            raise SystemExit("--borrow-cpus must not overlap --cpus")
+        bind_cpus(tuple(sorted({*args.cpus, *borrowed})))
+    elif args.cpus:
         bind_cpus(args.cpus)
 
 

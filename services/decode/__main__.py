@@ -5,11 +5,13 @@ import sys
 
 from services.common.options import (
     add_bus_options,
+    add_cpu_loan_options,
     apply_engine_placement,
     add_kv_store_options,
     add_engine_options,
     add_model_options,
     engine_config,
+    engine_cpu_share,
     env_default,
     resolve_model,
     run_async,
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-receiver-advertise", default=env_default("KV_RECEIVER_ADVERTISE", None),
                         help="the address prefill workers dial (needed when listening on 0.0.0.0)")
     add_kv_store_options(parser)
+    add_cpu_loan_options(parser, borrower=True)
     parser.add_argument("--prefill-timeout", type=float, default=30.0,
                         help="seconds a remote prefill (first token and KV) may take before the worker prefills locally")
     return parser
@@ -56,6 +59,7 @@ async def serve(args: argparse.Namespace) -> int:
             await receiver.start(args.kv_receiver_host, args.kv_receiver_port,
                                  advertise_host=args.kv_receiver_advertise)
         worker = DecodeWorker(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
+                              cpu_share=engine_cpu_share(args),
                               instance_id=args.instance_id,
                               model=model_dir, served_model_name=served_name, mode=args.mode,
                               max_active_requests=args.max_active_requests, receiver=receiver,

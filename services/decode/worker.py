@@ -26,6 +26,7 @@ from contracts import (
     Subjects,
     TokenChunk,
 )
+from services.common.cpu_loan import CpuShare, loan_details
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
@@ -78,6 +79,7 @@ class DecodeWorker:
         receiver=None,
         prefill_timeout_s: float = 30.0,
         kv_cache=None,
+        cpu_share: CpuShare | None = None,
     ):
         self.nc = nc
         self.registry = registry
@@ -101,7 +103,7 @@ class DecodeWorker:
         # Filled once per engine step by the engine thread; drained in order by one publisher.
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
-        self.engine_loop = EngineLoop(engine, self._emit_from_engine_thread, engine_thread)
+        self.engine_loop = EngineLoop(engine, self._emit_from_engine_thread, engine_thread, cpu_share)
         self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
                                           engine_loop=self.engine_loop)
         self._heartbeat = Heartbeat(registry, self.info)
@@ -162,7 +164,8 @@ class DecodeWorker:
                      "uses_kv_store": self.kv_cache is not None,
                      "prefix_cache": self.engine.prefix_cache_counts(),
                      "kv_store": self.kv_cache.details() if self.kv_cache is not None else {},
-                     "kv_events": dict(self.kv_events.counts), **kv_hashing_details(self.engine)},
+                     "kv_events": dict(self.kv_events.counts), "cpu_loan": loan_details(self.engine_loop.cpu_share),
+                     **kv_hashing_details(self.engine)},
         )
 
     # ---- handlers (event loop) --------------------------------------------------------

@@ -91,6 +91,12 @@ class _RegistryCollector:
         hop_bytes = CounterMetricFamily("splitserve_pipeline_activation_bytes",
                                         "Activation bytes a pipeline stage sent on, inline on NATS or over the side channel",
                                         labels=["service", "instance", "path"])
+        loan_events = CounterMetricFamily("splitserve_cpu_loan_events", "An idle prefill worker's CPUs lent to its "
+                                          "decode worker: lent, returned (at the lender's demand), claimed back, "
+                                          "overdue (claims that passed their deadline)",
+                                          labels=["service", "instance", "event"])
+        loan_wait = CounterMetricFamily("splitserve_cpu_loan_claim_wait_seconds", "Time a prefill worker waited for "
+                                        "its lent CPUs back before computing", labels=["service", "instance"])
         for entry in self._snapshot():
             labels = [entry.role, entry.instance_id]
             details = entry.details or {}
@@ -136,10 +142,17 @@ class _RegistryCollector:
             if link:
                 hop_bytes.add_metric([*labels, "inline"], link.get("inline_bytes_sent", 0))
                 hop_bytes.add_metric([*labels, "side_channel"], link.get("side_channel_bytes_sent", 0))
+            loan = details.get("cpu_loan")
+            if loan:
+                events = ("lent", "returned") if loan["role"] == "borrower" else ("claims", "overdue")
+                for event in events:
+                    loan_events.add_metric([*labels, event], loan[event])
+                if loan["role"] == "lender":
+                    loan_wait.add_metric(labels, loan["claim_wait_s"])
             histogram = transfer.get("seconds_histogram")
             if histogram:
                 transfer_seconds.add_metric(labels, [(str(le), n) for le, n in histogram["buckets"]], histogram["sum"])
         yield from families.values()
         yield from (transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, idle_seconds, hop_bytes,
-                    queue_depth, routed, routed_blocks, index_blocks,
+                    queue_depth, routed, routed_blocks, index_blocks, loan_events, loan_wait,
                     query_tokens, hit_tokens, computed, store_bytes, store_blocks, store_evictions)

@@ -102,6 +102,7 @@ class UpOptions:
     namespace: str = "splitserve"
     dtype: str = "auto"
     cpus: str = "auto"  # CPUs the model workers share out: "auto" (all this process may use), "none", or a list
+    lend_idle_cpus: bool = True  # disagg: an idle prefill worker's CPUs run its decode worker's steps
     log_max_bytes: int = DEFAULT_MAX_BYTES  # each service's log rotates past it
     log_backups: int = DEFAULT_BACKUPS  # rotated logs kept per service
     ready_timeout_s: float = 300.0
@@ -418,6 +419,7 @@ class Launcher:
             kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
             kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
             cpus=worker_cpus(o.cpus), nats_creds_dir=str(creds_dir) if creds_dir else None, nats_tls_ca=tls_ca,
+            cpu_loan_dir=str(self.run_dir / "cpu-loans") if o.lend_idle_cpus else None,
         )
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy, log_max_bytes=o.log_max_bytes,

@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 
-from services.common.cpus import format_cpu_list, share_cpus
+from services.common.cpus import format_cpu_list, pair_cpu_loans, share_cpus
 from services.launcher.nats_auth import creds_path
 
 TOPOLOGIES = ("colocated", "disagg", "pipeline")
@@ -46,6 +46,7 @@ class UpConfig:
     cpus: tuple[int, ...] = ()  # shared out among the model workers (decode, prefill, stage); () leaves it to the OS
     nats_creds_dir: str | None = None  # each service gets `--nats-creds DIR/ROLE.nk` (None: no credentials)
     nats_tls_ca: str | None = None  # each service talks TLS to NATS, trusting this CA
+    cpu_loan_dir: str | None = None  # disagg: idle prefill workers lend their CPUs to decode workers (loan files here)
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,26 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
     shares = share_cpus(workers, config.cpus)
     specs = [dataclasses.replace(s, args=(*s.args, "--cpus", format_cpu_list(shares[s.name])))
              if s.name in shares else s for s in specs]
+    if config.cpu_loan_dir is not None and config.topology == "disagg":
+        specs = _with_cpu_loans(specs, shares, config.cpu_loan_dir)
     if config.nats_tls_ca is not None:
         specs = [dataclasses.replace(s, args=(*s.args, "--nats-tls-ca", config.nats_tls_ca)) for s in specs]
     if config.nats_creds_dir is None:
         return specs
     return [dataclasses.replace(s, args=(*s.args, "--nats-creds", str(creds_path(config.nats_creds_dir, s.role))))
             for s in specs]
+
+
+def _with_cpu_loans(specs: list[ServiceSpec], shares: dict[str, tuple[int, ...]], loan_dir: str) -> list[ServiceSpec]:
+    """Each paired prefill worker lends its CPUs through a loan file to its decode worker (`pair_cpu_loans`)."""
+    role = {s.name: s.role for s in specs}
+    pairs = pair_cpu_loans([n for n in role if role[n] == "prefill"], [n for n in role if role[n] == "decode"], shares)
+    extra: dict[str, tuple[str, ...]] = {}
+    for lender, borrower in pairs:
+        loan = f"{loan_dir}/{lender}.loan"
+        extra[lender] = ("--cpu-loan", loan)
+        extra[borrower] = ("--cpu-loan", loan, "--borrow-cpus", format_cpu_list(shares[lender]))
+    return [dataclasses.replace(s, args=(*s.args, *extra[s.name])) if s.name in extra else s for s in specs]
 
 
 def _plan(config: UpConfig) -> list[ServiceSpec]:

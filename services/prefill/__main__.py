@@ -5,11 +5,13 @@ import sys
 
 from services.common.options import (
     add_bus_options,
+    add_cpu_loan_options,
     apply_engine_placement,
     add_engine_options,
     add_kv_store_options,
     add_model_options,
     engine_config,
+    engine_cpu_share,
     resolve_model,
     run_async,
 )
@@ -24,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp"],
                         help="auto: shared memory when the decode worker is on this host, else TCP")
     add_kv_store_options(parser)
+    add_cpu_loan_options(parser, borrower=False)
     return parser
 
 
@@ -43,6 +46,7 @@ async def serve(args: argparse.Namespace) -> int:
                                          kv_allocator=kv_cache_allocator(args.kv_transport, args.device))
         await provision_prefill_queue(js, subjects)
         worker = PrefillWorker(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
+                              cpu_share=engine_cpu_share(args),
                                instance_id=args.instance_id, model=model_dir, served_model_name=served_name,
                                max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport)
         if args.kv_store:

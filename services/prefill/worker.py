@@ -31,6 +31,7 @@ from contracts import (
     StatsRequest,
     Subjects,
 )
+from services.common.cpu_loan import CpuShare, loan_details
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
@@ -52,7 +53,8 @@ _KEEPALIVE_S = 1.0  # in-progress acks while a job runs (the consumer's ack wait
 
 class PrefillWorker:
     def __init__(self, *, nc, registry: Registry, engine: LLMEngine, engine_thread: EngineThread, subjects: Subjects,
-                 instance_id: str, model: str, served_model_name: str, max_concurrent_jobs: int, kv_transport: str):
+                 instance_id: str, model: str, served_model_name: str, max_concurrent_jobs: int, kv_transport: str,
+                 cpu_share: CpuShare | None = None):
         self.nc = nc
         self.js = nc.jetstream()
         self.registry = registry
@@ -70,7 +72,7 @@ class PrefillWorker:
         self._cancelled: dict[str, bool] = {}
         self._first_tokens: dict[str, asyncio.Future] = {}
         self._loop = asyncio.get_running_loop()
-        self.engine_loop = EngineLoop(engine, self._from_engine_thread, engine_thread)
+        self.engine_loop = EngineLoop(engine, self._from_engine_thread, engine_thread, cpu_share)
         self._heartbeat = Heartbeat(registry, self.info)
         self.counts: dict[str, int] = {}
         self.kv_cache = None  # services.common.kvstore_cache.KVStoreCache, with --kv-store
@@ -125,6 +127,7 @@ class PrefillWorker:
                      "kv_transfer": self.sender.stats.snapshot(), "uses_kv_store": self.kv_cache is not None,
                      "prefix_cache": self.engine.prefix_cache_counts(),
                      "kv_events": dict(self.kv_events.counts), **kv_hashing_details(self.engine),
+                     "cpu_loan": loan_details(self.engine_loop.cpu_share),
                      "kv_store": self.kv_cache.details() if self.kv_cache is not None else {}},
         )
 

@@ -7,7 +7,7 @@ import torch
 from shared.engine.decoder_stack import DecoderStack
 from shared.engine.kv_cache import KVAllocator, PagedKVCache
 from shared.engine.model_loader import LoadedModel
-from shared.engine.packed_linear import PackedLinear
+from shared.engine.packed_linear import PackedLinear, tune_float32_layouts
 from shared.engine.paged_attention import (DecodeGroup, PagedAttentionMetadata, PrefillSpan, group_decodes_by_length,
                                            native_decode_library)
 from shared.engine.step_batch import StepBatch
@@ -45,6 +45,12 @@ class ModelRunner:
             decoder.layers[index] = torch.nn.Module()  # its weights live in the stack now
         self.norm = decoder.norm
         self.lm_head = PackedLinear(loaded.model.lm_head.weight, loaded.model.lm_head.bias) if loaded.is_last else None
+        # Float32 on CPU: from how many rows the packed layout serves, timed here (see packed_linear).
+        self.packed_min_rows = tune_float32_layouts(self._linears())
+
+    def _linears(self) -> list[PackedLinear]:
+        layers = [lin for w in self.stack.layers for lin in (w.qkv, w.o_proj, w.gate_up, w.down)]
+        return layers + ([self.lm_head] if self.lm_head is not None else [])
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, hidden_states: torch.Tensor | None = None,

@@ -111,3 +111,17 @@ def test_layer_range_holds_only_its_weights(default_model, model_zoo, name):
         part = load_model(path, "float32", layer_range=LayerRange(start, end))
         assert part.parameter_bytes == expected(start, end)
         assert part.parameter_bytes < whole.parameter_bytes
+
+
+@pytest.mark.parametrize("packed_min_rows", ["1", "4"])
+def test_both_float32_linear_layouts_are_exact(cases, monkeypatch, packed_min_rows):
+    """Whichever layout start-up timing picks on a CPU (packed from 1 row, or plain below 4 rows)."""
+    from shared.engine.packed_linear import PACKED_MIN_ROWS_ENV
+
+    monkeypatch.setenv(PACKED_MIN_ROWS_ENV, packed_min_rows)
+    path, prompts = cases["default"]
+    engine = engine_for(path, enable_prefix_caching=False)
+    assert engine.executor.runners[0].packed_min_rows in (None, int(packed_min_rows))
+    for prompt, expected in prompts:
+        assert engine.generate([prompt], GREEDY)[0].token_ids == expected
+    assert [r.token_ids for r in engine.generate([p for p, _ in prompts], GREEDY)] == [e for _, e in prompts]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.common.cpus import parse_cpu_list, share_cpus, worker_cpus
+from services.common.cpus import pair_cpu_loans, parse_cpu_list, share_cpus, worker_cpus
 from services.decode.__main__ import build_parser as decode_parser
 from services.launcher import topology
 
@@ -47,3 +47,27 @@ def test_disagg_plan_gives_prefill_and_decode_a_cpu_each_and_the_rest_none():
 
 def test_no_cpus_means_no_binding():
     assert not any("--cpus" in s.args for s in topology.plan(_config(topology="colocated")))
+
+
+def test_cpu_loans_pair_each_prefill_worker_with_a_decode_worker_of_its_own_cpus():
+    shares = {"prefill-0": (0,), "prefill-1": (1,), "decode-0": (2, 3), "decode-1": (4,), "decode-2": (5,)}
+    assert pair_cpu_loans(["prefill-0", "prefill-1"], ["decode-0", "decode-1", "decode-2"], shares) == [
+        ("prefill-0", "decode-0"), ("prefill-1", "decode-1")]
+    # A CPU already shared by two workers has nothing to lend; no binding, nothing to pair.
+    assert pair_cpu_loans(["prefill-0"], ["decode-0", "decode-1"],
+                          {"prefill-0": (0,), "decode-0": (1,), "decode-1": (0,)}) == []
+    assert pair_cpu_loans(["prefill-0"], ["decode-0"], {}) == []
+
+
+def test_disagg_plan_lends_the_prefill_workers_cpu_to_its_decode_worker(tmp_path):
+    from services.prefill.__main__ import build_parser as prefill_parser
+
+    specs = {s.name: s for s in topology.plan(_config(topology="disagg", cpus=(0, 1), cpu_loan_dir=str(tmp_path)))}
+    decode = decode_parser().parse_args(list(specs["decode-0"].args))
+    prefill = prefill_parser().parse_args(list(specs["prefill-0"].args))
+    assert decode.cpus == (1,) and decode.borrow_cpus == (0,)
+    assert decode.cpu_loan == prefill.cpu_loan == str(tmp_path / "prefill-0.loan")
+    # Without a loan directory, colocated, or CPUs left to the OS: no loans.
+    for config in (_config(topology="disagg", cpus=(0, 1)), _config(topology="colocated", cpus=(0, 1), cpu_loan_dir="d"),
+                   _config(topology="disagg", cpu_loan_dir="d")):
+        assert not any("--cpu-loan" in s.args for s in topology.plan(config))

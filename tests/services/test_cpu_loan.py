@@ -1,0 +1,177 @@
+"""An idle prefill worker's CPUs lent to a decode worker: who runs where, and when the CPUs go back.
+
+The lender and the borrower are real flock holders on a real loan file. The borrower's side runs in a fresh
+interpreter with an engine thread of its own: torch's thread counts and CPU affinity are process-wide state.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from services.common.cpu_loan import CpuBorrower, CpuLender
+
+needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a loan needs two CPUs")
+
+BORROWER_PROBE = textwrap.dedent("""
+    import json, os, sys, threading, torch
+    from pathlib import Path
+    from services.common.cpu_loan import CpuBorrower
+    from services.common.engine_thread import EngineThread
+
+    own, lent = (int(sys.argv[2]),), (int(sys.argv[3]),)
+    os.sched_setaffinity(0, own + lent)
+    torch.set_num_threads(2)
+    engine = EngineThread()
+    borrower = CpuBorrower(Path(sys.argv[1]), own=own, lent=lent)
+
+    def state():
+        return {"threads": torch.get_num_threads(), "engine_cpus": sorted(os.sched_getaffinity(0)),
+                "lent": borrower.counts.lent, "returned": borrower.counts.returned}
+
+    engine.submit(borrower.start).result()
+    print(json.dumps(engine.submit(state).result()), flush=True)
+    for line in sys.stdin:  # one command a line: step | idle
+        engine.submit(borrower.before_step if line.strip() == "step" else borrower.idle).result()
+        print(json.dumps(engine.submit(state).result()), flush=True)
+""")
+
+
+class Borrower:
+    """The probe above, driven a line at a time."""
+
+    def __init__(self, loan, own: int, lent: int):
+        self.proc = subprocess.Popen([sys.executable, "-c", BORROWER_PROBE, str(loan), str(own), str(lent)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.started = self._read()
+
+    def _read(self) -> dict:
+        import json
+
+        line = self.proc.stdout.readline()
+        assert line, "the borrower probe died"
+        return json.loads(line)
+
+    def do(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def cpus():
+    own, lent = sorted(os.sched_getaffinity(0))[:2]
+    return own, lent
+
+
+@needs_two_cpus
+def test_the_decode_worker_runs_on_lent_cpus_only_while_the_prefill_worker_is_idle(tmp_path, cpus):
+    own, lent = cpus
+    loan = tmp_path / "loans" / "prefill-0.loan"
+    lender = CpuLender(loan)  # starting: demand on
+    assert oct(loan.stat().st_mode & 0o777) == "0o600" and oct(loan.parent.stat().st_mode & 0o777) == "0o700"
+    borrower = Borrower(loan, own, lent)
+    try:
+        # Its engine thread stays on its own CPU; a step of its own runs one thread there.
+        assert borrower.started == {"threads": 1, "engine_cpus": [own], "lent": 0, "returned": 0}
+        assert borrower.do("step")["threads"] == 1  # the lender is loading: nothing lent
+
+        lender.idle()
+        assert borrower.do("step") == {"threads": 2, "engine_cpus": [own], "lent": 1, "returned": 0}
+
+        # The lender wants its CPU back: its claim waits until the borrower's next step boundary.
+        claimed = threading.Event()
+        claim = threading.Thread(target=lambda: (lender.before_step(), claimed.set()))
+        claim.start()
+        time.sleep(0.1)
+        assert not claimed.is_set()
+        assert borrower.do("step") == {"threads": 1, "engine_cpus": [own], "lent": 1, "returned": 1}
+        claim.join(5)
+        assert claimed.is_set() and lender.counts.claims == 1 and lender.counts.overdue == 0
+        assert lender.counts.claim_wait_s >= 0.1
+
+        assert borrower.do("step")["threads"] == 1  # not while the lender computes
+        lender.idle()
+        assert borrower.do("step")["threads"] == 2
+        assert borrower.do("idle")["threads"] == 1  # an idle borrower holds nothing
+        lender.before_step()
+        assert lender.counts.claim_wait_s < 0.1 + 0.05  # nothing to wait for: the borrower was idle
+    finally:
+        borrower.close()
+        lender.close()
+
+
+@needs_two_cpus
+def test_a_borrower_that_does_not_step_is_overdue_and_the_lender_computes_anyway(tmp_path, cpus):
+    own, lent = cpus
+    loan = tmp_path / "prefill-0.loan"
+    lender = CpuLender(loan, deadline_s=0.2)
+    borrower = Borrower(loan, own, lent)
+    try:
+        lender.idle()
+        assert borrower.do("step")["threads"] == 2
+        started = time.monotonic()
+        lender.before_step()  # the borrower is in a long step: past the deadline the lender goes ahead
+        assert 0.2 <= time.monotonic() - started < 2
+        assert lender.counts.overdue == 1
+        assert borrower.do("step")["threads"] == 1  # gives back at its next boundary
+        lender.before_step()  # and now the lender holds the lock
+        assert borrower.do("step")["threads"] == 1
+    finally:
+        borrower.close()
+        lender.close()
+
+
+LENDER_PROBE = textwrap.dedent("""
+    import sys, time
+    from services.common.cpu_loan import CpuLender
+
+    lender = CpuLender(sys.argv[1])
+    lender.idle()
+    lender.before_step()  # computing
+    print("claimed", flush=True)
+    time.sleep(600)
+""")
+
+
+@needs_two_cpus
+def test_a_killed_prefill_worker_never_keeps_its_cpus_and_its_restart_still_excludes_the_borrower(tmp_path, cpus):
+    own, lent = cpus
+    loan = tmp_path / "prefill-0.loan"
+    proc = subprocess.Popen([sys.executable, "-c", LENDER_PROBE, str(loan)], stdout=subprocess.PIPE, text=True)
+    borrower = Borrower(loan, own, lent)
+    try:
+        assert proc.stdout.readline().strip() == "claimed"
+        assert borrower.do("step")["threads"] == 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        # Killed mid-job: its demand byte still says "busy", so the borrower waits for the restarted worker.
+        assert borrower.do("step")["threads"] == 1
+        restarted = CpuLender(loan)  # the same file, opened in place: the borrower's open copy still counts
+        restarted.idle()
+        assert borrower.do("step")["threads"] == 2
+        claim = threading.Thread(target=restarted.before_step)
+        claim.start()
+        time.sleep(0.1)
+        assert claim.is_alive()  # the borrower's lock, taken through the file it opened before the restart
+        assert borrower.do("step")["threads"] == 1
+        claim.join(5)
+        assert not claim.is_alive() and restarted.counts.overdue == 0
+    finally:
+        borrower.close()
+        proc.kill()
+
+
+def test_without_a_loan_file_nothing_is_borrowed(tmp_path):
+    borrower = CpuBorrower(tmp_path / "absent.loan", own=(0,), lent=(1,))
+    borrower.before_step()
+    assert borrower.counts.lent == 0
