@@ -84,7 +84,8 @@ QUICK = {"steady-c1": dict(num_prompts=2, output_len=16), "steady-c16": dict(num
          "mixed": dict(num_prompts=12, output_len=16, long_output_len=16, long_input_len=800, request_rate=4.0)}
 WARMUP = (dict(dataset="random", num_prompts=4, input_len=128, output_len=8, max_concurrency=4, seed=100),
           dict(dataset="random", num_prompts=1, input_len=1600, output_len=8, max_concurrency=1, seed=101))
-SERVER_WORKLOADS = {"disagg-2d": ("mixed",)}  # the others run every workload
+SERVER_WORKLOADS = {"disagg-2d": ("mixed",), "disagg-unlent": ("steady-c1", "mixed"),  # the others run every workload
+                    "disagg-all-remote": ("mixed",)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -81,6 +81,7 @@ class CpuLender:
         os.pwrite(self._fd, b"\x01", 0)
         self._locked = False
         self._demanding = True
+        self._overdue = False
 
     def start(self) -> None:
         pass
@@ -92,25 +93,29 @@ class CpuLender:
         self.release()
 
     def claim(self) -> None:
-        """Take the CPUs back: ask, then wait for the borrower's lock (at most `deadline_s`)."""
+        """Take the CPUs back: ask, then wait for the borrower's lock (at most `deadline_s` a claim)."""
         if self._locked:
             return
         if not self._demanding:
             os.pwrite(self._fd, b"\x01", 0)
             self._demanding = True
-            self.counts.claims += 1
-            started = time.monotonic()
-            while not self._try_lock() and time.monotonic() - started < self.deadline_s:
-                time.sleep(_POLL_S)
-            self.counts.claim_wait_s += time.monotonic() - started
-            if not self._locked:
-                self.counts.overdue += 1
-                log.warning("the decode worker did not give the lent CPUs back in time", deadline_s=self.deadline_s)
-        else:
-            self._try_lock()  # an overdue claim, or the first one: take the lock as soon as it is free
+        if self._overdue:  # this claim has had its wait: take the lock as soon as it is free, never wait again
+            self._try_lock()
+            return
+        self.counts.claims += 1
+        started = time.monotonic()
+        while not self._try_lock() and time.monotonic() - started < self.deadline_s:
+            time.sleep(_POLL_S)
+        self.counts.claim_wait_s += time.monotonic() - started
+        if not self._locked:
+            self._overdue = True
+            self.counts.overdue += 1
+            log.info("computing beside a decode step: the lent CPUs did not come back in time",
+                     deadline_s=self.deadline_s)
 
     def release(self) -> None:
         """Lend the CPUs again (this worker has nothing to compute)."""
+        self._overdue = False
         if self._demanding:
             os.pwrite(self._fd, b"\x00", 0)
             self._demanding = False

@@ -4,7 +4,8 @@ Workers that share cores fight: two torch thread pools on the same two cores
 each run slower than one pool on one core, and a prefill step stalls the
 decode step beside it. `splitserve up` gives each worker its own CPUs
 (`share_cpus`), and each worker binds its threads to them (`bind_cpus`) and
-runs one torch thread per CPU.
+runs one torch thread per CPU. A prefill worker's CPUs, idle between prompts,
+are lent to its decode worker (`pair_cpu_loans`; `services.common.cpu_loan`).
 """
 
 import os

@@ -50,14 +50,21 @@ def test_metrics_count_the_requests_and_show_every_service(nats_server, default_
         assert value(found, "splitserve_inter_token_latency_seconds_count") == 3 * 5  # 6 tokens: 5 gaps each
         assert value(found, "splitserve_requests_total", endpoint="completions", status="ok") == 3
 
-        # The other services' series, from their heartbeats (a second or two behind).
+        def prompt_tokens(found) -> float:
+            """Every prompt token the workers either computed or found cached, as their heartbeats say."""
+            return sum(sum(s.value for s in found.get(name, []) if s.labels.get("instance") in ("decode-0", "decode-1")
+                           and s.labels.get("tier", "local") == "local")
+                       for name in ("splitserve_prompt_tokens_computed_total", "splitserve_prefix_cache_hit_tokens_total"))
+
+        # The other services' series, from their heartbeats (each service's a second or two behind, on its own
+        # clock: the scheduler's may arrive before a worker's).
         deadline = time.monotonic() + 10
         while True:
             found = samples(deployment.base_url)
             routed = [s for s in found.get("splitserve_scheduler_routed_total", []) if s.labels["outcome"] == "assigned"]
-            if routed and routed[0].value == 3:
+            if routed and routed[0].value == 3 and prompt_tokens(found) == 3 * 40:
                 break
-            assert time.monotonic() < deadline, found.get("splitserve_scheduler_routed_total")
+            assert time.monotonic() < deadline, (found.get("splitserve_scheduler_routed_total"), prompt_tokens(found))
             time.sleep(0.3)
         assert routed[0].labels == {"service": "scheduler", "instance": "scheduler-0", "outcome": "assigned"}
         assert value(found, "splitserve_queue_depth", instance="scheduler-0", queue="requests") == 0

@@ -44,6 +44,16 @@ def wait_until(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def loan_events(base_url: str) -> dict[tuple[str, str], float]:
+    """splitserve_cpu_loan_events_total from the gateway's /metrics: {(instance, event): count}."""
+    events = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("splitserve_cpu_loan_events_total{"):
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+            events[(labels["instance"].strip('"'), labels["event"].strip('"'))] = float(line.rsplit(" ", 1)[1])
+    return events
+
+
 @pytest.fixture
 def up(tmp_path, default_model):
     run = start_up(tmp_path / "run")
@@ -84,6 +94,12 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
     wait_until(lambda: httpx.post(f"{base_url}/v1/completions", timeout=30,
                                   json={"model": MODEL, "prompt": "again", "max_tokens": 4}).status_code == 200,
                60, "a completion after the restart")
+
+    if len(os.sched_getaffinity(0)) >= 2:  # disagg on its own CPUs: the idle prefill worker lends its CPU
+        assert "--borrow-cpus" in new_decode["argv"]
+        wait_until(lambda: loan_events(base_url).get(("decode-0", "lent"), 0) >= 1, 30,
+                   "the restarted decode worker to borrow the idle prefill worker's CPU")
+        assert loan_events(base_url).get(("prefill-0", "overdue")) == 0
 
     # SIGTERM stops every child and NATS within 10 s, leaving nothing behind.
     all_pids.append(new_decode["pid"])
