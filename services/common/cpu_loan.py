@@ -56,6 +56,14 @@ class LoanCounts:
                 "claim_wait_s": round(self.claim_wait_s, 4)}
 
 
+def _try_flock(fd: int, operation: int) -> bool:
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 class CpuShare(Protocol):
     """What the engine loop calls on its thread: `start()` once, `before_step()` before each step, `idle()`
     whenever it has nothing to run."""
@@ -124,12 +132,8 @@ class CpuLender:
             self._locked = False
 
     def _try_lock(self) -> bool:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        self._locked = True
-        return True
+        self._locked = _try_flock(self._fd, fcntl.LOCK_EX)
+        return self._locked
 
     def close(self) -> None:
         os.close(self._fd)
@@ -139,22 +143,26 @@ class CpuLender:
 class CpuBorrower:
     """The decode worker's side: `before_step()` before each step, `idle()` when it has nothing to run.
 
-    `own` and `lent` are CPU sets; the process must be allowed to run on both (its --cpus include the lent
-    ones). Engine thread only: the thread count it sets is that thread's OpenMP team size."""
+    One CPU of its own and one lent (`check_borrowing`). Engine thread only: the thread count it sets is that
+    thread's OpenMP team size. Why one and one: libgomp keeps a team's threads between parallel regions only
+    while no region asks for fewer threads than the team has but more than one; a smaller region ends the
+    extra threads, and those started again come from the engine thread, pinned to its own CPUs, so a team
+    wider than 2 would stack threads on the worker's own CPUs. Wider loans need each team thread pinned at
+    every borrow and give-back (not built)."""
 
     path: Path
     own: tuple[int, ...]
     lent: tuple[int, ...]
     counts: LoanCounts = field(default_factory=LoanCounts)
-    _fd: int | None = None
-    _borrowing: bool = False
+    _fd: int | None = field(default=None, init=False)
+    _borrowing: bool = field(default=False, init=False)
 
     def before_step(self) -> None:
         if self._borrowing:
             if self._demanded():
                 self._give_back()
                 self.counts.returned += 1
-        elif not self._demanded() and self._try_lock():
+        elif not self._demanded() and _try_flock(self._fd, fcntl.LOCK_SH):
             torch.set_num_threads(len(self.own) + len(self.lent))
             self._borrowing = True
             self.counts.lent += 1
@@ -177,19 +185,14 @@ class CpuBorrower:
                 return True  # no lender yet (or it is starting): nothing to borrow
         return os.pread(self._fd, 1, 0) != b"\x00"
 
-    def _try_lock(self) -> bool:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        return True
-
     def start(self) -> None:
-        """Run the engine thread on this worker's own CPUs from now on; its team's other threads stay free to
-        run on the lent ones. A team started after this would inherit the pin, so make it full-size first."""
+        """Make the engine thread's OpenMP team at its full size with its other thread allowed on the lent CPU,
+        then run the engine thread on this worker's own CPU and one thread: the process (the model's load
+        included) never leaves its own CPU, and only the team's other thread runs on the lent one."""
+        os.sched_setaffinity(0, (*self.own, *self.lent))  # 0: the calling thread only; a thread it starts inherits it
         torch.set_num_threads(len(self.own) + len(self.lent))
         torch.mm(torch.ones(256, 256), torch.ones(256, 256))  # a parallel region: the team at its full size
-        os.sched_setaffinity(0, self.own)  # 0: the calling thread only
+        os.sched_setaffinity(0, self.own)
         torch.set_num_threads(len(self.own))
 
     def close(self) -> None:
@@ -202,3 +205,24 @@ def loan_details(share: CpuShare | None) -> dict:
     """A worker's loan figures for its stats (empty without a loan)."""
     return {} if share is None else {"role": "borrower" if isinstance(share, CpuBorrower) else "lender",
                                      **share.counts.snapshot()}
+
+
+def check_borrowing(own: tuple[int, ...] | None, lent: tuple[int, ...] | None, loan: str | None) -> None:
+    """ValueError unless a decode worker's borrowing flags make a loan this module can run (see `CpuBorrower`)."""
+    if not lent or not own or not loan:
+        raise ValueError("--borrow-cpus needs --cpus (this worker's own) and --cpu-loan, and --cpu-loan on a decode "
+                         "worker needs --borrow-cpus")
+    if set(own) & set(lent):
+        raise ValueError("--borrow-cpus must not overlap --cpus")
+    if len(own) != 1 or len(lent) != 1:
+        raise ValueError("a decode worker borrows one CPU beside one of its own (--cpus N --borrow-cpus M)")
+
+
+def cpu_share_from_args(args) -> CpuShare | None:
+    """A worker's side of its --cpu-loan (a decode worker's, with --borrow-cpus, borrows; a prefill worker's
+    lends), or None. Make it before the model loads: a lender's demand is up from then on."""
+    if not args.cpu_loan:
+        return None
+    if hasattr(args, "borrow_cpus"):
+        return CpuBorrower(Path(args.cpu_loan), own=args.cpus, lent=args.borrow_cpus)
+    return CpuLender(args.cpu_loan)

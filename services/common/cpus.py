@@ -77,10 +77,11 @@ def worker_cpus(spec: str) -> tuple[int, ...]:
 
 def pair_cpu_loans(lenders: list[str], borrowers: list[str],
                    shares: dict[str, tuple[int, ...]]) -> list[tuple[str, str]]:
-    """Which prefill worker (lender) lends its CPUs to which decode worker (borrower) while idle: the i-th to
-    the i-th, and only when every worker has CPUs of its own (a CPU already shared has nothing to lend)."""
+    """Which prefill worker (lender) lends its CPU to which decode worker (borrower) while idle: the i-th to
+    the i-th, only when every worker has CPUs of its own (a CPU already shared has nothing to lend), and only
+    where each of the two has one CPU (the loans `services.common.cpu_loan` runs)."""
     taken = [cpu for cpus in shares.values() for cpu in cpus]
     if len(taken) != len(set(taken)):
         return []
     return [(lender, borrower) for lender, borrower in zip(lenders, borrowers)
-            if shares.get(lender) and shares.get(borrower)]
+            if len(shares.get(lender, ())) == 1 and len(shares.get(borrower, ())) == 1]

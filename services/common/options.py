@@ -117,33 +117,22 @@ def add_cpu_loan_options(parser: argparse.ArgumentParser, *, borrower: bool) -> 
                                  "borrowing through FILE (created here, mode 0600)")
 
 
-def engine_cpu_share(args: argparse.Namespace):
-    """The worker's side of its --cpu-loan, or None."""
-    from pathlib import Path
-
-    from services.common.cpu_loan import CpuBorrower, CpuLender
-
-    if not args.cpu_loan:
-        return None
-    borrowed = getattr(args, "borrow_cpus", None)
-    if borrowed is not None:
-        return CpuBorrower(Path(args.cpu_loan), own=args.cpus, lent=borrowed)
-    return CpuLender(args.cpu_loan)
-
-
 def apply_engine_placement(args: argparse.Namespace) -> None:
-    """Bind the worker to its --cpus (and any it may borrow; see `services.common.cpus`); call first thing in a
-    worker's main."""
+    """Bind the worker to its --cpus (see `services.common.cpus`); call first thing in a worker's main. A
+    borrower's lent CPUs are added to its engine thread's team later (`services.common.cpu_loan`)."""
     from services.common.cpus import bind_cpus
 
     borrowed = getattr(args, "borrow_cpus", None)
-    if borrowed is not None:
-        if not args.cpus or not args.cpu_loan:
-            raise SystemExit("--borrow-cpus needs --cpus (this worker's own) and --cpu-loan")
-        if set(borrowed) & set(args.cpus):
-            raise SystemExit("--borrow-cpus must not overlap --cpus")
-        bind_cpus(tuple(sorted({*args.cpus, *borrowed})))
-    elif args.cpus:
+    if borrowed is not None or (getattr(args, "cpu_loan", None) and hasattr(args, "borrow_cpus")):
+        from services.common.cpu_loan import check_borrowing
+
+        try:
+            check_borrowing(args.cpus, borrowed, args.cpu_loan)
+        except ValueError as exc:
+            raise SystemExit(f"splitserve: {exc}") from None
+    elif getattr(args, "cpu_loan", None) and not args.cpus:
+        raise SystemExit("splitserve: --cpu-loan lends this worker's --cpus: give them")
+    if args.cpus:
         bind_cpus(args.cpus)
 
 

@@ -11,7 +11,6 @@ from services.common.options import (
     add_engine_options,
     add_model_options,
     engine_config,
-    engine_cpu_share,
     env_default,
     resolve_model,
     run_async,
@@ -39,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    from services.common.cpu_loan import cpu_share_from_args
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.decode.worker import DecodeWorker
@@ -47,6 +47,7 @@ async def serve(args: argparse.Namespace) -> int:
     model_dir, served_name = resolve_model(args)
 
     async def build(nc, js, registry, subjects):
+        cpu_share = cpu_share_from_args(args)
         engine_thread = EngineThread()
         engine = await engine_thread.run(LLMEngine, engine_config(args, model_dir))
         receiver = None
@@ -59,7 +60,7 @@ async def serve(args: argparse.Namespace) -> int:
             await receiver.start(args.kv_receiver_host, args.kv_receiver_port,
                                  advertise_host=args.kv_receiver_advertise)
         worker = DecodeWorker(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
-                              cpu_share=engine_cpu_share(args),
+                              cpu_share=cpu_share,
                               instance_id=args.instance_id,
                               model=model_dir, served_model_name=served_name, mode=args.mode,
                               max_active_requests=args.max_active_requests, receiver=receiver,

@@ -11,7 +11,6 @@ from services.common.options import (
     add_kv_store_options,
     add_model_options,
     engine_config,
-    engine_cpu_share,
     resolve_model,
     run_async,
 )
@@ -31,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    from services.common.cpu_loan import cpu_share_from_args
     from services.common.queues import provision_prefill_queue
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
@@ -41,12 +41,13 @@ async def serve(args: argparse.Namespace) -> int:
     model_dir, served_name = resolve_model(args)
 
     async def build(nc, js, registry, subjects):
+        cpu_share = cpu_share_from_args(args)  # before loading: its CPUs are not lent while it loads
         engine_thread = EngineThread()
         engine = await engine_thread.run(LLMEngine, engine_config(args, model_dir),
                                          kv_allocator=kv_cache_allocator(args.kv_transport, args.device))
         await provision_prefill_queue(js, subjects)
         worker = PrefillWorker(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
-                              cpu_share=engine_cpu_share(args),
+                               cpu_share=cpu_share,
                                instance_id=args.instance_id, model=model_dir, served_model_name=served_name,
                                max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport)
         if args.kv_store:

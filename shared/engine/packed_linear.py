@@ -16,6 +16,10 @@ import time
 
 import torch
 
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
 # oneDNN chooses its blocking for this many rows; the packed weight serves any number of rows.
 PACK_ROWS_HINT = 64
 # Float32: fewer rows than this use the plain layout.
@@ -67,6 +71,7 @@ def fuse(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Pack
 PACKED_MIN_ROWS_ENV = "SPLITSERVE_FLOAT32_PACKED_MIN_ROWS"  # set: no timing, this many rows (1 drops the plain copy)
 _TUNED_ROWS = (1, 2, 3)  # from FLOAT32_PACKED_MIN_ROWS rows on, packed wins everywhere measured
 _TUNING_BYTES = 256 << 20  # time at least this much weight per try (or all of it): more than a CPU cache holds
+_PACKED_MARGIN = 0.95  # packed must be this much faster to be chosen: a tie keeps the plain layout (and its copy)
 
 
 def tune_float32_layouts(linears: list[PackedLinear]) -> int | None:
@@ -75,7 +80,9 @@ def tune_float32_layouts(linears: list[PackedLinear]) -> int | None:
     linears = [lin for lin in linears if lin.packed is not None and lin.plain is not None]
     if not linears:
         return None
-    forced = os.environ.get(PACKED_MIN_ROWS_ENV)
+    forced = os.environ.get(PACKED_MIN_ROWS_ENV, "").strip()
+    if forced and not (forced.isdigit() and int(forced) >= 1):
+        raise ValueError(f"{PACKED_MIN_ROWS_ENV}={forced!r}: give a number of rows (1 or more)")
     min_rows = int(forced) if forced else _fastest_packed_min_rows(linears)
     for lin in linears:
         lin.packed_min_rows = min_rows
@@ -93,7 +100,10 @@ def _fastest_packed_min_rows(linears: list[PackedLinear]) -> int:
             break
     for rows in _TUNED_ROWS:
         inputs = {n: torch.randn(rows, n, dtype=timed[0].plain.dtype) for n in {lin.in_features for lin in timed}}
-        if _best_time(timed, inputs, packed=True) <= _best_time(timed, inputs, packed=False):
+        packed, plain = _best_time(timed, inputs, packed=True), _best_time(timed, inputs, packed=False)
+        log.info("float32 linear layouts timed", rows=rows, packed_ms=round(packed * 1e3, 2),
+                 plain_ms=round(plain * 1e3, 2), threads=torch.get_num_threads())
+        if packed < plain * _PACKED_MARGIN:
             return rows
     return FLOAT32_PACKED_MIN_ROWS
 

@@ -30,12 +30,40 @@ def test_every_layout_choice_computes_the_same_products(monkeypatch, forced):
             torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-4)
 
 
-def test_the_choice_is_timed_on_this_cpu_and_applies_to_every_linear(monkeypatch):
+@pytest.mark.parametrize("packed_ms, expected", [
+    ({1: 5.0, 2: 5.0, 3: 5.0}, 1),  # packed faster from one row: the plain copy goes
+    ({1: 11.0, 2: 10.0, 3: 9.0}, 3),  # plain faster below 3 rows
+    ({1: 10.0, 2: 9.8, 3: 9.7}, FLOAT32_PACKED_MIN_ROWS),  # within the margin: a tie keeps plain
+    ({1: 20.0, 2: 20.0, 3: 20.0}, FLOAT32_PACKED_MIN_ROWS),
+])
+def test_the_fewest_rows_from_which_packed_is_faster_are_chosen_for_every_linear(monkeypatch, packed_ms, expected):
+    import shared.engine.packed_linear as packed_linear
+
     monkeypatch.delenv(PACKED_MIN_ROWS_ENV, raising=False)
+    timed_rows = []
+
+    def best_time(linears, inputs, packed, repeats=3):  # plain takes 10 ms at every row count
+        rows = next(iter(inputs.values())).shape[0]
+        timed_rows.append(rows)
+        return (packed_ms[rows] if packed else 10.0) / 1e3
+
+    monkeypatch.setattr(packed_linear, "_best_time", best_time)
     linears = _linears()
-    chosen = tune_float32_layouts(linears)
-    assert chosen in (1, 2, 3, FLOAT32_PACKED_MIN_ROWS)
-    assert {lin.packed_min_rows for lin in linears} == {0 if chosen == 1 else chosen}
+    assert tune_float32_layouts(linears) == expected
+    assert {lin.packed_min_rows for lin in linears} == {0 if expected == 1 else expected}
+    assert all((lin.plain is None) == (expected == 1) for lin in linears)
+    assert timed_rows[:2] == [1, 1]
+
+
+def test_the_timing_runs_on_this_cpu(monkeypatch):
+    monkeypatch.delenv(PACKED_MIN_ROWS_ENV, raising=False)
+    assert tune_float32_layouts(_linears()) in (1, 2, 3, FLOAT32_PACKED_MIN_ROWS)
+
+
+def test_a_bad_forced_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(PACKED_MIN_ROWS_ENV, "auto")
+    with pytest.raises(ValueError, match=PACKED_MIN_ROWS_ENV):
+        tune_float32_layouts(_linears())
 
 
 def test_linears_without_both_layouts_are_left_alone():

@@ -50,9 +50,10 @@ def test_no_cpus_means_no_binding():
 
 
 def test_cpu_loans_pair_each_prefill_worker_with_a_decode_worker_of_its_own_cpus():
-    shares = {"prefill-0": (0,), "prefill-1": (1,), "decode-0": (2, 3), "decode-1": (4,), "decode-2": (5,)}
+    shares = {"prefill-0": (0,), "prefill-1": (1,), "decode-0": (2,), "decode-1": (3, 4), "decode-2": (5,)}
+    # prefill-1's decode worker has two CPUs: only one-and-one loans are run (services/common/cpu_loan.py).
     assert pair_cpu_loans(["prefill-0", "prefill-1"], ["decode-0", "decode-1", "decode-2"], shares) == [
-        ("prefill-0", "decode-0"), ("prefill-1", "decode-1")]
+        ("prefill-0", "decode-0")]
     # A CPU already shared by two workers has nothing to lend; no binding, nothing to pair.
     assert pair_cpu_loans(["prefill-0"], ["decode-0", "decode-1"],
                           {"prefill-0": (0,), "decode-0": (1,), "decode-1": (0,)}) == []
@@ -71,3 +72,13 @@ def test_disagg_plan_lends_the_prefill_workers_cpu_to_its_decode_worker(tmp_path
     for config in (_config(topology="disagg", cpus=(0, 1)), _config(topology="colocated", cpus=(0, 1), cpu_loan_dir="d"),
                    _config(topology="disagg", cpu_loan_dir="d")):
         assert not any("--cpu-loan" in s.args for s in topology.plan(config))
+
+
+def test_a_decode_worker_borrows_one_cpu_beside_one_of_its_own():
+    from services.common.cpu_loan import check_borrowing
+
+    check_borrowing((1,), (0,), "loan")
+    for own, lent, loan in (((1,), None, "loan"), (None, (0,), "loan"), ((1,), (0,), None), ((0,), (0,), "loan"),
+                            ((1, 2), (0,), "loan"), ((2,), (0, 1), "loan")):
+        with pytest.raises(ValueError):
+            check_borrowing(own, lent, loan)

@@ -25,14 +25,23 @@ BORROWER_PROBE = textwrap.dedent("""
     from services.common.engine_thread import EngineThread
 
     own, lent = (int(sys.argv[2]),), (int(sys.argv[3]),)
-    os.sched_setaffinity(0, own + lent)
-    torch.set_num_threads(2)
+    os.sched_setaffinity(0, own)  # as a decode worker's --cpus binds it (after importing torch, as it does)
+    torch.set_num_threads(1)
+    before = set(os.listdir("/proc/self/task"))  # the main thread, and one `import torch` starts idle
     engine = EngineThread()
     borrower = CpuBorrower(Path(sys.argv[1]), own=own, lent=lent)
 
+    def allowed_on_lent_cpu() -> int:  # how many of the threads started since may run on the lent CPU
+        count = 0
+        for task in set(os.listdir("/proc/self/task")) - before:
+            if lent[0] in os.sched_getaffinity(int(task)):
+                count += 1
+        return count
+
     def state():
         return {"threads": torch.get_num_threads(), "engine_cpus": sorted(os.sched_getaffinity(0)),
-                "lent": borrower.counts.lent, "returned": borrower.counts.returned}
+                "lent": borrower.counts.lent, "returned": borrower.counts.returned,
+                "on_lent_cpu": allowed_on_lent_cpu()}
 
     engine.submit(borrower.start).result()
     print(json.dumps(engine.submit(state).result()), flush=True)
@@ -77,16 +86,17 @@ def cpus():
 def test_the_decode_worker_runs_on_lent_cpus_only_while_the_prefill_worker_is_idle(tmp_path, cpus):
     own, lent = cpus
     loan = tmp_path / "loans" / "prefill-0.loan"
-    lender = CpuLender(loan)  # starting: demand on
+    lender = CpuLender(loan, deadline_s=30)  # starting: demand on; a deadline no loaded machine reaches
     assert oct(loan.stat().st_mode & 0o777) == "0o600" and oct(loan.parent.stat().st_mode & 0o777) == "0o700"
     borrower = Borrower(loan, own, lent)
     try:
-        # Its engine thread stays on its own CPU; a step of its own runs one thread there.
-        assert borrower.started == {"threads": 1, "engine_cpus": [own], "lent": 0, "returned": 0}
+        # Its engine thread stays on its own CPU; a step of its own runs one thread there; only its OpenMP team's
+        # other thread may run on the lent CPU (not the engine thread, the event loop or any other thread).
+        assert borrower.started == {"threads": 1, "engine_cpus": [own], "lent": 0, "returned": 0, "on_lent_cpu": 1}
         assert borrower.do("step")["threads"] == 1  # the lender is loading: nothing lent
 
         lender.idle()
-        assert borrower.do("step") == {"threads": 2, "engine_cpus": [own], "lent": 1, "returned": 0}
+        assert borrower.do("step") == {"threads": 2, "engine_cpus": [own], "lent": 1, "returned": 0, "on_lent_cpu": 1}
 
         # The lender wants its CPU back: its claim waits until the borrower's next step boundary.
         claimed = threading.Event()
@@ -94,7 +104,7 @@ def test_the_decode_worker_runs_on_lent_cpus_only_while_the_prefill_worker_is_id
         claim.start()
         time.sleep(0.1)
         assert not claimed.is_set()
-        assert borrower.do("step") == {"threads": 1, "engine_cpus": [own], "lent": 1, "returned": 1}
+        assert borrower.do("step") == {"threads": 1, "engine_cpus": [own], "lent": 1, "returned": 1, "on_lent_cpu": 1}
         claim.join(5)
         assert claimed.is_set() and lender.counts.claims == 1 and lender.counts.overdue == 0
         assert lender.counts.claim_wait_s >= 0.1
@@ -126,6 +136,7 @@ def test_a_borrower_that_does_not_step_is_overdue_and_the_lender_computes_anyway
         assert lender.counts.overdue == 1
         assert borrower.do("step")["threads"] == 1  # gives back at its next boundary
         lender.before_step()  # and now the lender holds the lock
+        assert lender._locked
         assert borrower.do("step")["threads"] == 1
     finally:
         borrower.close()
@@ -157,7 +168,7 @@ def test_a_killed_prefill_worker_never_keeps_its_cpus_and_its_restart_still_excl
         proc.wait(10)
         # Killed mid-job: its demand byte still says "busy", so the borrower waits for the restarted worker.
         assert borrower.do("step")["threads"] == 1
-        restarted = CpuLender(loan)  # the same file, opened in place: the borrower's open copy still counts
+        restarted = CpuLender(loan, deadline_s=30)  # the same file, opened in place: the borrower's open copy still counts
         restarted.idle()
         assert borrower.do("step")["threads"] == 2
         claim = threading.Thread(target=restarted.before_step)

@@ -99,7 +99,6 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
         assert "--borrow-cpus" in new_decode["argv"]
         wait_until(lambda: loan_events(base_url).get(("decode-0", "lent"), 0) >= 1, 30,
                    "the restarted decode worker to borrow the idle prefill worker's CPU")
-        assert loan_events(base_url).get(("prefill-0", "overdue")) == 0
 
     # SIGTERM stops every child and NATS within 10 s, leaving nothing behind.
     all_pids.append(new_decode["pid"])
