@@ -16,10 +16,6 @@ import time
 
 import torch
 
-from shared.telemetry.logging import get_logger
-
-log = get_logger(__name__)
-
 # oneDNN chooses its blocking for this many rows; the packed weight serves any number of rows.
 PACK_ROWS_HINT = 64
 # Float32: fewer rows than this use the plain layout.
@@ -101,8 +97,6 @@ def _fastest_packed_min_rows(linears: list[PackedLinear]) -> int:
     for rows in _TUNED_ROWS:
         inputs = {n: torch.randn(rows, n, dtype=timed[0].plain.dtype) for n in {lin.in_features for lin in timed}}
         packed, plain = _best_time(timed, inputs, packed=True), _best_time(timed, inputs, packed=False)
-        log.info("float32 linear layouts timed", rows=rows, packed_ms=round(packed * 1e3, 2),
-                 plain_ms=round(plain * 1e3, 2), threads=torch.get_num_threads())
         if packed < plain * _PACKED_MARGIN:
             return rows
     return FLOAT32_PACKED_MIN_ROWS
