@@ -32,6 +32,16 @@ class TorchLayerOps:
         return F.silu(gate_up[:, :half]) * gate_up[:, half:]
 
 
+# Elements per thread of a native layer op: below this a second thread's wake-up costs more than it saves (a
+# prompt's rows are split; a decode step's few rows run on one thread).
+ELEMENTS_PER_THREAD = 1 << 15
+
+
+def layer_op_threads(elements: int, max_threads: int) -> int:
+    """Threads (of torch's OpenMP pool) for a native layer op over `elements` values."""
+    return max(1, min(max_threads, elements // ELEMENTS_PER_THREAD))
+
+
 class NativeLayerOps(TorchLayerOps):
     """In place where the torch ops allocate; inputs must be contiguous CPU float32 or bfloat16."""
 
@@ -39,24 +49,28 @@ class NativeLayerOps(TorchLayerOps):
         self.lib = library
 
     def add_rms_norm(self, x, residual, weight, eps):
+        add_residual = int(residual is not None)
         if residual is None:  # the first layer: its input starts the residual stream (copied: it is the caller's)
             residual, x = x.clone(), torch.empty_like(x)
-            self.lib.add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), residual.shape[0],
-                                  residual.shape[1], eps, 0, bf16_flag(x))
-            return x, residual
-        self.lib.add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, 1,
-                              bf16_flag(x))
+        self.lib.add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), residual.shape[0],
+                              residual.shape[1], eps, add_residual, bf16_flag(x), _threads(residual))
         return x, residual
 
     def rotary(self, qk, cos, sin):
         tokens, heads, head_dim = qk.shape
-        self.lib.rotary(qk.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, qk.stride(0), bf16_flag(qk))
+        self.lib.rotary(qk.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, qk.stride(0),
+                        bf16_flag(qk), _threads(qk))
         return qk
 
     def silu_and_mul(self, gate_up):
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-        self.lib.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], bf16_flag(gate_up))
+        self.lib.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], bf16_flag(gate_up),
+                              _threads(gate_up))
         return out
+
+
+def _threads(tensor: torch.Tensor) -> int:
+    return layer_op_threads(tensor.numel(), torch.get_num_threads())
 
 
 def layer_ops_for(device: torch.device, dtype: torch.dtype) -> TorchLayerOps:

@@ -62,3 +62,43 @@ def test_rotary_is_transformers_rotary_on_a_strided_view(native, dtype):
 def test_silu_and_mul(native, dtype):
     gate_up = _randn(7, 2 * 40, dtype=dtype) * 8  # large enough to reach silu's saturated ends
     torch.testing.assert_close(native.silu_and_mul(gate_up), TorchLayerOps().silu_and_mul(gate_up), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_split_over_threads_give_the_same_bits(native, dtype, monkeypatch):
+    """A prompt's rows run on several threads, a decode step's few on one: the results must not differ."""
+    import shared.engine.layer_ops as layer_ops
+
+    rows, hidden, heads, head_dim = 37, 96, 5, 32  # rows not a multiple of the thread count
+    x, residual, weight = _randn(rows, hidden, dtype=dtype), _randn(rows, hidden, dtype=dtype, seed=1), _randn(
+        hidden, dtype=dtype, seed=2)
+    qk, cos, sin = (_randn(rows, heads, head_dim, dtype=dtype, seed=3), _randn(rows, head_dim, dtype=dtype, seed=4),
+                    _randn(rows, head_dim, dtype=dtype, seed=5))
+    gate_up = _randn(rows, 2 * hidden, dtype=dtype, seed=6) * 8
+
+    def run_all():
+        normed, summed = native.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+        first, _ = native.add_rms_norm(x, None, weight, 1e-5)
+        return normed, summed, first, native.rotary(qk.clone(), cos, sin), native.silu_and_mul(gate_up)
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run_all()
+        torch.set_num_threads(3)
+        monkeypatch.setattr(layer_ops, "ELEMENTS_PER_THREAD", 1)
+        assert layer_ops.layer_op_threads(rows * hidden, torch.get_num_threads()) == 3
+        split = run_all()
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(alone, split):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_layer_op_threads_follow_the_work():
+    from shared.engine.layer_ops import ELEMENTS_PER_THREAD, layer_op_threads
+
+    assert layer_op_threads(16 * 576, 2) == 1  # a decode step's rows: one thread
+    assert layer_op_threads(2048 * 576, 2) == 2  # a prompt's: every thread
+    assert layer_op_threads(100 * ELEMENTS_PER_THREAD, 4) == 4
+    assert layer_op_threads(0, 4) == 1

@@ -36,9 +36,9 @@ _DECODE_ATTENTION = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64,
 _SIGNATURES = {
     "paged_decode_attention": _DECODE_ATTENTION,
     "paged_decode_attention_portable": _DECODE_ATTENTION,
-    "add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, c_int, c_int],
-    "rotary": [ptr, ptr, ptr, i64, i64, i64, i64, c_int],
-    "silu_and_mul": [ptr, ptr, i64, i64, c_int],
+    "add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, c_int, c_int, c_int],
+    "rotary": [ptr, ptr, ptr, i64, i64, i64, i64, c_int, c_int],
+    "silu_and_mul": [ptr, ptr, i64, i64, c_int, c_int],
 }
 
 
