@@ -136,7 +136,9 @@ class CpuLender:
         return self._locked
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)  # drops its lock too
+            self._fd = None
 
 
 @dataclass

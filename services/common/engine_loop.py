@@ -115,6 +115,10 @@ class EngineLoop:
             self.crashed = exc
             log.exception("engine loop crashed")
             self._emit([])  # wake the event loop so it notices
+        finally:
+            if share is not None:  # hand back what was borrowed, drop the loan file
+                share.idle()
+                share.close()
 
     def _apply_commands(self, block: bool) -> list[RequestRejected]:
         rejected = []

@@ -187,3 +187,35 @@ def test_without_a_loan_file_nothing_is_borrowed(tmp_path):
     borrower = CpuBorrower(tmp_path / "absent.loan", own=(0,), lent=(1,))
     borrower.before_step()
     assert borrower.counts.lent == 0
+
+
+def test_a_stopping_engine_loop_hands_its_cpus_back_and_closes_the_loan(tmp_path, default_model):
+    """A prefill worker stopped in the middle of a prompt must not leave its claim (demand byte and lock) behind."""
+    import fcntl
+
+    from services.common.engine_loop import AddRequest, EngineLoop
+    from services.common.engine_thread import EngineThread
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+
+    loan = tmp_path / "loans" / "prefill-0.loan"
+    lender = CpuLender(loan, deadline_s=0.01)
+    thread = EngineThread()
+    engine = thread.submit(LLMEngine, EngineConfig(model=default_model, max_num_seqs=2)).result(120)
+    loop = EngineLoop(engine, lambda outputs: None, thread, cpu_share=lender)
+    loop.start()
+    loop.add(AddRequest("r", list(range(5, 40)), SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)))
+    deadline = time.monotonic() + 60
+    while lender.counts.claims == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lender.counts.claims >= 1  # it claimed its CPUs for the request's steps
+    loop.stop()
+    assert loop.crashed is None
+    assert loan.read_bytes()[:1] == b"\x00"  # lent again
+    other = os.open(loan, os.O_RDONLY)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # its lock is gone: a borrower may take the CPUs
+    finally:
+        os.close(other)
+    lender.close()  # closing twice is harmless

@@ -5,26 +5,10 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from support.deployment import start_deployment
+from support.metrics import samples, value
 
 MODEL = "splitserve-default-llama"
-
-
-def samples(base_url: str) -> dict[str, list]:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    found: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):  # raises on anything that is not Prometheus text
-        for sample in family.samples:
-            found.setdefault(sample.name, []).append(sample)
-    return found
-
-
-def value(found, name: str, **labels) -> float:
-    matching = [s.value for s in found.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
-    assert len(matching) == 1, (name, labels, found.get(name))
-    return matching[0]
 
 
 @pytest.mark.timeout(300)

@@ -11,6 +11,7 @@ import uuid
 import httpx
 import pytest
 
+from support.metrics import matching, samples
 from support.processes import ROOT, free_port, service_env
 from support.up import MODEL, start_up
 
@@ -42,16 +43,6 @@ def wait_until(predicate, timeout_s: float, what: str):
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def loan_events(base_url: str) -> dict[tuple[str, str], float]:
-    """splitserve_cpu_loan_events_total from the gateway's /metrics: {(instance, event): count}."""
-    events = {}
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("splitserve_cpu_loan_events_total{"):
-            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
-            events[(labels["instance"].strip('"'), labels["event"].strip('"'))] = float(line.rsplit(" ", 1)[1])
-    return events
 
 
 @pytest.fixture
@@ -97,7 +88,8 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
 
     if len(os.sched_getaffinity(0)) >= 2:  # disagg on its own CPUs: the idle prefill worker lends its CPU
         assert "--borrow-cpus" in new_decode["argv"]
-        wait_until(lambda: loan_events(base_url).get(("decode-0", "lent"), 0) >= 1, 30,
+        wait_until(lambda: sum(matching(samples(base_url), "splitserve_cpu_loan_events_total", instance="decode-0",
+                                        event="lent")) >= 1, 30,
                    "the restarted decode worker to borrow the idle prefill worker's CPU")
 
     # SIGTERM stops every child and NATS within 10 s, leaving nothing behind.
