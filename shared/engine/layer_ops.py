@@ -11,7 +11,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from shared.engine.kernels import bf16_flag, native_library_for
+from shared.engine.kernels import all_threads_or_one, bf16_flag, native_library_for
 
 
 class TorchLayerOps:
@@ -32,14 +32,14 @@ class TorchLayerOps:
         return F.silu(gate_up[:, :half]) * gate_up[:, half:]
 
 
-# Elements per thread of a native layer op: below this a second thread's wake-up costs more than it saves (a
-# prompt's rows are split; a decode step's few rows run on one thread).
-ELEMENTS_PER_THREAD = 1 << 15
+# From this many values a native layer op is split over every thread torch computes with (a prompt's rows);
+# below it, waking the others costs more than it saves (a decode step's few rows run on one thread).
+ELEMENTS_TO_SPLIT = 1 << 16
 
 
 def layer_op_threads(elements: int, max_threads: int) -> int:
-    """Threads (of torch's OpenMP pool) for a native layer op over `elements` values."""
-    return max(1, min(max_threads, elements // ELEMENTS_PER_THREAD))
+    """Threads (of torch's OpenMP pool) for a native layer op over `elements` values: one or all of them."""
+    return all_threads_or_one(elements >= ELEMENTS_TO_SPLIT, max_threads)
 
 
 class NativeLayerOps(TorchLayerOps):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from shared.engine.kernels import bf16_flag, native_library_for
+from shared.engine.kernels import all_threads_or_one, bf16_flag, native_library_for
 from shared.engine.kv_cache import PagedKVCache
 
 @dataclass(slots=True)
@@ -48,8 +48,9 @@ KEYS_PER_KERNEL_THREAD = 128
 
 
 def decode_kernel_threads(num_keys: int, max_threads: int) -> int:
-    """Threads for the native decode kernel on a step attending `num_keys` (tokens x KV heads)."""
-    return max(1, min(max_threads, num_keys // KEYS_PER_KERNEL_THREAD))
+    """Threads for the native decode kernel on a step attending `num_keys` (tokens x KV heads): all of torch's
+    once there are keys for two, else one."""
+    return all_threads_or_one(num_keys >= 2 * KEYS_PER_KERNEL_THREAD, max_threads)
 
 
 @dataclass(slots=True)

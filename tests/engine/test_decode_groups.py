@@ -38,7 +38,7 @@ def test_short_contexts_share_one_group_whatever_their_ratio():
     assert len(group_decodes_by_length([200, 40, 120, 10], min_padding_tokens=0)) == 4
 
 
-def test_the_native_kernel_takes_a_second_thread_only_for_big_enough_steps():
+def test_the_native_kernel_takes_every_thread_only_for_big_enough_steps():
     from shared.engine.paged_attention import KEYS_PER_KERNEL_THREAD, decode_kernel_threads
 
     assert decode_kernel_threads(32 * 3, 2) == 1
@@ -46,3 +46,5 @@ def test_the_native_kernel_takes_a_second_thread_only_for_big_enough_steps():
     assert decode_kernel_threads(2 * KEYS_PER_KERNEL_THREAD, 2) == 2
     assert decode_kernel_threads(100 * KEYS_PER_KERNEL_THREAD, 4) == 4
     assert decode_kernel_threads(100 * KEYS_PER_KERNEL_THREAD, 1) == 1
+    # All of torch's threads or one, never some: a smaller team would end threads torch starts again.
+    assert decode_kernel_threads(3 * KEYS_PER_KERNEL_THREAD, 16) == 16

@@ -86,7 +86,7 @@ def test_rows_split_over_threads_give_the_same_bits(native, dtype, monkeypatch):
         torch.set_num_threads(1)
         alone = run_all()
         torch.set_num_threads(3)
-        monkeypatch.setattr(layer_ops, "ELEMENTS_PER_THREAD", 1)
+        monkeypatch.setattr(layer_ops, "ELEMENTS_TO_SPLIT", 1)
         assert layer_ops.layer_op_threads(rows * hidden, torch.get_num_threads()) == 3
         split = run_all()
     finally:
@@ -96,9 +96,9 @@ def test_rows_split_over_threads_give_the_same_bits(native, dtype, monkeypatch):
 
 
 def test_layer_op_threads_follow_the_work():
-    from shared.engine.layer_ops import ELEMENTS_PER_THREAD, layer_op_threads
+    from shared.engine.layer_ops import ELEMENTS_TO_SPLIT, layer_op_threads
 
     assert layer_op_threads(16 * 576, 2) == 1  # a decode step's rows: one thread
     assert layer_op_threads(2048 * 576, 2) == 2  # a prompt's: every thread
-    assert layer_op_threads(100 * ELEMENTS_PER_THREAD, 4) == 4
+    assert layer_op_threads(ELEMENTS_TO_SPLIT, 16) == 16  # every one or one, never some
     assert layer_op_threads(0, 4) == 1

@@ -98,3 +98,17 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert float(result.stdout.split()[-1]) > 0
+
+
+@needs_kernel
+def test_more_threads_than_work_items_leave_some_threads_without_work():
+    """Every thread of torch's team is asked for, even where (sequence, KV head) items are fewer."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        lens = [300, 290]  # 2 sequences x 1 KV head: 2 items for 5 threads
+        native = _decode_step(torch.float32, 4, 1, 64, lens, None, native=True)
+    finally:
+        torch.set_num_threads(before)
+    reference = _decode_step(torch.float32, 4, 1, 64, lens, None, native=False)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)

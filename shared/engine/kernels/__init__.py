@@ -101,6 +101,13 @@ def native_library_for(name: str, device: torch.device, dtype: torch.dtype) -> c
     return native_library(name)
 
 
+def all_threads_or_one(split: bool, max_threads: int) -> int:
+    """How many of torch's OpenMP threads a kernel's parallel region asks for: all of them, or one (no region).
+    Never some: libgomp ends a team's threads that a smaller region does not use, and torch's next parallel
+    region starts them again."""
+    return max(1, max_threads) if split else 1
+
+
 def bf16_flag(tensor: torch.Tensor) -> int:
     """The kernels' storage argument: 1 for bfloat16, 0 for float32."""
     return int(tensor.dtype == torch.bfloat16)

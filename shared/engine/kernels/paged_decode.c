@@ -304,8 +304,8 @@ static int run_items(const Job *job, int64_t first, int64_t last) {
 static int run_jobs(DECODE_PARAMS, int use_simd) {
     const int64_t items = num_seqs * num_kv_heads;
     if (items < 1) return 0;
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > items) num_threads = (int)items;
+    if (num_threads < 1) num_threads = 1;  /* more threads than items: some get none (a smaller team would end
+                                               threads of torch's pool, which its next region starts again) */
     const Job job = {query, query_row_stride, token_index, key_cache, value_cache, block_table, table_width,
                      context_lens, num_seqs, block_size, num_kv_heads, group, head_dim, window, scale, out, is_bf16,
                      use_simd};
