@@ -8,8 +8,8 @@ from shared.engine.decoder_stack import DecoderStack
 from shared.engine.kv_cache import KVAllocator, PagedKVCache
 from shared.engine.model_loader import LoadedModel
 from shared.engine.packed_linear import PackedLinear, tune_float32_layouts
-from shared.engine.paged_attention import (DecodeGroup, PagedAttentionMetadata, PrefillSpan, group_decodes_by_length,
-                                           native_decode_library)
+from shared.engine.paged_attention import (DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSpan,
+                                           group_decodes_by_length, native_decode_library, native_prefill_library)
 from shared.engine.step_batch import StepBatch
 
 
@@ -37,6 +37,7 @@ class ModelRunner:
             kv_allocator,
         )
         self.native_decode = native_decode_library(self.kv_cache)
+        self.native_prefill = native_prefill_library(self.kv_cache)
         decoder = loaded.decoder
         self.embed_tokens = decoder.embed_tokens
         self.rotary_emb = decoder.rotary_emb
@@ -81,6 +82,7 @@ class ModelRunner:
         decode_index: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        prefill_tables: list[list[int]] = []
         query_start = 0
         for query_len, context_len, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
             for pos in range(context_len - query_len, context_len):
@@ -91,9 +93,10 @@ class ModelRunner:
                 decode_lens.append(context_len)
             else:
                 block_ids = None
-                if context_len > query_len:
+                if context_len > query_len and not self.native_prefill:
                     block_ids = torch.tensor(table, dtype=torch.long, device=device)
                 prefills.append(PrefillSpan(query_start, query_len, context_len, block_ids))
+                prefill_tables.append(table)
             query_start += query_len
         # The native kernel reads each sequence's own blocks, so one group holds every decode.
         groups = [list(range(len(decode_lens)))] if self.native_decode and decode_lens else group_decodes_by_length(decode_lens)
@@ -107,6 +110,23 @@ class ModelRunner:
                 for members in groups
             ],
             native_decode=self.native_decode,
+            prefill_group=self._prefill_group(prefills, prefill_tables) if self.native_prefill and prefills else None,
+            native_prefill=self.native_prefill,
+        )
+
+    def _prefill_group(self, spans: list[PrefillSpan], tables: list[list[int]]) -> PrefillGroup:
+        width = max(len(t) for t in tables)
+
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        return PrefillGroup(
+            query_starts=column([s.query_start for s in spans]),
+            query_lens=column([s.query_len for s in spans]),
+            context_lens=column([s.context_len for s in spans]),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                                      device=self.device),
+            num_query_tokens=sum(s.query_len for s in spans),
         )
 
     def _decode_group(self, token_index: list[int], tables: list[list[int]], context_lens: list[int]) -> DecodeGroup:

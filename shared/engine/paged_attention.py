@@ -5,9 +5,12 @@ each sequence's blocks. The batch is flattened: `query` is `(total_tokens,
 heads, head_dim)` holding every scheduled token of every sequence, back to
 back.
 
-This is the plain-torch CPU path (SDPA per prefill span, one padded SDPA per
-group of single-token decodes of similar length); a GPU kernel can replace
-`paged_attention` without touching anything else.
+On CPUs with a C compiler, compiled kernels read the paged cache in place: one
+for every prompt chunk of a step (`kernels/paged_prefill.c`), one for every
+single-token decode (`kernels/paged_decode.c`). Elsewhere the plain-torch path
+runs: SDPA per prefill span, one padded SDPA per group of single-token decodes
+of similar length. A GPU kernel can replace `paged_attention` without touching
+anything else.
 """
 
 import ctypes
@@ -26,7 +29,7 @@ class PrefillSpan:
     query_start: int
     query_len: int
     context_len: int  # tokens with KV after this step, including the new ones
-    block_ids: torch.Tensor | None  # None when the span is the whole context (attend to fresh k/v)
+    block_ids: torch.Tensor | None  # for the torch path; None when the span is the whole context (fresh k/v)
 
 
 @dataclass(slots=True)
@@ -54,6 +57,17 @@ def decode_kernel_threads(num_keys: int, max_threads: int) -> int:
 
 
 @dataclass(slots=True)
+class PrefillGroup:
+    """Every prompt chunk of a step, for the native prefill kernel (which reads their keys from the cache)."""
+
+    query_starts: torch.Tensor  # (n,) int64
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor  # (n, max_blocks), padded with block 0
+    num_query_tokens: int
+
+
+@dataclass(slots=True)
 class PagedAttentionMetadata:
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor  # (total_tokens,) flat slot = block_id * block_size + offset
@@ -61,11 +75,40 @@ class PagedAttentionMetadata:
     decode_groups: list[DecodeGroup]
     masks: dict = field(default_factory=dict)  # prefill masks, shared by every layer of a step
     native_decode: ctypes.CDLL | None = None  # the compiled decode kernel, when it serves this cache
+    prefill_group: PrefillGroup | None = None  # set when the compiled prefill kernel serves this cache
+    native_prefill: ctypes.CDLL | None = None
 
 
 def native_decode_library(kv_cache: PagedKVCache) -> ctypes.CDLL | None:
     """The compiled decode attention kernel if it can read `kv_cache` (CPU, float32 or bfloat16), else None."""
     return native_library_for("paged_decode", kv_cache.tensor.device, kv_cache.dtype)
+
+
+def native_prefill_library(kv_cache: PagedKVCache) -> ctypes.CDLL | None:
+    """The compiled prefill attention kernel if it can read `kv_cache` (CPU, float32 or bfloat16), else None."""
+    return native_library_for("paged_prefill", kv_cache.tensor.device, kv_cache.dtype)
+
+
+# Query tokens from which the prefill kernel splits its work over every thread torch computes with.
+PREFILL_TOKENS_TO_SPLIT = 8
+
+
+def _native_prefill(library: ctypes.CDLL, group: PrefillGroup, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, scaling: float, sliding_window: int | None, out: torch.Tensor) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    num_kv_heads = key_cache.shape[2]
+    threads = all_threads_or_one(group.num_query_tokens >= PREFILL_TOKENS_TO_SPLIT, torch.get_num_threads())
+    status = library.paged_prefill_attention(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        group.query_starts.data_ptr(), group.query_lens.data_ptr(), group.context_lens.data_ptr(),
+        group.block_tables.data_ptr(), group.block_tables.shape[1], group.query_starts.numel(), key_cache.shape[1],
+        num_kv_heads, num_heads // num_kv_heads, head_dim, sliding_window or 0, scaling, out.data_ptr(),
+        bf16_flag(query), threads,
+    )
+    if status != 0:
+        raise MemoryError("the prefill attention kernel could not allocate its scratch memory")
 
 
 def _native_decode(library: ctypes.CDLL, group: DecodeGroup, query: torch.Tensor, key_cache: torch.Tensor,
@@ -154,25 +197,13 @@ def paged_attention(
 
     out = query.new_empty(total_tokens, query.shape[1], head_dim)  # (T, heads, head_dim)
 
-    # 2. Prompt chunks: one causal SDPA per sequence.
-    for span in meta.prefills:
-        rows = slice(span.query_start, span.query_start + span.query_len)
-        q = query[rows].transpose(0, 1)[None]  # (1, heads, q_len, d)
-        if span.block_ids is None:
-            k = key[rows].transpose(0, 1)[None]
-            v = value[rows].transpose(0, 1)[None]
-        else:
-            # (blocks, block_size, kv_heads, d) -> (1, kv_heads, context_len, d)
-            k = _gather(key_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
-            v = _gather(value_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
-        if span.block_ids is None and sliding_window is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
-        else:
-            mask_key = (span.query_start, sliding_window)
-            if mask_key not in meta.masks:
-                meta.masks[mask_key] = _causal_mask(span.query_len, span.context_len, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.masks[mask_key], scale=scaling, enable_gqa=True)
-        out[rows] = o[0].transpose(0, 1)
+    # 2. Prompt chunks: the native kernel reads every chunk's keys from the cache in one call; else one causal
+    # SDPA per sequence.
+    if meta.prefill_group is not None and meta.native_prefill is not None:
+        _native_prefill(meta.native_prefill, meta.prefill_group, query, key_cache, value_cache, scaling,
+                        sliding_window, out)
+    else:
+        _sdpa_prefills(meta, query, key, value, key_cache, value_cache, scaling, sliding_window, out)
 
     # 3. Single-token decodes: the native kernel reads the blocks in place; else one SDPA per group of similar
     # lengths, padded and masked.
@@ -195,3 +226,27 @@ def paged_attention(
         out[group.token_index] = o[:, :, 0]
 
     return out
+
+
+def _sdpa_prefills(meta: PagedAttentionMetadata, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, scaling: float, sliding_window: int | None,
+                   out: torch.Tensor) -> None:
+    """Each prompt chunk's causal attention as one SDPA (keys gathered from the cache for a continued chunk)."""
+    for span in meta.prefills:
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        q = query[rows].transpose(0, 1)[None]  # (1, heads, q_len, d)
+        if span.block_ids is None:
+            k = key[rows].transpose(0, 1)[None]
+            v = value[rows].transpose(0, 1)[None]
+        else:
+            # (blocks, block_size, kv_heads, d) -> (1, kv_heads, context_len, d)
+            k = _gather(key_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
+            v = _gather(value_cache, span.block_ids).flatten(0, 1)[: span.context_len].transpose(0, 1)[None]
+        if span.block_ids is None and sliding_window is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            mask_key = (span.query_start, sliding_window)
+            if mask_key not in meta.masks:
+                meta.masks[mask_key] = _causal_mask(span.query_len, span.context_len, sliding_window, q.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.masks[mask_key], scale=scaling, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)

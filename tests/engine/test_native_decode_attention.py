@@ -92,7 +92,7 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
     from support.processes import ROOT, service_env
 
     code = ("import torch\nfrom shared.engine.kernels import native_library\n"
-            "assert native_library('paged_decode') is not None and native_library('layer_ops') is not None\n"
+            "assert all(native_library(name) is not None for name in ('paged_decode', 'paged_prefill', 'layer_ops'))\n"
             "print((torch.tensor([1e-39]) * 1.0).item())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=service_env(),
                             timeout=300)

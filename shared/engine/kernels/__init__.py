@@ -33,9 +33,12 @@ _LINK_FLAGS = ["-shared", "-fopenmp"]
 
 i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _DECODE_ATTENTION = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, c_int, c_int]
+_PREFILL_ATTENTION = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, c_int, c_int]
 _SIGNATURES = {
     "paged_decode_attention": _DECODE_ATTENTION,
     "paged_decode_attention_portable": _DECODE_ATTENTION,
+    "paged_prefill_attention": _PREFILL_ATTENTION,
+    "paged_prefill_attention_portable": _PREFILL_ATTENTION,
     "add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, c_int, c_int, c_int],
     "rotary": [ptr, ptr, ptr, i64, i64, i64, i64, c_int, c_int],
     "silu_and_mul": [ptr, ptr, i64, i64, c_int, c_int],
@@ -89,7 +92,7 @@ def native_library(name: str) -> ctypes.CDLL | None:
     for function, argtypes in _SIGNATURES.items():
         if hasattr(library, function):
             getattr(library, function).argtypes = argtypes
-            getattr(library, function).restype = c_int if function.startswith("paged_decode_attention") else None
+            getattr(library, function).restype = c_int if function.startswith("paged_") else None
     return library
 
 

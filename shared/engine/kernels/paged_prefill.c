@@ -1,0 +1,332 @@
+/* Causal attention of prompt chunks straight from the paged KV cache (several query tokens per sequence).
+ *
+ * The step's keys and values are already in the cache, so one kernel serves a whole prompt and a chunk that
+ * continues one. Work items are (span, KV head, block of BQ query rows); each item runs the flash-attention
+ * recurrence over its keys in chunks of BK positions, never past its last row's own position (causal) nor
+ * before its first row's window: scores of the block's query vectors (BQ rows x the KV head's query group)
+ * against a chunk, an online softmax in float32 (running max and sum per query vector), and the weighted
+ * values accumulated in float32. Items are taken dynamically by the threads (late blocks of a long prompt
+ * attend to more keys than early ones).
+ *
+ * Two implementations of a chunk's two products, same arithmetic up to summation order:
+ *   - AVX-512 (where the compiler targets it, head_dim a multiple of 16): the chunk's keys are transposed
+ *     once, then four query vectors' scores against its 64 positions stay in sixteen registers over the
+ *     head dimension; the weighted values of several query vectors accumulate in registers per position.
+ *   - portable C for every other case (exported too, so tests check it on any machine).
+ *
+ * Layouts (element strides, row-major):
+ *   query       [tokens][heads][head_dim], row stride `query_row_stride`
+ *   key/value   [blocks][block_size][kv_heads][head_dim] of one layer (contiguous)
+ *   spans       query_start, query_len, context_len [num_spans] (int64): span s's query row i sits at absolute
+ *               position context_len - query_len + i, and attends to positions <= its own
+ *   block_table [num_spans][table_width] (int64)
+ *   out         [tokens][heads][head_dim] (contiguous)
+ * `window` > 0 attends to the last `window` positions only.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "storage.h"
+
+#define BQ 16  /* query rows per work item */
+#define BK 64  /* key positions per chunk */
+
+typedef struct {
+    const void *query; int64_t query_row_stride;
+    const void *key_cache; const void *value_cache;
+    const int64_t *query_start, *query_len, *context_len;
+    const int64_t *block_table; int64_t table_width;
+    int64_t num_spans, block_size, num_kv_heads, group, head_dim, window;
+    float scale;
+    void *out;
+    int is_bf16, use_simd;
+} Job;
+
+typedef struct {
+    int64_t *slots;  /* [max keys] cache slot of each key position of the item */
+    float *q;        /* [BQ * group][head_dim] scaled queries */
+    float *kt;       /* [head_dim][BK] the chunk's keys, transposed (zero past the chunk's end) */
+    float *p;        /* [BQ * group][BK] scores, then probabilities */
+    float *o;        /* [BQ * group][head_dim] weighted values, unnormalized */
+    float *mx, *sum; /* [BQ * group] running max and sum of exponentials */
+} Scratch;
+
+/* ---- a chunk's two products: scores p[i][j] = q[i] . k[j], and o[i] += sum_j p[i][j] v[j] ---- */
+
+static void scores_portable(const Scratch *s, int64_t nq, int64_t D) {
+    for (int64_t i = 0; i < nq; i++) {
+        float *row = s->p + i * BK;
+        for (int64_t j = 0; j < BK; j++) row[j] = 0.f;
+        for (int64_t d = 0; d < D; d++) {
+            const float qd = s->q[i * D + d];
+            const float *k = s->kt + d * BK;
+            #pragma omp simd
+            for (int64_t j = 0; j < BK; j++) row[j] += qd * k[j];
+        }
+    }
+}
+
+static void values_portable(const Job *job, const Scratch *s, int64_t nq, int64_t m, int64_t kv) {
+    const int64_t D = job->head_dim, KV = job->num_kv_heads;
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t base = (s->slots[j] * KV + kv) * D;
+        for (int64_t i = 0; i < nq; i++) {
+            const float w = s->p[i * BK + j];
+            float *o = s->o + i * D;
+            if (job->is_bf16) {
+                for (int64_t d = 0; d < D; d++) o[d] += w * ld(job->value_cache, base + d, 1);
+            } else {
+                const float *v = (const float *)job->value_cache + base;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t offset, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)base + offset);
+    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* Scores of query vectors [i0, i0 + R) against the chunk: R rows x 64 positions in 4R registers. */
+static inline __attribute__((always_inline)) void scores_rows_avx512(const Scratch *s, int64_t i0, int64_t D,
+                                                                     const int R) {
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const float *k = s->kt + d * BK;
+        const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                     k3 = _mm512_loadu_ps(k + 48);
+        for (int r = 0; r < R; r++) {
+            const __m512 a = _mm512_set1_ps(s->q[(i0 + r) * D + d]);
+            acc[r][0] = _mm512_fmadd_ps(a, k0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(a, k1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(a, k2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(a, k3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(s->p + (i0 + r) * BK + 16 * c, acc[r][c]);
+}
+
+static void scores_avx512(const Scratch *s, int64_t nq, int64_t D) {
+    int64_t i = 0;
+    for (; i + 4 <= nq; i += 4) scores_rows_avx512(s, i, D, 4);
+    for (; i < nq; i++) scores_rows_avx512(s, i, D, 1);
+}
+
+/* o[i0 .. i0 + R) += p . v over the chunk's m positions; DV = head_dim / 16, R * DV accumulators. */
+static inline __attribute__((always_inline)) void values_rows_avx512(
+        const Job *job, const Scratch *s, int64_t i0, int64_t m, int64_t kv, const int DV, const int R,
+        const int bf16) {
+    const int64_t D = (int64_t)DV * 16, KV = job->num_kv_heads;
+    __m512 acc[24];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < DV; c++) acc[r * DV + c] = _mm512_loadu_ps(s->o + (i0 + r) * D + 16 * c);
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t base = (s->slots[j] * KV + kv) * D;
+        __m512 v[16];
+        for (int c = 0; c < DV; c++) v[c] = load16(job->value_cache, base + 16 * c, bf16);
+        for (int r = 0; r < R; r++) {
+            const __m512 w = _mm512_set1_ps(s->p[(i0 + r) * BK + j]);
+            for (int c = 0; c < DV; c++) acc[r * DV + c] = _mm512_fmadd_ps(w, v[c], acc[r * DV + c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < DV; c++) _mm512_storeu_ps(s->o + (i0 + r) * D + 16 * c, acc[r * DV + c]);
+}
+
+/* Query vectors per register block: R * DV accumulators plus DV value registers stay within 32. */
+#define VALUES_FOR_DV(DV, R)                                                                            \
+    do {                                                                                                \
+        int64_t i = 0;                                                                                  \
+        for (; i + (R) <= nq; i += (R)) values_rows_avx512(job, s, i, m, kv, DV, R, bf16);              \
+        for (; i < nq; i++) values_rows_avx512(job, s, i, m, kv, DV, 1, bf16);                          \
+    } while (0)
+
+static inline __attribute__((always_inline)) void values_avx512_b(const Job *job, const Scratch *s, int64_t nq,
+                                                                  int64_t m, int64_t kv, const int bf16) {
+    switch (job->head_dim / 16) {
+        case 1: VALUES_FOR_DV(1, 12); break;
+        case 2: VALUES_FOR_DV(2, 8); break;
+        case 3: VALUES_FOR_DV(3, 6); break;
+        case 4: VALUES_FOR_DV(4, 4); break;
+        case 5: VALUES_FOR_DV(5, 3); break;
+        case 6: VALUES_FOR_DV(6, 3); break;
+        case 7: VALUES_FOR_DV(7, 2); break;
+        case 8: VALUES_FOR_DV(8, 2); break;
+        default: VALUES_FOR_DV(16, 1); break;  /* head_dim up to 256: simd_serves checked it */
+    }
+}
+
+static void values_avx512(const Job *job, const Scratch *s, int64_t nq, int64_t m, int64_t kv) {
+    if (job->is_bf16) values_avx512_b(job, s, nq, m, kv, 1);
+    else values_avx512_b(job, s, nq, m, kv, 0);
+}
+
+static int simd_serves(int64_t head_dim) {
+    return head_dim % 16 == 0 && head_dim <= 256 && (head_dim <= 128 || head_dim == 256);
+}
+#else
+static int simd_serves(int64_t head_dim) { (void)head_dim; return 0; }
+#endif
+
+/* ---- one work item ---- */
+
+static void run_item(const Job *job, Scratch *s, int64_t span, int64_t row0, int64_t kv) {
+    const int64_t D = job->head_dim, G = job->group, KV = job->num_kv_heads, H = KV * G, bs = job->block_size;
+    const int64_t qlen = job->query_len[span], ctx = job->context_len[span], first_pos = ctx - qlen;
+    const int64_t rows = qlen - row0 < BQ ? qlen - row0 : BQ, nq = rows * G;
+    const int64_t last_pos = first_pos + row0 + rows - 1;  /* the block's last row attends to keys <= it */
+    const int64_t window = job->window;
+    const int64_t kstart = (window > 0 && first_pos + row0 - window + 1 > 0) ? first_pos + row0 - window + 1 : 0;
+    const int64_t nkeys = last_pos + 1 - kstart;
+    const int64_t *table = job->block_table + span * job->table_width;
+    for (int64_t i = 0; i < nkeys; i++) {
+        const int64_t pos = kstart + i;
+        s->slots[i] = table[pos / bs] * bs + pos % bs;
+    }
+    const int64_t qrow0 = job->query_start[span] + row0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < G; h++)
+            for (int64_t d = 0; d < D; d++)
+                s->q[(r * G + h) * D + d] =
+                    ld(job->query, (qrow0 + r) * job->query_row_stride + (kv * G + h) * D + d, job->is_bf16) * job->scale;
+    memset(s->o, 0, sizeof(float) * (size_t)(nq * D));
+    for (int64_t i = 0; i < nq; i++) { s->mx[i] = -FLT_MAX; s->sum[i] = 0.f; }
+
+    for (int64_t c0 = 0; c0 < nkeys; c0 += BK) {
+        const int64_t m = nkeys - c0 < BK ? nkeys - c0 : BK, kbase = kstart + c0;
+        for (int64_t j = 0; j < m; j++) {  /* transpose the chunk's keys */
+            const int64_t base = (s->slots[c0 + j] * KV + kv) * D;
+            for (int64_t d = 0; d < D; d++) s->kt[d * BK + j] = ld(job->key_cache, base + d, job->is_bf16);
+        }
+        if (m < BK)
+            for (int64_t d = 0; d < D; d++) memset(s->kt + d * BK + m, 0, sizeof(float) * (size_t)(BK - m));
+#if defined(__AVX512F__)
+        if (job->use_simd) scores_avx512(s, nq, D); else
+#endif
+        scores_portable(s, nq, D);
+        /* Online softmax over each query vector's keys in this chunk: [lo, hi) are those it may attend to. */
+        for (int64_t i = 0; i < nq; i++) {
+            float *p = s->p + i * BK, *o = s->o + i * D;
+            const int64_t pos = first_pos + row0 + i / G;
+            int64_t lo = 0, hi = pos - kbase + 1 < m ? pos - kbase + 1 : m;
+            if (window > 0 && pos - window + 1 - kbase > 0) lo = pos - window + 1 - kbase;
+            if (hi <= lo) {  /* nothing here for this row: its probabilities are 0, its state unchanged */
+                memset(p, 0, sizeof(float) * BK);
+                continue;
+            }
+            float cmax = -FLT_MAX;
+            for (int64_t j = lo; j < hi; j++) cmax = p[j] > cmax ? p[j] : cmax;
+            const float mnew = cmax > s->mx[i] ? cmax : s->mx[i];
+            const float alpha = expf(s->mx[i] - mnew);
+            float add = 0.f;
+            for (int64_t j = 0; j < lo; j++) p[j] = 0.f;
+            #pragma omp simd reduction(+:add)
+            for (int64_t j = lo; j < hi; j++) { p[j] = expf(p[j] - mnew); add += p[j]; }
+            for (int64_t j = hi; j < BK; j++) p[j] = 0.f;
+            s->sum[i] = s->sum[i] * alpha + add;
+            s->mx[i] = mnew;
+            if (alpha != 1.f) {
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] *= alpha;
+            }
+        }
+        /* The chunk's weighted values; slots of this chunk start at c0. */
+        Scratch chunk = *s;
+        chunk.slots = s->slots + c0;
+#if defined(__AVX512F__)
+        if (job->use_simd) values_avx512(job, &chunk, nq, m, kv); else
+#endif
+        values_portable(job, &chunk, nq, m, kv);
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < G; h++) {
+            const int64_t i = r * G + h;
+            const float inv = 1.f / s->sum[i];
+            for (int64_t d = 0; d < D; d++)
+                st(job->out, ((qrow0 + r) * H + kv * G + h) * D + d, s->o[i * D + d] * inv, job->is_bf16);
+        }
+}
+
+/* The exported functions' parameters, and the same names passed on. */
+#define PREFILL_PARAMS                                                                             \
+    const void *query, int64_t query_row_stride, const void *key_cache, const void *value_cache,   \
+    const int64_t *query_start, const int64_t *query_len, const int64_t *context_len,              \
+    const int64_t *block_table, int64_t table_width, int64_t num_spans, int64_t block_size,        \
+    int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t window, float scale, void *out, \
+    int is_bf16, int num_threads
+#define PREFILL_ARGS                                                                               \
+    query, query_row_stride, key_cache, value_cache, query_start, query_len, context_len,          \
+    block_table, table_width, num_spans, block_size, num_kv_heads, group, head_dim, window, scale, \
+    out, is_bf16, num_threads
+
+/* Returns 0, or -1 when scratch memory ran out. */
+static int run_jobs(PREFILL_PARAMS, int use_simd) {
+    const Job job = {query, query_row_stride, key_cache, value_cache, query_start, query_len, context_len,
+                     block_table, table_width, num_spans, block_size, num_kv_heads, group, head_dim, window, scale,
+                     out, is_bf16, use_simd};
+    /* Items in order of (span, row block, KV head); first_item[s] is span s's first. */
+    int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(num_spans + 1));
+    if (!first_item) return -1;
+    int64_t max_keys = 1;
+    first_item[0] = 0;
+    for (int64_t sp = 0; sp < num_spans; sp++) {
+        first_item[sp + 1] = first_item[sp] + (query_len[sp] + BQ - 1) / BQ * num_kv_heads;
+        if (context_len[sp] > max_keys) max_keys = context_len[sp];
+    }
+    const int64_t items = first_item[num_spans], nq = BQ * group, D = head_dim;
+    if (num_threads < 1) num_threads = 1;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        const size_t floats = (size_t)(nq * D + D * BK + nq * BK + nq * D + 2 * nq);
+        float *memory = aligned_alloc(64, (sizeof(float) * floats + sizeof(int64_t) * (size_t)max_keys + 63) / 64 * 64);
+        failed |= memory == NULL;
+        Scratch s = {0};
+        if (memory) {
+            s.q = memory;
+            s.kt = s.q + nq * D;
+            s.p = s.kt + D * BK;
+            s.o = s.p + nq * BK;
+            s.mx = s.o + nq * D;
+            s.sum = s.mx + nq;
+            s.slots = (int64_t *)(s.sum + nq);
+        }
+        int64_t span = 0;
+        /* Every thread reaches the loop (a work-sharing loop must be met by all); one without scratch skips
+         * its items and the call fails. */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (!memory) continue;
+            if (item < first_item[span]) span = 0;  /* a thread's items only grow; reset if not */
+            while (item >= first_item[span + 1]) span++;
+            const int64_t local = item - first_item[span];
+            run_item(&job, &s, span, local / num_kv_heads * BQ, local % num_kv_heads);
+        }
+        free(memory);
+    }
+    free(first_item);
+    return failed ? -1 : 0;
+}
+
+/* The fastest implementation this build has for `head_dim`. */
+int paged_prefill_attention(PREFILL_PARAMS) { return run_jobs(PREFILL_ARGS, simd_serves(head_dim)); }
+
+/* The portable implementation alone, whatever the build targets. */
+int paged_prefill_attention_portable(PREFILL_PARAMS) { return run_jobs(PREFILL_ARGS, 0); }

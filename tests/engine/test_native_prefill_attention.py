@@ -1,0 +1,99 @@
+"""The compiled prefill attention kernel agrees with the torch path (one SDPA per prompt chunk) on the same
+paged cache: whole prompts, chunks that continue a cached prefix, several at once, windows, GQA groups."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shared.engine.kv_cache import PagedKVCache
+from shared.engine.paged_attention import (PagedAttentionMetadata, PrefillGroup, PrefillSpan, native_prefill_library,
+                                           paged_attention)
+
+needs_kernel = pytest.mark.skipif(
+    native_prefill_library(PagedKVCache(0, 1, 1, 16, 1, 8, torch.float32, "cpu")) is None,
+    reason="no C compiler on this machine: the native kernel is not built")
+
+
+def _prefill_step(dtype, num_heads, num_kv_heads, head_dim, spans, window, native: bool, seed: int = 0,
+                  portable: bool = False):
+    """`spans`: (query_len, context_len) per sequence; context_len > query_len continues a cached prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size = 16
+    tables_needed = [-(-ctx // block_size) for _, ctx in spans]
+    num_blocks = sum(tables_needed) + 4
+    cache = PagedKVCache(0, 1, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=gen).to(dtype))
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in tables_needed]
+    tokens = sum(q for q, _ in spans)
+    qk = torch.randn(tokens, num_heads + num_kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    slots, prefill_spans, start = [], [], 0
+    for (query_len, context_len), table in zip(spans, tables):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(context_len - query_len, context_len)]
+        block_ids = torch.tensor(table) if context_len > query_len and not native else None
+        prefill_spans.append(PrefillSpan(start, query_len, context_len, block_ids))
+        start += query_len
+    group = library = None
+    if native:
+        width = max(len(t) for t in tables)
+        group = PrefillGroup(query_starts=torch.tensor([s.query_start for s in prefill_spans]),
+                             query_lens=torch.tensor([q for q, _ in spans]),
+                             context_lens=torch.tensor([c for _, c in spans]),
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             num_query_tokens=tokens)
+        library = native_prefill_library(cache)
+        if portable:  # the kernel's plain C implementation, which serves where AVX-512 does not
+            library = SimpleNamespace(paged_prefill_attention=library.paged_prefill_attention_portable)
+    meta = PagedAttentionMetadata(cache, torch.tensor(slots), prefill_spans, [], prefill_group=group,
+                                  native_prefill=library)
+    return paged_attention(meta, 0, qk[:, :num_heads], qk[:, num_heads:], value, head_dim ** -0.5, window)
+
+
+@pytest.fixture(params=[1, 2, 5], ids=["1-thread", "2-threads", "5-threads"])
+def torch_threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+# Every register blocking of the AVX-512 path (head_dim 16..128 in steps of 16, and 256; query groups of 1 to
+# 7) and the portable path (head_dim 8 and 48 on it; 40, not a multiple of 16, on both).
+SHAPES = [(8, 2, 32), (9, 3, 64), (14, 2, 64), (7, 7, 16), (7, 1, 48), (10, 2, 128), (4, 1, 256), (6, 2, 80),
+          (6, 3, 96), (4, 2, 112), (2, 2, 40), (4, 4, 8)]
+# A 1-token prompt, prompts around the row block (16) and key chunk (64) sizes, a long one, and chunks that
+# continue a cached prefix (one of them a single token after a long prefix).
+SPANS = [(1, 1), (15, 15), (16, 16), (17, 17), (63, 63), (64, 64), (65, 65), (200, 200), (30, 100), (64, 130),
+         (2, 300)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("window", [None, 20, 70])
+@pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+def test_kernel_matches_torch_in_float32(num_heads, num_kv_heads, head_dim, window, portable, torch_threads):
+    native = _prefill_step(torch.float32, num_heads, num_kv_heads, head_dim, SPANS, window, native=True,
+                           portable=portable)
+    reference = _prefill_step(torch.float32, num_heads, num_kv_heads, head_dim, SPANS, window, native=False)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+def test_kernel_matches_torch_in_bfloat16(portable, torch_threads):
+    spans = [(40, 40), (100, 170), (3, 3)]
+    native = _prefill_step(torch.bfloat16, 8, 2, 64, spans, None, native=True, portable=portable)
+    reference = _prefill_step(torch.bfloat16, 8, 2, 64, spans, None, native=False)
+    torch.testing.assert_close(native.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_kernel
+def test_a_long_prompt_matches_torch():
+    native = _prefill_step(torch.float32, 9, 3, 64, [(1000, 1000)], None, native=True)
+    reference = _prefill_step(torch.float32, 9, 3, 64, [(1000, 1000)], None, native=False)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
