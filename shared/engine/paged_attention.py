@@ -93,12 +93,15 @@ def native_prefill_library(kv_cache: PagedKVCache) -> ctypes.CDLL | None:
 PREFILL_TOKENS_TO_SPLIT = 8
 
 
+def _kernel_query(query: torch.Tensor) -> torch.Tensor:
+    """`query` (tokens, heads, head_dim) as the native kernels read it: heads and elements packed, any row stride."""
+    return query if query.stride(2) == 1 and query.stride(1) == query.shape[2] else query.contiguous()
+
+
 def _native_prefill(library: ctypes.CDLL, group: PrefillGroup, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, scaling: float, sliding_window: int | None, out: torch.Tensor) -> None:
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    if query.stride(2) != 1 or query.stride(1) != head_dim:
-        query = query.contiguous()
-    num_kv_heads = key_cache.shape[2]
+    query = _kernel_query(query)
+    num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], key_cache.shape[2]
     threads = all_threads_or_one(group.num_query_tokens >= PREFILL_TOKENS_TO_SPLIT, torch.get_num_threads())
     status = library.paged_prefill_attention(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -113,10 +116,8 @@ def _native_prefill(library: ctypes.CDLL, group: PrefillGroup, query: torch.Tens
 
 def _native_decode(library: ctypes.CDLL, group: DecodeGroup, query: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, scaling: float, sliding_window: int | None, out: torch.Tensor) -> None:
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    if query.stride(2) != 1 or query.stride(1) != head_dim:
-        query = query.contiguous()
-    num_kv_heads = key_cache.shape[2]
+    query = _kernel_query(query)
+    num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], key_cache.shape[2]
     status = library.paged_decode_attention(
         query.data_ptr(), query.stride(0), group.token_index.data_ptr(),
         key_cache.data_ptr(), value_cache.data_ptr(),

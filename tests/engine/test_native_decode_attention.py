@@ -38,14 +38,6 @@ needs_kernel = pytest.mark.skipif(native_decode_library(PagedKVCache(0, 1, 1, 16
                                   reason="no C compiler on this machine: the native kernel is not built")
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def torch_threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 # Head counts and sizes that reach every register blocking of the AVX-512 path (head_dim 32/64/128/256, query
 # groups that leave a remainder of heads) and the portable fallback (head_dim 16 and 48).
 SHAPES = [(8, 2, 32), (18, 2, 32), (9, 3, 64), (14, 2, 64), (10, 2, 128), (5, 1, 128), (3, 1, 256), (4, 4, 16),
@@ -56,6 +48,7 @@ SHAPES = [(8, 2, 32), (18, 2, 32), (9, 3, 64), (14, 2, 64), (10, 2, 128), (5, 1,
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
 def test_kernel_matches_torch_in_float32(num_heads, num_kv_heads, head_dim, window, portable, torch_threads):
     lens = [1, 2, 15, 16, 17, 100, 333, 64]
     native = _decode_step(torch.float32, num_heads, num_kv_heads, head_dim, lens, window, native=True,
@@ -66,6 +59,7 @@ def test_kernel_matches_torch_in_float32(num_heads, num_kv_heads, head_dim, wind
 
 @needs_kernel
 @pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
 def test_kernel_matches_torch_in_bfloat16(portable, torch_threads):
     lens = [5, 40, 200]
     native = _decode_step(torch.bfloat16, 8, 2, 64, lens, None, native=True, portable=portable)

@@ -54,14 +54,6 @@ def _prefill_step(dtype, num_heads, num_kv_heads, head_dim, spans, window, nativ
     return paged_attention(meta, 0, qk[:, :num_heads], qk[:, num_heads:], value, head_dim ** -0.5, window)
 
 
-@pytest.fixture(params=[1, 2, 5], ids=["1-thread", "2-threads", "5-threads"])
-def torch_threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 # Every register blocking of the AVX-512 path (head_dim 16..128 in steps of 16, and 256; query groups of 1 to
 # 7) and the portable path (head_dim 8 and 48 on it; 40, not a multiple of 16, on both).
 SHAPES = [(8, 2, 32), (9, 3, 64), (14, 2, 64), (7, 7, 16), (7, 1, 48), (10, 2, 128), (4, 1, 256), (6, 2, 80),
@@ -76,6 +68,7 @@ SPANS = [(1, 1), (15, 15), (16, 16), (17, 17), (63, 63), (64, 64), (65, 65), (20
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("window", [None, 20, 70])
 @pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+@pytest.mark.parametrize("torch_threads", [1, 2, 5], indirect=True)
 def test_kernel_matches_torch_in_float32(num_heads, num_kv_heads, head_dim, window, portable, torch_threads):
     native = _prefill_step(torch.float32, num_heads, num_kv_heads, head_dim, SPANS, window, native=True,
                            portable=portable)
@@ -85,6 +78,7 @@ def test_kernel_matches_torch_in_float32(num_heads, num_kv_heads, head_dim, wind
 
 @needs_kernel
 @pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+@pytest.mark.parametrize("torch_threads", [1, 2, 5], indirect=True)
 def test_kernel_matches_torch_in_bfloat16(portable, torch_threads):
     spans = [(40, 40), (100, 170), (3, 3)]
     native = _prefill_step(torch.bfloat16, 8, 2, 64, spans, None, native=True, portable=portable)
