@@ -63,15 +63,15 @@ typedef struct {
 
 /* ---- a chunk's two products: scores p[i][j] = q[i] . k[j], and o[i] += sum_j p[i][j] v[j] ---- */
 
-static void scores_portable(const Scratch *s, int64_t nq, int64_t D) {
+static void scores_portable(const Scratch *s, int64_t nq, int64_t D, int64_t m) {
     for (int64_t i = 0; i < nq; i++) {
         float *row = s->p + i * BK;
-        for (int64_t j = 0; j < BK; j++) row[j] = 0.f;
+        for (int64_t j = 0; j < m; j++) row[j] = 0.f;
         for (int64_t d = 0; d < D; d++) {
             const float qd = s->q[i * D + d];
             const float *k = s->kt + d * BK;
             #pragma omp simd
-            for (int64_t j = 0; j < BK; j++) row[j] += qd * k[j];
+            for (int64_t j = 0; j < m; j++) row[j] += qd * k[j];
         }
     }
 }
@@ -101,32 +101,83 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-/* Scores of query vectors [i0, i0 + R) against the chunk: R rows x 64 positions in 4R registers. */
+/* kt[d][j] for the chunk's keys j in [0, m): 16 positions x 16 dimensions at a time through registers. */
+static inline __attribute__((always_inline)) void transpose_keys_b(const Job *job, const Scratch *s, int64_t m,
+                                                                   int64_t kv, const int bf16) {
+    const int64_t D = job->head_dim, KV = job->num_kv_heads;
+    int64_t j0 = 0;
+    for (; j0 + 16 <= m; j0 += 16) {
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16], t[16], u[16];
+            for (int i = 0; i < 16; i++) r[i] = load16(job->key_cache, (s->slots[j0 + i] * KV + kv) * D + d0, bf16);
+            for (int i = 0; i < 8; i++) {  /* per 128-bit lane k: rows 2i, 2i+1 at columns 4k, 4k+1 | 4k+2, 4k+3 */
+                t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            for (int g = 0; g < 4; g++) {  /* u[4g + c], lane k: rows 4g..4g+3 at column 4k + c */
+                const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+                const __m512d c = _mm512_castps_pd(t[4 * g + 1]), e = _mm512_castps_pd(t[4 * g + 3]);
+                u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+                u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+                u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, e));
+                u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, e));
+            }
+            for (int c = 0; c < 4; c++) {  /* column 4k + c gathers lane k of the four row groups */
+                const __m512 x = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), y = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+                const __m512 z = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+                const __m512 w = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+                _mm512_storeu_ps(s->kt + (d0 + c) * BK + j0, _mm512_shuffle_f32x4(x, z, 0x88));
+                _mm512_storeu_ps(s->kt + (d0 + 8 + c) * BK + j0, _mm512_shuffle_f32x4(x, z, 0xDD));
+                _mm512_storeu_ps(s->kt + (d0 + 4 + c) * BK + j0, _mm512_shuffle_f32x4(y, w, 0x88));
+                _mm512_storeu_ps(s->kt + (d0 + 12 + c) * BK + j0, _mm512_shuffle_f32x4(y, w, 0xDD));
+            }
+        }
+    }
+    for (; j0 < m; j0++) {
+        const int64_t base = (s->slots[j0] * KV + kv) * D;
+        for (int64_t d = 0; d < D; d++) s->kt[d * BK + j0] = ld(job->key_cache, base + d, bf16);
+    }
+}
+
+static void transpose_keys_avx512(const Job *job, const Scratch *s, int64_t m, int64_t kv) {
+    if (job->is_bf16) transpose_keys_b(job, s, m, kv, 1);
+    else transpose_keys_b(job, s, m, kv, 0);
+}
+
+/* Scores of query vectors [i0, i0 + R) against the chunk's first 16 * NC positions: R x NC registers. */
 static inline __attribute__((always_inline)) void scores_rows_avx512(const Scratch *s, int64_t i0, int64_t D,
-                                                                     const int R) {
+                                                                     const int R, const int NC) {
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
         const float *k = s->kt + d * BK;
-        const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
-                     k3 = _mm512_loadu_ps(k + 48);
+        __m512 kd[4];
+        for (int c = 0; c < NC; c++) kd[c] = _mm512_loadu_ps(k + 16 * c);
         for (int r = 0; r < R; r++) {
             const __m512 a = _mm512_set1_ps(s->q[(i0 + r) * D + d]);
-            acc[r][0] = _mm512_fmadd_ps(a, k0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(a, k1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(a, k2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(a, k3, acc[r][3]);
+            for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(a, kd[c], acc[r][c]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(s->p + (i0 + r) * BK + 16 * c, acc[r][c]);
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(s->p + (i0 + r) * BK + 16 * c, acc[r][c]);
 }
 
-static void scores_avx512(const Scratch *s, int64_t nq, int64_t D) {
+static inline __attribute__((always_inline)) void scores_nc_avx512(const Scratch *s, int64_t nq, int64_t D,
+                                                                   const int NC) {
     int64_t i = 0;
-    for (; i + 4 <= nq; i += 4) scores_rows_avx512(s, i, D, 4);
-    for (; i < nq; i++) scores_rows_avx512(s, i, D, 1);
+    for (; i + 4 <= nq; i += 4) scores_rows_avx512(s, i, D, 4, NC);
+    for (; i < nq; i++) scores_rows_avx512(s, i, D, 1, NC);
+}
+
+/* Only the 16-position columns that hold the chunk's `m` keys are computed (a short prompt's, a last chunk's). */
+static void scores_avx512(const Scratch *s, int64_t nq, int64_t D, int64_t m) {
+    switch ((m + 15) / 16) {
+        case 1: scores_nc_avx512(s, nq, D, 1); break;
+        case 2: scores_nc_avx512(s, nq, D, 2); break;
+        case 3: scores_nc_avx512(s, nq, D, 3); break;
+        default: scores_nc_avx512(s, nq, D, 4); break;
+    }
 }
 
 /* o[i0 .. i0 + R) += p . v over the chunk's m positions; DV = head_dim / 16, R * DV accumulators. */
@@ -211,16 +262,21 @@ static void run_item(const Job *job, Scratch *s, int64_t span, int64_t row0, int
 
     for (int64_t c0 = 0; c0 < nkeys; c0 += BK) {
         const int64_t m = nkeys - c0 < BK ? nkeys - c0 : BK, kbase = kstart + c0;
+        Scratch chunk = *s;  /* the chunk's slots start at c0 */
+        chunk.slots = s->slots + c0;
+#if defined(__AVX512F__)
+        if (job->use_simd) transpose_keys_avx512(job, &chunk, m, kv); else
+#endif
         for (int64_t j = 0; j < m; j++) {  /* transpose the chunk's keys */
-            const int64_t base = (s->slots[c0 + j] * KV + kv) * D;
+            const int64_t base = (chunk.slots[j] * KV + kv) * D;
             for (int64_t d = 0; d < D; d++) s->kt[d * BK + j] = ld(job->key_cache, base + d, job->is_bf16);
         }
         if (m < BK)
             for (int64_t d = 0; d < D; d++) memset(s->kt + d * BK + m, 0, sizeof(float) * (size_t)(BK - m));
 #if defined(__AVX512F__)
-        if (job->use_simd) scores_avx512(s, nq, D); else
+        if (job->use_simd) scores_avx512(s, nq, D, m); else
 #endif
-        scores_portable(s, nq, D);
+        scores_portable(s, nq, D, m);
         /* Online softmax over each query vector's keys in this chunk: [lo, hi) are those it may attend to. */
         for (int64_t i = 0; i < nq; i++) {
             float *p = s->p + i * BK, *o = s->o + i * D;
@@ -247,9 +303,7 @@ static void run_item(const Job *job, Scratch *s, int64_t span, int64_t row0, int
                 for (int64_t d = 0; d < D; d++) o[d] *= alpha;
             }
         }
-        /* The chunk's weighted values; slots of this chunk start at c0. */
-        Scratch chunk = *s;
-        chunk.slots = s->slots + c0;
+        /* The chunk's weighted values. */
 #if defined(__AVX512F__)
         if (job->use_simd) values_avx512(job, &chunk, nq, m, kv); else
 #endif
