@@ -34,11 +34,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_cpu_loan_options(parser, borrower=True)
     parser.add_argument("--prefill-timeout", type=float, default=30.0,
                         help="seconds a remote prefill (first token and KV) may take before the worker prefills locally")
+    parser.add_argument("--gather-ms", type=_non_negative, default=None,
+                        help="an idle worker's first step waits this long at most for the rest of a burst of "
+                             "requests (0: never; default: services.common.engine_loop.DEFAULT_GATHER_S)")
     return parser
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 async def serve(args: argparse.Namespace) -> int:
     from services.common.cpu_loan import cpu_share_from_args
+    from services.common.engine_loop import DEFAULT_GATHER_S
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.decode.worker import DecodeWorker
@@ -64,7 +75,8 @@ async def serve(args: argparse.Namespace) -> int:
                               instance_id=args.instance_id,
                               model=model_dir, served_model_name=served_name, mode=args.mode,
                               max_active_requests=args.max_active_requests, receiver=receiver,
-                              prefill_timeout_s=args.prefill_timeout)
+                              prefill_timeout_s=args.prefill_timeout,
+                              gather_s=DEFAULT_GATHER_S if args.gather_ms is None else args.gather_ms / 1000)
         if args.kv_store:
             from services.common.kvstore_cache import start_kv_store_cache
 

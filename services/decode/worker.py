@@ -27,7 +27,7 @@ from contracts import (
     TokenChunk,
 )
 from services.common.cpu_loan import CpuShare, loan_details
-from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
+from services.common.engine_loop import DEFAULT_GATHER_S, AddRequest, EngineLoop, RequestRejected
 from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_events import engine_kv_events, kv_hashing_details
@@ -80,6 +80,7 @@ class DecodeWorker:
         prefill_timeout_s: float = 30.0,
         kv_cache=None,
         cpu_share: CpuShare | None = None,
+        gather_s: float = DEFAULT_GATHER_S,
     ):
         self.nc = nc
         self.registry = registry
@@ -103,7 +104,7 @@ class DecodeWorker:
         # Filled once per engine step by the engine thread; drained in order by one publisher.
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
-        self.engine_loop = EngineLoop(engine, self._emit_from_engine_thread, engine_thread, cpu_share)
+        self.engine_loop = EngineLoop(engine, self._emit_from_engine_thread, engine_thread, cpu_share, gather_s)
         self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
                                           engine_loop=self.engine_loop)
         self._heartbeat = Heartbeat(registry, self.info)
