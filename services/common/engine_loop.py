@@ -66,10 +66,11 @@ class RequestRejected:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, emit: Callable[[list[RequestOutput | RequestRejected]], None],
-                 thread: EngineThread, cpu_share: CpuShare | None = None, gather_s: float = DEFAULT_GATHER_S):
+                 thread: EngineThread, cpu_share: CpuShare | None = None, gather_s: float = 0.0):
         """`thread`: the one the engine was built on; the loop holds it from `start` to `stop`. `cpu_share`: CPUs
         lent to or borrowed from another worker (`services.common.cpu_loan`), told of every step and idle spell.
-        `gather_s`: how long a first step from idle may wait for the rest of a burst (0: never)."""
+        `gather_s`: how long a first step from idle may wait for the rest of a burst (0: never; a decode worker
+        passes DEFAULT_GATHER_S)."""
         if gather_s < 0:
             raise ValueError(f"gather_s must be >= 0, got {gather_s}")
         self.engine = engine

@@ -114,9 +114,12 @@ class ModelRunner:
             native_prefill=self.native_prefill,
         )
 
-    def _prefill_group(self, spans: list[PrefillSpan], tables: list[list[int]]) -> PrefillGroup:
+    def _padded(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables as one (n, longest) tensor, padded with block 0 (never read: context lengths bound it)."""
         width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
 
+    def _prefill_group(self, spans: list[PrefillSpan], tables: list[list[int]]) -> PrefillGroup:
         def column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
@@ -124,17 +127,14 @@ class ModelRunner:
             query_starts=column([s.query_start for s in spans]),
             query_lens=column([s.query_len for s in spans]),
             context_lens=column([s.context_len for s in spans]),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
-                                      device=self.device),
+            block_tables=self._padded(tables),
             num_query_tokens=sum(s.query_len for s in spans),
         )
 
     def _decode_group(self, token_index: list[int], tables: list[list[int]], context_lens: list[int]) -> DecodeGroup:
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
         return DecodeGroup(
             token_index=torch.tensor(token_index, dtype=torch.long, device=self.device),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=self.device),
+            block_tables=self._padded(tables),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
             num_context_tokens=sum(context_lens),
         )
