@@ -1,10 +1,12 @@
-"""A private certificate authority for one deployment, and the server certificate it signs (`splitserve up --tls`).
+"""A private certificate authority for one deployment, and the server certificates it signs (`splitserve up --tls`).
 
-The CA's key signs one certificate, for the deployment's NATS server, naming
-every address the services may dial it by, and is then thrown away: nothing
-else will ever be signed by it. Services trust only this CA (`--nats-tls-ca`),
-so they talk to this deployment's server and no other. Files are 0600 in a
-0700 directory.
+The CA's key signs two certificates and is then thrown away: nothing else will
+ever be signed by it. One is the deployment's NATS server's, naming every
+address the services may dial it by; the other is the model workers' side
+channel's (`--transfer-tls-cert`), naming every address their KV receivers
+advertise. Services trust only this CA (`--nats-tls-ca`, `--transfer-tls-ca`),
+so they talk to this deployment's server and workers and no others. Files are
+0600 in a 0700 directory.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ VALID_DAYS = 397  # what public CAs may issue for; a deployment runs far shorter
 @dataclass(frozen=True)
 class TLSFiles:
     ca_cert: Path
-    cert: Path
+    cert: Path  # the NATS server's
     key: Path
+    transfer_cert: Path  # the side channel's receivers'
+    transfer_key: Path
 
 
 def server_names(host: str) -> list[str]:
@@ -41,8 +45,10 @@ def server_names(host: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def make_deployment_tls(directory: str | os.PathLike, names: list[str]) -> TLSFiles:
-    """A new CA and a server certificate for `names` (host names or IP addresses), written into `directory`."""
+def make_deployment_tls(directory: str | os.PathLike, names: list[str],
+                        transfer_names: list[str] | None = None) -> TLSFiles:
+    """A new CA, and certificates for the NATS server (`names`: host names or IP addresses) and the workers' side
+    channel (`transfer_names`, default `names`), written into `directory`."""
     directory = private_dir(directory)
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -57,6 +63,16 @@ def make_deployment_tls(directory: str | os.PathLike, names: list[str]) -> TLSFi
                                      crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
+    files = TLSFiles(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem",
+                     directory / "transfer.pem", directory / "transfer-key.pem")
+    write_private(files.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
+    _write_server_certificate(ca_key, ca_name, names, files.cert, files.key, now)
+    _write_server_certificate(ca_key, ca_name, transfer_names or names, files.transfer_cert, files.transfer_key, now)
+    return files
+
+
+def _write_server_certificate(ca_key, ca_name: x509.Name, names: list[str], cert_path: Path, key_path: Path,
+                              now: datetime.datetime) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
@@ -68,12 +84,9 @@ def make_deployment_tls(directory: str | os.PathLike, names: list[str]) -> TLSFi
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    files = TLSFiles(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem")
-    write_private(files.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
-    write_private(files.cert, cert.public_bytes(serialization.Encoding.PEM))
-    write_private(files.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                serialization.NoEncryption()))
-    return files
+    write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+    write_private(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                              serialization.NoEncryption()))
 
 
 def _general_name(name: str) -> x509.GeneralName:

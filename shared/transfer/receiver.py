@@ -68,6 +68,7 @@ from shared.transfer.types import (
     TransferStats,
     TransferTicket,
 )
+from shared.transfer.tls import TLSChannel, TransferTLS
 from shared.transfer.wire import (
     DTYPES,
     MAC_BYTES,
@@ -75,6 +76,7 @@ from shared.transfer.wire import (
     PROTOCOL_VERSION,
     Channel,
     configure_socket,
+    has_unread,
     receiver_proof,
     sender_proof,
 )
@@ -183,7 +185,8 @@ class KVReceiver:
     sender's connection is kept this long between its transfers),
     `io_timeout_s` (a read or write that waits must make progress within
     it), `finished_memory` (ended transfers remembered, to answer a late
-    duplicate sender).
+    duplicate sender). With `tls` (`shared.transfer.tls`) every connection must speak TLS, its
+    handshake within `handshake_timeout_s`.
     """
 
     def __init__(
@@ -200,6 +203,7 @@ class KVReceiver:
         idle_connection_s: float = 60.0,
         io_timeout_s: float = 10.0,
         finished_memory: int = 4096,
+        tls: TransferTLS | None = None,
     ):
         if max_part_bytes > max_buffer_bytes:
             raise ValueError("max_part_bytes must not exceed max_buffer_bytes")
@@ -212,6 +216,7 @@ class KVReceiver:
         self.idle_connection_s = idle_connection_s
         self.io_timeout_s = io_timeout_s
         self.finished_memory = finished_memory
+        self.tls = tls
         self.stats = TransferStats()
         self.host_id = host_id()
         self.endpoint: dict | None = None
@@ -251,13 +256,14 @@ class KVReceiver:
             if host in ("0.0.0.0", "::", ""):
                 raise ValueError(f"listening on {host!r} needs advertise_host: the address senders should dial")
             advertise_host = host
-        self.endpoint = {"host": advertise_host, "port": bound_port, "host_id": self.host_id}
+        self.endpoint = {"host": advertise_host, "port": bound_port, "host_id": self.host_id,
+                         "tls": self.tls is not None}
         self._buffers = _BufferPool(self.max_buffer_bytes, self.idle_buffer_bytes)
         sweep_orphan_segments()
         self._accept_task = asyncio.create_task(self._accept_loop(), name="kv-receiver-accept")
         self._sweep_task = asyncio.create_task(self._let_go_of_unlinked(), name="kv-receiver-unmap")
         log.info("kv receiver listening", host=host, port=bound_port, advertise_host=advertise_host,
-                 shm=shm_available())
+                 shm=shm_available(), tls=self.tls is not None)
 
     async def stop(self) -> None:
         """Stop listening, fail every pending transfer (`stopped`), close every connection."""
@@ -383,6 +389,8 @@ class KVReceiver:
                 self._evict_a_handshake()
             self.stats.connections += 1
             configure_socket(sock)
+            if self.tls is not None:
+                sock = self.tls.server.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             task = asyncio.create_task(self._serve(sock), name="kv-receiver-connection")
             self._connections.add(task)
             self._handshaking[task] = sock
@@ -395,7 +403,7 @@ class KVReceiver:
     def _evict_a_handshake(self) -> None:
         """Close the oldest unauthenticated connection with nothing waiting to be read (a sender whose auth
         has arrived is never the one closed), or the oldest of all if every one has."""
-        victim = next((task for task, sock in self._handshaking.items() if not _has_unread(sock)),
+        victim = next((task for task, sock in self._handshaking.items() if not has_unread(sock)),
                       next(iter(self._handshaking)))
         self._handshaking.pop(victim)
         victim.cancel()
@@ -403,7 +411,7 @@ class KVReceiver:
 
     async def _serve(self, sock: socket.socket) -> None:
         """One connection: a hello, then transfers one after another until the sender leaves or one fails."""
-        channel = Channel(sock, self.io_timeout_s)
+        channel = TLSChannel(sock, self.io_timeout_s) if self.tls is not None else Channel(sock, self.io_timeout_s)
         receiver_nonce = secrets.token_bytes(NONCE_BYTES)
         exp = None
         try:
@@ -414,6 +422,8 @@ class KVReceiver:
                 try:
                     async with asyncio.timeout(self.handshake_timeout_s if first else self.idle_connection_s):
                         if first:
+                            if self.tls is not None:
+                                await channel.handshake()
                             await channel.send_msg({"v": PROTOCOL_VERSION, "nonce": receiver_nonce,
                                                     "host_id": self.host_id})
                         auth = await channel.recv_msg(idle_ok=True)
@@ -758,13 +768,3 @@ def _region_part(msg: dict, bad, header: _PartHeader) -> _PartHeader:
     header.block_dim = block_dim
     header.block_ids = tuple(block_ids)
     return header
-
-
-def _has_unread(sock: socket.socket) -> bool:
-    """Whether bytes (or the peer's close) wait on the socket, without taking them."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) is not None
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True  # broken: closing it loses nothing

@@ -57,12 +57,14 @@ from shared.transfer.types import (
     REJECTED,
     SENDER_ABORTED,
     SHM_ERROR,
+    TLS,
     UNAUTHENTICATED_RECEIVER,
     TransferFailed,
     TransferResult,
     TransferStats,
     TransferTicket,
 )
+from shared.transfer.tls import TLSChannel, TransferTLS
 from shared.transfer.wire import (
     MAC_BYTES,
     NONCE_BYTES,
@@ -132,7 +134,8 @@ class KVSender:
     single read or write that makes no progress this long fails the transfer.
     `shm_pool_bytes`: idle segments kept for reuse. `max_idle_connections`
     per receiver endpoint are kept open for `keep_connections_s` (below the
-    receiver's `idle_connection_s`) for the next transfers.
+    receiver's `idle_connection_s`) for the next transfers. With `tls`
+    (`shared.transfer.tls`) it dials only receivers that take TLS, and checks their certificate.
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class KVSender:
         max_idle_connections: int = 4,
         keep_connections_s: float = 20.0,
         connect_attempts: int = 5,
+        tls: TransferTLS | None = None,
     ):
         if checksum not in checksums.ALGORITHMS:
             raise ValueError(f"unknown checksum {checksum!r}; known: {', '.join(checksums.ALGORITHMS)}")
@@ -159,6 +163,7 @@ class KVSender:
         self.checksum = checksum
         self.io_timeout_s = io_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.tls = tls
         self.stats = TransferStats()
         self.max_idle_connections = max_idle_connections
         self.keep_connections_s = keep_connections_s
@@ -303,6 +308,12 @@ class KVSender:
     async def _connect(self, ticket: TransferTicket) -> Channel:
         loop = asyncio.get_running_loop()
         host, port = ticket.endpoint["host"], ticket.endpoint["port"]
+        wants_tls = bool(ticket.endpoint.get("tls", False))
+        if wants_tls != (self.tls is not None):
+            raise TransferFailed(TLS, f"the receiver at {host}:{port} takes TLS only and this sender has no "
+                                      "side-channel TLS (--transfer-tls-ca ...)" if wants_tls else
+                                      f"the receiver at {host}:{port} does not take TLS and this sender sends "
+                                      "only over TLS")
         self.stats.connections += 1
         try:
             async with asyncio.timeout(self.connect_timeout_s):
@@ -319,9 +330,20 @@ class KVSender:
             raise _ConnectionLost(TransferFailed(CONNECTION, f"cannot connect to the receiver at {host}:{port}: "
                                                              f"{exc or type(exc).__name__}")) from None
         configure_socket(sock)
-        channel = Channel(sock, self.io_timeout_s)
+        if self.tls is not None:
+            channel = TLSChannel(self.tls.client.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False),
+                                 self.io_timeout_s)
+        else:
+            channel = Channel(sock, self.io_timeout_s)
         try:
+            if self.tls is not None:
+                async with asyncio.timeout(self.connect_timeout_s):
+                    await channel.handshake()
             hello = await channel.recv_msg()
+        except TimeoutError:
+            channel.close()
+            raise _ConnectionLost(TransferFailed(CONNECTION, f"no TLS handshake with {host}:{port} within "
+                                                             f"{self.connect_timeout_s:g}s")) from None
         except TransferFailed as failure:
             channel.close()
             raise (_ConnectionLost(failure) if failure.reason == CONNECTION else failure) from None

@@ -21,10 +21,11 @@ REJECTED = "rejected"  # (sender side) the receiver refused the handshake: unkno
 UNAUTHENTICATED_RECEIVER = "receiver-unauthenticated"  # (sender side) the receiver could not prove it knows the token
 STOPPED = "stopped"  # the receiver or sender was stopped
 BAD_INPUT = "bad-input"  # (sender side) a part given to `send` is not valid
+TLS = "tls"  # the TLS handshake failed (a certificate not trusted), or only one side speaks TLS
 
 REASONS = (
     DEADLINE, STALLED, CANCELLED, CORRUPTED, PROTOCOL, TOO_LARGE, INCOMPLETE, CONNECTION, SENDER_ABORTED,
-    ON_PART_ERROR, SHM_ERROR, SOURCE_RELEASED, REJECTED, UNAUTHENTICATED_RECEIVER, STOPPED, BAD_INPUT,
+    ON_PART_ERROR, SHM_ERROR, SOURCE_RELEASED, REJECTED, UNAUTHENTICATED_RECEIVER, STOPPED, BAD_INPUT, TLS,
 )
 
 BACKENDS = ("shm", "tcp")
@@ -44,8 +45,9 @@ class TransferTicket:
 
     `token` proves the sender is the one the receiver meant: it never crosses the
     side channel in clear, only HMACs keyed by it do. `endpoint` is where the
-    receiver listens (`host`, `port`) and which shared-memory domain it is in
-    (`host_id`): a sender with the same `host_id` can use `shm`.
+    receiver listens (`host`, `port`), which shared-memory domain it is in
+    (`host_id`: a sender with the same `host_id` can use `shm`) and whether it
+    takes TLS only (`tls`, absent: no).
     """
 
     transfer_id: str
@@ -58,7 +60,7 @@ class TransferTicket:
             "transfer_id": self.transfer_id,
             "token": bytes(self.token),
             "endpoint": {"host": self.endpoint["host"], "port": int(self.endpoint["port"]),
-                         "host_id": self.endpoint["host_id"]},
+                         "host_id": self.endpoint["host_id"], "tls": bool(self.endpoint.get("tls", False))},
             "deadline_unix_s": float(self.deadline_unix_s),
         }
 
@@ -82,6 +84,8 @@ class TransferTicket:
             raise ValueError("transfer ticket endpoint host and host_id must be strings")
         if not isinstance(endpoint["port"], int) or isinstance(endpoint["port"], bool) or not 0 < endpoint["port"] < 65536:
             raise ValueError("transfer ticket endpoint port must be an integer in 1..65535")
+        if not isinstance(endpoint.get("tls", False), bool):
+            raise ValueError("transfer ticket endpoint tls must be true or false")
         if not isinstance(deadline, (int, float)) or isinstance(deadline, bool):
             raise ValueError("transfer ticket deadline_unix_s must be a number")
         return cls(transfer_id, bytes(token), dict(endpoint), float(deadline))

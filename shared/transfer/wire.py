@@ -17,7 +17,9 @@ may legitimately pause between layers while its model computes the next one.
 import asyncio
 import hashlib
 import hmac
+import select
 import socket
+import ssl
 import struct
 
 import msgpack
@@ -63,6 +65,16 @@ def configure_socket(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         # Headers and acks are small and latency-bound: no Nagle delay.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def has_unread(sock: socket.socket) -> bool:
+    """Whether bytes (or the peer's close) wait on a socket, plain or TLS, without taking them."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True  # closed or broken: closing it loses nothing
 
 
 class Channel:

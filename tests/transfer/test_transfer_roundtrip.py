@@ -124,8 +124,10 @@ async def test_the_ticket_survives_msgpack_and_rejects_malformed_input(receiver)
     ticket = receiver.expect("tk", on_part=lambda *a: None, total_layers=(0, 1), deadline_s=10)
     decoded = TransferTicket.from_dict(msgpack.unpackb(msgpack.packb(ticket.to_dict(), use_bin_type=True), raw=False))
     assert decoded == ticket
-    assert len(ticket.token) == 32 and set(ticket.endpoint) == {"host", "port", "host_id"}
+    assert len(ticket.token) == 32 and set(ticket.endpoint) == {"host", "port", "host_id", "tls"}
+    assert ticket.endpoint["tls"] is False
     for broken in ({}, {**ticket.to_dict(), "token": "not-bytes"}, {**ticket.to_dict(), "endpoint": {"host": "x"}},
+                   {**ticket.to_dict(), "endpoint": {**ticket.endpoint, "tls": "yes"}},
                    {**ticket.to_dict(), "deadline_unix_s": "soon"}, {**ticket.to_dict(), "transfer_id": ""}):
         with pytest.raises(ValueError):
             TransferTicket.from_dict(broken)
