@@ -10,7 +10,10 @@ can reach. This runs, on one machine:
 - with `--flooders N`, a separate process holding N connections to the port
   that never authenticate: each connects, waits silently until the receiver
   closes it, and reconnects at once (the attack that used to fill every
-  connection slot and fail every real transfer).
+  connection slot and fail every real transfer). With `--tls` the receiver
+  and sender speak TLS (certificates from a CA made for the run) and every
+  flood connection first completes a TLS handshake, so each one costs the
+  receiver a key exchange and a signature before it falls silent.
 
 For each phase (no flood, then flood) it reports how many transfers met their
 deadline and their latency (p50/p99, from `expect` to the last byte applied),
@@ -27,20 +30,25 @@ import asyncio
 import json
 import os
 import platform
+import ssl
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from services.launcher.tls_files import make_deployment_tls
 from shared.transfer import KVReceiver, KVSender, TransferTicket
+from shared.transfer.tls import transfer_tls
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def sender_main() -> None:
+async def sender_main(tls_files: str | None) -> None:
     """Role `sender`: read tickets (JSON lines) on stdin, send the payload, answer with the result."""
-    sender = KVSender(max_idle_connections=0)  # every transfer on a new connection, as a new peer's would be
+    tls = transfer_tls(*tls_files.split(","), environ={}) if tls_files else None
+    sender = KVSender(max_idle_connections=0, tls=tls)  # every transfer on a new connection, as a new peer's would be
     out = sys.stdout
     sys.stdout = sys.stderr  # logs must not mix with the answers
     while True:
@@ -56,16 +64,20 @@ async def sender_main() -> None:
     sender.close()
 
 
-async def flood_main(host: str, port: int, clients: int) -> None:
+async def flood_main(host: str, port: int, clients: int, use_tls: bool) -> None:
     """Role `flood`: `clients` connections that never authenticate, each reopened as soon as it is closed."""
     opened = 0
+    context = None
+    if use_tls:  # a handshake completed, whoever the receiver is: the most a flooder can make it spend
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
 
     async def one() -> None:
         nonlocal opened
         while True:
             try:
-                reader, writer = await asyncio.open_connection(host, port)
-            except OSError:
+                reader, writer = await asyncio.open_connection(host, port, ssl=context)
+            except (OSError, ssl.SSLError):
                 await asyncio.sleep(0.01)
                 continue
             opened += 1
@@ -125,13 +137,19 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
 
 
-async def main_async(args) -> dict:
+async def main_async(args, tls_dir: Path | None) -> dict:
+    tls_args, tls = [], None
+    if tls_dir is not None:
+        files = make_deployment_tls(tls_dir, ["127.0.0.1"], ["127.0.0.1"])
+        paths = (str(files.ca_cert), str(files.transfer_cert), str(files.transfer_key))
+        tls, tls_args = transfer_tls(*paths, environ={}), ["--tls-files", ",".join(paths)]
     receiver = KVReceiver(**({"max_handshakes": args.max_handshakes} if args.max_handshakes else {}),
-                          **({"handshake_timeout_s": args.handshake_timeout} if args.handshake_timeout else {}))
+                          **({"handshake_timeout_s": args.handshake_timeout} if args.handshake_timeout else {}),
+                          tls=tls)
     await receiver.start("127.0.0.1", 0)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     me = [sys.executable, "-m", "loadtest.bench_side_channel_flood"]
-    sender = await asyncio.create_subprocess_exec(*me, "--role", "sender", stdin=asyncio.subprocess.PIPE,
+    sender = await asyncio.create_subprocess_exec(*me, "--role", "sender", *tls_args, stdin=asyncio.subprocess.PIPE,
                                                   stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env)
     flood = None
     phases = []
@@ -141,7 +159,7 @@ async def main_async(args) -> dict:
         if args.flooders:
             flood = await asyncio.create_subprocess_exec(
                 *me, "--role", "flood", "--port", str(receiver.endpoint["port"]), "--flooders", str(args.flooders),
-                stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env)
+                *(["--tls"] if tls is not None else []), stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env)
             opened = 0
             while opened < args.flooders:  # every flooder has a connection before the real transfers start
                 opened = json.loads(await asyncio.wait_for(flood.stdout.readline(), 30))["opened"]
@@ -156,7 +174,7 @@ async def main_async(args) -> dict:
         await receiver.stop()
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "settings": {"transfers": args.transfers, "size_bytes": args.size, "deadline_s": args.deadline,
-                         "flooders": args.flooders, "backend": "tcp",
+                         "flooders": args.flooders, "backend": "tcp", "tls": tls is not None,
                          "receiver": {"max_connections": receiver.max_connections,
                                       "max_handshakes": getattr(receiver, "max_handshakes", None),
                                       "handshake_timeout_s": receiver.handshake_timeout_s}},
@@ -174,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-handshakes", type=int, help="the receiver's bound on unauthenticated connections "
                         "(default: its own; 100000 never sheds one, as before the bound existed)")
     parser.add_argument("--handshake-timeout", type=float, help="the receiver's handshake deadline (default: its own)")
+    parser.add_argument("--tls", action="store_true", help="the side channel over TLS; flooders complete handshakes")
+    parser.add_argument("--tls-files", help=argparse.SUPPRESS)  # the sender's CA,cert,key
     parser.add_argument("--output", help="write the results as JSON here")
     return parser
 
@@ -181,12 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.role == "sender":
-        asyncio.run(sender_main())
+        asyncio.run(sender_main(args.tls_files))
         return 0
     if args.role == "flood":
-        asyncio.run(flood_main("127.0.0.1", args.port, args.flooders))
+        asyncio.run(flood_main("127.0.0.1", args.port, args.flooders, args.tls))
         return 0
-    results = asyncio.run(main_async(args))
+    with tempfile.TemporaryDirectory(prefix="bench-flood-tls-") as scratch:
+        results = asyncio.run(main_async(args, Path(scratch) / "tls" if args.tls else None))
     text = json.dumps(results, indent=2)
     for phase in results["phases"]:
         print(f"{phase['phase']:>6}: {phase['met_deadline']}/{phase['transfers']} met their deadline, "

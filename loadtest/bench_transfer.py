@@ -14,7 +14,9 @@ For each payload size:
   in a shared-memory region, as a prefill worker's does, so the receiver copies
   the blocks straight out of it (one copy). `shm-staged`: the sender's cache is
   private, so the blocks go through a pooled segment (two copies). `tcp`: the
-  blocks are gathered and streamed over loopback. Latency is from the sender
+  blocks are gathered and streamed over loopback. `tcp-tls`: the same over
+  TLS (`shared/transfer/tls.py`, certificates from a CA made for the run), what
+  KV costs where it leaves a host encrypted. Latency is from the sender
   calling `send` to the receiver having copied the last part, measured on
   CLOCK_MONOTONIC (one clock for both processes on one machine); bandwidth is
   size / latency.
@@ -40,6 +42,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -50,11 +53,12 @@ from shared.engine.block_slice import BlockSlice
 from shared.transfer import KVReceiver, KVSender, TransferTicket, host_id
 from shared.transfer.checksum import as_bytes, checksum
 from shared.transfer.shm import shared_zeros
+from shared.transfer.tls import transfer_tls
 
 ROOT = Path(__file__).resolve().parent.parent
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 RESULT_KEYS = ("machine", "settings", "checksums", "results")
-BACKENDS = ("shm", "shm-staged", "tcp")
+BACKENDS = ("shm", "shm-staged", "tcp", "tcp-tls")
 BLOCK_BYTES = 32 << 10  # per layer and K/V: 16 tokens x 8 KV heads x 128 dims x 2 bytes
 
 
@@ -138,7 +142,9 @@ async def worker_main(args: argparse.Namespace) -> None:
     os.dup2(2, 1)
     torch.set_num_threads(args.threads)
     options = {"split_bytes": args.split_bytes, "max_inflight_bytes": args.inflight_bytes}
-    sender = KVSender(checksum=args.checksum, **{k: v for k, v in options.items() if v})
+    options = {"checksum": args.checksum, **{k: v for k, v in options.items() if v}}
+    sender = KVSender(**options)
+    tls_sender = KVSender(**options, tls=transfer_tls(*args.tls_files.split(","), environ={})) if args.tls_files else None
     payloads: dict[str, torch.Tensor] = {}
     try:
         while True:
@@ -160,13 +166,16 @@ async def worker_main(args: argparse.Namespace) -> None:
                 ticket = TransferTicket.from_dict(data)
                 parts = block_parts(cache, per_layer=cmd["parts"] == "layers")
                 start = now()
-                result = await sender.send(ticket, parts, backend=cmd["backend"].removesuffix("-staged"))
+                use = tls_sender if cmd["backend"] == "tcp-tls" else sender
+                result = await use.send(ticket, parts, backend=cmd["backend"].removesuffix("-staged").removesuffix("-tls"))
                 replies.write(json.dumps({"t0": start, "ok": result.ok, "error": result.error,
                                           "seconds": result.seconds}) + "\n")
             elif cmd["cmd"] == "exit":
                 return
     finally:
         sender.close()
+        if tls_sender is not None:
+            tls_sender.close()
 
 
 # -- the receiving side and the driver ------------------------------------------------------------------------
@@ -186,11 +195,22 @@ class Worker:
 
 
 async def run_transfers(args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]]:
-    receiver = KVReceiver(max_part_bytes=max(sizes), max_buffer_bytes=max(2 * max(sizes), 64 << 20))
-    await receiver.start()
+    limits = {"max_part_bytes": max(sizes), "max_buffer_bytes": max(2 * max(sizes), 64 << 20)}
+    receivers = {"plain": KVReceiver(**limits)}
     worker_args = [sys.executable, "-m", "loadtest.bench_transfer", "--worker", "--threads", str(args.threads),
                    "--checksum", args.checksum, "--split-bytes", str(args.split_bytes),
                    "--inflight-bytes", str(args.inflight_bytes)]
+    tls_dir = None
+    if "tcp-tls" in args.backends:
+        from services.launcher.tls_files import make_deployment_tls
+
+        tls_dir = tempfile.TemporaryDirectory(prefix="bench-transfer-tls-")
+        files = make_deployment_tls(Path(tls_dir.name) / "tls", ["127.0.0.1"], ["127.0.0.1"])
+        paths = (str(files.ca_cert), str(files.transfer_cert), str(files.transfer_key))
+        receivers["tls"] = KVReceiver(**limits, tls=transfer_tls(*paths, environ={}))
+        worker_args += ["--tls-files", ",".join(paths)]
+    for receiver in receivers.values():
+        await receiver.start()
     proc = await asyncio.create_subprocess_exec(*worker_args, stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE, cwd=ROOT)
     worker = Worker(proc)
@@ -208,7 +228,8 @@ async def run_transfers(args: argparse.Namespace, sizes: list[int]) -> list[dict
                 start = time.perf_counter()
                 dst.copy_(src)
                 copy_s = time.perf_counter() - start
-                runs = {b: await one_transfer(args, receiver, worker, b, size, layers, dst, expected_sum, i)
+                runs = {b: await one_transfer(args, receivers["tls" if b == "tcp-tls" else "plain"], worker, b, size,
+                                              layers, dst, expected_sum, i)
                         for b in args.backends}
                 if i >= args.warmup:
                     copies.append(copy_s)
@@ -242,7 +263,10 @@ async def run_transfers(args: argparse.Namespace, sizes: list[int]) -> list[dict
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-        await receiver.stop()
+        for receiver in receivers.values():
+            await receiver.stop()
+        if tls_dir is not None:
+            tls_dir.cleanup()
     return rows
 
 
@@ -315,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="payload of the checksum speed measurement (0: skip it)")
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tls-files", help=argparse.SUPPRESS)  # the worker's CA,cert,key for tcp-tls
     return parser
 
 

@@ -33,6 +33,11 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--tls-name", action="append", metavar="NAME",
                         help="make a CA and a TLS certificate for the NATS server under NAME (repeatable: every "
                              "host name or address clients dial it by, e.g. `nats` in compose)")
+    parser.add_argument("--transfer-tls-name", action="append", metavar="NAME",
+                        help="with --tls-name: the same CA also signs a certificate for the model workers' side "
+                             "channel under NAME (repeatable: every address their KV receivers advertise), "
+                             "written to DIR/tls/transfer.pem and transfer-key.pem (give each worker "
+                             "--transfer-tls-ca DIR/public/ca.pem --transfer-tls-cert ... --transfer-tls-key ...)")
     parser.add_argument("--server-dir", metavar="PATH",
                         help="where the NATS server sees DIR (e.g. /etc/nats/secrets in its container); the config "
                              "names its certificate there (default: DIR)")
@@ -59,8 +64,11 @@ def run(args: argparse.Namespace) -> int:
     public.mkdir(mode=0o755, exist_ok=True)
     os.chmod(public, 0o755)
     tls, ca_env = None, ""
+    if args.transfer_tls_name and not args.tls_name:
+        raise SystemExit("error: --transfer-tls-name needs --tls-name: the tickets that open the side channel "
+                         "travel over NATS, so TLS starts there")
     if args.tls_name:
-        files = make_deployment_tls(creds_dir / "tls", args.tls_name)
+        files = make_deployment_tls(creds_dir / "tls", args.tls_name, args.transfer_tls_name)
         shutil.copyfile(files.ca_cert, public / "ca.pem")
         os.chmod(public / "ca.pem", 0o644)
         server_dir = Path(args.server_dir) if args.server_dir else creds_dir.resolve()
@@ -73,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote ROLE.nk and ROLE.env for {', '.join(public_keys)}, and {config.name}, in {creds_dir}")
     print(f"server: `nats-server --jetstream --config {config.resolve()}`, or `include` it (a path relative to "
           "your config file) in your own config")
+    if args.transfer_tls_name:
+        print(f"side channel: give each model worker and the kv-store `--transfer-tls-ca {(public / 'ca.pem').resolve()} "
+              f"--transfer-tls-cert {files.transfer_cert.resolve()} --transfer-tls-key {files.transfer_key.resolve()}`")
     print(f"services: `splitserve serve ROLE --nats-creds {creds_dir.resolve()}/ROLE.nk ...`, or "
           f"`splitserve up --nats URL --nats-creds-dir {creds_dir.resolve()}`")
     return 0

@@ -214,10 +214,12 @@ class KVStoreCache:
 async def start_kv_store_cache(args: argparse.Namespace, *, nc, subjects, registry: Registry, engine,
                                engine_loop) -> KVStoreCache:
     """The worker's use of the kv-store, from `add_kv_store_options`' arguments (with `--kv-store`)."""
+    from services.common.options import transfer_tls_of
     from shared.transfer import KVReceiver, KVSender
 
-    receiver = KVReceiver()
+    tls = transfer_tls_of(args)
+    receiver = KVReceiver(tls=tls)
     await receiver.start(args.kv_store_receiver_host, 0, advertise_host=args.kv_store_receiver_advertise)
-    client = KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=KVSender(),
+    client = KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=KVSender(tls=tls),
                            model_fingerprint=engine.fingerprint, timeout_s=args.kv_store_timeout)
     return KVStoreCache(client=client, registry=registry, engine=engine, engine_loop=engine_loop)

@@ -49,6 +49,27 @@ def bus_tls(args: argparse.Namespace):
         raise SystemExit(f"error: {exc}") from None
 
 
+def add_transfer_tls_options(parser: argparse.ArgumentParser) -> None:
+    """For services with a side channel (model workers, the kv-store): TLS on its TCP connections."""
+    parser.add_argument("--transfer-tls-ca", metavar="FILE",
+                        help="side channel over TLS only: trust receivers whose certificate chains to this CA "
+                             "(also SPLITSERVE_TRANSFER_TLS_CA; needs the two below)")
+    parser.add_argument("--transfer-tls-cert", metavar="FILE",
+                        help="the certificate this service's receivers present, naming the address they advertise "
+                             "(SPLITSERVE_TRANSFER_TLS_CERT)")
+    parser.add_argument("--transfer-tls-key", metavar="FILE", help="its key (SPLITSERVE_TRANSFER_TLS_KEY)")
+
+
+def transfer_tls_of(args: argparse.Namespace):
+    """The side channel's TLS (see `shared.transfer.tls`), or None; exits if the files are unusable."""
+    from shared.transfer.tls import TransferTLSError, transfer_tls
+
+    try:
+        return transfer_tls(args.transfer_tls_ca, args.transfer_tls_cert, args.transfer_tls_key)
+    except TransferTLSError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=env_default("MODEL", None), metavar="NAME|DIR|FILE.gguf",
                         help="a known model's name (fetched into the cache on first use), a Hugging Face model "

@@ -5,6 +5,8 @@ import sys
 
 from services.common.options import (
     add_bus_options,
+    add_transfer_tls_options,
+    transfer_tls_of,
     add_cpu_loan_options,
     apply_engine_placement,
     add_kv_store_options,
@@ -20,6 +22,7 @@ from services.common.options import (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve decode", description="A decode worker.")
     add_bus_options(parser, "decode")
+    add_transfer_tls_options(parser)
     add_model_options(parser)
     add_engine_options(parser)
     parser.add_argument("--mode", default="colocated", choices=["colocated", "disagg"],
@@ -57,6 +60,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     model_dir, served_name = resolve_model(args)
 
+    tls = transfer_tls_of(args)
+
     async def build(nc, js, registry, subjects):
         cpu_share = cpu_share_from_args(args)
         engine_thread = EngineThread()
@@ -67,7 +72,7 @@ async def serve(args: argparse.Namespace) -> int:
             from shared.transfer import KVReceiver
 
             await provision_prefill_queue(js, subjects)
-            receiver = KVReceiver()
+            receiver = KVReceiver(tls=tls)
             await receiver.start(args.kv_receiver_host, args.kv_receiver_port,
                                  advertise_host=args.kv_receiver_advertise)
         worker = DecodeWorker(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,

@@ -3,13 +3,14 @@
 import argparse
 import sys
 
-from services.common.options import add_bus_options, env_default, run_async
+from services.common.options import add_bus_options, add_transfer_tls_options, env_default, run_async, transfer_tls_of
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve kvstore",
                                      description="A kv-store: prefix KV blocks in RAM, spilling to disk.")
     add_bus_options(parser, "kvstore")
+    add_transfer_tls_options(parser)
     parser.add_argument("--kv-store-ram-bytes", type=int, default=int(env_default("KV_STORE_RAM_BYTES", 1 << 30)),
                         help="RAM tier size; least recently used blocks beyond it spill to disk")
     parser.add_argument("--kv-store-disk-bytes", type=int, default=int(env_default("KV_STORE_DISK_BYTES", 0)),
@@ -33,13 +34,14 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit("--kv-store-disk-bytes needs --kv-store-dir")
     if args.kv_store_ram_bytes < 0 or args.kv_store_disk_bytes < 0:
         raise SystemExit("tier sizes cannot be negative")
+    tls = transfer_tls_of(args)
 
     async def build(nc, js, registry, subjects):
         store = TieredBlockStore(args.kv_store_ram_bytes, args.kv_store_disk_bytes, args.kv_store_dir)
-        receiver = KVReceiver()
+        receiver = KVReceiver(tls=tls)
         await receiver.start(args.transfer_host, 0, advertise_host=args.transfer_advertise)
         return KVStoreService(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id, store=store,
-                              receiver=receiver, sender=KVSender())
+                              receiver=receiver, sender=KVSender(tls=tls))
 
     return await run_service(args, "kvstore", build)
 

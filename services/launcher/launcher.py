@@ -399,14 +399,17 @@ class Launcher:
             # A fresh deployment starts from empty streams: what an earlier
             # one left queued has nobody waiting for it any more.
             shutil.rmtree(self.run_dir / "nats", ignore_errors=True)
-            tls = make_deployment_tls(self.run_dir / "tls", ["127.0.0.1", "localhost"]) if o.tls else None
+            # Every receiver advertises 127.0.0.1 here: its certificate names that (and localhost).
+            names = ["127.0.0.1", "localhost"]
+            tls = make_deployment_tls(self.run_dir / "tls", names, names) if o.tls else None
             tls_ca = str(tls.ca_cert) if tls is not None else None
+            transfer_tls = (str(tls.ca_cert), str(tls.transfer_cert), str(tls.transfer_key)) if tls else None
             creds_dir, server_config = self._bus_config(tls) if o.nats_auth or tls is not None else (None, None)
             self.nats = EmbeddedNats(self.run_dir, config_file=server_config,
                                      log=RotatingLog(self.log_dir / "nats.log", o.log_max_bytes, o.log_backups))
             nats_url = self.nats.start()
         else:
-            nats_url, creds_dir, tls_ca = o.nats, o.nats_creds_dir, o.nats_tls_ca
+            nats_url, creds_dir, tls_ca, transfer_tls = o.nats, o.nats_creds_dir, o.nats_tls_ca, None
         self.deployment.nats = NatsRecord(url=nats_url, embedded=self.nats is not None,
                                           creds_dir=str(creds_dir) if creds_dir else None)
 
@@ -419,7 +422,7 @@ class Launcher:
             kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
             kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
             cpus=worker_cpus(o.cpus), nats_creds_dir=str(creds_dir) if creds_dir else None, nats_tls_ca=tls_ca,
-            cpu_loan_dir=str(self.run_dir / "cpu-loans") if o.lend_idle_cpus else None,
+            transfer_tls=transfer_tls, cpu_loan_dir=str(self.run_dir / "cpu-loans") if o.lend_idle_cpus else None,
         )
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy, log_max_bytes=o.log_max_bytes,

@@ -1,6 +1,6 @@
 """A private certificate authority for one deployment, and the server certificates it signs (`splitserve up --tls`).
 
-The CA's key signs two certificates and is then thrown away: nothing else will
+The CA's key signs one or two certificates and is then thrown away: nothing else will
 ever be signed by it. One is the deployment's NATS server's, naming every
 address the services may dial it by; the other is the model workers' side
 channel's (`--transfer-tls-cert`), naming every address their KV receivers
@@ -33,8 +33,8 @@ class TLSFiles:
     ca_cert: Path
     cert: Path  # the NATS server's
     key: Path
-    transfer_cert: Path  # the side channel's receivers'
-    transfer_key: Path
+    transfer_cert: Path | None  # the side channel's receivers' (None: not made)
+    transfer_key: Path | None
 
 
 def server_names(host: str) -> list[str]:
@@ -47,8 +47,8 @@ def server_names(host: str) -> list[str]:
 
 def make_deployment_tls(directory: str | os.PathLike, names: list[str],
                         transfer_names: list[str] | None = None) -> TLSFiles:
-    """A new CA, and certificates for the NATS server (`names`: host names or IP addresses) and the workers' side
-    channel (`transfer_names`, default `names`), written into `directory`."""
+    """A new CA, and certificates for the NATS server (`names`: host names or IP addresses) and, given
+    `transfer_names`, the workers' side channel, written into `directory`."""
     directory = private_dir(directory)
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -64,10 +64,11 @@ def make_deployment_tls(directory: str | os.PathLike, names: list[str],
         .sign(ca_key, hashes.SHA256())
     )
     files = TLSFiles(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem",
-                     directory / "transfer.pem", directory / "transfer-key.pem")
+                     *((directory / "transfer.pem", directory / "transfer-key.pem") if transfer_names else (None, None)))
     write_private(files.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
     _write_server_certificate(ca_key, ca_name, names, files.cert, files.key, now)
-    _write_server_certificate(ca_key, ca_name, transfer_names or names, files.transfer_cert, files.transfer_key, now)
+    if transfer_names:
+        _write_server_certificate(ca_key, ca_name, transfer_names, files.transfer_cert, files.transfer_key, now)
     return files
 
 

@@ -5,6 +5,8 @@ import sys
 
 from services.common.options import (
     add_bus_options,
+    add_transfer_tls_options,
+    transfer_tls_of,
     add_cpu_loan_options,
     apply_engine_placement,
     add_engine_options,
@@ -19,6 +21,7 @@ from services.common.options import (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve prefill", description="A prefill worker.")
     add_bus_options(parser, "prefill")
+    add_transfer_tls_options(parser)
     add_model_options(parser)
     add_engine_options(parser)
     parser.add_argument("--max-concurrent-jobs", type=int, default=8, help="prefill jobs taken at once")
@@ -39,6 +42,7 @@ async def serve(args: argparse.Namespace) -> int:
     from shared.engine.engine import LLMEngine
 
     model_dir, served_name = resolve_model(args)
+    tls = transfer_tls_of(args)
 
     async def build(nc, js, registry, subjects):
         cpu_share = cpu_share_from_args(args)  # before loading: its CPUs are not lent while it loads
@@ -49,7 +53,8 @@ async def serve(args: argparse.Namespace) -> int:
         worker = PrefillWorker(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
                                cpu_share=cpu_share,
                                instance_id=args.instance_id, model=model_dir, served_model_name=served_name,
-                               max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport)
+                               max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport,
+                               transfer_tls=tls)
         if args.kv_store:
             from services.common.kvstore_cache import start_kv_store_cache
 

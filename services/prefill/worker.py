@@ -44,6 +44,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import extract, inject, tracer
 from shared.transfer import KVSender, TransferTicket
+from shared.transfer.tls import TransferTLS
 from shared.transfer.shm import region_of
 
 log = get_logger(__name__)
@@ -54,7 +55,7 @@ _KEEPALIVE_S = 1.0  # in-progress acks while a job runs (the consumer's ack wait
 class PrefillWorker:
     def __init__(self, *, nc, registry: Registry, engine: LLMEngine, engine_thread: EngineThread, subjects: Subjects,
                  instance_id: str, model: str, served_model_name: str, max_concurrent_jobs: int, kv_transport: str,
-                 cpu_share: CpuShare | None = None):
+                 cpu_share: CpuShare | None = None, transfer_tls: TransferTLS | None = None):
         self.nc = nc
         self.js = nc.jetstream()
         self.registry = registry
@@ -67,7 +68,7 @@ class PrefillWorker:
         self.kv_transport = kv_transport
         self.identity = ServiceIdentity(instance_id, "prefill")
         self.state = "starting"
-        self.sender = KVSender()
+        self.sender = KVSender(tls=transfer_tls)
         self.jobs: dict[str, asyncio.Task] = {}
         self._cancelled: dict[str, bool] = {}
         self._first_tokens: dict[str, asyncio.Future] = {}

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 from services.common.options import (
     add_bus_options,
+    add_transfer_tls_options,
+    transfer_tls_of,
     apply_engine_placement,
     add_engine_options,
     add_model_options,
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve stage",
                                      description="A pipeline stage: a contiguous range of the model's layers.")
     add_bus_options(parser, "stage")
+    add_transfer_tls_options(parser)
     add_model_options(parser)
     add_engine_options(parser)
     parser.add_argument("--layers", type=layer_range, required=True,
@@ -134,14 +137,15 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit("the head (--layers 0:N) needs --stages: the stages after it, in order")
     if args.microbatches < 1:
         raise SystemExit("--microbatches must be at least 1")
+    tls = transfer_tls_of(args)
 
     async def build(nc, js, registry, subjects):
         engine_thread = EngineThread()
         # An activation travels as one part: a prefill chunk of 8k tokens of a 8192-wide float32 model is 256 MiB.
-        receiver = KVReceiver(max_part_bytes=1 << 30, max_buffer_bytes=2 << 30)
+        receiver = KVReceiver(max_part_bytes=1 << 30, max_buffer_bytes=2 << 30, tls=tls)
         await receiver.start(args.transfer_host, 0, advertise_host=args.transfer_advertise)
         link = ActivationLink(nc=nc, subjects=subjects, instance_id=args.instance_id, receiver=receiver,
-                              sender=KVSender(), inline_bytes=args.inline_activation_bytes,
+                              sender=KVSender(tls=tls), inline_bytes=args.inline_activation_bytes,
                               transport=args.activation_transport, hop_timeout_s=args.step_timeout)
         if not is_head:
             from services.common.kv_memory import kv_cache_allocator

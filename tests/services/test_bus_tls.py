@@ -1,8 +1,10 @@
-"""`splitserve up --tls`: NATS speaks only TLS, its certificate from a CA made for the deployment (issue 13, item 2)."""
+"""`splitserve up --tls`: NATS and the KV side channel speak only TLS, their certificates from a CA made for the
+deployment (issue 13, item 2)."""
 
 import asyncio
 import json
 import ssl
+import time
 
 import httpx
 import nats
@@ -12,22 +14,38 @@ from services.launcher.nats_auth import creds_path
 from services.launcher.nats_server import read_server_info
 from services.launcher.tls_files import make_deployment_tls
 from shared.bus.tls import client_tls_context
+from support.metrics import matching, samples
 from support.up import MODEL, start_up
 
 pytestmark = [pytest.mark.timeout(300)]
 
 
-def test_a_tls_deployment_serves_and_talks_to_nats_only_over_tls(tmp_path, default_model):
-    run = start_up(tmp_path / "run", "--topology", "colocated", "--tls")
+def test_a_tls_deployment_serves_and_talks_to_nats_and_moves_kv_only_over_tls(tmp_path, default_model):
+    # Every prompt prefilled remotely, its KV over TCP: what crosses hosts in a real deployment.
+    run = start_up(tmp_path / "run", "--topology", "disagg", "--max-local-prefill", "0", "--kv-transport", "tcp",
+                   "--tls")
     try:
         deployment = json.loads((run.run_dir / "deployment.json").read_text())
         url = deployment["nats"]["url"]
         ca = run.run_dir / "tls" / "ca.pem"
         for service in deployment["services"]:  # each trusts the deployment's CA
-            assert service["argv"][service["argv"].index("--nats-tls-ca") + 1] == str(ca), service["name"]
+            argv = service["argv"]
+            assert argv[argv.index("--nats-tls-ca") + 1] == str(ca), service["name"]
+            if service["role"] in ("decode", "prefill", "kvstore"):  # and its side channel speaks TLS only
+                assert argv[argv.index("--transfer-tls-ca") + 1] == str(ca), service["name"]
+                assert argv[argv.index("--transfer-tls-cert") + 1] == str(run.run_dir / "tls" / "transfer.pem")
+            else:
+                assert "--transfer-tls-ca" not in argv, service["name"]
         response = httpx.post(f"{run.url}/v1/completions", timeout=60,
                               json={"model": MODEL, "prompt": "over tls", "max_tokens": 3})
         assert response.status_code == 200, response.text
+        deadline = time.monotonic() + 10  # the decode worker's counters reach the gateway with its heartbeat
+        while not sum(tcp_bytes := matching(samples(run.url), "splitserve_kv_transfer_bytes_total", backend="tcp")):
+            assert time.monotonic() < deadline, tcp_bytes
+            time.sleep(0.3)
+        decode_log = next((run.run_dir / "logs").glob("decode-*.log")).read_text()
+        listening = [json.loads(line) for line in decode_log.splitlines() if '"kv receiver listening"' in line]
+        assert listening and all(event["tls"] is True for event in listening), listening
         host, port = url.removeprefix("nats://").rsplit(":", 1)
         assert read_server_info(host, int(port))["tls_required"] is True
         for path in (run.run_dir / "tls").iterdir():

@@ -123,15 +123,18 @@ async def test_a_receiver_that_is_not_there_still_fails_fast():
         sender.close()
 
 
-async def test_three_hundred_flooders_and_every_transfer_meets_its_deadline(tmp_path):
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_three_hundred_flooders_and_every_transfer_meets_its_deadline(tmp_path, tls):
+    """With TLS every flood connection also completes a handshake (the receiver's key exchange and signature)."""
     out = tmp_path / "flood.json"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "loadtest.bench_side_channel_flood", "--flooders", "300", "--transfers", "8",
-        "--size", str(1 << 20), "--deadline", "10", "--output", str(out), stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE)
+        "--size", str(1 << 20), "--deadline", "10", "--output", str(out), *(["--tls"] if tls else []),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, stderr = await asyncio.wait_for(proc.communicate(), 110)
     assert proc.returncode == 0, stderr.decode()[-2000:]
     phases = {p["phase"]: p for p in json.loads(out.read_text())["phases"]}
     assert phases["flood"]["met_deadline"] == 8 and phases["quiet"]["met_deadline"] == 8
     assert phases["flood"]["flood_connections_opened"] >= 300  # the flood was really there
+    assert json.loads(out.read_text())["settings"]["tls"] is tls
     assert phases["flood"]["receiver"]["unauthenticated"] + phases["flood"]["receiver"]["evicted_handshakes"] > 0

@@ -8,7 +8,9 @@ import ssl
 import pytest
 import pytest_asyncio
 import torch
+from cryptography import x509
 
+from services.cli import main as cli_main
 from services.launcher.tls_files import make_deployment_tls
 from shared.transfer import KVReceiver, KVSender
 from shared.transfer.tls import TransferTLSError, transfer_tls
@@ -19,7 +21,7 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    return make_deployment_tls(tmp_path_factory.mktemp("tls"), ["127.0.0.1", "localhost"])
+    return make_deployment_tls(tmp_path_factory.mktemp("tls"), ["127.0.0.1"], ["127.0.0.1", "localhost"])
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ async def test_what_crosses_the_network_is_ciphertext_with_tls_and_the_kv_itself
 
 
 async def test_a_sender_trusting_another_ca_is_refused_and_real_transfers_go_on(tls_receiver, tls, tmp_path):
-    other = make_deployment_tls(tmp_path / "other", ["127.0.0.1"])
+    other = make_deployment_tls(tmp_path / "other", ["127.0.0.1"], ["127.0.0.1"])
     stranger = KVSender(tls=transfer_tls(str(other.ca_cert), str(other.transfer_cert), str(other.transfer_key),
                                          environ={}))
     sender = KVSender(tls=tls)
@@ -164,7 +166,7 @@ async def test_a_connection_that_never_finishes_its_handshake_is_closed_at_the_h
         await receiver.stop()
 
 
-def test_side_channel_tls_needs_its_three_files_and_says_which(tls_files, tmp_path):
+async def test_side_channel_tls_needs_its_three_files_and_says_which(tls_files, tmp_path):
     assert transfer_tls(environ={}) is None
     with pytest.raises(TransferTLSError, match="all three"):
         transfer_tls(str(tls_files.ca_cert), environ={})
@@ -175,3 +177,22 @@ def test_side_channel_tls_needs_its_three_files_and_says_which(tls_files, tmp_pa
     config = transfer_tls(environ=env)
     assert config.client.verify_mode == ssl.CERT_REQUIRED and config.client.check_hostname
     assert config.server.minimum_version == ssl.TLSVersion.TLSv1_3
+
+
+async def test_nats_auth_makes_the_side_channel_certificate_for_the_names_given(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="needs --tls-name"):
+        cli_main.main(["nats-auth", str(tmp_path / "alone"), "--transfer-tls-name", "decode"])
+    secrets = tmp_path / "secrets"
+    assert cli_main.main(["nats-auth", str(secrets), "--tls-name", "nats", "--transfer-tls-name", "decode",
+                          "--transfer-tls-name", "10.0.0.7"]) == 0
+    assert "--transfer-tls-cert" in capsys.readouterr().out
+    cert = x509.load_pem_x509_certificate((secrets / "tls" / "transfer.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["decode"]
+    assert [str(a) for a in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.7"]
+    assert (secrets / "tls" / "transfer-key.pem").stat().st_mode & 0o077 == 0
+    assert transfer_tls(str(secrets / "public" / "ca.pem"), str(secrets / "tls" / "transfer.pem"),
+                        str(secrets / "tls" / "transfer-key.pem"), environ={}) is not None
+    # Without --transfer-tls-name no side-channel certificate is made.
+    assert cli_main.main(["nats-auth", str(tmp_path / "plain"), "--tls-name", "nats"]) == 0
+    assert not (tmp_path / "plain" / "tls" / "transfer.pem").exists()
