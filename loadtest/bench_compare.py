@@ -1,8 +1,9 @@
 """`splitserve bench compare`: one workload against several topologies in turn, side by side.
 
 Each configuration is started with `splitserve up` (its flags after the name:
-`disagg`, `colocated`, `pipeline` are presets, `NAME=FLAGS` any other), its
-workers pinned one per core (--cores; unless --no-pin), served the same
+`disagg`, `colocated`, `pipeline` are presets, `NAME=FLAGS` any other) on
+--cores (`up --cpus`: up shares them out among the model workers and pairs
+their CPU loans; --no-pin leaves placement to the OS), served the same
 workload (same seed, same prompts, same sampling), and stopped before the
 next. The figures print as one table and go to --out; --plot draws every
 configuration's latency CDFs in one figure. This is the seed experiment:
@@ -43,8 +44,8 @@ def add_parser_options(parser: argparse.ArgumentParser) -> None:
                              "(default: smollm2-135m-instruct)")
     parser.add_argument("--up-args", default="", help="more `splitserve up` flags for every configuration")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--cores", help="cores to pin workers to, one each, round-robin (default: all)")
-    parser.add_argument("--no-pin", action="store_true", help="leave the workers unpinned")
+    parser.add_argument("--cores", help="the cores the deployment's model workers share (up --cpus; default: all)")
+    parser.add_argument("--no-pin", action="store_true", help="no --cpus: the OS places the workers")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--run-dir-root", help="where the deployments' run directories go (default: a temp dir)")
     bench_serve.add_workload_options(parser)
@@ -68,15 +69,17 @@ def parse_configs(text: str) -> dict[str, list[str]]:
 
 
 def run_config(name: str, flags: list[str], args, model_dir: str, run_root: Path) -> dict:
-    deployment = UpProcess(name, [*flags, *shlex.split(args.up_args)], model_dir=model_dir, served_name="bench",
-                           run_dir=run_root / "".join(c if c.isalnum() else "-" for c in name), dtype=args.dtype,
-                           worker_threads=1, ready_timeout_s=args.ready_timeout, stop_timeout_s=30.0)
+    # up places the workers itself (each its share of --cores, idle CPUs lent): pinning every thread of a
+    # worker afterwards would stack a borrowed OpenMP team on one core.
+    placement = [] if args.no_pin else ["--cpus", ",".join(map(str, args.cores))]
+    deployment = UpProcess(name, [*flags, *placement, *shlex.split(args.up_args)], model_dir=model_dir,
+                           served_name="bench", run_dir=run_root / "".join(c if c.isalnum() else "-" for c in name),
+                           dtype=args.dtype, worker_threads=len(args.cores), ready_timeout_s=args.ready_timeout,
+                           stop_timeout_s=30.0)
     print(f"\n== {name}: splitserve up {' '.join(deployment.cmd[4:])}", flush=True)
     try:
         deployment.start()
         deployment.wait_ready(args.ready_timeout + 30)
-        if not args.no_pin:
-            deployment.pin_workers(("decode", "prefill", "stage"), args.cores)
         bench_args = argparse.Namespace(**{**vars(args), "url": deployment.base_url, "model": "bench",
                                            "tokenizer": args.tokenizer or model_dir})
         result = bench_serve.run(bench_args)

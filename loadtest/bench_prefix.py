@@ -11,8 +11,8 @@ Each conversation runs its turns one after another (streaming completions,
 greedy, `ignore_eos`); conversation i starts i x --stagger seconds after the
 first, so every conversation after a document's first finds it computed.
 
-Each configuration is one `splitserve up` deployment, its workers pinned one
-per core (round-robin over --cores). The defaults compare, on two workers:
+Each configuration is one `splitserve up` deployment on --cores (`up --cpus`:
+up gives each worker its share). The defaults compare, on two workers:
 
 - `load`: `--topology colocated --decode 2 --no-kv-store
   --router load` (each worker's own prefix cache only);
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--question-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--stagger", type=float, default=3.0, help="seconds between conversation starts")
-    parser.add_argument("--cores", default=None, help="cores to pin workers to, e.g. 0,1 (default: all)")
+    parser.add_argument("--cores", default=None, help="the cores the workers share (up --cpus), e.g. 0,1 (default: all)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=300.0)
@@ -154,14 +154,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_one(label: str, flags: list[str], args, model_dir: str, conversations, run_root: Path) -> dict[str, Any]:
     slug = "".join(c if c.isalnum() else "-" for c in label)
-    dep = UpProcess(slug, flags, model_dir=model_dir, served_name="bench", run_dir=run_root / slug, dtype=args.dtype,
-                    worker_threads=1, ready_timeout_s=args.ready_timeout, stop_timeout_s=args.stop_timeout)
+    # up shares --cores out among the workers itself (and pairs their CPU loans): never re-pin its threads.
+    dep = UpProcess(slug, [*flags, "--cpus", ",".join(map(str, args.cores))], model_dir=model_dir,
+                    served_name="bench", run_dir=run_root / slug, dtype=args.dtype, worker_threads=len(args.cores),
+                    ready_timeout_s=args.ready_timeout, stop_timeout_s=args.stop_timeout)
     result: dict[str, Any] = {"config": label, "flags": flags, "ok": False, "command": dep.cmd}
     print(f"\n== {label}: {' '.join(flags)}", flush=True)
     try:
         dep.start()
         dep.wait_ready(args.ready_timeout + 30)
-        result["pinned"] = dep.pin_workers(("decode", "prefill"), args.cores)
         warm_up = [{"group": -1, "index": -1, "turns": [[11 + i for i in range(64)]]}]
         asyncio.run(run_conversations(dep.base_url, warm_up, args))  # first-call costs, not counted
         time.sleep(3.0)  # heartbeat (1 s) + the gateway's registry refresh: /metrics shows the warm-up
