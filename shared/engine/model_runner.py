@@ -10,6 +10,7 @@ from shared.engine.model_loader import LoadedModel
 from shared.engine.packed_linear import PackedLinear, tune_float32_layouts
 from shared.engine.paged_attention import (DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSpan,
                                            group_decodes_by_length, native_decode_library, native_prefill_library)
+from shared.engine.prefill_attention_choice import choose_fresh_prefill_attention
 from shared.engine.step_batch import StepBatch
 
 
@@ -48,6 +49,11 @@ class ModelRunner:
         self.lm_head = PackedLinear(loaded.model.lm_head.weight, loaded.model.lm_head.bias) if loaded.is_last else None
         # Float32 on CPU: from how many rows the packed layout serves, timed here (see packed_linear).
         self.packed_min_rows = tune_float32_layouts(self._linears())
+        # Fresh prompt chunks (no cached prefix): SDPA on the step's own keys where that is faster here.
+        self.sdpa_fresh_prefills = choose_fresh_prefill_attention(
+            self.native_prefill, num_heads=self.stack.num_heads, num_kv_heads=self.stack.num_kv_heads,
+            head_dim=self.stack.head_dim, block_size=block_size, dtype=loaded.dtype, device=loaded.device,
+            windowed=any(w.sliding_window for w in self.stack.layers))
 
     def _linears(self) -> list[PackedLinear]:
         layers = [lin for w in self.stack.layers for lin in (w.qkv, w.o_proj, w.gate_up, w.down)]
@@ -82,7 +88,8 @@ class ModelRunner:
         decode_index: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefill_tables: list[list[int]] = []
+        native_spans: list[PrefillSpan] = []  # for the native kernel, the rest (`prefills`) for SDPA
+        native_tables: list[list[int]] = []
         query_start = 0
         for query_len, context_len, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
             for pos in range(context_len - query_len, context_len):
@@ -91,12 +98,14 @@ class ModelRunner:
                 decode_index.append(query_start)
                 decode_tables.append(table)
                 decode_lens.append(context_len)
+            elif self.native_prefill and not (self.sdpa_fresh_prefills and context_len == query_len):
+                native_spans.append(PrefillSpan(query_start, query_len, context_len, None))
+                native_tables.append(table)
             else:
                 block_ids = None
-                if context_len > query_len and not self.native_prefill:
+                if context_len > query_len:  # a continued chunk: its keys are gathered from the cache
                     block_ids = torch.tensor(table, dtype=torch.long, device=device)
                 prefills.append(PrefillSpan(query_start, query_len, context_len, block_ids))
-                prefill_tables.append(table)
             query_start += query_len
         # The native kernel reads each sequence's own blocks, so one group holds every decode.
         groups = [list(range(len(decode_lens)))] if self.native_decode and decode_lens else group_decodes_by_length(decode_lens)
@@ -110,7 +119,7 @@ class ModelRunner:
                 for members in groups
             ],
             native_decode=self.native_decode,
-            prefill_group=self._prefill_group(prefills, prefill_tables) if self.native_prefill and prefills else None,
+            prefill_group=self._prefill_group(native_spans, native_tables) if native_spans else None,
             native_prefill=self.native_prefill,
         )
 

@@ -71,11 +71,11 @@ class PrefillGroup:
 class PagedAttentionMetadata:
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor  # (total_tokens,) flat slot = block_id * block_size + offset
-    prefills: list[PrefillSpan]
+    prefills: list[PrefillSpan]  # prompt chunks for SDPA (those of `prefill_group` are not among them)
     decode_groups: list[DecodeGroup]
     masks: dict = field(default_factory=dict)  # prefill masks, shared by every layer of a step
     native_decode: ctypes.CDLL | None = None  # the compiled decode kernel, when it serves this cache
-    prefill_group: PrefillGroup | None = None  # set when the compiled prefill kernel serves this cache
+    prefill_group: PrefillGroup | None = None  # the prompt chunks the compiled prefill kernel attends
     native_prefill: ctypes.CDLL | None = None
 
 
@@ -198,13 +198,12 @@ def paged_attention(
 
     out = query.new_empty(total_tokens, query.shape[1], head_dim)  # (T, heads, head_dim)
 
-    # 2. Prompt chunks: the native kernel reads every chunk's keys from the cache in one call; else one causal
-    # SDPA per sequence.
-    if meta.prefill_group is not None and meta.native_prefill is not None:
+    # 2. Prompt chunks: the native kernel reads its chunks' keys from the cache in one call; the others get one
+    # causal SDPA each (fresh chunks where SDPA is the faster here, every chunk without the kernel).
+    if meta.prefill_group is not None:
         _native_prefill(meta.native_prefill, meta.prefill_group, query, key_cache, value_cache, scaling,
                         sliding_window, out)
-    else:
-        _sdpa_prefills(meta, query, key, value, key_cache, value_cache, scaling, sliding_window, out)
+    _sdpa_prefills(meta, query, key, value, key_cache, value_cache, scaling, sliding_window, out)
 
     # 3. Single-token decodes: the native kernel reads the blocks in place; else one SDPA per group of similar
     # lengths, padded and masked.

@@ -125,3 +125,19 @@ def test_both_float32_linear_layouts_are_exact(cases, monkeypatch, packed_min_ro
     for prompt, expected in prompts:
         assert engine.generate([prompt], GREEDY)[0].token_ids == expected
     assert [r.token_ids for r in engine.generate([p for p, _ in prompts], GREEDY)] == [e for _, e in prompts]
+
+
+@pytest.mark.parametrize("fresh_attention", ["native", "sdpa"])
+def test_both_fresh_prompt_attentions_are_exact(cases, monkeypatch, fresh_attention):
+    """Whichever kernel start-up timing picks for prompt chunks with no cached prefix, cached prefixes included."""
+    from shared.engine.prefill_attention_choice import FRESH_PREFILL_ENV
+
+    monkeypatch.setenv(FRESH_PREFILL_ENV, fresh_attention)
+    path, prompts = cases["default"]
+    engine = engine_for(path, enable_prefix_caching=True)
+    runner = engine.executor.runners[0]
+    assert runner.sdpa_fresh_prefills is (fresh_attention == "sdpa" or runner.native_prefill is None)
+    first, expected_first = prompts[0]
+    assert engine.generate([first], GREEDY)[0].token_ids == expected_first
+    # One step now holds the first prompt continuing its cached prefix (the native kernel) beside fresh ones.
+    assert [r.token_ids for r in engine.generate([p for p, _ in prompts], GREEDY)] == [e for _, e in prompts]

@@ -17,8 +17,9 @@ needs_kernel = pytest.mark.skipif(
 
 
 def _prefill_step(dtype, num_heads, num_kv_heads, head_dim, spans, window, native: bool, seed: int = 0,
-                  portable: bool = False):
-    """`spans`: (query_len, context_len) per sequence; context_len > query_len continues a cached prefix."""
+                  portable: bool = False, native_only: list[int] | None = None):
+    """`spans`: (query_len, context_len) per sequence; context_len > query_len continues a cached prefix.
+    With `native`, the kernel attends every span, or only those of `native_only` (SDPA the rest)."""
     gen = torch.Generator().manual_seed(seed)
     block_size = 16
     tables_needed = [-(-ctx // block_size) for _, ctx in spans]
@@ -32,24 +33,30 @@ def _prefill_step(dtype, num_heads, num_kv_heads, head_dim, spans, window, nativ
     tokens = sum(q for q, _ in spans)
     qk = torch.randn(tokens, num_heads + num_kv_heads, head_dim, generator=gen).to(dtype)
     value = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    slots, prefill_spans, start = [], [], 0
-    for (query_len, context_len), table in zip(spans, tables):
+    on_kernel = set(range(len(spans)) if native_only is None else native_only) if native else set()
+    slots, sdpa_spans, kernel_spans, kernel_tables, start = [], [], [], [], 0
+    for i, ((query_len, context_len), table) in enumerate(zip(spans, tables)):
         slots += [table[p // block_size] * block_size + p % block_size for p in range(context_len - query_len, context_len)]
-        block_ids = torch.tensor(table) if context_len > query_len and not native else None
-        prefill_spans.append(PrefillSpan(start, query_len, context_len, block_ids))
+        if i in on_kernel:
+            kernel_spans.append(PrefillSpan(start, query_len, context_len, None))
+            kernel_tables.append(table)
+        else:
+            block_ids = torch.tensor(table) if context_len > query_len else None
+            sdpa_spans.append(PrefillSpan(start, query_len, context_len, block_ids))
         start += query_len
     group = library = None
-    if native:
-        width = max(len(t) for t in tables)
-        group = PrefillGroup(query_starts=torch.tensor([s.query_start for s in prefill_spans]),
-                             query_lens=torch.tensor([q for q, _ in spans]),
-                             context_lens=torch.tensor([c for _, c in spans]),
-                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                             num_query_tokens=tokens)
+    if kernel_spans:
+        width = max(len(t) for t in kernel_tables)
+        group = PrefillGroup(query_starts=torch.tensor([s.query_start for s in kernel_spans]),
+                             query_lens=torch.tensor([s.query_len for s in kernel_spans]),
+                             context_lens=torch.tensor([s.context_len for s in kernel_spans]),
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in kernel_tables]),
+                             num_query_tokens=sum(s.query_len for s in kernel_spans))
         library = native_prefill_library(cache)
         if portable:  # the kernel's plain C implementation, which serves where AVX-512 does not
             library = SimpleNamespace(paged_prefill_attention=library.paged_prefill_attention_portable)
-    meta = PagedAttentionMetadata(cache, torch.tensor(slots), prefill_spans, [], prefill_group=group,
+    # Each chunk goes to one path: the kernel's group, or SDPA's list.
+    meta = PagedAttentionMetadata(cache, torch.tensor(slots), sdpa_spans, [], prefill_group=group,
                                   native_prefill=library)
     return paged_attention(meta, 0, qk[:, :num_heads], qk[:, num_heads:], value, head_dim ** -0.5, window)
 
@@ -91,3 +98,38 @@ def test_a_long_prompt_matches_torch():
     native = _prefill_step(torch.float32, 9, 3, 64, [(1000, 1000)], None, native=True)
     reference = _prefill_step(torch.float32, 9, 3, 64, [(1000, 1000)], None, native=False)
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fresh_prompt_attention_choice_is_timed_forced_or_implied(monkeypatch):
+    from shared.engine.prefill_attention_choice import (FRESH_PREFILL_ENV, choose_fresh_prefill_attention,
+                                                        sdpa_serves_fresh_chunks)
+
+    assert sdpa_serves_fresh_chunks(native_s=1.0, sdpa_s=0.5)
+    assert not sdpa_serves_fresh_chunks(native_s=1.0, sdpa_s=0.97)  # a tie keeps the native kernel
+    shape = dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, device="cpu")
+    assert choose_fresh_prefill_attention(None, windowed=False, **shape)  # no kernel: SDPA does everything
+    library = native_prefill_library(PagedKVCache(0, 1, 4, 16, 2, 32, torch.float32, "cpu"))
+    if library is None:
+        return
+    assert not choose_fresh_prefill_attention(library, windowed=True, **shape)  # SDPA's mask path: never
+    monkeypatch.setenv(FRESH_PREFILL_ENV, "sdpa")
+    assert choose_fresh_prefill_attention(library, windowed=False, **shape)
+    monkeypatch.setenv(FRESH_PREFILL_ENV, "native")
+    assert not choose_fresh_prefill_attention(library, windowed=False, **shape)
+    monkeypatch.setenv(FRESH_PREFILL_ENV, "fastest")
+    with pytest.raises(ValueError, match="native' or 'sdpa"):
+        choose_fresh_prefill_attention(library, windowed=False, **shape)
+    monkeypatch.delenv(FRESH_PREFILL_ENV)
+    assert choose_fresh_prefill_attention(library, windowed=False, **shape) in (True, False)  # timed
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_chunks_on_sdpa_beside_continued_ones_on_the_kernel_match_torch(dtype):
+    """The split a runner makes when SDPA serves fresh chunks: one step, both paths, each chunk once."""
+    spans = [(40, 40), (30, 100), (17, 17), (2, 300)]
+    continued = [i for i, (q, c) in enumerate(spans) if c > q]
+    native = _prefill_step(dtype, 9, 3, 64, spans, None, native=True, native_only=continued)
+    reference = _prefill_step(dtype, 9, 3, 64, spans, None, native=False)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(native, reference, atol=tolerance, rtol=tolerance)
