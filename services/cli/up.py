@@ -7,6 +7,7 @@ import argparse
 import os
 
 from services.launcher.deployment import DEFAULT_RUN_DIR, RUN_DIR_ENV
+from services.launcher.topology import DISAGG_PREFILL_BESIDE_DECODES_MS
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
@@ -37,6 +38,8 @@ def _checked(convert, ok, kind: str):
 _positive_int = _checked(int, lambda v: v >= 1, "a whole number of at least 1")
 _port = _checked(int, lambda v: 0 < v < 65536, "a port number (1-65535)")
 _seconds = _checked(float, lambda v: v > 0, "a positive number of seconds")
+_milliseconds_or_off = _checked(float, lambda v: v >= 0 and v == v and v != float("inf"),
+                                "a number of milliseconds (0: off)")
 
 
 def _cpus(text: str) -> str:
@@ -108,6 +111,10 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
                         help="every worker's token budget per step: long prompts are prefilled in chunks of at "
                              "most N tokens, mixed with decodes (default: the engine's, 2048)")
+    parser.add_argument("--prefill-beside-decodes-ms", type=_milliseconds_or_off, metavar="MS",
+                        help="decode workers' stall-free chunking: a step carrying decodes takes about MS of prompt "
+                             "chunks, so a prompt prefilled on a decode worker never stalls the others' tokens "
+                             f"(default: {DISAGG_PREFILL_BESIDE_DECODES_MS:g} in disagg, off in colocated; 0: off)")
     parser.add_argument("--kv-store", action=argparse.BooleanOptionalAction, default=None,
                         help="run a kv-store: workers load cached prompt prefixes from it and write computed blocks "
                              "back, so a prefix is computed once for all workers (default: on with disagg; "
@@ -181,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         microbatches=args.microbatches,
         prefill_stages=args.prefill_stages,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_beside_decodes_ms=args.prefill_beside_decodes_ms,
         kv_store=args.kv_store,
         router=args.router,
         trace_viewer=args.trace_viewer,

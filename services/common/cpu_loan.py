@@ -28,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -80,6 +81,9 @@ class CpuLender:
     def __init__(self, path: str | os.PathLike, deadline_s: float = DEFAULT_CLAIM_DEADLINE_S):
         self.path = Path(path)
         self.deadline_s = deadline_s
+        # Whether the rest of the worker is quiet too (set by it): while it still ships KV or writes blocks back,
+        # its event loop runs on these CPUs, and a borrower's OpenMP thread there would wait on it at every barrier.
+        self.quiet: Callable[[], bool] = lambda: True
         self.counts = LoanCounts()
         # Opened in place, never replaced: a borrower that opened it before this worker (re)started locks the
         # same file. Demand is on until this worker first goes idle (it is loading).
@@ -98,7 +102,8 @@ class CpuLender:
         self.claim()
 
     def idle(self) -> None:
-        self.release()
+        if self.quiet():
+            self.release()  # else kept; the engine loop says idle again within its idle wait
 
     def claim(self) -> None:
         """Take the CPUs back: ask, then wait for the borrower's lock (at most `deadline_s` a claim)."""

@@ -50,6 +50,10 @@ class KVStoreCache:
         self._puts_in_flight = 0  # counted from the engine thread (up) and the event loop (down), under _known_lock
         engine.kv_write_back = self._write_back
 
+    @property
+    def puts_in_flight(self) -> int:
+        return self._puts_in_flight
+
     def details(self) -> dict:
         return {"counts": dict(self.counts), "misses": dict(self.client.misses), "puts_in_flight": self._puts_in_flight}
 

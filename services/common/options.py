@@ -110,9 +110,24 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--prefill-beside-decodes-ms", type=_positive_ms, metavar="MS",
+                        default=env_default("PREFILL_BESIDE_DECODES_MS", None),
+                        help="stall-free chunking: a step that carries decodes takes about MS of prompt chunks "
+                             "(learnt from the steps), so a long prompt never stalls running requests' tokens "
+                             "(default: off, the whole --max-num-batched-tokens)")
     parser.add_argument("--cpus", type=_cpu_list, default=env_default("CPUS", None), metavar="LIST",
                         help="run the worker's threads on these CPUs (e.g. 0-3 or 0,2), one torch thread each "
                              "(default: wherever the OS places them, torch's default thread count)")
+
+
+def _positive_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of milliseconds")
+    return value
 
 
 def _cpu_list(text: str) -> tuple[int, ...]:
@@ -169,6 +184,7 @@ def engine_config(args: argparse.Namespace, model_dir: str):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        prefill_beside_decodes_ms=args.prefill_beside_decodes_ms,
     )
 
 

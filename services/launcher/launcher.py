@@ -86,6 +86,7 @@ class UpOptions:
     microbatches: int = 2  # pipeline
     prefill_stages: int | None = None  # disagg: the prefill pool is one pipeline of this many stages
     max_num_batched_tokens: int | None = None  # every worker's per-step token budget (None: the engine's default)
+    prefill_beside_decodes_ms: float | None = None  # decode workers' pacing (None: topology's default; 0: off)
     kv_store: bool | None = None  # run a kv-store the workers use (None: on for disagg)
     router: str = "kv"
     trace_viewer: bool = False  # run a local trace viewer (Arize Phoenix) and export the services' traces to it
@@ -419,6 +420,7 @@ class Launcher:
             offload_short_prefills=o.offload_short_prefills, kv_transport=o.kv_transport,
             stage_ranges=self._stage_ranges, microbatches=o.microbatches,
             max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,
+            prefill_beside_decodes_ms=o.prefill_beside_decodes_ms,
             kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
             kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
             cpus=worker_cpus(o.cpus), nats_creds_dir=str(creds_dir) if creds_dir else None, nats_tls_ca=tls_ca,

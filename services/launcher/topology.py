@@ -37,6 +37,8 @@ class UpConfig:
     namespace: str = "splitserve"
     dtype: str = "auto"
     max_num_batched_tokens: int | None = None  # every worker's token budget per step (None: the engine's default)
+    # Decode workers' stall-free chunking target (None: DISAGG_PREFILL_BESIDE_DECODES_MS in disagg, else off; 0: off).
+    prefill_beside_decodes_ms: float | None = None
     # A kv-store (kvstore-0) the workers load prefixes from and write blocks back to (None: on for disagg).
     kv_store: bool | None = None
     router: str = "kv"  # the scheduler's: "kv" (cached prefix and load) or "load"
@@ -76,6 +78,11 @@ def _engine_flags(config: UpConfig) -> tuple[str, ...]:
     return flags
 
 
+def _pacing_flags(config: "UpConfig") -> tuple[str, ...]:
+    ms = decode_pacing_ms(config)
+    return () if ms is None else ("--prefill-beside-decodes-ms", f"{ms:g}")
+
+
 def connect_host(host: str) -> str:
     """Where a client on this machine reaches a server bound to `host`."""
     if host in ("", "0.0.0.0"):
@@ -96,6 +103,17 @@ def expect_arg(counts: dict[str, int]) -> str:
 
 
 ENGINE_ROLES = ("decode", "prefill", "stage")
+# In disagg a decode worker still prefills short prompts (and long ones when no prefill worker can); pacing
+# those chunks keeps its running requests' tokens flowing (on a 2-core CPU: short-request ITL p99 366 -> 172 ms).
+DISAGG_PREFILL_BESIDE_DECODES_MS = 100.0
+
+
+def decode_pacing_ms(config: "UpConfig") -> float | None:
+    """The decode workers' `--prefill-beside-decodes-ms` (None: not paced)."""
+    ms = config.prefill_beside_decodes_ms
+    if ms is None:
+        ms = DISAGG_PREFILL_BESIDE_DECODES_MS if config.topology == "disagg" else 0.0
+    return ms or None
 SIDE_CHANNEL_ROLES = (*ENGINE_ROLES, "kvstore")  # the services that move KV or activations outside NATS
 
 
@@ -174,7 +192,7 @@ def _plan(config: UpConfig) -> list[ServiceSpec]:
             ServiceSpec(
                 iid, "decode", iid,
                 (*bus, *model, "--mode", "disagg" if disagg else "colocated", "--instance-id", iid,
-                 *_engine_flags(config), *store_flag),
+                 *_engine_flags(config), *store_flag, *_pacing_flags(config)),
             )
         )
     specs.append(_gateway(config, bus, model, counts))

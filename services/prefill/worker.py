@@ -31,7 +31,7 @@ from contracts import (
     StatsRequest,
     Subjects,
 )
-from services.common.cpu_loan import CpuShare, loan_details
+from services.common.cpu_loan import CpuLender, CpuShare, loan_details
 from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
 from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
@@ -74,6 +74,8 @@ class PrefillWorker:
         self._first_tokens: dict[str, asyncio.Future] = {}
         self._loop = asyncio.get_running_loop()
         self.engine_loop = EngineLoop(engine, self._from_engine_thread, engine_thread, cpu_share)
+        if isinstance(cpu_share, CpuLender):
+            cpu_share.quiet = self._quiet
         self._heartbeat = Heartbeat(registry, self.info)
         self.counts: dict[str, int] = {}
         self.kv_cache = None  # services.common.kvstore_cache.KVStoreCache, with --kv-store
@@ -354,6 +356,10 @@ class PrefillWorker:
         if task is not None:
             self._cancelled[cancel.request_id] = True
             task.cancel()
+
+    def _quiet(self) -> bool:
+        """Nothing of this worker runs on its CPUs but the engine (read from the engine thread: it lends them)."""
+        return self.sender.sends_in_flight == 0 and (self.kv_cache is None or self.kv_cache.puts_in_flight == 0)
 
     def _from_engine_thread(self, items: list) -> None:
         self._loop.call_soon_threadsafe(self._deliver, items)

@@ -19,6 +19,8 @@ class EngineConfig:
     max_waiting_requests: int = 4096
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # A step carrying decodes takes about this many ms of prompt chunks (None: its whole token budget).
+    prefill_beside_decodes_ms: float | None = None
     layer_ranges: list[LayerRange] | None = None  # run the model as a chain of ranges (pipeline layout)
 
     def __post_init__(self) -> None:
@@ -30,3 +32,5 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
+        if self.prefill_beside_decodes_ms is not None and self.prefill_beside_decodes_ms <= 0:
+            raise ValueError("prefill_beside_decodes_ms must be positive")

@@ -9,6 +9,7 @@ services drive `step()` from their own loop.
 import dataclasses
 from collections.abc import Callable
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from shared.engine.block_hash import cacheable_block_hashes
 from shared.engine.kv_cache import KVAllocator, KVLayout, PagedKVCache, dtype_name
 from shared.engine.model_loader import LayerRange, load_model, read_config, resolve_dtype
 from shared.engine.model_runner import ModelRunner
+from shared.engine.prefill_pacer import PrefillPacer
 from shared.engine.sampler import SamplingRow, TokenLogprobs, sample
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -113,6 +115,8 @@ class LLMEngine:
             for _ in range(num_virtual_engines)
         ]
         self.scheduler = self.schedulers[0]
+        self.prefill_pacer = (PrefillPacer(config.prefill_beside_decodes_ms / 1000)
+                              if config.prefill_beside_decodes_ms else None)
         self.vocab_size = model_config.vocab_size
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if load_tokenizer else None
         self.eos_token_ids = _eos_token_ids(config.model, model_config, self.tokenizer)
@@ -306,10 +310,16 @@ class LLMEngine:
         if self.local_layers_end != self.model_config.num_hidden_layers:
             raise EngineError("this engine runs only the first layers of a pipeline; a pipeline head drives it")
         outputs = []
+        pacer = self.prefill_pacer
         for virtual_engine in range(len(self.schedulers)):
+            if pacer is not None:
+                self.schedulers[virtual_engine].prefill_cap = pacer.cap()
             planned = self.plan_step(virtual_engine)
             if planned is not None:
+                started = time.perf_counter()
                 logits = self.executor.execute(planned.batch, self._layer_streamer(planned.scheduled))
+                if pacer is not None:
+                    pacer.observe(time.perf_counter() - started, _prompt_tokens(planned.scheduled))
                 outputs += self.complete_step(planned, logits)
         return outputs
 
@@ -612,6 +622,12 @@ class LLMEngine:
                 "prompt",
             )
         params.check_token_ids(self.vocab_size)
+
+
+def _prompt_tokens(scheduled: SchedulerOutput) -> int:
+    """Prompt tokens a planned step computes (before `complete_step` counts them as computed)."""
+    return sum(min(item.num_new_tokens, item.seq.num_prompt_tokens - item.seq.num_computed_tokens)
+               for item in scheduled.scheduled if item.seq.num_computed_tokens < item.seq.num_prompt_tokens)
 
 
 def _eos_token_ids(model_dir: str, model_config, tokenizer) -> set[int]:

@@ -4,7 +4,9 @@ Design: there is no prefill phase or decode phase. Each sequence has
 `num_computed_tokens`; a step gives it up to `num_tokens - num_computed_tokens`
 more, within a per-step token budget. Running sequences go first (so decodes
 are never starved by a long prompt, which is chunked instead), then waiting
-ones in arrival order. When blocks run out, the most recently admitted running
+ones in arrival order. With `prefill_cap` set (the engine's pacer, see
+`prefill_pacer`), a step that carries decodes takes at most that many prompt
+tokens, so a long chunk never stalls the tokens of running requests. When blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it is recomputed later (its
 full blocks usually survive in the prefix cache, so recompute is cheap).
 """
@@ -50,6 +52,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefill_cap: int | None = None  # prompt tokens a step carrying decodes may take (None: the budget)
         # Prefix-cache lookups of sequences scheduled for the first time: tokens looked up, tokens found.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -71,12 +74,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prompt_budget = budget
+        if self.prefill_cap is not None and self.config.enable_chunked_prefill and any(
+                s.num_computed_tokens >= s.num_prompt_tokens for s in self.running):
+            prompt_budget = self.prefill_cap
 
         # Running sequences first, oldest first; preempt from the newest end.
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            in_prompt = seq.num_computed_tokens < seq.num_prompt_tokens
+            num_new = min(seq.num_uncomputed_tokens, budget, prompt_budget if in_prompt else budget)
+            if num_new == 0:  # a prompt chunk with the step's prompt tokens spent: next step
+                index += 1
+                continue
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -86,6 +97,8 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
+                if in_prompt:
+                    prompt_budget -= num_new
                 index += 1
                 continue
             break  # `seq` itself was preempted: nothing newer is left
@@ -93,15 +106,19 @@ class Scheduler:
         # Then waiting sequences, unless this step already had to preempt.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # A sequence arriving with imported KV already holds its blocks.
-            hit = None if seq.block_table else self.block_manager.find_prefix_hit(seq)
+            # A sequence arriving with imported KV already holds its blocks (and is as good as decoding).
+            imported = bool(seq.block_table)
+            limit = budget if imported else min(budget, prompt_budget)
+            if limit <= 0:
+                break  # the step's prompt tokens are spent: in arrival order, the next step
+            hit = None if imported else self.block_manager.find_prefix_hit(seq)
             num_new = seq.num_tokens - (hit.num_tokens if hit else seq.num_computed_tokens)
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            if num_new > limit and not self.config.enable_chunked_prefill:
                 if out.scheduled:
                     break  # wait for a step of its own
                 # Longer than a whole step's budget: run it alone rather than never.
-            elif num_new > budget:
-                num_new = budget
+            elif num_new > limit:
+                num_new = limit
             if not self.block_manager.allocate(seq, num_new, hit):
                 break
             self.waiting.popleft()
@@ -114,6 +131,8 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+            if not imported:
+                prompt_budget -= num_new
         return out
 
     def finish(self, seq: Sequence, free_blocks: bool = True) -> None:

@@ -165,6 +165,7 @@ class KVSender:
         self.connect_timeout_s = connect_timeout_s
         self.tls = tls
         self.stats = TransferStats()
+        self.sends_in_flight = 0  # `send` calls not yet returned
         self.max_idle_connections = max_idle_connections
         self.keep_connections_s = keep_connections_s
         self.connect_attempts = connect_attempts  # a connection lost before the receiver took anything is made again
@@ -213,6 +214,13 @@ class KVSender:
         `await`). `layers`: the layers this sender delivers, when other senders
         deliver the rest of the ticket's (default: all of them).
         """
+        self.sends_in_flight += 1
+        try:
+            return await self._send(ticket, parts, backend, layers)
+        finally:
+            self.sends_in_flight -= 1
+
+    async def _send(self, ticket: TransferTicket, parts, backend: str, layers: tuple[int, int] | None) -> TransferResult:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         flow = _Flow(self.max_inflight_bytes)

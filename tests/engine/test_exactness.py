@@ -141,3 +141,34 @@ def test_both_fresh_prompt_attentions_are_exact(cases, monkeypatch, fresh_attent
     assert engine.generate([first], GREEDY)[0].token_ids == expected_first
     # One step now holds the first prompt continuing its cached prefix (the native kernel) beside fresh ones.
     assert [r.token_ids for r in engine.generate([p for p, _ in prompts], GREEDY)] == [e for _, e in prompts]
+
+
+def test_prompts_paced_beside_decodes_are_exact_and_never_stall_the_decodes(cases):
+    """Stall-free chunking (a tiny target: every chunk at the pacer's floor) changes what each step holds, not
+    what any request gets; a request that is decoding gets a token in every step."""
+    path, prompts = cases["default"]
+    engine = engine_for(path, enable_prefix_caching=False, prefill_beside_decodes_ms=0.001)
+    (first, first_expected), rest = prompts[0], prompts[1:]
+    got = {"first": []}
+    engine.add_request("first", first, GREEDY)
+    for out in engine.step():  # its whole prompt (nothing decodes yet), then its first token
+        got["first"].extend(out.new_token_ids)
+    for i, (prompt, _) in enumerate(rest):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+        got[f"r{i}"] = []
+    paced_steps = 0
+    while engine.has_unfinished_requests():
+        decoding = any(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
+        computed, cap = engine.num_prompt_tokens_computed, engine.prefill_pacer.cap()
+        outputs = engine.step()
+        if decoding:  # beside decodes, at most the pacer's cap of prompt tokens
+            assert engine.num_prompt_tokens_computed - computed <= cap
+            paced_steps += cap == 16 and engine.num_prompt_tokens_computed > computed  # learnt: the floor
+        if len(got["first"]) < len(first_expected):
+            assert "first" in {o.request_id for o in outputs}  # never left waiting for a prompt chunk
+        for out in outputs:
+            got[out.request_id].extend(out.new_token_ids)
+    assert paced_steps >= 5
+    assert got["first"] == first_expected
+    assert [got[f"r{i}"] for i in range(len(rest))] == [expected for _, expected in rest]
+    assert engine.prefill_pacer.seconds_per_token is not None

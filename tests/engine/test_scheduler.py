@@ -291,3 +291,47 @@ def test_chunked_prefill_disabled_preempted_sequence_longer_than_budget_is_resch
     assert bm.num_free_blocks == 4 and sched.has_unfinished()
     scheduled = [plan(sched.schedule()) for _ in range(3)]
     assert any(scheduled), "a is never scheduled again although the engine is otherwise idle"
+
+
+def test_a_step_carrying_decodes_takes_at_most_the_prefill_cap_of_prompt_tokens():
+    sched, bm = make_scheduler(budget=64)
+    sched.prefill_cap = 8
+    decoding = make_seq(4, "decoding", 0)
+    sched.add(decoding)
+    apply(sched.schedule(), bm)  # nothing decodes yet: the whole prompt at once, whatever the cap
+    assert decoding.num_computed_tokens == 4
+    long, short = make_seq(20, "long", 1, base=100), make_seq(6, "short", 2, base=200)
+    sched.add(long)
+    sched.add(short)
+    steps = []
+    while long.num_computed_tokens < 20 or short.num_computed_tokens < 6:
+        out = sched.schedule()
+        steps.append(plan(out))
+        prompt_tokens = sum(n for rid, n in plan(out) if rid != "decoding")
+        assert prompt_tokens <= 8 and ("decoding", 1) in plan(out)  # the decode is never left out
+        apply(out, bm)
+    assert steps[0] == [("decoding", 1), ("long", 8)]  # in arrival order: the long prompt's chunk first
+    assert steps[1] == [("decoding", 1), ("long", 8)]
+    assert steps[2] == [("decoding", 1), ("long", 4), ("short", 4)]
+    assert steps[3] == [("decoding", 1), ("long", 1), ("short", 2)]  # the long prompt decodes now too
+
+
+def test_without_decodes_the_prefill_cap_does_not_apply_and_imported_kv_is_never_held_back():
+    sched, bm = make_scheduler(budget=64)
+    sched.prefill_cap = 8
+    alone = make_seq(30, "alone")
+    sched.add(alone)
+    assert plan(sched.schedule()) == [("alone", 30)]  # nobody waits for it: the whole budget
+
+    sched, bm = make_scheduler(budget=64)
+    decoding = make_seq(4, "decoding")
+    sched.add(decoding)
+    apply(sched.schedule(), bm)
+    sched.prefill_cap = 0  # no prompt tokens at all beside decodes
+    imported = make_seq(9, "imported", 1, base=50)
+    assert bm.allocate(imported, 8)  # its prompt's KV arrived from a prefill worker
+    imported.num_computed_tokens = 8
+    fresh = make_seq(5, "fresh", 2, base=80)
+    sched.add(imported)
+    sched.add(fresh)
+    assert plan(sched.schedule()) == [("decoding", 1), ("imported", 1)]  # the fresh prompt waits

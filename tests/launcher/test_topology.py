@@ -152,3 +152,17 @@ def test_every_planned_command_line_parses(role, config):
         assert parsed.nats_creds == (f"/run/creds/{role}.nk" if config.nats_creds_dir else None)
         if role in ("decode", "gateway", "prefill", "stage"):  # (the kv-store holds no model)
             assert parsed.model == config.model and parsed.served_model_name == config.served_model_name
+
+
+def test_decode_workers_pace_prompt_chunks_in_disagg_by_default_and_as_told_elsewhere():
+    def pacing(config) -> dict[str, str | None]:
+        return {s.name: s.args[s.args.index("--prefill-beside-decodes-ms") + 1]
+                if "--prefill-beside-decodes-ms" in s.args else None
+                for s in plan(config) if s.role in ("decode", "prefill")}
+
+    assert pacing(DISAGG) == {"prefill-0": None, "prefill-1": None, "decode-0": "100"}  # prefill has no decodes
+    assert pacing(dataclasses.replace(DISAGG, prefill_beside_decodes_ms=0.0))["decode-0"] is None
+    colocated = dataclasses.replace(DISAGG, topology="colocated", prefill=0, decode=2)
+    assert pacing(colocated) == {"decode-0": None, "decode-1": None}  # the baseline as vLLM runs it
+    assert pacing(dataclasses.replace(colocated, prefill_beside_decodes_ms=40.0)) == {"decode-0": "40",
+                                                                                     "decode-1": "40"}

@@ -122,6 +122,26 @@ def test_the_decode_worker_runs_on_lent_cpus_only_while_the_prefill_worker_is_id
 
 
 @needs_two_cpus
+def test_a_lender_whose_worker_still_ships_kv_keeps_its_cpus_until_it_is_quiet(tmp_path, cpus):
+    """Its event loop runs on those CPUs while it ships KV or writes blocks back: no borrower thread beside it."""
+    own, lent = cpus
+    loan = tmp_path / "loans" / "prefill-0.loan"
+    lender = CpuLender(loan, deadline_s=30)
+    shipping = [True]
+    lender.quiet = lambda: not shipping[0]
+    borrower = Borrower(loan, own, lent)
+    try:
+        lender.idle()  # the engine is idle, the worker is not
+        assert borrower.do("step")["threads"] == 1
+        shipping[0] = False
+        lender.idle()  # the engine loop says idle again within its idle wait
+        assert borrower.do("step")["threads"] == 2
+    finally:
+        borrower.close()
+        lender.close()
+
+
+@needs_two_cpus
 def test_a_borrower_that_does_not_step_is_overdue_and_the_lender_computes_anyway(tmp_path, cpus):
     own, lent = cpus
     loan = tmp_path / "prefill-0.loan"

@@ -188,3 +188,21 @@ async def test_parts_outside_the_claim_or_a_claim_outside_the_transfer_are_refus
     sent = await sender.send(ticket, [(0, 1, src[0:1])], backend="tcp", layers=(2, 4))
     assert not sent.ok and sent.reason == "protocol"
     assert not (await receiver.wait("claims")).ok
+
+
+async def test_a_sender_counts_its_sends_in_flight(receiver, sender):
+    """What a prefill worker reads before it lends its CPUs (it never lends them while it still ships KV)."""
+    src = kv(2)
+    ticket = receiver.expect("counted", on_part=Sink(src), total_layers=(0, 2), deadline_s=10)
+    gate = asyncio.Event()
+
+    async def parts():
+        yield 0, 1, src[0:1]
+        await gate.wait()
+        yield 1, 2, src[1:2]
+
+    sending = asyncio.create_task(sender.send(ticket, parts()))
+    await asyncio.sleep(0.05)
+    assert sender.sends_in_flight == 1
+    gate.set()
+    assert (await sending).ok and sender.sends_in_flight == 0
