@@ -160,7 +160,7 @@ def test_decode_workers_pace_prompt_chunks_in_disagg_by_default_and_as_told_else
                 if "--prefill-beside-decodes-ms" in s.args else None
                 for s in plan(config) if s.role in ("decode", "prefill")}
 
-    assert pacing(DISAGG) == {"prefill-0": None, "prefill-1": None, "decode-0": "100"}  # prefill has no decodes
+    assert pacing(DISAGG) == {"prefill-0": None, "prefill-1": None, "decode-0": "200"}  # prefill has no decodes
     assert pacing(dataclasses.replace(DISAGG, prefill_beside_decodes_ms=0.0))["decode-0"] is None
     colocated = dataclasses.replace(DISAGG, topology="colocated", prefill=0, decode=2)
     assert pacing(colocated) == {"decode-0": None, "decode-1": None}  # the baseline as vLLM runs it
