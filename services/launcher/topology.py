@@ -103,6 +103,7 @@ def expect_arg(counts: dict[str, int]) -> str:
 
 
 ENGINE_ROLES = ("decode", "prefill", "stage")
+SIDE_CHANNEL_ROLES = (*ENGINE_ROLES, "kvstore")  # the services that move KV or activations outside NATS
 # In disagg a decode worker still prefills short prompts (and long ones when no prefill worker can); pacing
 # those chunks keeps its running requests' tokens flowing. On a 2-core CPU, float32, the mixed load: unpaced
 # short-request ITL p99 305 ms, 100 ms: 176 ms but 10% fewer tokens/s at concurrency 16, 200 ms: 218 ms at no cost.
@@ -115,7 +116,6 @@ def decode_pacing_ms(config: "UpConfig") -> float | None:
     if ms is None:
         ms = DISAGG_PREFILL_BESIDE_DECODES_MS if config.topology == "disagg" else 0.0
     return ms or None
-SIDE_CHANNEL_ROLES = (*ENGINE_ROLES, "kvstore")  # the services that move KV or activations outside NATS
 
 
 def plan(config: UpConfig) -> list[ServiceSpec]:

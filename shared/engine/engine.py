@@ -625,9 +625,8 @@ class LLMEngine:
 
 
 def _prompt_tokens(scheduled: SchedulerOutput) -> int:
-    """Prompt tokens a planned step computes (before `complete_step` counts them as computed)."""
-    return sum(min(item.num_new_tokens, item.seq.num_prompt_tokens - item.seq.num_computed_tokens)
-               for item in scheduled.scheduled if item.seq.num_computed_tokens < item.seq.num_prompt_tokens)
+    """Tokens a planned step computes in chunks (a prompt's, or a preempted sequence's again), not decodes."""
+    return sum(item.num_new_tokens for item in scheduled.scheduled if item.num_new_tokens > 1)
 
 
 def _eos_token_ids(model_dir: str, model_config, tokenizer) -> set[int]:

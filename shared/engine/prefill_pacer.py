@@ -20,7 +20,7 @@ START_TOKENS = 64
 @dataclass
 class PrefillPacer:
     target_s: float
-    floor_tokens: int = 16  # never less than a block's worth: a chunk must make progress
+    floor_tokens: int = 16  # a chunk always makes this much progress, however slow a token
     start_tokens: int = START_TOKENS
     smoothing: float = 0.3  # weight of the newest step in the estimate
     seconds_per_token: float | None = None

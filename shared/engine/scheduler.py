@@ -75,17 +75,19 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         prompt_budget = budget
+        # A sequence with one token to compute decodes; more is a chunk (of its prompt, or of its output again
+        # after a preemption), which the cap limits beside decodes.
         if self.prefill_cap is not None and self.config.enable_chunked_prefill and any(
-                s.num_computed_tokens >= s.num_prompt_tokens for s in self.running):
+                s.num_uncomputed_tokens == 1 for s in self.running):
             prompt_budget = self.prefill_cap
 
         # Running sequences first, oldest first; preempt from the newest end.
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            in_prompt = seq.num_computed_tokens < seq.num_prompt_tokens
+            in_prompt = seq.num_uncomputed_tokens > 1
             num_new = min(seq.num_uncomputed_tokens, budget, prompt_budget if in_prompt else budget)
-            if num_new == 0:  # a prompt chunk with the step's prompt tokens spent: next step
+            if num_new == 0:  # a chunk with the step's prompt tokens spent: next step
                 index += 1
                 continue
             while not self.block_manager.allocate(seq, num_new):
@@ -106,12 +108,11 @@ class Scheduler:
         # Then waiting sequences, unless this step already had to preempt.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # A sequence arriving with imported KV already holds its blocks (and is as good as decoding).
-            imported = bool(seq.block_table)
-            limit = budget if imported else min(budget, prompt_budget)
+            limit = min(budget, prompt_budget)
             if limit <= 0:
                 break  # the step's prompt tokens are spent: in arrival order, the next step
-            hit = None if imported else self.block_manager.find_prefix_hit(seq)
+            # A sequence arriving with imported KV already holds its blocks.
+            hit = None if seq.block_table else self.block_manager.find_prefix_hit(seq)
             num_new = seq.num_tokens - (hit.num_tokens if hit else seq.num_computed_tokens)
             if num_new > limit and not self.config.enable_chunked_prefill:
                 if out.scheduled:
@@ -131,8 +132,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
-            if not imported:
-                prompt_budget -= num_new
+            prompt_budget -= num_new
         return out
 
     def finish(self, seq: Sequence, free_blocks: bool = True) -> None:

@@ -388,9 +388,14 @@ class KVReceiver:
             if len(self._handshaking) >= self.max_handshakes:
                 self._evict_a_handshake()
             self.stats.connections += 1
-            configure_socket(sock)
-            if self.tls is not None:
-                sock = self.tls.server.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            try:
+                configure_socket(sock)
+                if self.tls is not None:
+                    sock = self.tls.server.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            except OSError:  # reset while it waited to be accepted (ssl.SSLError is an OSError too)
+                self.stats.unauthenticated += 1
+                sock.close()
+                continue
             task = asyncio.create_task(self._serve(sock), name="kv-receiver-connection")
             self._connections.add(task)
             self._handshaking[task] = sock

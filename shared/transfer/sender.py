@@ -337,12 +337,14 @@ class KVSender:
         except (OSError, TimeoutError) as exc:
             raise _ConnectionLost(TransferFailed(CONNECTION, f"cannot connect to the receiver at {host}:{port}: "
                                                              f"{exc or type(exc).__name__}")) from None
-        configure_socket(sock)
-        if self.tls is not None:
-            channel = TLSChannel(self.tls.client.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False),
-                                 self.io_timeout_s)
-        else:
-            channel = Channel(sock, self.io_timeout_s)
+        try:
+            configure_socket(sock)
+            if self.tls is not None:
+                sock = self.tls.client.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:  # reset at once, or a host name TLS cannot check
+            sock.close()
+            raise _ConnectionLost(TransferFailed(CONNECTION, f"cannot open a connection to {host}:{port}: {exc}")) from None
+        channel = TLSChannel(sock, self.io_timeout_s) if self.tls is not None else Channel(sock, self.io_timeout_s)
         try:
             if self.tls is not None:
                 async with asyncio.timeout(self.connect_timeout_s):

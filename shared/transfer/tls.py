@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import select
 import ssl
 from dataclasses import dataclass
 
 from shared.transfer.types import CONNECTION, TLS, TransferFailed
-from shared.transfer.wire import Channel
+from shared.transfer.wire import Channel, has_unread
 
 TRANSFER_TLS_ENV = {"ca": "SPLITSERVE_TRANSFER_TLS_CA", "cert": "SPLITSERVE_TRANSFER_TLS_CERT",
                     "key": "SPLITSERVE_TRANSFER_TLS_KEY"}
@@ -158,9 +157,9 @@ class TLSChannel(Channel):
         return got
 
     def peer_closed_or_chatty(self) -> bool:
-        if self.closed or self.has_buffered() or self.sock.pending():
+        if self.closed or self.has_buffered():
             return True
-        if not select.select([self.sock], [], [], 0)[0]:
+        if not has_unread(self.sock):
             return False  # nothing arrived: alive and quiet
         try:
             # Bytes came: TLS housekeeping (a session ticket) is taken and the socket is quiet again, else

@@ -72,7 +72,9 @@ def has_unread(sock: socket.socket) -> bool:
     if isinstance(sock, ssl.SSLSocket) and sock.pending():
         return True
     try:
-        return bool(select.select([sock], [], [], 0)[0])
+        poller = select.poll()  # (not select(): it cannot take descriptors from 1024 on)
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True  # closed or broken: closing it loses nothing
 

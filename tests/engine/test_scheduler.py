@@ -316,7 +316,7 @@ def test_a_step_carrying_decodes_takes_at_most_the_prefill_cap_of_prompt_tokens(
     assert steps[3] == [("decoding", 1), ("long", 1), ("short", 2)]  # the long prompt decodes now too
 
 
-def test_without_decodes_the_prefill_cap_does_not_apply_and_imported_kv_is_never_held_back():
+def test_without_decodes_the_prefill_cap_does_not_apply_and_an_imported_prompt_decodes_at_once():
     sched, bm = make_scheduler(budget=64)
     sched.prefill_cap = 8
     alone = make_seq(30, "alone")
@@ -327,11 +327,31 @@ def test_without_decodes_the_prefill_cap_does_not_apply_and_imported_kv_is_never
     decoding = make_seq(4, "decoding")
     sched.add(decoding)
     apply(sched.schedule(), bm)
-    sched.prefill_cap = 0  # no prompt tokens at all beside decodes
-    imported = make_seq(9, "imported", 1, base=50)
-    assert bm.allocate(imported, 8)  # its prompt's KV arrived from a prefill worker
+    sched.prefill_cap = 0  # no chunk at all beside decodes
+    imported = make_seq(8, "imported", 1, base=50)  # a prefill worker computed its prompt and first token
+    imported.token_ids.append(7)
+    assert bm.allocate(imported, 9)
     imported.num_computed_tokens = 8
-    fresh = make_seq(5, "fresh", 2, base=80)
-    sched.add(imported)
+    sched.add_running(imported)
+    partly = make_seq(12, "partly", 2, base=80)  # 8 tokens of its prompt loaded from the kv-store
+    assert bm.allocate(partly, 12)
+    partly.num_computed_tokens = 8
+    sched.add_running(partly)
+    fresh = make_seq(5, "fresh", 3, base=120)
     sched.add(fresh)
-    assert plan(sched.schedule()) == [("decoding", 1), ("imported", 1)]  # the fresh prompt waits
+    assert plan(sched.schedule()) == [("decoding", 1), ("imported", 1)]  # the two chunks wait
+
+
+def test_a_preempted_sequence_recomputing_past_its_prompt_is_a_chunk_and_capped_beside_decodes():
+    sched, bm = make_scheduler(budget=64)
+    decoding = make_seq(4, "decoding")
+    sched.add(decoding)
+    apply(sched.schedule(), bm)
+    again = make_seq(6, "again", 1, base=50)
+    again.token_ids += list(range(1, 13))  # twelve output tokens, all to compute again after a preemption
+    sched.add(again)
+    sched.prefill_cap = 4
+    for _ in range(3):  # past its prompt (6 tokens) it is still a chunk, not a decode
+        out = sched.schedule()
+        assert plan(out) == [("decoding", 1), ("again", 4)]
+        apply(out, bm)

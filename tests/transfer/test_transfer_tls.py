@@ -196,3 +196,23 @@ async def test_nats_auth_makes_the_side_channel_certificate_for_the_names_given(
     # Without --transfer-tls-name no side-channel certificate is made.
     assert cli_main.main(["nats-auth", str(tmp_path / "plain"), "--tls-name", "nats"]) == 0
     assert not (tmp_path / "plain" / "tls" / "transfer.pem").exists()
+
+
+async def test_connections_reset_before_they_are_accepted_never_stop_the_tls_receiver(tls_receiver, tls):
+    import socket
+    import struct
+
+    for _ in range(20):  # connect, then reset at once (SO_LINGER 0): the receiver may accept it already dead
+        raw = socket.create_connection(("127.0.0.1", tls_receiver.endpoint["port"]))
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        raw.close()
+    await asyncio.sleep(0.2)
+    sender = KVSender(tls=tls)
+    try:
+        src = kv(2, seed=5)
+        sink = Sink(src)
+        ticket = tls_receiver.expect("after-resets", on_part=sink, total_layers=(0, 2), deadline_s=20)
+        sent, got = await asyncio.gather(sender.send(ticket, [(0, 2, src)]), tls_receiver.wait("after-resets"))
+        assert sent.ok and got.ok and torch.equal(sink.dst, src)
+    finally:
+        sender.close()
