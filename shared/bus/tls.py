@@ -19,14 +19,19 @@ class TLSConfigError(ValueError):
     """TLS files that are missing, unreadable or do not belong together."""
 
 
+def tls_files(ca_file: str | None, cert_file: str | None, key_file: str | None, env: dict[str, str],
+              environ: dict | None = None) -> tuple[str | None, str | None, str | None]:
+    """(CA, certificate, key): each as given, else from the environment variable `env` names for it."""
+    environ = os.environ if environ is None else environ
+    given = {"ca": ca_file, "cert": cert_file, "key": key_file}
+    return tuple(given[name] or environ.get(env[name]) or None for name in ("ca", "cert", "key"))
+
+
 def client_tls_context(ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
                        environ: dict | None = None) -> ssl.SSLContext | None:
     """The context that verifies the server (None when no TLS setting is given, on the command line or in the
     environment: the connection is then as the URL and the server say)."""
-    environ = os.environ if environ is None else environ
-    ca_file = ca_file or environ.get(TLS_ENV["ca"]) or None
-    cert_file = cert_file or environ.get(TLS_ENV["cert"]) or None
-    key_file = key_file or environ.get(TLS_ENV["key"]) or None
+    ca_file, cert_file, key_file = tls_files(ca_file, cert_file, key_file, TLS_ENV, environ)
     if not (ca_file or cert_file or key_file):
         return None
     if bool(cert_file) != bool(key_file):

@@ -18,10 +18,10 @@ registration per direction, shared by the connection's reader and writer).
 from __future__ import annotations
 
 import asyncio
-import os
 import ssl
 from dataclasses import dataclass
 
+from shared.bus.tls import tls_files
 from shared.transfer.types import CONNECTION, TLS, TransferFailed
 from shared.transfer.wire import Channel, has_unread
 
@@ -45,10 +45,7 @@ class TransferTLS:
 def transfer_tls(ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
                  environ: dict | None = None) -> TransferTLS | None:
     """The worker's side-channel TLS (None when no setting is given, on the command line or in the environment)."""
-    environ = os.environ if environ is None else environ
-    ca_file = ca_file or environ.get(TRANSFER_TLS_ENV["ca"]) or None
-    cert_file = cert_file or environ.get(TRANSFER_TLS_ENV["cert"]) or None
-    key_file = key_file or environ.get(TRANSFER_TLS_ENV["key"]) or None
+    ca_file, cert_file, key_file = tls_files(ca_file, cert_file, key_file, TRANSFER_TLS_ENV, environ)
     if not (ca_file or cert_file or key_file):
         return None
     if not (ca_file and cert_file and key_file):
