@@ -141,8 +141,9 @@ def add_parser(subcommands) -> None:
                         help="with --nats: each service's credentials, DIR/ROLE.nk (`splitserve nats-auth DIR` "
                              "writes them and the server's authorization config)")
     parser.add_argument("--tls", action="store_true",
-                        help="the embedded NATS server speaks only TLS, with a certificate from a CA made for this "
-                             "deployment (RUN_DIR/tls); every service trusts that CA alone")
+                        help="the embedded NATS server and every worker's KV side channel speak only TLS, with "
+                             "certificates from a CA made for this deployment (RUN_DIR/tls); every service trusts "
+                             "that CA alone")
     parser.add_argument("--nats-tls-ca", metavar="FILE", help="with --nats: talk TLS to it, trusting this CA")
     parser.add_argument("--nats-auth", action=argparse.BooleanOptionalAction, default=True,
                         help="the embedded NATS server admits only this deployment's services, each role with its "
