@@ -15,7 +15,9 @@ One run measures, for each dtype (--dtypes, default float32 and bfloat16), each 
   prefilled by the prefill worker);
 - `disagg-2d`: `splitserve up --topology disagg --prefill 1 --decode 2` (the mixed workload only);
 - `disagg-unpaced`: `disagg` with `--prefill-beside-decodes-ms 0` (its decode worker's prompt chunks not
-  paced beside its decodes; the mixed workload only).
+  paced beside its decodes; the mixed workload only);
+- `colocated-paced`: `colocated` with `--prefill-beside-decodes-ms 200` (prompt chunks paced beside decodes
+  as disagg's decode worker paces them; the mixed workload only).
 
 Every server gets the same cores (--cores: this process and everything it starts are bound to them) and uses
 them its own way, as it ships: splitserve shares them out among its model workers (`up --cpus`, one torch
@@ -75,6 +77,7 @@ SPLITSERVE_FLAGS = {
                           "--no-offload-short-prefills"],
     "disagg-2d": ["--topology", "disagg", "--prefill", "1", "--decode", "2"],
     "disagg-unpaced": ["--topology", "disagg", "--prefill", "1", "--decode", "1", "--prefill-beside-decodes-ms", "0"],
+    "colocated-paced": ["--topology", "colocated", "--decode", "1", "--prefill-beside-decodes-ms", "200"],
 }
 SERVERS = ("vllm", "vllm-all-cores", "transformers", *SPLITSERVE_FLAGS)
 WORKLOADS = {  # bench_serve workload options over its defaults
@@ -88,7 +91,8 @@ QUICK = {"steady-c1": dict(num_prompts=2, output_len=16), "steady-c16": dict(num
 WARMUP = (dict(dataset="random", num_prompts=4, input_len=128, output_len=8, max_concurrency=4, seed=100),
           dict(dataset="random", num_prompts=1, input_len=1600, output_len=8, max_concurrency=1, seed=101))
 SERVER_WORKLOADS = {"disagg-2d": ("mixed",), "disagg-unlent": ("steady-c1", "mixed"),  # the others run every workload
-                    "disagg-all-remote": ("mixed",), "disagg-unpaced": ("mixed",)}
+                    "disagg-all-remote": ("mixed",), "disagg-unpaced": ("mixed",),
+                    "colocated-paced": ("mixed",)}
 
 
 def build_parser() -> argparse.ArgumentParser:
