@@ -23,7 +23,6 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from contracts import (
     CancelRequest,
-    ContractError,
     HandoffReply,
     PrefillJob,
     PrefillResult,
@@ -37,7 +36,7 @@ from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_events import engine_kv_events, kv_hashing_details
 from shared.bus.registry import Heartbeat, Registry
-from shared.bus.subscribe import REJECTED, decode, subscribe_typed
+from shared.bus.subscribe import REJECTED, fetch_loop, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import EngineError
 from shared.engine.sampling_params import SamplingParams
@@ -136,24 +135,12 @@ class PrefillWorker:
 
     # ---- the job loop -------------------------------------------------------------------
     async def _pull_jobs(self) -> None:
-        while True:
-            if len(self.jobs) >= self.max_concurrent_jobs:
-                await asyncio.sleep(0.005)
-                continue
-            try:
-                msgs = await self._consumer.fetch(1, timeout=1.0)
-            except nats.errors.TimeoutError:
-                continue
-            for msg in msgs:
-                try:
-                    job = decode(msg.data, PrefillJob)
-                except ContractError as exc:
-                    REJECTED[exc.reason] += 1
-                    await msg.term()
-                    continue
-                if job.request_id in self.jobs:
-                    continue  # a redelivery of a job this worker is still running
-                self._start_job(job, msg, msg.headers)
+        await fetch_loop(self._consumer, PrefillJob, self._on_job, batch=1,
+                         room=lambda: self.max_concurrent_jobs - len(self.jobs))
+
+    async def _on_job(self, job: PrefillJob, msg) -> None:
+        if job.request_id not in self.jobs:  # else a redelivery of a job this worker is still running
+            self._start_job(job, msg, msg.headers)
 
     def _start_job(self, job: PrefillJob, msg, headers: dict | None) -> None:
         task = asyncio.create_task(self._run(job, msg, headers), name=f"prefill-{job.request_id}")

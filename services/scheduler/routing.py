@@ -71,15 +71,18 @@ def cached_blocks(worker: ServiceInfo, overlaps: dict[str, int], kvstore_blocks:
 
 
 def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int, overlap_weight: float) -> float:
-    """Lower is better: the prompt blocks it would compute (weighted), plus the KV blocks it already has in use,
-    plus this prompt's blocks for each request beyond its batch's sequence slots (those wait, holding no blocks).
+    """Lower is better: the prompt blocks it would compute (weighted), plus the KV blocks it has in use other
+    than the prompt's cached prefix, plus this prompt's blocks for each request beyond its batch's sequence
+    slots (those wait, holding no blocks).
 
-    Both are in blocks, so a cached prefix draws a request to a worker until that worker's extra load
-    outweighs the prefill it saves. Computing a block costs more than holding one for a while (and the load
-    figures are a heartbeat old), so the default weight, 2, leans to the cache; < 1 leans to the balance.
+    All are in blocks, so a cached prefix draws a request to a worker until that worker's extra load
+    outweighs the prefill it saves. Computing a block costs more than holding one for a while, so the default
+    weight, 2, leans to the cache; < 1 leans to the balance. The cached prefix is not load: the request shares
+    those blocks, and the figures that show them in use (a heartbeat old, or counted since the routing of the
+    request that made them) are mostly that conversation's previous turn, often finished since.
     """
     uncached = max(num_prompt_blocks - num_cached_blocks, 0)
-    in_use = worker.kv_blocks_total - worker.kv_blocks_free
+    in_use = max(worker.kv_blocks_total - worker.kv_blocks_free - num_cached_blocks, 0)
     slots = worker.max_num_seqs
     queued = max(0, num_seqs(worker) - slots) if slots else worker.num_waiting
     return overlap_weight * uncached + in_use + queued * num_prompt_blocks

@@ -73,8 +73,13 @@ async def fetch_loop(
     batch: int = 16,
     fetch_timeout_s: float = 1.0,
     counter: RejectCounter | None = None,
+    room: Callable[[], int] | None = None,
+    room_poll_s: float = 0.005,
 ) -> None:
     """Pull from a JetStream consumer forever (until cancelled), decoding each message.
+
+    With `room`, at most `room()` messages are fetched at a time (and none while it is 0, checked every
+    `room_poll_s`): the consumer keeps the rest for whichever subscriber has room.
 
     Malformed messages are terminated and counted. Each good message goes to
     `handler(message, raw_msg)`, which must ack, nak, term or keep it in
@@ -86,8 +91,12 @@ async def fetch_loop(
     """
     try:
         while True:
+            wanted = batch if room is None else min(batch, room())
+            if wanted <= 0:
+                await asyncio.sleep(room_poll_s)
+                continue
             try:
-                msgs = await sub.fetch(batch, timeout=fetch_timeout_s)
+                msgs = await sub.fetch(wanted, timeout=fetch_timeout_s)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue  # nothing to do this round
             except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):

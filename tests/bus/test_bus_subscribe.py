@@ -159,3 +159,33 @@ async def test_fetch_loop_crashes_when_the_handler_raises(js, unique):
         await asyncio.wait_for(fetch_loop(sub, GenerateRequest, handler, fetch_timeout_s=0.2), timeout=5)
     consumer = await js.consumer_info(stream, "workers")
     assert consumer.num_ack_pending == 1  # not acked: another worker gets it after the ack wait
+
+
+async def test_fetch_loop_takes_no_more_than_the_room_it_is_given(js, unique):
+    stream = unique("jobs")
+    await ensure_stream(js, name=stream, subjects=[f"{stream}.>"], retention="workqueue", storage="memory",
+                        max_msgs=100, max_bytes=1 << 20, max_age_s=60)
+    await ensure_pull_consumer(js, stream=stream, durable="workers", filter_subject=f"{stream}.>",
+                               ack_wait_s=30, max_deliver=5, max_ack_pending=100)
+    for i in range(5):
+        await js.publish(f"{stream}.submit", generate_request(f"job-{i}").encode())
+    held = []  # taken, not acked: the handler's running jobs
+    taken = asyncio.Queue()
+
+    async def handler(message, msg):
+        held.append(msg)
+        await taken.put(message.request_id)
+
+    sub = await js.pull_subscribe_bind("workers", stream=stream)
+    task = asyncio.create_task(fetch_loop(sub, GenerateRequest, handler, batch=4, fetch_timeout_s=0.2,
+                                          room=lambda: 2 - len(held)))
+    try:
+        assert [await asyncio.wait_for(taken.get(), 5) for _ in range(2)] == ["job-0", "job-1"]
+        with pytest.raises(asyncio.TimeoutError):  # full: nothing more is taken while both are held
+            await asyncio.wait_for(taken.get(), 0.5)
+        consumer = await js.consumer_info(stream, "workers")
+        assert consumer.num_ack_pending == 2 and consumer.num_pending == 3  # the rest stay for other workers
+        await held.pop(0).ack()
+        assert await asyncio.wait_for(taken.get(), 5) == "job-2"
+    finally:
+        assert await cancel_and_wait(task, timeout_s=2)

@@ -85,7 +85,8 @@ def worker(instance, used=0, total=100, uses_kv_store=False, running=0):
 
 def test_kv_ranking_trades_the_cached_prefix_against_load():
     a, b = worker("a", used=10), worker("b", used=0)
-    assert kv_cost(a, 20, 16, 1.0) == 4 + 10 and kv_cost(b, 20, 0, 1.0) == 20
+    assert kv_cost(a, 20, 16, 1.0) == 4 + 0 and kv_cost(b, 20, 0, 1.0) == 20  # the 16 shared are not load
+    assert kv_cost(worker("a", used=30), 20, 16, 1.0) == 4 + 14
     assert [w.instance_id for w in rank_by_kv([b, a], 20, {"a": 16}, 1.0)] == ["a", "b"]  # the cache wins
     busy = worker("a", used=60)
     assert [w.instance_id for w in rank_by_kv([busy, b], 20, {"a": 16}, 1.0)] == ["b", "a"]  # the load wins
@@ -93,6 +94,10 @@ def test_kv_ranking_trades_the_cached_prefix_against_load():
     # By default a computed block weighs two in use: a stale heartbeat still showing the holder's last request
     # (as many blocks as the prompt) does not push a fully cached prompt to a cold worker.
     assert [w.instance_id for w in rank_by_kv([worker("a", used=20), b], 20, {"a": 19})] == ["a", "b"]
+    # A conversation's next turn, right after the last one: the holder still shows (or the scheduler still
+    # counts) that turn's blocks in use, and the turn before it too; it stays with the holder, which computes 3
+    # blocks, rather than going to an idle worker, which would compute 28.
+    assert [w.instance_id for w in rank_by_kv([worker("a", used=53), b], 28, {"a": 25})] == ["a", "b"]
     # A worker whose batch is full queues the request: each queued one counts as this prompt's blocks.
     full = worker("a", running=8)
     full.num_waiting = 2
