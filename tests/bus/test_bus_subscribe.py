@@ -17,6 +17,15 @@ def generate_request(request_id: str) -> GenerateRequest:
                            reply_subject="r", deadline_ms=0, created_ms=0)
 
 
+async def work_queue(js, stream: str, ack_wait_s: float) -> str:
+    """A work-queue stream `stream` with a durable pull consumer "workers" on it."""
+    await ensure_stream(js, name=stream, subjects=[f"{stream}.>"], retention="workqueue", storage="memory",
+                        max_msgs=100, max_bytes=1 << 20, max_age_s=60)
+    await ensure_pull_consumer(js, stream=stream, durable="workers", filter_subject=f"{stream}.>",
+                               ack_wait_s=ack_wait_s, max_deliver=5, max_ack_pending=100)
+    return stream
+
+
 async def test_subscribe_typed_rejects_bad_input_and_keeps_going(nc, unique):
     subject = unique("gen")
     received = []
@@ -96,11 +105,7 @@ async def test_a_failing_handler_does_not_end_the_subscription(nc, unique):
 
 
 async def test_fetch_loop_terms_malformed_messages_and_hands_over_good_ones(js, unique):
-    stream = unique("jobs")
-    await ensure_stream(js, name=stream, subjects=[f"{stream}.>"], retention="workqueue", storage="memory",
-                        max_msgs=100, max_bytes=1 << 20, max_age_s=60)
-    await ensure_pull_consumer(js, stream=stream, durable="workers", filter_subject=f"{stream}.>",
-                               ack_wait_s=0.5, max_deliver=5, max_ack_pending=100)
+    stream = await work_queue(js, unique("jobs"), ack_wait_s=0.5)
     subject = f"{stream}.submit"
     payloads = [
         b"garbage",
@@ -144,11 +149,7 @@ async def test_fetch_loop_terms_malformed_messages_and_hands_over_good_ones(js, 
 
 
 async def test_fetch_loop_crashes_when_the_handler_raises(js, unique):
-    stream = unique("jobs")
-    await ensure_stream(js, name=stream, subjects=[f"{stream}.>"], retention="workqueue", storage="memory",
-                        max_msgs=100, max_bytes=1 << 20, max_age_s=60)
-    await ensure_pull_consumer(js, stream=stream, durable="workers", filter_subject=f"{stream}.>",
-                               ack_wait_s=5, max_deliver=5, max_ack_pending=100)
+    stream = await work_queue(js, unique("jobs"), ack_wait_s=5)
     await js.publish(f"{stream}.submit", generate_request("poison").encode())
 
     async def handler(message, msg):
@@ -162,11 +163,7 @@ async def test_fetch_loop_crashes_when_the_handler_raises(js, unique):
 
 
 async def test_fetch_loop_takes_no_more_than_the_room_it_is_given(js, unique):
-    stream = unique("jobs")
-    await ensure_stream(js, name=stream, subjects=[f"{stream}.>"], retention="workqueue", storage="memory",
-                        max_msgs=100, max_bytes=1 << 20, max_age_s=60)
-    await ensure_pull_consumer(js, stream=stream, durable="workers", filter_subject=f"{stream}.>",
-                               ack_wait_s=30, max_deliver=5, max_ack_pending=100)
+    stream = await work_queue(js, unique("jobs"), ack_wait_s=30)
     for i in range(5):
         await js.publish(f"{stream}.submit", generate_request(f"job-{i}").encode())
     held = []  # taken, not acked: the handler's running jobs
