@@ -12,6 +12,7 @@ from contracts import ServiceInfo, StatsRequest, Subjects
 from shared.bus.registry import Registry
 
 from support.processes import free_port, start_service, stop_process, wait_for_http
+from support.token_tap import TokenTap
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Deployment:
     log_dir: Path
     procs: dict = field(default_factory=dict)
     commands: dict = field(default_factory=dict)  # name -> (service, args), to restart one
+    tap: TokenTap | None = None  # every token chunk sent to gateway-0, from once the deployment is ready
 
     def start(self, name: str, service: str, args: list[str]) -> None:
         self.commands[name] = (service, args)
@@ -61,13 +63,31 @@ class Deployment:
             assert time.monotonic() < deadline, f"the scheduler does not see {count} {role} worker(s)"
             time.sleep(0.1)
 
+    def token_ids(self, body: dict) -> list[int]:
+        """The output token ids of the request a response `body` answered, as the workers streamed them."""
+        return self.tap.token_ids(body)
+
     @property
     def api(self) -> str:
         return f"{self.base_url}/v1"
 
     def stop(self) -> None:
+        if self.tap is not None:
+            self.tap.close()
+            self.tap = None
         for proc in self.procs.values():
             stop_process(proc)
+
+
+def _ready(deployment: Deployment) -> Deployment:
+    """Once /health says every service is ready, with the token tap listening; stopped if not."""
+    try:
+        wait_for_http(f"{deployment.base_url}/health", 120, list(deployment.procs.values()))
+        deployment.tap = TokenTap(deployment.nats_url, deployment.namespace)
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
 
 
 def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int = 1,
@@ -89,9 +109,8 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
     deployment.procs["scheduler"] = start_service(
         "scheduler", [*bus, "--instance-id", "scheduler-0", *scheduler_args], log_dir)
     for i in range(prefill if not prefill_split else 0):
-        deployment.procs[f"prefill-{i}"] = start_service(
-            "prefill", [*bus, "--instance-id", f"prefill-{i}", *model, "--kv-cache-bytes", str(64 << 20),
-                        *prefill_args], log_dir)
+        deployment.start(f"prefill-{i}", "prefill", [*bus, "--instance-id", f"prefill-{i}", *model,
+                                                     "--kv-cache-bytes", str(64 << 20), *prefill_args])
     stages = [f"prefill-stage-{i}" for i in range(1, len(prefill_split or ()))]
     for iid, (start, end) in zip(stages, (prefill_split or [])[1:]):
         deployment.start(iid, "stage", [*bus, "--instance-id", iid, *model, "--layers", f"{start}:{end}", "--ships-kv",
@@ -113,12 +132,7 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
     deployment.procs["gateway"] = start_service(
         "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts,
                     *gateway_args], log_dir, **(gateway_env or {}))
-    try:
-        wait_for_http(f"{deployment.base_url}/health", 120, list(deployment.procs.values()))
-    except BaseException:
-        deployment.stop()
-        raise
-    return deployment
+    return _ready(deployment)
 
 
 def start_pipeline(nats_url: str, log_dir: Path, model_dir: str, split: list[tuple[int, int]],
@@ -141,9 +155,4 @@ def start_pipeline(nats_url: str, log_dir: Path, model_dir: str, split: list[tup
     deployment.procs["gateway"] = start_service(
         "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port),
                     "--expect", f"scheduler=1,decode=1,stage={len(stages)}"], log_dir)
-    try:
-        wait_for_http(f"{deployment.base_url}/health", 120, list(deployment.procs.values()))
-    except BaseException:
-        deployment.stop()
-        raise
-    return deployment
+    return _ready(deployment)

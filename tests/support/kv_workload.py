@@ -42,11 +42,13 @@ def conversation(model_dir: str):
 
 
 def run_conversation(deployment, requests, tokenizer, before_each=lambda i: None) -> list[int]:
-    """Send the requests in turn; each output must be transformers'. Returns each request's cached tokens."""
+    """Send the requests in turn; each output must be transformers' token for token (and its text the
+    tokens' text). Returns each request's cached tokens."""
     cached = []
     for i, (prompt, expected) in enumerate(requests):
         before_each(i)
         body = complete(deployment.base_url, prompt)
+        assert deployment.token_ids(body) == expected, f"request {i}"
         assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True), f"request {i}"
         cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
     return cached
