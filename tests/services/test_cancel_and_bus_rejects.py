@@ -1,4 +1,5 @@
-"""Client disconnects free KV at once; malformed bus messages are rejected, never fatal."""
+"""Client disconnects free KV at once; malformed bus messages are rejected, never fatal; a request queued twice
+runs once."""
 
 import asyncio
 import time
@@ -8,6 +9,7 @@ import msgpack
 import nats
 
 from contracts import GenerateRequest, RequestFailed, ServiceInfo, StatsRequest, Subjects
+from support.token_tap import request_id_of
 
 MODEL = "splitserve-default-llama"
 
@@ -83,3 +85,43 @@ def test_malformed_and_wrong_version_messages_are_rejected(colocated):
     response = httpx.post(f"{colocated.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
                           timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_request_queued_twice_is_routed_once(colocated):
+    """The request queue de-duplicates by request id: the gateway queues a request with its id as Nats-Msg-Id, so
+    JetStream drops a copy sent again; a copy under another message id (as one sent past the stream's window
+    would be) reaches the scheduler, which knows the id and does not route it again."""
+    async def scenario():
+        nc = await nats.connect(colocated.nats_url)
+        subjects = Subjects(colocated.namespace)
+        try:
+            queued = await nc.subscribe(subjects.submit)  # a plain subscriber sees what the gateway queues
+            await nc.flush()
+            async with httpx.AsyncClient(base_url=colocated.base_url, timeout=60) as http:
+                response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert response.status_code == 200
+            msg = await queued.next_msg(timeout=5)
+            request = GenerateRequest.decode(msg.data)
+            assert request.request_id == request_id_of(response.json()) == msg.headers["Nats-Msg-Id"]
+            routed = (await worker_stats(nc, subjects, "scheduler-0")).details["routed"]
+
+            js = nc.jetstream()
+            again = await js.publish(subjects.submit, msg.data, headers=msg.headers)
+            assert again.duplicate  # the stream kept nothing
+            stream = await js.stream_info(subjects.requests_stream)
+            assert stream.state.messages == 0 and stream.state.last_seq == again.seq
+
+            other_id = await js.publish(subjects.submit, msg.data, headers={"Nats-Msg-Id": request.request_id + "-b"})
+            assert not other_id.duplicate and other_id.seq == again.seq + 1
+            deadline = time.monotonic() + 10
+            while (now := (await worker_stats(nc, subjects, "scheduler-0")).details["routed"]).get("duplicate", 0) \
+                    == routed.get("duplicate", 0):
+                assert time.monotonic() < deadline, now
+                await asyncio.sleep(0.1)
+            assert now == {**routed, "duplicate": routed.get("duplicate", 0) + 1}  # nothing else was routed
+            worker = await worker_stats(nc, subjects)
+            assert worker.num_running == worker.num_waiting == 0
+        finally:
+            await nc.close()
+
+    asyncio.run(scenario())

@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation end to end: same tokens as colocated and transformers, and its failure paths."""
 
 import asyncio
+import json
 import os
+import queue
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,12 +13,15 @@ import nats
 import pytest
 from transformers import AutoTokenizer
 
-from contracts import ServiceInfo, Subjects
+from contracts import PrefillResult, ServiceInfo, Subjects
 from reference import safe_prompts
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from support.deployment import start_deployment
+from support.kv_workload import wait_until
+from support.metrics import samples, value
+from support.token_tap import BusTap
 
 MODEL = "splitserve-default-llama"
 LENGTHS = [3, 20, 64, 150, 400, 1000]
@@ -43,16 +48,11 @@ def complete(base_url: str, prompt, **kwargs) -> dict:
     return response.json()
 
 
-
-
-def decoded_ids(tokenizer, body) -> str:
-    return body["choices"][0]["text"]
-
-
 def test_remote_prefill_matches_transformers_alone_and_concurrently(disagg, cases, default_model):
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     for prompt, expected in cases:
         body = complete(disagg.base_url, prompt)
+        assert disagg.token_ids(body) == expected
         assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
         assert body["usage"]["completion_tokens"] == 16 and body["usage"]["prompt_tokens"] == len(prompt)
     decode = disagg.stats("decode-0")
@@ -63,7 +63,7 @@ def test_remote_prefill_matches_transformers_alone_and_concurrently(disagg, case
     batch = (cases * 3)[:16]
     with ThreadPoolExecutor(16) as pool:
         bodies = list(pool.map(lambda case: complete(disagg.base_url, case[0]), batch))
-    assert [b["choices"][0]["text"] for b in bodies] == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
+    assert [disagg.token_ids(b) for b in bodies] == [e for _, e in batch]
     assert disagg.stats("decode-0").kv_blocks_free == disagg.stats("decode-0").kv_blocks_total
 
 
@@ -114,13 +114,12 @@ def test_transfer_that_never_arrives_falls_back_locally(nats_server, default_mod
     deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1,
                                   scheduler_args=("--max-local-prefill", "0"), decode_args=("--prefill-timeout", "3"))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(default_model)
         prompt, expected = cases[3]
         os.kill(deployment.procs["prefill-0"].pid, signal.SIGSTOP)
         started = time.monotonic()
         body = complete(deployment.base_url, prompt)
         assert time.monotonic() - started < 15
-        assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert deployment.token_ids(body) == expected
         assert deployment.stats("decode-0").details["prefill_decisions"].get("local_fallback_no_result", 0) == 1
 
         # Client disconnect while the prefill is pending frees the decode worker's reserved blocks.
@@ -147,26 +146,130 @@ def test_transfer_that_never_arrives_falls_back_locally(nats_server, default_mod
         deployment.stop()
 
 
-def test_prefill_worker_killed_mid_job_completes_once(nats_server, default_model, tmp_path, cases):
-    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=2,
-                                  scheduler_args=("--max-local-prefill", "0"), decode_args=("--prefill-timeout", "20"))
+def prefill_queue(deployment):
+    """The prefill queue's consumer as the server sees it now (pending, waiting pulls, deliveries, acks)."""
+    async def ask():
+        nc = await nats.connect(deployment.nats_url)
+        try:
+            subjects = Subjects(deployment.namespace)
+            return await nc.jetstream().consumer_info(subjects.prefill_stream, subjects.prefill_consumer)
+        finally:
+            await nc.close()
+    return asyncio.run(ask())
+
+
+def stream_into(base_url: str, prompt, chunks: queue.Queue) -> None:
+    """A streamed completion, each SSE chunk put into `chunks` as it arrives; None once it ends."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(default_model)
-        prompt, expected = cases[-1]
-        # Freeze one worker so that it takes the job and dies with it; the other must redo it.
-        os.kill(deployment.procs["prefill-1"].pid, signal.SIGSTOP)
-        os.kill(deployment.procs["prefill-0"].pid, signal.SIGSTOP)
-        with ThreadPoolExecutor(1) as pool:
-            future = pool.submit(complete, deployment.base_url, prompt, stream=False)
-            time.sleep(1.0)
-            os.kill(deployment.procs["prefill-1"].pid, signal.SIGCONT)
-            time.sleep(0.05)
-            os.kill(deployment.procs["prefill-0"].pid, signal.SIGKILL)
-            body = future.result(timeout=60)
-        assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
-        assert body["usage"]["completion_tokens"] == 16
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.put(json.loads(line[len("data: "):]))
     finally:
-        for name in ("prefill-0", "prefill-1"):
+        chunks.put(None)
+
+
+def rest_of(chunks: queue.Queue) -> list[dict]:
+    out = []
+    while (chunk := chunks.get(timeout=60)) is not None:
+        out.append(chunk)
+    return out
+
+
+def take_the_job_and_die(deployment, taker: str, results: BusTap) -> None:
+    """`taker` (stopped, no pull outstanding) takes the queued job, reports its first token and is killed while
+    shipping the KV, which the decode worker, stopped meanwhile, cannot have taken."""
+    wait_until(lambda: prefill_queue(deployment).num_pending == 1, 15, "the job was never queued", poll_s=0.02)
+    reported = len(results.messages())
+    os.kill(deployment.procs["decode-0"].pid, signal.SIGSTOP)
+    try:
+        os.kill(deployment.procs[taker].pid, signal.SIGCONT)
+        results.wait_for(lambda r: r.prefill_instance == taker, 15, f"{taker} never reported the first token",
+                         after=reported)
+        os.kill(deployment.procs[taker].pid, signal.SIGKILL)
+        deployment.procs[taker].wait(10)
+    finally:
+        os.kill(deployment.procs["decode-0"].pid, signal.SIGCONT)
+
+
+def stop_without_a_pull(deployment, *workers: str) -> None:
+    """Freeze prefill workers, until none has a pull request outstanding: a job then waits in the queue."""
+    for name in workers:
+        os.kill(deployment.procs[name].pid, signal.SIGSTOP)
+    wait_until(lambda: prefill_queue(deployment).num_waiting == 0, 15, "a pull is still outstanding", poll_s=0.05)
+
+
+@pytest.mark.timeout(300)
+def test_a_prefill_worker_killed_mid_job_has_it_redelivered_and_a_failed_transfer_falls_back(
+        nats_server, default_model, tmp_path, cases):
+    """Two prefill workers and one decode worker, --kv-transport auto, every prompt prefilled remotely.
+
+    1. prefill-0 takes a job, reports the first token and is killed (SIGKILL) shipping the KV: the decode worker
+       streams the first token at once, before any KV can arrive; the job, never acked, is redelivered to
+       prefill-1, whose KV is adopted (over shm: auto, one host). The request completes once, token for token.
+    2. /health says which service is missing.
+    3. prefill-1 dies the same way on the next job, with no one to redeliver it to: the transfer fails at its
+       deadline and the decode worker prefills locally after the streamed first token, still exactly.
+    """
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=2,
+                                  scheduler_args=("--max-local-prefill", "0"), decode_args=("--prefill-timeout", "15"),
+                                  prefill_args=("--kv-transport", "auto"))
+    results = BusTap(deployment.nats_url, Subjects(deployment.namespace).prefill_results("decode-0"), PrefillResult)
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    try:
+        deployment.wait_scheduler_sees("prefill", 2)
+        prompt, expected = cases[-1]
+        stop_without_a_pull(deployment, "prefill-0", "prefill-1")
+        chunks = queue.Queue()
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(stream_into, deployment.base_url, prompt, chunks)
+            take_the_job_and_die(deployment, "prefill-0", results)
+            # The first token reaches the client though no KV can have arrived (its sender is dead, the other
+            # prefill worker still frozen), and well before the decode worker would give up on it (15 s).
+            first = chunks.get(timeout=10)
+            assert first is not None and first["choices"][0]["text"] == tokenizer.decode(expected[:1])
+            decode = deployment.stats("decode-0").details
+            assert decode["kv_transfer"]["ok_by_backend"] == {} and decode["prefill_decisions"] == {}
+            os.kill(deployment.procs["prefill-1"].pid, signal.SIGCONT)
+            rest = rest_of(chunks)
+            streaming.result()
+        assert "".join(c["choices"][0]["text"] for c in [first, *rest] if c["choices"]) == tokenizer.decode(expected)
+        assert rest[-1]["usage"]["completion_tokens"] == 16
+        assert deployment.token_ids(first) == expected  # every chunk once, in order: the first token not twice
+        # prefill-1 ran the job again and its KV was used: no fallback of any kind on the decode worker.
+        assert [r.prefill_instance for r in results.messages()] == ["prefill-0", "prefill-1"]
+        assert deployment.stats("prefill-1").details["jobs"] == {"shipped": 1}
+        decode = deployment.stats("decode-0").details
+        assert decode["prefill_decisions"] == {"remote": 1}
+        assert set(decode["kv_transfer"]["bytes_by_backend"]) == {"shm"} and decode["kv_transfer"]["ok_by_backend"] == {"shm": 1}
+        # One job in the stream, delivered twice (to each worker), acked once.
+        consumer = prefill_queue(deployment)
+        assert (consumer.delivered.stream_seq, consumer.delivered.consumer_seq, consumer.ack_floor.stream_seq) == (1, 2, 1)
+        assert consumer.num_pending == consumer.num_ack_pending == 0
+        assert value(samples(deployment.base_url), "splitserve_requests_total", endpoint="completions",
+                     status="ok") == 1
+
+        # /health: 503 once the dead worker's registry entry lapses, saying what is missing.
+        health = wait_until(lambda: (lambda r: r if r.status_code != 200 else None)(
+            httpx.get(f"{deployment.base_url}/health", timeout=5)), 20, "/health stayed 200 with a prefill worker gone")
+        assert health.status_code == 503 and health.json()["missing"] == {"prefill": 2}
+        assert health.json()["ready"]["prefill"] == 1
+
+        prompt, expected = cases[-2]
+        stop_without_a_pull(deployment, "prefill-1")
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(stream_into, deployment.base_url, prompt, chunks)
+            take_the_job_and_die(deployment, "prefill-1", results)
+            body = [chunks.get(timeout=15), *rest_of(chunks)]
+            streaming.result()
+        assert deployment.token_ids(body[0]) == expected
+        assert deployment.stats("decode-0").details["prefill_decisions"] == {"remote": 1, "local_fallback_transfer": 1}
+    finally:
+        results.close()
+        for name in ("prefill-0", "prefill-1", "decode-0"):
             try:
                 os.kill(deployment.procs[name].pid, signal.SIGCONT)
             except ProcessLookupError:
@@ -202,10 +305,9 @@ def test_each_kv_transport_decodes_identically(nats_server, default_model, tmp_p
                                   scheduler_args=("--max-local-prefill", "0"), prefill_args=("--kv-transport", transport))
     try:
         deployment.wait_scheduler_sees("prefill", 1)  # else the first prompts may be prefilled locally
-        tokenizer = AutoTokenizer.from_pretrained(default_model)
         for prompt, expected in cases[2:5]:
             body = complete(deployment.base_url, prompt)
-            assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+            assert deployment.token_ids(body) == expected
         transfers = deployment.stats("decode-0").details["kv_transfer"]
         moved = transfers["bytes_by_backend"]
         assert set(moved) == {transport} and moved[transport] > 0
@@ -222,10 +324,9 @@ def test_default_threshold_prefills_short_prompts_locally(nats_server, default_m
     deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1,
                                   scheduler_args=("--no-offload-short-prefills",))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(default_model)
         for prompt, expected in cases:  # 3 .. 1000 tokens: both sides of the 256-token default
             body = complete(deployment.base_url, prompt)
-            assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+            assert deployment.token_ids(body) == expected
         deadline = time.monotonic() + 5  # the registry entry is refreshed every second
         while True:
             decisions = asyncio.run(_registry_entry(deployment, "scheduler", "scheduler-0")).details["disagg_decisions"]
@@ -242,7 +343,6 @@ def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_
     deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1)
     try:
         deployment.wait_scheduler_sees("prefill", 1)
-        tokenizer = AutoTokenizer.from_pretrained(default_model)
         with ThreadPoolExecutor(1) as pool:
             # A long stream keeps the decode worker busy (a short prompt to an idle worker: computed there).
             streaming = pool.submit(complete, deployment.base_url, cases[1][0], max_tokens=1500)
@@ -252,7 +352,7 @@ def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_
                 time.sleep(0.1)
             prompt, expected = cases[3]  # 150 tokens: under the 256-token threshold
             body = complete(deployment.base_url, prompt)
-            assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+            assert deployment.token_ids(body) == expected
             assert not streaming.done(), "the long stream ended first: nothing was busy"
             assert deployment.stats("decode-0").details["prefill_decisions"].get("remote") == 1
             deadline = time.monotonic() + 5  # the scheduler's registry entry is refreshed every second

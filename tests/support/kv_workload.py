@@ -17,14 +17,14 @@ def complete(base_url: str, prompt, max_tokens: int = 16) -> dict:
     return response.json()
 
 
-def wait_until(predicate, timeout_s: float, what: str):
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.3):
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         assert time.monotonic() < deadline, what
-        time.sleep(0.3)
+        time.sleep(poll_s)
 
 
 def conversation(model_dir: str):

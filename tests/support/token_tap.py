@@ -48,10 +48,11 @@ class BusTap:
         with self._seen:
             return list(self._messages)
 
-    def wait_for(self, predicate, timeout_s: float, what: str):
-        """The first message `predicate` holds for, waiting for it up to `timeout_s`."""
+    def wait_for(self, predicate, timeout_s: float, what: str, after: int = 0):
+        """The first message from the `after`th on that `predicate` holds for, waiting for it up to `timeout_s`."""
         with self._seen:
-            found = self._seen.wait_for(lambda: next((m for m in self._messages if predicate(m)), None), timeout_s)
+            found = self._seen.wait_for(lambda: next((m for m in self._messages[after:] if predicate(m)), None),
+                                        timeout_s)
             assert found is not None, f"{what}: {self._messages}"
             return found
 
