@@ -1,7 +1,7 @@
 """What `splitserve up` starts, and that every planned command line parses with the service's own parser."""
 
 import dataclasses
-import importlib.util
+import importlib
 import sys
 
 import pytest
@@ -131,27 +131,95 @@ def test_a_kv_store_plan():
     assert "--kv-store" not in plan(CONFIG)[1].args
 
 
-@pytest.mark.parametrize("config", [CONFIG, DISAGG, PIPELINE, PREFILL_PIPELINE, WITH_KV_STORE,
-                                    dataclasses.replace(PREFILL_PIPELINE, nats_creds_dir="/run/creds")],
-                         ids=["colocated", "disagg", "pipeline", "prefill-pipeline", "kv-store", "credentials"])
-@pytest.mark.parametrize("role", ["scheduler", "decode", "gateway", "prefill", "stage", "kvstore"])
-def test_every_planned_command_line_parses(role, config):
-    try:
-        found = importlib.util.find_spec(f"services.{role}.__main__")
-    except ModuleNotFoundError:
-        found = None
-    if found is None:
-        pytest.skip(f"services/{role}/__main__.py does not exist yet")
-    module = pytest.importorskip(f"services.{role}.__main__")
-    for spec in plan(config):
-        if spec.role != role:
-            continue
-        parsed = module.build_parser().parse_args(list(spec.args))
-        assert parsed.nats == config.nats_url and parsed.namespace == config.namespace
-        assert parsed.instance_id == spec.instance_id
-        assert parsed.nats_creds == (f"/run/creds/{role}.nk" if config.nats_creds_dir else None)
-        if role in ("decode", "gateway", "prefill", "stage"):  # (the kv-store holds no model)
-            assert parsed.model == config.model and parsed.served_model_name == config.served_model_name
+SECURED = dataclasses.replace(DISAGG, prefill=1, cpus=(4, 5), nats_tls_ca="/etc/nats-ca.pem",
+                              transfer_tls=("/t/ca.pem", "/t/cert.pem", "/t/key.pem"), cpu_loan_dir="/run/loans")
+
+# Each config, the services it must plan, and what the gateway waits for.
+PLANNED = {
+    "colocated": (CONFIG, ("scheduler-0", "decode-0", "decode-1", "gateway-0"), {"decode": 2, "scheduler": 1}),
+    "disagg": (DISAGG, ("scheduler-0", "kvstore-0", "prefill-0", "prefill-1", "decode-0", "gateway-0"),
+               {"decode": 1, "scheduler": 1, "kvstore": 1, "prefill": 2}),
+    "pipeline": (PIPELINE, ("scheduler-0", "stage-1", "stage-2", "stage-0", "gateway-0"),
+                 {"decode": 1, "scheduler": 1, "stage": 2}),
+    "prefill-pipeline": (PREFILL_PIPELINE, ("scheduler-0", "prefill-stage-1", "prefill-0", "decode-0", "gateway-0"),
+                         {"decode": 1, "scheduler": 1, "prefill": 1, "stage": 1}),
+    "kv-store": (WITH_KV_STORE, ("scheduler-0", "kvstore-0", "decode-0", "decode-1", "gateway-0"),
+                 {"decode": 2, "scheduler": 1, "kvstore": 1}),
+    "credentials": (dataclasses.replace(PREFILL_PIPELINE, nats_creds_dir="/run/creds"),
+                    ("scheduler-0", "prefill-stage-1", "prefill-0", "decode-0", "gateway-0"),
+                    {"decode": 1, "scheduler": 1, "prefill": 1, "stage": 1}),
+    "secured": (SECURED, ("scheduler-0", "kvstore-0", "prefill-0", "decode-0", "gateway-0"),
+                {"decode": 1, "scheduler": 1, "kvstore": 1, "prefill": 1}),
+}
+# SECURED: one CPU each, so prefill-0 lends its CPU to decode-0 while idle.
+SECURED_CPUS = {"prefill-0": (4,), "decode-0": (5,)}
+
+
+def _role(config: UpConfig, name: str) -> str:
+    """A prefill pipeline's stages, its head (prefill-0) included, run as stages."""
+    if name.startswith("prefill-stage-") or (name == "prefill-0" and config.stage_ranges):
+        return "stage"
+    return name.rsplit("-", 1)[0]
+
+
+def test_each_config_plans_exactly_its_services():
+    for config, names, _ in PLANNED.values():
+        assert [(s.name, s.role) for s in plan(config)] == [(n, _role(config, n)) for n in names]
+
+
+def _meaning(config: UpConfig, names: tuple[str, ...], name: str, expect: dict[str, int], parser) -> dict:
+    """What service `name` must have been told, worked out from the config alone."""
+    role = _role(config, name)
+    disagg = config.topology == "disagg"
+    kv_store = config.kv_store if config.kv_store is not None else disagg
+    told = {"nats": config.nats_url, "namespace": config.namespace, "instance_id": name,
+            "nats_creds": f"{config.nats_creds_dir}/{role}.nk" if config.nats_creds_dir else None,
+            "nats_tls_ca": config.nats_tls_ca}
+    tls = dict(zip(("transfer_tls_ca", "transfer_tls_cert", "transfer_tls_key"), config.transfer_tls or (None,) * 3))
+    model = {"model": config.model, "served_model_name": config.served_model_name}
+    if role == "scheduler":
+        local = config.max_local_prefill if disagg and config.max_local_prefill is not None else None
+        return told | {"router": config.router,
+                       "max_local_prefill": parser.get_default("max_local_prefill") if local is None else local,
+                       "offload_short_prefills": config.offload_short_prefills or not disagg}
+    if role == "gateway":
+        return told | model | {"host": config.host, "port": config.port, "expect": expect}
+    if role == "kvstore":
+        return told | tls | {"kv_store_ram_bytes": config.kv_store_ram_bytes,
+                             "kv_store_disk_bytes": config.kv_store_disk_bytes, "kv_store_dir": config.kv_store_dir}
+    told |= tls | model | {"dtype": config.dtype, "cpus": SECURED_CPUS.get(name) if config is SECURED else None,
+                           "max_num_batched_tokens": config.max_num_batched_tokens
+                           or parser.get_default("max_num_batched_tokens")}
+    loan = f"{config.cpu_loan_dir}/prefill-0.loan" if config.cpu_loan_dir else None
+    if role == "decode":
+        paced = config.prefill_beside_decodes_ms
+        paced = (200.0 if disagg else None) if paced is None else paced or None
+        return told | {"mode": "disagg" if disagg else "colocated", "kv_store": kv_store,
+                       "prefill_beside_decodes_ms": paced, "cpu_loan": loan,
+                       "borrow_cpus": SECURED_CPUS["prefill-0"] if loan else None}
+    if role == "prefill":
+        return told | {"kv_transport": config.kv_transport, "kv_store": kv_store, "cpu_loan": loan,
+                       "prefill_beside_decodes_ms": None}
+    head = name in ("stage-0", "prefill-0")
+    index = 0 if head else int(name.rsplit("-", 1)[1])
+    later = [n for n in names if _role(config, n) == "stage" and n not in ("stage-0", "prefill-0")]
+    return told | {"layers": config.stage_ranges[index], "stages": later if head else None,
+                   "microbatches": config.microbatches if head else parser.get_default("microbatches"),
+                   "head_role": "prefill" if head and disagg else "decode",
+                   "ships_kv": disagg and not head,  # a prefill pool's stages ship their layers' KV
+                   "kv_transport": config.kv_transport if disagg else "auto"}
+
+
+@pytest.mark.parametrize(("config_id", "name"), [(c, n) for c, (_, names, _) in PLANNED.items() for n in names])
+def test_every_planned_command_line_parses_to_what_the_config_asked(config_id, name):
+    config, names, expect = PLANNED[config_id]
+    spec = {s.name: s for s in plan(config)}[name]
+    parser = importlib.import_module(f"services.{spec.role}.__main__").build_parser()
+    parsed = vars(parser.parse_args(list(spec.args)))
+    if "layers" in parsed:
+        parsed["layers"] = (parsed["layers"].start, parsed["layers"].end)
+    meaning = _meaning(config, names, name, expect, parser)
+    assert {k: parsed[k] for k in meaning} == meaning
 
 
 def test_decode_workers_pace_prompt_chunks_in_disagg_by_default_and_as_told_elsewhere():
