@@ -3,6 +3,8 @@
 On a fresh deployment the workers' heartbeats show both idle while 8 requests arrive at once: only what
 the scheduler counts of its own routing (before each handoff) tells them apart. Each request runs long
 enough (many output tokens) that all 8 are still running when the last is routed, so the split is exact.
+Then the load only the heartbeats show: one worker busy with a request routed long before, every request
+sent meanwhile goes to the other.
 """
 
 import json
@@ -15,10 +17,25 @@ import pytest
 import torch
 
 from support.deployment import start_deployment
+from support.kv_workload import wait_until
 
 MODEL = "splitserve-default-llama"
 PROMPT_TOKENS = 40
 MAX_TOKENS = 800  # long enough that the last request starts well before the first ends, even on a loaded machine
+
+
+def stream_until(base_url: str, prompt, stop: threading.Event) -> None:
+    """A long streamed request, read until `stop` is set (then the connection closes: the request is cancelled)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for _ in response.iter_lines():
+            if stop.is_set():
+                return
+
+
+def computed_tokens(deployment, worker: str) -> int:
+    return deployment.stats(worker).details["prefix_cache"]["prompt_tokens_computed"]
 
 
 @pytest.mark.timeout(300)
@@ -57,5 +74,30 @@ def test_concurrent_requests_on_a_fresh_deployment_land_on_both_workers(nats_ser
         assert computed == [4 * PROMPT_TOKENS, 4 * PROMPT_TOKENS]
         scheduler = deployment.stats("scheduler-0").details
         assert scheduler["router"] == router and scheduler["routed"] == {"assigned": len(prompts)}
+
+        # One long request; once its worker's heartbeat shows it running (8 blocks and more in use) and the
+        # scheduler counts nothing of its own for it, short requests one after another all go to the other worker
+        # (taking turns, or always the same worker, would put some on the busy one).
+        fresh = [[200 + i, *torch.randint(0, 2048, (PROMPT_TOKENS - 1,), generator=generator).tolist()] for i in range(4)]
+        stop = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            long_one = pool.submit(stream_until, deployment.base_url, fresh[0], stop)
+            busy = wait_until(lambda: next((w for w, e in deployment.registry_entries().items() if e.role == "decode"
+                                            and e.num_running == 1 and e.kv_blocks_total - e.kv_blocks_free >= 8),
+                                           None), 60, "no worker shows the long request running")
+            wait_until(lambda: not deployment.stats("scheduler-0").details["routed_unconfirmed"], 10,
+                       "the scheduler still counts the long request itself")
+            idle = "decode-1" if busy == "decode-0" else "decode-0"
+            before = {w: computed_tokens(deployment, w) for w in (busy, idle)}
+            try:
+                for prompt in fresh[1:]:
+                    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+                    assert httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+                assert not long_one.done(), "the long request ended: nothing was busy"
+            finally:
+                stop.set()
+            long_one.result(timeout=60)
+        assert computed_tokens(deployment, idle) == before[idle] + 3 * PROMPT_TOKENS
+        assert computed_tokens(deployment, busy) == before[busy]
     finally:
         deployment.stop()

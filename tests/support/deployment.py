@@ -47,11 +47,15 @@ class Deployment:
 
     def registered(self) -> set[str]:
         """The instance ids in the deployment's registry now."""
+        return set(self.registry_entries())
+
+    def registry_entries(self) -> dict[str, ServiceInfo]:
+        """The deployment's registry now (what the scheduler routes by), by instance id."""
         async def ask():
             nc = await nats.connect(self.nats_url)
             try:
                 registry = await Registry.open(nc.jetstream(), Subjects(self.namespace).registry_bucket)
-                return {info.instance_id for info in await registry.list()}
+                return {info.instance_id: info for info in await registry.list()}
             finally:
                 await nc.close()
         return asyncio.run(ask())
@@ -94,12 +98,13 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
                      expect: str | None = None, prefill: int = 0, scheduler_args: tuple = (),
                      decode_args: tuple = (), prefill_args: tuple = (),
                      prefill_split: list[tuple[int, int]] | None = None, kvstore_args: tuple | None = None,
-                     gateway_args: tuple = (), gateway_env: dict[str, str] | None = None) -> Deployment:
+                     kvstores: int = 1, gateway_args: tuple = (), gateway_env: dict[str, str] | None = None) -> Deployment:
     """scheduler-0, `prefill` prefill workers, `workers` decode workers and gateway-0 on a fresh namespace.
 
     With prefill workers, the decode workers run in disagg mode. With `prefill_split`, the prefill pool is
     one pipeline (prefill-0 its head, prefill-stage-1.. the rest), each stage shipping its own layers' KV.
-    With `kvstore_args` (a tuple, maybe empty), a kv-store kvstore-0 runs too.
+    With `kvstore_args` (a tuple, maybe empty), `kvstores` kv-stores kvstore-0.. run too (with a disk tier,
+    each in a directory of its own).
     """
     namespace = "t" + uuid.uuid4().hex[:10]
     port = free_port()
@@ -121,14 +126,15 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
                                                 "--stages", ",".join(stages), "--head-role", "prefill",
                                                 "--kv-cache-bytes", str(64 << 20), *prefill_args])
         prefill = 1
-    if kvstore_args is not None:
-        deployment.start("kvstore-0", "kvstore", [*bus, "--instance-id", "kvstore-0", *kvstore_args])
+    for i in range(kvstores if kvstore_args is not None else 0):
+        disk = ["--kv-store-dir", str(log_dir / f"kvstore-{i}")] if "--kv-store-disk-bytes" in kvstore_args else []
+        deployment.start(f"kvstore-{i}", "kvstore", [*bus, "--instance-id", f"kvstore-{i}", *kvstore_args, *disk])
     mode = ["--mode", "disagg" if prefill else "colocated"]
     for i in range(workers):
         deployment.start(f"decode-{i}", "decode", [*bus, "--instance-id", f"decode-{i}", *model, *mode,
                                                    "--kv-cache-bytes", str(64 << 20), *decode_args])
     counts = (f"scheduler=1,decode={workers}" + (f",prefill={prefill}" if prefill else "")
-              + (f",stage={len(stages)}" if stages else "") + (",kvstore=1" if kvstore_args is not None else ""))
+              + (f",stage={len(stages)}" if stages else "") + (f",kvstore={kvstores}" if kvstore_args is not None else ""))
     deployment.procs["gateway"] = start_service(
         "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts,
                     *gateway_args], log_dir, **(gateway_env or {}))
