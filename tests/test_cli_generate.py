@@ -46,3 +46,32 @@ def test_generate_reports_a_bad_model_directory(cache_dir, tmp_path):
 def test_generate_reports_bad_parameters(cache_dir, default_model):
     result = run_cli("--model", default_model, "--prompt", "x", "--top-p", "1.5", env_cache=cache_dir)
     assert result.returncode == 2 and "top_p" in result.stderr
+
+
+def test_generate_chat_wraps_the_prompt_as_a_user_message(cache_dir, default_model):
+    result = run_cli("--model", "splitserve-default-llama", "--prompt", "What is the capital of France?", "--chat",
+                     "--max-tokens", "12", "--json", env_cache=cache_dir)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, tokenize=False)
+    assert chat.endswith("<|im_start|>assistant\n")  # the template this model ships with
+    prompt = tokenizer(chat, add_special_tokens=False).input_ids
+    assert out["prompt_token_ids"] == prompt
+    assert out["token_ids"] == reference_greedy(default_model, prompt, 12, ignore_eos=False)[0]
+
+
+def test_generate_stops_at_a_stop_string(cache_dir):
+    full = json.loads(run_cli("--model", "splitserve-default-llama", "--prompt", "The old clock in the hall",
+                              "--max-tokens", "24", "--ignore-eos", "--json", env_cache=cache_dir).stdout)
+    text = full["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # three characters from the middle of the full answer
+    assert stop.strip(), text
+    result = run_cli("--model", "splitserve-default-llama", "--prompt", "The old clock in the hall", "--max-tokens",
+                     "24", "--ignore-eos", "--stop", stop, "--json", env_cache=cache_dir)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    # The text ends just before the stop string's first occurrence, which it does not include.
+    assert out["finish_reason"] == "stop" and out["text"] == text[:text.index(stop)]
+    assert len(out["token_ids"]) < 24 and out["token_ids"] == full["token_ids"][:len(out["token_ids"])]
