@@ -53,3 +53,56 @@ def safe_prompts(model_dir: str, vocab_size: int, lengths: list[int], max_new_to
         else:
             raise AssertionError(f"no prompt of length {length} without near-ties")
     return chosen
+
+
+# A seeded draw's winner must beat the runner-up by this share of its score (and, under top-p, lie this far
+# inside the threshold), so float noise between the engine's and transformers' logits cannot change the token.
+MIN_DRAW_MARGIN = 1e-3
+
+
+@torch.inference_mode()
+def reference_sampled(model_dir: str, prompt: list[int], max_new_tokens: int, *, temperature: float, seed: int,
+                      top_p: float = 1.0):
+    """(generated ids, smallest margin of a draw) of seeded sampling as the sampler documents it, on
+    transformers' logits: softmax(logits / temperature), top-p on the sorted distribution, then the
+    exponential race argmax(p / E) with E drawn by a generator seeded `row_seed(seed, step)`."""
+    from shared.engine.sampler import row_seed
+
+    model = reference_model(model_dir)
+    tokens, margins, past = [], [], None
+    step_input = torch.tensor([prompt])
+    for step in range(max_new_tokens):
+        out = model(step_input, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        probs = torch.softmax(out.logits[0, -1].float() / temperature, dim=-1)
+        sorted_probs, order = probs.sort(descending=True, stable=True)
+        mass_before = sorted_probs.cumsum(0) - sorted_probs
+        if top_p < 1.0:  # keep what might be kept; the winner must be kept for sure
+            probs[order[1:][mass_before[1:] >= top_p + MIN_DRAW_MARGIN]] = 0.0
+        noise = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(row_seed(seed, step)))
+        race = probs / noise
+        best, second = race.topk(2).values.tolist()
+        tokens.append(int(race.argmax()))
+        rank = int((order == tokens[-1]).nonzero())
+        near_top_p = top_p < 1.0 and rank > 0 and mass_before[rank] >= top_p - MIN_DRAW_MARGIN
+        margins.append(0.0 if near_top_p else (best - second) / best)
+        step_input = torch.tensor([[tokens[-1]]])
+    return tokens, min(margins)
+
+
+def safe_seed(model_dir: str, prompt: list[int], max_new_tokens: int, *, temperature: float, top_p: float = 1.0,
+              first: int = 0) -> tuple[int, list[int]]:
+    """The first seed from `first` whose sampled trajectory has no near-tie, and that trajectory."""
+    for seed in range(first, first + 20):
+        tokens, margin = reference_sampled(model_dir, prompt, max_new_tokens, temperature=temperature, seed=seed,
+                                           top_p=top_p)
+        if margin > MIN_DRAW_MARGIN:
+            return seed, tokens
+    raise AssertionError("no seed without near-ties")
+
+
+@torch.inference_mode()
+def reference_logprobs(model_dir: str, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """(len(continuation), vocab): log_softmax of transformers' logits where each continuation token was chosen."""
+    logits = reference_model(model_dir)(torch.tensor([prompt + continuation])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(continuation) - 1], dim=-1)

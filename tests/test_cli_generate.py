@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from reference import reference_greedy
+from reference import reference_greedy, safe_seed
 from transformers import AutoTokenizer
 
 
@@ -28,13 +28,20 @@ def test_generate_json_on_default_model_matches_transformers(cache_dir, default_
     assert out["text"] and out["finish_reason"] in ("length", "stop")
 
 
-def test_generate_on_a_qwen3_directory_streams_text(cache_dir, model_zoo):
-    result = run_cli("--model", model_zoo["qwen3-qknorm"], "--prompt", "hello there", "--max-tokens", "12",
-                     "--temperature", "0.8", "--seed", "3", env_cache=cache_dir)
+def test_generate_on_a_qwen3_directory_streams_the_seeded_draws(cache_dir, model_zoo):
+    model = model_zoo["qwen3-qknorm"]
+    prompt = AutoTokenizer.from_pretrained(model)("hello there").input_ids
+    seed, expected = safe_seed(model, prompt, 12, temperature=0.8)
+    args = ("--model", model, "--prompt", "hello there", "--max-tokens", "12", "--temperature", "0.8",
+            "--seed", str(seed), "--ignore-eos")
+    result = run_cli(*args, "--json", env_cache=cache_dir)
     assert result.returncode == 0, result.stderr
-    again = run_cli("--model", model_zoo["qwen3-qknorm"], "--prompt", "hello there", "--max-tokens", "12",
-                    "--temperature", "0.8", "--seed", "3", env_cache=cache_dir)
-    assert result.stdout == again.stdout and result.stdout.strip()
+    out = json.loads(result.stdout)
+    assert out["prompt_token_ids"] == prompt and out["token_ids"] == expected
+    assert expected != reference_greedy(model, prompt, 12)[0]  # the temperature and seed were used
+    streamed = run_cli(*args, env_cache=cache_dir)
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == out["text"] + "\n" and out["text"].strip()
 
 
 def test_generate_reports_a_bad_model_directory(cache_dir, tmp_path):

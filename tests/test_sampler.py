@@ -127,6 +127,20 @@ def test_filtered_distribution_is_renormalised():
     assert chi_square(observed.double(), (kept / kept.sum()).double()) < 25  # df = 2
 
 
+def test_temperature_applies_before_top_p_and_the_kept_tokens_keep_their_odds():
+    assert support(top_p=0.7) == {3, 1}  # at T = 1 token 2 starts at mass 0.8
+    # At T = 2 the probabilities go as sqrt(PROBS): token 2 starts at mass 0.673 < 0.7 and stays.
+    rows = [row(seed=s, temperature=2.0, top_p=0.7) for s in range(4000)]
+    observed = counts_of(LOGITS, rows)
+    hot = torch.softmax(LOGITS.double() / 2.0, dim=-1)
+    kept = hot * torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    assert observed[0] == 0
+    assert chi_square(observed.double(), kept / kept.sum()) < 25  # df = 2
+    # The untempered odds of the same tokens fail the same bound.
+    untempered = PROBS.double() * torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    assert chi_square(observed.double(), untempered / untempered.sum()) > 100
+
+
 # --- penalties --------------------------------------------------------------
 
 

@@ -1,10 +1,11 @@
-"""Greedy float32 output is token-identical to transformers' generate()."""
+"""Greedy float32 output is token-identical to transformers' generate(); seeded sampling to the same draws on
+transformers' logits."""
 
 import os
 
 import pytest
 
-from reference import reference_greedy, safe_prompts
+from reference import reference_greedy, reference_sampled, safe_prompts, safe_seed
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.model_loader import LayerRange
@@ -45,6 +46,26 @@ def test_alone_and_batched_with_chunked_prefill(cases, name):
     engine = engine_for(path, max_num_batched_tokens=96, enable_prefix_caching=False)
     results = engine.generate([p for p, _ in prompts], GREEDY)
     assert [r.token_ids for r in results] == [e for _, e in prompts]
+
+
+@pytest.mark.parametrize("name", ["default", "qwen3-qknorm"])
+def test_seeded_sampling_draws_what_temperature_top_p_and_seed_say(cases, name):
+    path, prompts = cases[name]
+    prompt, greedy = prompts[3]
+    n = 12
+    hot_seed, hot = safe_seed(path, prompt, n, temperature=1.5)
+    other_seed, other = safe_seed(path, prompt, n, temperature=1.5, first=hot_seed + 1)
+    nucleus_seed, nucleus = safe_seed(path, prompt, n, temperature=0.7, top_p=0.8)
+    cool, _ = reference_sampled(path, prompt, n, temperature=0.7, seed=nucleus_seed)
+    # The references tell every setting apart, so a sampler that ignored one of them would fail below.
+    assert len({tuple(greedy[:n]), tuple(hot), tuple(other), tuple(nucleus), tuple(cool)}) == 5
+    engine = engine_for(path, max_num_batched_tokens=64)  # chunked prompts in one batch: draws are per row
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.5, seed=hot_seed),
+              SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.5, seed=other_seed),
+              SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.7, top_p=0.8, seed=nucleus_seed),
+              SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, seed=hot_seed)]
+    results = engine.generate([prompt] * 4, params)
+    assert [r.token_ids for r in results] == [hot, other, nucleus, greedy[:n]]
 
 
 def test_many_mixed_requests_with_prefix_hits_and_preemption(cases):

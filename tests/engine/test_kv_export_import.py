@@ -57,9 +57,10 @@ def test_import_continues_with_identical_tokens(default_model, case, layer_parts
 
 
 def test_seeded_sampling_continues_identically_after_import(default_model, case):
-    prompt, _ = case
+    prompt, greedy = case
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
     whole = make_engine(default_model).generate([prompt], params)[0].token_ids
+    assert whole != greedy  # sampled, so a continuation that dropped the seed or temperature would differ
     first_token, parts = prefill_and_export(make_engine(default_model), prompt, params, [(0, 4)])
     assert continue_elsewhere(default_model, prompt, params, first_token, parts) == whole
 

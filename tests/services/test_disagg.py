@@ -14,10 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from contracts import PrefillResult, ServiceInfo, Subjects
-from reference import safe_prompts
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from reference import reference_greedy, safe_prompts, safe_seed
 from support.deployment import start_deployment
 from support.kv_workload import wait_until
 from support.metrics import samples, value
@@ -67,12 +64,13 @@ def test_remote_prefill_matches_transformers_alone_and_concurrently(disagg, case
     assert disagg.stats("decode-0").kv_blocks_free == disagg.stats("decode-0").kv_blocks_total
 
 
-def test_seeded_sampling_is_the_same_as_colocated(disagg, default_model):
+def test_seeded_sampling_draws_what_the_seed_says_across_prefill_and_decode(disagg, default_model):
+    # The prefill worker draws the first token, the decode worker the rest: each with the request's seed.
     prompt = list(range(100, 180))
-    params = dict(temperature=0.8, top_p=0.9, seed=1234)
-    engine = LLMEngine(EngineConfig(model=default_model, dtype="float32", num_kv_blocks=64))
-    expected = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, **params))[0].text
-    assert complete(disagg.base_url, prompt, **params)["choices"][0]["text"] == expected
+    seed, expected = safe_seed(default_model, prompt, 16, temperature=0.8, top_p=0.9)
+    body = complete(disagg.base_url, prompt, temperature=0.8, top_p=0.9, seed=seed)
+    assert disagg.token_ids(body) == expected
+    assert expected != reference_greedy(default_model, prompt, 16)[0]
 
 
 def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):

@@ -4,7 +4,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from reference import reference_greedy
+from reference import reference_greedy, reference_logprobs, safe_seed
 
 MODEL = "splitserve-default-llama"
 PROMPT = "The lighthouse keeper opened the old logbook and"
@@ -63,25 +63,44 @@ def test_chat_matches_transformers_streamed_and_not(client, tokenizer, default_m
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
 
 
-def test_token_id_prompt_and_logprobs(client, tokenizer):
+def test_token_id_prompt_and_logprobs(client, colocated, tokenizer, default_model):
     prompt_ids = tokenizer(PROMPT).input_ids
     by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
     by_ids = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=8, temperature=0, logprobs=2)
-    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert colocated.token_ids(by_ids.model_dump()) == colocated.token_ids(by_text.model_dump())
+    tokens = colocated.token_ids(by_text.model_dump())
+    # The raw model's log-probabilities, as transformers computes them on the same tokens.
+    reference = reference_logprobs(default_model, prompt_ids, tokens)
     logprobs = by_text.choices[0].logprobs
-    assert len(logprobs.tokens) == 8 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in tokens]
+    assert logprobs.token_logprobs == pytest.approx([reference[i, t].item() for i, t in enumerate(tokens)], abs=1e-4)
+    for i, top in enumerate(logprobs.top_logprobs):
+        values, ids = reference[i].topk(2)
+        assert top == pytest.approx({tokenizer.decode([t]): v for t, v in zip(ids.tolist(), values.tolist())},
+                                    abs=1e-4)
 
 
 def test_repeated_prompt_reports_cached_tokens(client):
     long_prompt = " ".join(["the quiet river ran past the mill"] * 12)
-    client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
+    first = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
     again = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
-    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    # Every full block of the prompt but the one holding its last token (which must be computed) is a hit.
+    prompt_tokens = again.usage.prompt_tokens
+    assert prompt_tokens > 32 and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
 
 
-def test_seeded_sampling_is_reproducible(client):
-    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, seed=11)
-    assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.5, 1.0), (0.7, 0.8)])
+def test_seeded_sampling_draws_what_temperature_top_p_and_seed_say(client, colocated, tokenizer, default_model,
+                                                                    temperature, top_p):
+    prompt_ids = tokenizer(PROMPT).input_ids
+    seed, expected = safe_seed(default_model, prompt_ids, 12, temperature=temperature, top_p=top_p)
+    other_seed, other = safe_seed(default_model, prompt_ids, 12, temperature=temperature, top_p=top_p, first=seed + 1)
+    assert other != expected  # so a seed the service ignored could not pass
+    for seed, expected in ((seed, expected), (other_seed, other)):
+        result = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=12, temperature=temperature,
+                                           top_p=top_p, seed=seed, extra_body={"ignore_eos": True})
+        assert colocated.token_ids(result.model_dump()) == expected
 
 
 def test_models_lists_the_served_model(client):
