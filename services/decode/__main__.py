@@ -55,7 +55,8 @@ async def serve(args: argparse.Namespace) -> int:
     from services.common.engine_loop import DEFAULT_GATHER_S
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
-    from services.decode.worker import DecodeWorker
+    from services.common.engine_worker import EngineWorker
+    from services.decode.worker import DecodeRole
     from shared.engine.engine import LLMEngine
 
     model_dir, served_name = resolve_model(args)
@@ -75,17 +76,16 @@ async def serve(args: argparse.Namespace) -> int:
             receiver = KVReceiver(tls=tls)
             await receiver.start(args.kv_receiver_host, args.kv_receiver_port,
                                  advertise_host=args.kv_receiver_advertise)
-        worker = DecodeWorker(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
-                              cpu_share=cpu_share,
-                              instance_id=args.instance_id,
-                              model=model_dir, served_model_name=served_name, mode=args.mode,
-                              max_active_requests=args.max_active_requests, receiver=receiver,
-                              prefill_timeout_s=args.prefill_timeout,
+        worker = EngineWorker(nc=nc, registry=registry, subjects=subjects, engine=engine, engine_thread=engine_thread,
+                              instance_id=args.instance_id, role="decode", model=model_dir,
+                              served_model_name=served_name, cpu_share=cpu_share,
                               gather_s=DEFAULT_GATHER_S if args.gather_ms is None else args.gather_ms / 1000)
+        worker.role = DecodeRole(worker, mode=args.mode, max_active_requests=args.max_active_requests,
+                                 receiver=receiver, prefill_timeout_s=args.prefill_timeout)
         if args.kv_store:
             from services.common.kvstore_cache import start_kv_store_cache
 
-            worker.kv_cache = await start_kv_store_cache(args, nc=nc, subjects=subjects, registry=registry,
+            worker.kv_store = await start_kv_store_cache(args, nc=nc, subjects=subjects, registry=registry,
                                                          engine=engine, engine_loop=worker.engine_loop)
         return worker
 

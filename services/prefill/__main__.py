@@ -38,7 +38,8 @@ async def serve(args: argparse.Namespace) -> int:
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.common.kv_memory import kv_cache_allocator
-    from services.prefill.worker import PrefillWorker
+    from services.common.engine_worker import EngineWorker
+    from services.prefill.worker import PrefillRole
     from shared.engine.engine import LLMEngine
 
     model_dir, served_name = resolve_model(args)
@@ -50,15 +51,15 @@ async def serve(args: argparse.Namespace) -> int:
         engine = await engine_thread.run(LLMEngine, engine_config(args, model_dir),
                                          kv_allocator=kv_cache_allocator(args.kv_transport, args.device))
         await provision_prefill_queue(js, subjects)
-        worker = PrefillWorker(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
-                               cpu_share=cpu_share,
-                               instance_id=args.instance_id, model=model_dir, served_model_name=served_name,
-                               max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport,
-                               transfer_tls=tls)
+        worker = EngineWorker(nc=nc, registry=registry, subjects=subjects, engine=engine, engine_thread=engine_thread,
+                              instance_id=args.instance_id, role="prefill", model=model_dir,
+                              served_model_name=served_name, cpu_share=cpu_share)
+        worker.role = PrefillRole(worker, max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport,
+                                  transfer_tls=tls)
         if args.kv_store:
             from services.common.kvstore_cache import start_kv_store_cache
 
-            worker.kv_cache = await start_kv_store_cache(args, nc=nc, subjects=subjects, registry=registry,
+            worker.kv_store = await start_kv_store_cache(args, nc=nc, subjects=subjects, registry=registry,
                                                          engine=engine, engine_loop=worker.engine_loop)
         return worker
 

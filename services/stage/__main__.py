@@ -160,23 +160,22 @@ async def serve(args: argparse.Namespace) -> int:
                                runner=runner, engine_thread=engine_thread, link=link, model=model_dir, served_model_name=served_name,
                                kv_transport=args.kv_transport)
 
+        from services.common.engine_worker import EngineWorker
+
         engine, driver = await build_head(args, registry, link, model_dir, num_layers, engine_thread)
+        worker = EngineWorker(nc=nc, registry=registry, subjects=subjects, engine=engine, engine_thread=engine_thread,
+                              instance_id=args.instance_id, role=args.head_role, model=model_dir,
+                              served_model_name=served_name)
         if args.head_role == "prefill":
             from services.common.queues import provision_prefill_queue
-            from services.stage.prefill_head import PrefillPipelineHead
+            from services.stage.prefill_head import prefill_pipeline_head
 
             await provision_prefill_queue(js, subjects)
-            return PrefillPipelineHead(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread,
-                                       subjects=subjects,
-                                       instance_id=args.instance_id, model=model_dir, served_model_name=served_name,
-                                       max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport,
-                                       driver=driver)
-        from services.stage.head import PipelineHead
+            return prefill_pipeline_head(worker, driver, max_concurrent_jobs=args.max_concurrent_jobs,
+                                         kv_transport=args.kv_transport, transfer_tls=tls)
+        from services.stage.head import decode_pipeline_head
 
-        return PipelineHead(nc=nc, registry=registry, engine=engine, engine_thread=engine_thread, subjects=subjects,
-                            instance_id=args.instance_id,
-                            model=model_dir, served_model_name=served_name,
-                            max_active_requests=args.max_active_requests, driver=driver)
+        return decode_pipeline_head(worker, driver, max_active_requests=args.max_active_requests)
 
     # Every stage process logs and traces as a stage (splitserve-stage); a head registers as its head role.
     return await run_service(args, "stage", build)

@@ -1,7 +1,7 @@
 """The head of a pipelined prefill pool (`splitserve up --topology disagg --prefill-stages N`).
 
 To the decode workers it is a prefill worker (it pulls `PrefillJob`s, samples
-the first token, ships the prompt's KV: `PrefillWorker` does that part), but
+the first token, ships the prompt's KV: `PrefillRole` does that part), but
 its engine runs only the first layers; the `PipelineDriver` carries each step
 through the stages. The KV goes to the decode worker from every stage at once:
 the head ships its own layers, each stage its own (the steps that complete a
@@ -15,47 +15,55 @@ import asyncio
 import secrets
 
 from contracts import KVShipped, PrefillJob
+from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
-from services.prefill.worker import PrefillWorker
+from services.prefill.worker import PrefillRole
 from services.stage.driver import PipelineDriver
-from shared.bus.subscribe import subscribe_typed
 
 _DEADLINE_MARGIN_S = 1.0  # past the transfer's deadline, the decode worker applies nothing more
 
 
-class PrefillPipelineHead(PrefillWorker):
-    def __init__(self, *, driver: PipelineDriver, **kwargs):
-        super().__init__(**kwargs)
-        self.driver = driver
+def prefill_pipeline_head(worker: EngineWorker, driver: PipelineDriver, **role_options) -> EngineWorker:
+    """`worker` as a prefill pipeline's head: a prefill role whose jobs the stages ship too, and the driver."""
+    shipments = PipelineShipments(worker, driver.stages)
+    worker.role = PrefillRole(worker, stages=shipments, **role_options)
+    worker.parts += [shipments, driver]
+    driver.attach(engine=worker.engine, engine_loop=worker.engine_loop, boot_id=worker.identity.boot_id,
+                  on_reset=worker.deliver, shipment_of=shipments.shipment_of, trace_of=worker.role.job_traces.get)
+    return worker
+
+
+class PipelineShipments:
+    """The stages' reports (`KVShipped`) of the KV they shipped, per job attempt."""
+
+    def __init__(self, worker: EngineWorker, stages: list[str]):
+        self.worker = worker
+        self.stages = stages
         self._shipments: dict[str, dict] = {}  # request id -> {ticket, attempt}, while prefilling
         self._reports: dict[str, dict[str, asyncio.Future]] = {}  # request id -> stage -> its KVShipped
-        driver.attach(engine=self.engine, engine_loop=self.engine_loop, boot_id=self.identity.boot_id,
-                      on_reset=self._deliver, shipment_of=self._shipments.get, trace_of=self.job_traces.get)
 
     async def start(self) -> list[asyncio.Task]:
-        driver_tasks = await self.driver.start()
-        await subscribe_typed(self.nc, self.subjects.stage_shipped(self.instance_id), KVShipped, self._on_shipped)
-        return [*await super().start(), *driver_tasks]
+        w = self.worker
+        await w.subscribe(w.subjects.stage_shipped(w.instance_id), KVShipped, self._on_shipped)
+        return []
 
     async def stop(self) -> None:
-        await super().stop()
-        await self.driver.stop()
+        pass
 
-    def info(self):
-        info = super().info()
-        info.details.update(self.driver.details())
-        return info
+    def details(self) -> dict:
+        return {}
 
-    @property
-    def shipped_layers(self) -> tuple[int, int]:
-        return 0, self.engine.local_layers_end
+    def shipment_of(self, request_id: str) -> dict | None:
+        """How the stages ship a request's KV (its ticket and attempt), for the steps the driver sends."""
+        return self._shipments.get(request_id)
 
-    def _job_started(self, job: PrefillJob) -> None:
+    def begin(self, job: PrefillJob) -> None:
         # A fresh attempt id: a late report of an earlier attempt at this job must not count for this one.
+        loop = asyncio.get_running_loop()
         self._shipments[job.request_id] = {"ticket": job.ticket, "attempt": secrets.token_hex(8)}
-        self._reports[job.request_id] = {stage: self._loop.create_future() for stage in self.driver.stages}
+        self._reports[job.request_id] = {stage: loop.create_future() for stage in self.stages}
 
-    async def _others_shipped(self, job: PrefillJob) -> str | None:
+    async def shipped(self, job: PrefillJob) -> str | None:
         reports = self._reports.get(job.request_id, {})
         if not reports:
             return None
@@ -70,7 +78,7 @@ class PrefillPipelineHead(PrefillWorker):
                 return f"stage {stage} could not ship its layers: {report.error}"
         return None
 
-    def _job_ended(self, job: PrefillJob) -> None:
+    def end(self, job: PrefillJob) -> None:
         self._shipments.pop(job.request_id, None)
         for future in self._reports.pop(job.request_id, {}).values():
             future.cancel()

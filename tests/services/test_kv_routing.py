@@ -64,7 +64,6 @@ async def test_a_job_offered_to_a_prefill_worker_that_leaves_is_given_up_at_once
     # Nothing redelivers a job offered straight to a worker: the decode worker watches the registry instead of
     # waiting out its prefill deadline.
     import asyncio
-    import types
     import uuid
 
     import nats
@@ -77,8 +76,7 @@ async def test_a_job_offered_to_a_prefill_worker_that_leaves_is_given_up_at_once
     try:
         registry = await Registry.open(nc.jetstream(), Subjects("t" + uuid.uuid4().hex[:8]).registry_bucket)
         await registry.put(ServiceInfo(instance_id="prefill-7", role="prefill", boot_id="boot-1", state="ready"))
-        worker = types.SimpleNamespace(registry=registry)
-        waiting = asyncio.create_task(_result_unless_gone(worker, asyncio.get_running_loop().create_future(),
+        waiting = asyncio.create_task(_result_unless_gone(registry, asyncio.get_running_loop().create_future(),
                                                           "prefill-7"))
         await asyncio.sleep(2.5)
         assert not waiting.done()  # still there: keep waiting
@@ -86,10 +84,10 @@ async def test_a_job_offered_to_a_prefill_worker_that_leaves_is_given_up_at_once
         assert await asyncio.wait_for(waiting, 5) is None  # restarted: the job died with the old process
 
         answered = asyncio.get_running_loop().create_future()
-        waiting = asyncio.create_task(_result_unless_gone(worker, answered, "prefill-7"))
+        waiting = asyncio.create_task(_result_unless_gone(registry, answered, "prefill-7"))
         answered.set_result("result")
         assert await asyncio.wait_for(waiting, 5) == "result"
-        waiting = asyncio.create_task(_result_unless_gone(worker, asyncio.get_running_loop().create_future(),
+        waiting = asyncio.create_task(_result_unless_gone(registry, asyncio.get_running_loop().create_future(),
                                                           "prefill-7"))
         await registry.remove("prefill", "prefill-7")
         assert await asyncio.wait_for(waiting, 5) is None  # gone

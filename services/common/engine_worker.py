@@ -1,0 +1,148 @@
+"""`EngineWorker`: the shell every service that runs an engine shares; a role says what the service does.
+
+The shell owns what every such worker has: its identity and registry entry (kept fresh by a heartbeat),
+the engine loop on the engine's thread and the bridge that brings its outputs back to the event loop in
+order, stats replies, cancels, the KV-event publisher, the kv-store tier (with `--kv-store`), parts that
+come and go with it (a pipeline head's driver), and teardown in one order. A role (`DecodeRole`,
+`PrefillRole`) subscribes its own subjects, handles the engine's outputs and cancels, says its load and
+details for the registry entry, and drains its work when the worker stops.
+"""
+
+import asyncio
+from typing import Protocol
+
+from contracts import CancelRequest, ServiceInfo, StatsRequest, Subjects
+from services.common.cpu_loan import CpuShare, loan_details
+from services.common.engine_loop import EngineLoop, RequestRejected
+from services.common.engine_thread import EngineThread
+from services.common.identity import ServiceIdentity
+from services.common.kv_events import engine_kv_events, kv_hashing_details
+from shared.bus.registry import Heartbeat, Registry
+from shared.bus.subscribe import REJECTED, subscribe_typed
+from shared.engine.engine import LLMEngine, RequestOutput
+
+
+class WorkerRole(Protocol):
+    async def start(self) -> list[asyncio.Task]:
+        """Subscribe the role's subjects; the tasks it runs (any that ends stops the service)."""
+
+    async def on_outputs(self, items: list[RequestOutput | RequestRejected]) -> None:
+        """One engine step's outputs, on the event loop, in step order."""
+
+    async def on_cancel(self, cancel: CancelRequest) -> None:
+        """A request is cancelled (it may not be this worker's)."""
+
+    def load(self) -> dict:
+        """The registry entry's load fields: num_running, num_waiting, max_num_seqs."""
+
+    def details(self) -> dict:
+        """The role's part of the registry entry's details."""
+
+    async def drain(self) -> None:
+        """Stop taking work and end (or hand back) what runs; the engine still runs meanwhile."""
+
+    async def close(self) -> None:
+        """Once the engine has stopped: close what the role opened (side channels)."""
+
+
+class WorkerPart(Protocol):
+    """Something a worker runs beside its role (a pipeline head's driver): started first, stopped last."""
+
+    async def start(self) -> list[asyncio.Task]: ...
+
+    async def stop(self) -> None: ...
+
+    def details(self) -> dict: ...
+
+
+class EngineWorker:
+    def __init__(self, *, nc, registry: Registry, subjects: Subjects, engine: LLMEngine, engine_thread: EngineThread,
+                 instance_id: str, role: str, model: str, served_model_name: str, cpu_share: CpuShare | None = None,
+                 gather_s: float = 0.0):
+        self.nc = nc
+        self.registry = registry
+        self.subjects = subjects
+        self.engine = engine
+        self.instance_id = instance_id
+        self.model = model
+        self.served_model_name = served_model_name
+        self.identity = ServiceIdentity(instance_id, role)
+        self.state = "starting"
+        self.role: WorkerRole | None = None
+        self.parts: list[WorkerPart] = []
+        self.kv_store = None  # services.common.kvstore_cache.KVStoreCache, with --kv-store
+        self._loop = asyncio.get_running_loop()
+        self._outputs: asyncio.Queue = asyncio.Queue()  # one engine step's outputs per item, in order
+        self.engine_loop = EngineLoop(engine, self._from_engine_thread, engine_thread, cpu_share, gather_s)
+        self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
+                                          engine_loop=self.engine_loop)
+        self._heartbeat = Heartbeat(registry, self.info)
+
+    async def subscribe(self, subject: str, message_cls, handler):
+        return await subscribe_typed(self.nc, subject, message_cls, handler)
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def start(self) -> list[asyncio.Task]:
+        if self.role is None:
+            raise RuntimeError("an EngineWorker needs a role before it starts")
+        part_tasks = [task for part in self.parts for task in await part.start()]
+        self.engine_loop.start()
+        await self.subscribe(self.subjects.cancel, CancelRequest, self._on_cancel)
+        await self.subscribe(self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
+        role_tasks = await self.role.start()
+        event_tasks = await self.kv_events.start()
+        await self.nc.flush()
+        self.state = "ready"
+        self._heartbeat.start()
+        return [asyncio.create_task(self._deliver_outputs(), name="engine-outputs"), *role_tasks, *part_tasks,
+                *event_tasks]
+
+    async def stop(self) -> None:
+        """Stop taking work, let the role end what runs, stop the engine, close everything, leave the registry."""
+        self.state = "draining"
+        await self.role.drain()
+        await asyncio.to_thread(self.engine_loop.stop, 1.0)  # a step in flight may not finish: the thread is a daemon
+        await self.role.close()
+        if self.kv_store is not None:
+            await self.kv_store.stop()
+        for part in self.parts:
+            await part.stop()
+        await self._heartbeat.stop(remove=True)
+
+    def info(self) -> ServiceInfo:
+        block_manager = self.engine.block_manager
+        details = {"rejected_messages": dict(REJECTED), "uses_kv_store": self.kv_store is not None,
+                   "prefix_cache": self.engine.prefix_cache_counts(),
+                   "kv_store": self.kv_store.details() if self.kv_store is not None else {},
+                   "kv_events": dict(self.kv_events.counts), "cpu_loan": loan_details(self.engine_loop.cpu_share),
+                   **kv_hashing_details(self.engine), **self.role.details()}
+        for part in self.parts:
+            details.update(part.details())
+        return self.identity.info(
+            model=self.model, served_model_name=self.served_model_name, state=self.state,
+            kv_blocks_total=block_manager.num_blocks, kv_blocks_free=block_manager.num_free_blocks,
+            max_model_len=self.engine.max_model_len, details=details, **self.role.load(),
+        )
+
+    # ---- the engine's outputs ---------------------------------------------------------
+    def deliver(self, items: list[RequestOutput | RequestRejected]) -> None:
+        """Hand outputs made on the event loop (a pipeline reset's failures) to the role, after those before."""
+        self._outputs.put_nowait(items)
+
+    def _from_engine_thread(self, items: list[RequestOutput | RequestRejected]) -> None:
+        self._loop.call_soon_threadsafe(self._outputs.put_nowait, items)
+
+    async def _deliver_outputs(self) -> None:
+        while True:
+            items = await self._outputs.get()
+            if self.engine_loop.crashed is not None:  # it sends nothing more: the service must end
+                raise RuntimeError("the engine loop crashed") from self.engine_loop.crashed
+            await self.role.on_outputs(items)
+
+    # ---- handlers ---------------------------------------------------------------------
+    async def _on_cancel(self, cancel: CancelRequest, msg) -> None:
+        await self.role.on_cancel(cancel)
+
+    async def _on_stats(self, _: StatsRequest, msg) -> None:
+        if msg.reply:
+            await msg.respond(self.info().encode())
