@@ -37,16 +37,21 @@ def text_of(response: httpx.Response) -> str:
     return response.json()["choices"][0]["text"]
 
 
+def token_ids_of(deployment, response: httpx.Response) -> list[int]:
+    assert response.status_code == 200, response.text
+    return deployment.token_ids(response.json())
 
 
 def assert_matches_transformers(deployment, cases, tokenizer) -> None:
-    """Every case alone, then 16 at once of mixed lengths: the text transformers' greedy tokens decode to."""
-    expected = [tokenizer.decode(e, skip_special_tokens=True) for _, e in cases]
-    assert [text_of(complete(deployment.base_url, p)) for p, _ in cases] == expected
+    """Every case alone, then 16 at once of mixed lengths: transformers' greedy tokens (and their text)."""
+    for prompt, expected in cases:
+        response = complete(deployment.base_url, prompt)
+        assert token_ids_of(deployment, response) == expected
+        assert text_of(response) == tokenizer.decode(expected, skip_special_tokens=True)
     batch = (cases * 3)[:16]
     with ThreadPoolExecutor(16) as pool:
-        texts = list(pool.map(lambda case: text_of(complete(deployment.base_url, case[0])), batch))
-    assert texts == [tokenizer.decode(e, skip_special_tokens=True) for _, e in batch]
+        outputs = list(pool.map(lambda case: token_ids_of(deployment, complete(deployment.base_url, case[0])), batch))
+    assert outputs == [e for _, e in batch]
 
 
 @pytest.mark.parametrize("split", [
@@ -95,8 +100,10 @@ def test_openai_client_streams_from_a_pipeline(nats_server, default_model, tmp_p
         prompt, expected = cases[3]
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
-        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == tokenizer.decode(
+        chunks = list(stream)
+        assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == tokenizer.decode(
             expected, skip_special_tokens=True)
+        assert deployment.token_ids({"id": chunks[0].id}) == expected
         # Each stage's bubble and bytes show on the gateway's /metrics (from the stages' heartbeats).
         deadline = time.monotonic() + 10
         while True:
@@ -136,7 +143,7 @@ def test_a_stage_killed_mid_request_fails_it_and_the_pipeline_serves_again(nats_
                 break
             assert time.monotonic() < deadline, response.text
             time.sleep(1.0)
-        assert text_of(response) == tokenizer.decode(expected, skip_special_tokens=True)
+        assert token_ids_of(deployment, response) == expected
         assert deployment.stats("stage-0").details["resets"] >= 1
     finally:
         deployment.stop()
