@@ -16,7 +16,7 @@ from services.common.cpu_loan import CpuShare, loan_details
 from services.common.engine_loop import EngineLoop, RequestRejected
 from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity
-from services.common.kv_events import engine_kv_events, kv_hashing_details
+from services.common.kv_event_publisher import engine_kv_events, kv_hashing_details
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
@@ -70,7 +70,7 @@ class EngineWorker:
         self.state = "starting"
         self.role: WorkerRole | None = None
         self.parts: list[WorkerPart] = []
-        self.kv_store = None  # services.common.kvstore_cache.KVStoreCache, with --kv-store
+        self.kv_store = None  # services.common.kvstore_tier.KVStoreTier, with --kv-store
         self._loop = asyncio.get_running_loop()
         self._outputs: asyncio.Queue = asyncio.Queue()  # one engine step's outputs per item, in order
         self.engine_loop = EngineLoop(engine, self._from_engine_thread, engine_thread, cpu_share, gather_s)

@@ -83,9 +83,9 @@ async def serve(args: argparse.Namespace) -> int:
         worker.role = DecodeRole(worker, mode=args.mode, max_active_requests=args.max_active_requests,
                                  receiver=receiver, prefill_timeout_s=args.prefill_timeout)
         if args.kv_store:
-            from services.common.kvstore_cache import start_kv_store_cache
+            from services.common.kvstore_tier import start_kv_store_tier
 
-            worker.kv_store = await start_kv_store_cache(args, nc=nc, subjects=subjects, registry=registry,
+            worker.kv_store = await start_kv_store_tier(args, nc=nc, subjects=subjects, registry=registry,
                                                          engine=engine, engine_loop=worker.engine_loop)
         return worker
 

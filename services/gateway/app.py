@@ -29,7 +29,7 @@ from services.gateway.errors import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_info import ModelInfo
-from services.gateway.pipeline import Pipeline
+from services.gateway.request_bus import RequestBus
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -94,7 +94,7 @@ class Gateway:
                                 inbox_prefix=inbox_prefix(self.settings.namespace, "gateway"))
         self.registry = await Registry.open(self.nc.jetstream(), self.subjects.registry_bucket)
         await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)
-        self.pipeline = Pipeline(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
+        self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
                                  streams=self.streams)
         self.heartbeat = Heartbeat(self.registry, self.info)
         self.heartbeat.start()
@@ -283,7 +283,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     request.state.trace_id = telemetry.trace_id
     with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):
         with _failures_counted(telemetry):
-            stream = await _unless_disconnected(request, gateway.pipeline.submit(
+            stream = await _unless_disconnected(request, gateway.request_bus.submit(
                 request_id, req.model, prompt_ids, sampling, headers=telemetry.headers({})))
             if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
                 telemetry.finish("cancelled")
@@ -297,7 +297,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
                                     headers={"Cache-Control": "no-cache", "x-request-id": request_id})
         except BaseException:
             telemetry.finish("internal")
-            gateway.spawn(gateway.pipeline.release(stream))
+            gateway.spawn(gateway.request_bus.release(stream))
             raise
         return await _collect_until_done(gateway, request, stream, renderer, telemetry)
 
@@ -337,7 +337,7 @@ class _EventStream(StreamingResponse):
         finally:
             await self._events.aclose()
             self._telemetry.finish("cancelled")  # (a no-op if the stream ended on its own)
-            self._gateway.spawn(self._gateway.pipeline.release(self._stream))
+            self._gateway.spawn(self._gateway.request_bus.release(self._stream))
 
 
 async def _unless_disconnected(request: Request, coro, poll_s: float = 0.25):
@@ -409,7 +409,7 @@ async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Render
     try:
         if renderer.chat:
             yield responses.sse(responses.chat_role_chunk(**renderer.common, include_usage=renderer.include_usage))
-        async for chunk in gateway.pipeline.chunks(stream):
+        async for chunk in gateway.request_bus.chunks(stream):
             telemetry.token()
             renderer.note(chunk)
             if chunk.text or chunk.finished or chunk.logprobs:  # a token still inside a character: nothing to say
@@ -433,7 +433,7 @@ async def _collect_until_done(gateway: Gateway, request: Request, stream: Reques
                               telemetry: RequestTelemetry):
     async def collect() -> tuple[str, list]:
         text, logprob_entries = [], []
-        async for chunk in gateway.pipeline.chunks(stream):
+        async for chunk in gateway.request_bus.chunks(stream):
             telemetry.token()
             renderer.note(chunk)
             text.append(chunk.text)
@@ -448,6 +448,6 @@ async def _collect_until_done(gateway: Gateway, request: Request, stream: Reques
                 return Response(status_code=499)
             body = renderer.whole(*collected)
     finally:
-        await gateway.pipeline.release(stream)
+        await gateway.request_bus.release(stream)
     telemetry.finish("ok", renderer.usage, renderer.finish_reason)
     return JSONResponse(body)

@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, ServiceInfo, StatsRequest, Subjects
 from services.common.identity import ServiceIdentity, now_ms
-from services.common.kv_events import KVEventPublisher
+from services.common.kv_event_publisher import KVEventPublisher
 from services.kvstore.block import StoredBlock
 from services.kvstore.store import TieredBlockStore
 from shared.bus.registry import Heartbeat, Registry

@@ -57,9 +57,9 @@ async def serve(args: argparse.Namespace) -> int:
         worker.role = PrefillRole(worker, max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport,
                                   transfer_tls=tls)
         if args.kv_store:
-            from services.common.kvstore_cache import start_kv_store_cache
+            from services.common.kvstore_tier import start_kv_store_tier
 
-            worker.kv_store = await start_kv_store_cache(args, nc=nc, subjects=subjects, registry=registry,
+            worker.kv_store = await start_kv_store_tier(args, nc=nc, subjects=subjects, registry=registry,
                                                          engine=engine, engine_loop=worker.engine_loop)
         return worker
 

@@ -10,7 +10,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from shared.engine.block_hash import extend_block_hashes
-from shared.engine.kv_events import KVEventLog
+from shared.engine.kv_event_log import KVEventLog
 from shared.engine.sequence import Sequence
 
 

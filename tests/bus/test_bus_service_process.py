@@ -58,7 +58,7 @@ async def test_sigterm_drains_and_exits_0(nc, js, nats_url, unique):
     assert "request_id" not in events["exiting"]
 
 
-async def test_a_crashed_actor_exits_70(nc, nats_url, unique):
+async def test_a_crashed_task_exits_70(nc, nats_url, unique):
     bucket, subject = unique("reg"), unique("cancel")
     proc = await asyncio.to_thread(start_tiny_service, nats_url, bucket, subject)
     await nc.publish(subject, CancelRequest(request_id="crash").encode())
@@ -66,6 +66,6 @@ async def test_a_crashed_actor_exits_70(nc, nats_url, unique):
     code, lines = await asyncio.to_thread(finish, proc, 5)
 
     assert code == 70
-    crash = next(line for line in lines if line["event"] == "actor crashed")
-    assert crash["message_type"] == "CancelRequest" and crash["level"] == "error"
+    crash = next(line for line in lines if line["event"] == "task failed; stopping the service")
+    assert crash["task"] == "canceller" and crash["level"] == "error"
     assert "told to crash" in crash["exception"]

@@ -470,7 +470,7 @@ def test_reset_prefix_cache():
 
 
 def test_kv_events_follow_what_the_prefix_cache_holds():
-    from shared.engine.kv_events import KVEventLog
+    from shared.engine.kv_event_log import KVEventLog
 
     bm = BlockManager(4, 2, FP)
     bm.kv_events = KVEventLog()

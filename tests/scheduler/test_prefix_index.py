@@ -4,7 +4,7 @@ from contracts import KVEvents, ServiceInfo
 from services.scheduler.prefix_index import KVSTORE, PrefixIndex
 from services.scheduler.routing import cached_blocks, kv_cost, pick_prefill_worker, rank_by_kv
 from shared.engine.block_hash import block_hashes
-from shared.engine.kv_events import KVEventLog
+from shared.engine.kv_event_log import KVEventLog
 
 FP = b"fingerprint"
 CHAIN = block_hashes(list(range(64)), 8, FP)  # 8 blocks, chained

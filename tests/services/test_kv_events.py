@@ -9,15 +9,15 @@ import nats
 import pytest
 
 from contracts import KVEvents, KVSnapshotRequest, Subjects
-from services.common import kv_events
-from services.common.kv_events import KVEventPublisher
-from shared.engine.kv_events import KVEventLog
+from services.common import kv_event_publisher
+from services.common.kv_event_publisher import KVEventPublisher
+from shared.engine.kv_event_log import KVEventLog
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 
 async def test_publisher_snapshots_deltas_and_splits(nats_server, monkeypatch):
-    monkeypatch.setattr(kv_events, "MAX_HASHES_PER_MESSAGE", 4)
+    monkeypatch.setattr(kv_event_publisher, "MAX_HASHES_PER_MESSAGE", 4)
     subjects = Subjects("t" + uuid.uuid4().hex[:8])
     nc = await nats.connect(nats_server.url)
     received: asyncio.Queue = asyncio.Queue()

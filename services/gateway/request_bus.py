@@ -1,7 +1,5 @@
 """The gateway's side of a request's life on the bus: submit, follow, cancel."""
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 
 from contracts import Assignment, CancelRequest, GenerateRequest, Subjects, TokenChunk
@@ -12,7 +10,7 @@ from shared.telemetry.logging import get_logger
 log = get_logger(__name__)
 
 
-class Pipeline:
+class RequestBus:
     def __init__(self, *, nc, subjects: Subjects, gateway_id: str, streams: TokenStreams,
                  assign_timeout_s: float = 30.0, idle_timeout_s: float = 300.0):
         self.nc = nc
@@ -76,15 +74,3 @@ class Pipeline:
             except Exception as exc:
                 log.warning("cancel publish failed", request_id=stream.request_id, error=repr(exc))
 
-
-async def watch_workers(registry, streams: TokenStreams, interval_s: float = 1.0) -> None:
-    """Fail requests whose worker died or restarted (see TokenStreams.fail_orphans)."""
-    while True:
-        await asyncio.sleep(interval_s)
-        listed_at = time.monotonic()
-        try:
-            services = await registry.list()
-        except Exception as exc:
-            log.warning("registry read failed", error=repr(exc))
-            continue
-        streams.fail_orphans(services, listed_at)

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from contracts import KVEvents, KVSnapshotRequest, Subjects
 from shared.bus.subscribe import subscribe_typed
-from shared.engine.kv_events import KVEventLog
+from shared.engine.kv_event_log import KVEventLog
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)

@@ -31,7 +31,7 @@ log = get_logger(__name__)
 _INSTANCES_TTL_S = 1.0
 
 
-class KVStoreCache:
+class KVStoreTier:
     def __init__(self, *, client: KVStoreClient, registry: Registry, engine, engine_loop, known_capacity: int = 1 << 16,
                  max_puts_in_flight: int = 32):
         self.client = client
@@ -215,8 +215,8 @@ class KVStoreCache:
         await self.client.close()
 
 
-async def start_kv_store_cache(args: argparse.Namespace, *, nc, subjects, registry: Registry, engine,
-                               engine_loop) -> KVStoreCache:
+async def start_kv_store_tier(args: argparse.Namespace, *, nc, subjects, registry: Registry, engine,
+                               engine_loop) -> KVStoreTier:
     """The worker's use of the kv-store, from `add_kv_store_options`' arguments (with `--kv-store`)."""
     from services.common.options import transfer_tls_of
     from shared.transfer import KVReceiver, KVSender
@@ -226,4 +226,4 @@ async def start_kv_store_cache(args: argparse.Namespace, *, nc, subjects, regist
     await receiver.start(args.kv_store_receiver_host, 0, advertise_host=args.kv_store_receiver_advertise)
     client = KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=KVSender(tls=tls),
                            model_fingerprint=engine.fingerprint, timeout_s=args.kv_store_timeout)
-    return KVStoreCache(client=client, registry=registry, engine=engine, engine_loop=engine_loop)
+    return KVStoreTier(client=client, registry=registry, engine=engine, engine_loop=engine_loop)
