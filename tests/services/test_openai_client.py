@@ -59,8 +59,12 @@ def test_chat_matches_transformers_streamed_and_not(client, tokenizer, default_m
     assert result.choices[0].message.role == "assistant"
     assert result.usage.prompt_tokens == len(prompt_ids)
 
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == result.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == result.usage.total_tokens
 
 
 def test_token_id_prompt_and_logprobs(client, colocated, tokenizer, default_model):
