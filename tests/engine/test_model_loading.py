@@ -3,12 +3,18 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from shared.engine.errors import ModelLoadError
 from shared.engine.model_loader import LayerRange, load_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_missing_directory(tmp_path):
@@ -34,12 +40,35 @@ def test_unreadable_config(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_config_without_read_permission(tmp_path, default_model):
-    shutil.copy(os.path.join(default_model, "config.json"), tmp_path / "config.json")
-    (tmp_path / "config.json").chmod(0)
-    with pytest.raises(ModelLoadError, match="cannot read"):
-        load_model(tmp_path)
+# Root reads files whatever their mode: as root, the load runs in a child that has dropped to nobody.
+_LOAD_AS_NOBODY = """
+import os, sys
+from shared.engine.errors import ModelLoadError
+from shared.engine.model_loader import load_model
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+try:
+    load_model(sys.argv[1])
+except ModelLoadError as exc:
+    print(exc)
+"""
+
+
+def test_config_without_read_permission(default_model):
+    with tempfile.TemporaryDirectory() as directory:  # under /tmp, so nobody can reach it
+        os.chmod(directory, 0o755)
+        config = Path(directory, "config.json")
+        shutil.copy(os.path.join(default_model, "config.json"), config)
+        config.chmod(0)
+        if os.geteuid() == 0:
+            child = subprocess.run([sys.executable, "-c", _LOAD_AS_NOBODY, directory], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=120)
+            assert child.returncode == 0, child.stderr
+            error = child.stdout
+        else:
+            with pytest.raises(ModelLoadError) as info:
+                load_model(directory)
+            error = str(info.value)
+    assert "cannot read the config" in error and "Permission denied" in error, error
 
 
 def test_unsupported_architecture(tmp_path):
