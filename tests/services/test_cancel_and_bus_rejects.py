@@ -1,7 +1,8 @@
-"""Client disconnects free KV at once; malformed bus messages are rejected, never fatal; a request queued twice
+"""Client disconnects cancel the request and free its KV; malformed bus messages are rejected, never fatal; a request queued twice
 runs once."""
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -10,6 +11,7 @@ import nats
 
 from contracts import GenerateRequest, RequestFailed, ServiceInfo, StatsRequest, Subjects
 from support.token_tap import request_id_of
+from support.waiting import eventually
 
 MODEL = "splitserve-default-llama"
 
@@ -19,7 +21,7 @@ async def worker_stats(nc, subjects: Subjects, instance: str = "decode-0") -> Se
     return ServiceInfo.decode(reply.data)
 
 
-def test_client_disconnect_frees_the_requests_blocks_within_a_second(colocated):
+def test_client_disconnect_frees_the_requests_blocks(colocated):
     async def scenario():
         nc = await nats.connect(colocated.nats_url)
         subjects = Subjects(colocated.namespace)
@@ -29,20 +31,24 @@ def test_client_disconnect_frees_the_requests_blocks_within_a_second(colocated):
             async with httpx.AsyncClient(base_url=colocated.base_url, timeout=60) as http:
                 async with http.stream("POST", "/v1/completions", json=body) as response:
                     assert response.status_code == 200
-                    events = 0
+                    events = []
                     async for line in response.aiter_lines():
-                        events += line.startswith("data: ")
-                        if events >= 5:
+                        if line.startswith("data: "):
+                            events.append(json.loads(line[len("data: "):]))
+                        if len(events) >= 5:
                             break
                     busy = await worker_stats(nc, subjects)
                     assert busy.num_running == 1 and busy.kv_blocks_free < busy.kv_blocks_total
-            closed_at = time.monotonic()
-            while True:
+
+            async def freed():
                 stats = await worker_stats(nc, subjects)
-                if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total:
-                    break
-                assert time.monotonic() - closed_at < 1.0, f"blocks still held a second after disconnect: {stats}"
-                await asyncio.sleep(0.05)
+                return stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+
+            await eventually(freed, timeout_s=10, what="the request's blocks freed after the disconnect")
+            # Freed by the cancel, not by finishing: far fewer than its 3000 tokens were made.
+            request_id = request_id_of(events[0])
+            made = sum(len(c.token_ids) for c in colocated.tap.messages() if c.request_id == request_id)
+            assert 5 <= made < 1000, made
         finally:
             await nc.close()
 

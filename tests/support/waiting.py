@@ -1,0 +1,18 @@
+"""Waiting on a condition with a deadline in asyncio tests (threads use `support.kv_workload.wait_until`)."""
+
+import asyncio
+import inspect
+import time
+
+
+async def eventually(predicate, timeout_s: float = 5.0, what: str = "the condition", poll_s: float = 0.02):
+    """The first truthy value of `predicate()` (plain or async), polled until `timeout_s`; fails naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        await asyncio.sleep(poll_s)
