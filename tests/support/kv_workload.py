@@ -1,11 +1,10 @@
 """Requests for the kv-store and KV-routing tests: completions checked against transformers, and a conversation."""
 
-import time
-
 import httpx
 import torch
 
 from reference import MIN_TOP2_MARGIN, reference_greedy, safe_prompts
+from support.waiting import wait_until  # noqa: F401 (the kv tests import it from here)
 
 MODEL = "splitserve-default-llama"
 
@@ -15,16 +14,6 @@ def complete(base_url: str, prompt, max_tokens: int = 16) -> dict:
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.3):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, what
-        time.sleep(poll_s)
 
 
 def conversation(model_dir: str):

@@ -1,4 +1,4 @@
-"""Waiting on a condition with a deadline in asyncio tests (threads use `support.kv_workload.wait_until`)."""
+"""Waiting on a condition with a deadline: `eventually()` in asyncio tests, `wait_until()` in plain ones."""
 
 import asyncio
 import inspect
@@ -16,3 +16,14 @@ async def eventually(predicate, timeout_s: float = 5.0, what: str = "the conditi
             return value
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
         await asyncio.sleep(poll_s)
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.3):
+    """The first truthy value of `predicate()`, polled until `timeout_s`; fails with `what` (what did not happen)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} (waited {timeout_s} s)"
+        time.sleep(poll_s)
