@@ -1,13 +1,12 @@
 """One request through disagg, traced: one trace with the spans of every service it crossed, correctly parented,
 exported over OTLP to a receiver the test runs; its id comes back to the client and is on the services' log lines."""
 
-import time
-
 import httpx
 import pytest
 
 from support.deployment import start_deployment
 from support.otlp_receiver import OtlpHttpReceiver
+from support.waiting import wait_until
 
 MODEL = "splitserve-default-llama"
 
@@ -30,12 +29,18 @@ def test_one_request_through_disagg_is_one_trace(nats_server, default_model, tmp
         trace_id = response.headers["x-trace-id"]
         assert len(trace_id) == 32 and int(trace_id, 16)
 
-        wanted = {"splitserve-gateway", "splitserve-scheduler", "splitserve-decode", "splitserve-prefill"}
-        deadline = time.monotonic() + 30
-        while not wanted | {"splitserve-kvstore"} <= {s.service for s in receiver.of_trace(trace_id)}:
-            assert time.monotonic() < deadline, f"spans so far: {receiver.of_trace(trace_id)}"
-            time.sleep(0.2)
-        time.sleep(1.0)  # anything else of this trace
+        # Each service exports its spans in batches of its own: wait for every span asserted on below, and for the
+        # parent of each span received.
+        wanted = {"gateway.request", "scheduler.route", "decode.request", "decode.remote_prefill", "prefill.job",
+                  "kvstore.load_prefix", "kvstore.lookup"}
+
+        def complete():
+            received = receiver.of_trace(trace_id)
+            ids = {s.span_id for s in received}
+            return wanted <= {s.name for s in received} and all(s.parent_span_id in ids for s in received
+                                                                 if s.parent_span_id)
+
+        wait_until(complete, 30, f"the spans {wanted} and their parents did not all reach the receiver", poll_s=0.2)
         spans = {s.name: s for s in receiver.of_trace(trace_id)}
         by_id = {s.span_id: s for s in spans.values()}
 
@@ -90,11 +95,10 @@ def test_a_pipeline_requests_trace_has_each_stages_share_of_its_prompt(nats_serv
         def chunks():
             return [s for s in receiver.of_trace(trace_id) if s.name == "stage.prefill_chunk"]
 
-        deadline = time.monotonic() + 30
-        while len(chunks()) < 6:  # 80 prompt tokens in steps of 32: 3 steps, on each of 2 stages
-            assert time.monotonic() < deadline, f"spans so far: {receiver.of_trace(trace_id)}"
-            time.sleep(0.2)
-        time.sleep(1.0)
+        # 80 prompt tokens in steps of 32: 3 steps, on each of 2 stages; and the head's span of the request
+        wait_until(lambda: len(chunks()) >= 6 and any(s.name == "decode.request" for s in receiver.of_trace(trace_id)),
+                   30, "the stages' 6 prefill chunks and the head's request span did not all reach the receiver",
+                   poll_s=0.2)
         spans = receiver.of_trace(trace_id)
         head = next(s for s in spans if s.name == "decode.request")
         assert head.service == "splitserve-stage"  # the head takes requests like a decode worker
