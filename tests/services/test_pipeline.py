@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from reference import safe_prompts
 from support.deployment import start_deployment, start_pipeline
+from support.waiting import wait_until
 
 MODEL = "splitserve-default-llama"
 LENGTHS = [3, 20, 64, 150, 400, 1000]
@@ -105,15 +106,13 @@ def test_openai_client_streams_from_a_pipeline(nats_server, default_model, tmp_p
             expected, skip_special_tokens=True)
         assert deployment.token_ids({"id": chunks[0].id}) == expected
         # Each stage's bubble and bytes show on the gateway's /metrics (from the stages' heartbeats).
-        deadline = time.monotonic() + 10
-        while True:
+        def busy_metrics():
             text = httpx.get(f"{deployment.base_url}/metrics", timeout=10).text
             busy = [line for line in text.splitlines()
                     if line.startswith('splitserve_pipeline_stage_busy_seconds_total{instance="stage-1"')]
-            if busy and float(busy[0].split()[-1]) > 0:
-                break
-            assert time.monotonic() < deadline, text
-            time.sleep(0.5)
+            return text if busy and float(busy[0].split()[-1]) > 0 else None
+
+        text = wait_until(busy_metrics, 10, "stage-1's busy seconds never showed on /metrics", poll_s=0.5)
         assert 'splitserve_pipeline_stage_idle_fraction{instance="stage-0",service="decode"}' in text
         assert 'splitserve_pipeline_activation_bytes_total{instance="stage-0",path="inline",service="decode"}' in text
     finally:
@@ -127,22 +126,22 @@ def test_a_stage_killed_mid_request_fails_it_and_the_pipeline_serves_again(nats_
         prompt, expected = cases[-1]
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(complete, deployment.base_url, prompt, max_tokens=2000)
-            time.sleep(1.5)  # the request is decoding (or still prefilling)
+            deployment.tap.wait_for(lambda chunk: chunk.token_ids, 60, "the request never started decoding")
             os.kill(deployment.procs["stage-1"].pid, signal.SIGKILL)
             killed = time.monotonic()
-            response = pending.result(timeout=60)
-        assert time.monotonic() - killed < 20  # an error soon (the registry forgets the stage), not a hang
+            response = pending.result(timeout=120)
+        # The time is the claim: a dead stage fails its requests at once (the registry forgets it), not at the 60 s
+        # --step-timeout, nor after a hang.
+        assert time.monotonic() - killed < 20
         assert response.status_code == 500 and "stage-1" in response.json()["error"]["message"], response.text
 
         # The stage comes back (as the supervisor would start it again): the pipeline serves again, exactly.
         deployment.restart("stage-1")
-        deadline = time.monotonic() + 90
-        while True:
+        def served():
             response = complete(deployment.base_url, prompt)
-            if response.status_code == 200:
-                break
-            assert time.monotonic() < deadline, response.text
-            time.sleep(1.0)
+            return response if response.status_code == 200 else None
+
+        response = wait_until(served, 90, "the pipeline did not serve again after the stage's restart", poll_s=1.0)
         assert token_ids_of(deployment, response) == expected
         assert deployment.stats("stage-0").details["resets"] >= 1
     finally:
