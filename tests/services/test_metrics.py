@@ -1,12 +1,12 @@
 """The gateway's /metrics: valid Prometheus text, its histograms count the requests just made, and every
 service's series are there, labelled by service and instance."""
 
-import time
-
 import httpx
 import pytest
+
 from support.deployment import start_deployment
 from support.metrics import samples, value
+from support.waiting import wait_until
 
 MODEL = "splitserve-default-llama"
 
@@ -42,14 +42,13 @@ def test_metrics_count_the_requests_and_show_every_service(nats_server, default_
 
         # The other services' series, from their heartbeats (each service's a second or two behind, on its own
         # clock: the scheduler's may arrive before a worker's).
-        deadline = time.monotonic() + 10
-        while True:
+        def heartbeats_in():
             found = samples(deployment.base_url)
             routed = [s for s in found.get("splitserve_scheduler_routed_total", []) if s.labels["outcome"] == "assigned"]
-            if routed and routed[0].value == 3 and prompt_tokens(found) == 3 * 40:
-                break
-            assert time.monotonic() < deadline, (found.get("splitserve_scheduler_routed_total"), prompt_tokens(found))
-            time.sleep(0.3)
+            return (found, routed) if routed and routed[0].value == 3 and prompt_tokens(found) == 3 * 40 else None
+
+        found, routed = wait_until(heartbeats_in, 10, "the scheduler's 3 routed requests and the workers' 3 * 40 "
+                                   "prompt tokens never both showed on /metrics")
         assert routed[0].labels == {"service": "scheduler", "instance": "scheduler-0", "outcome": "assigned"}
         assert value(found, "splitserve_queue_depth", instance="scheduler-0", queue="requests") == 0
         for worker in ("decode-0", "decode-1"):
