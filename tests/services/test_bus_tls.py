@@ -4,7 +4,6 @@ deployment (issue 13, item 2)."""
 import asyncio
 import json
 import ssl
-import time
 
 import httpx
 import nats
@@ -16,6 +15,7 @@ from services.launcher.tls_files import make_deployment_tls
 from shared.bus.tls import client_tls_context
 from support.metrics import matching, samples
 from support.up import MODEL, start_up
+from support.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -39,10 +39,9 @@ def test_a_tls_deployment_serves_and_talks_to_nats_and_moves_kv_only_over_tls(tm
         response = httpx.post(f"{run.url}/v1/completions", timeout=60,
                               json={"model": MODEL, "prompt": "over tls", "max_tokens": 3})
         assert response.status_code == 200, response.text
-        deadline = time.monotonic() + 10  # the decode worker's counters reach the gateway with its heartbeat
-        while not sum(tcp_bytes := matching(samples(run.url), "splitserve_kv_transfer_bytes_total", backend="tcp")):
-            assert time.monotonic() < deadline, tcp_bytes
-            time.sleep(0.3)
+        # (the decode worker's counters reach the gateway with its heartbeat)
+        wait_until(lambda: sum(matching(samples(run.url), "splitserve_kv_transfer_bytes_total", backend="tcp")), 10,
+                   "no KV bytes over tcp showed on the gateway's /metrics")
         decode_log = next((run.run_dir / "logs").glob("decode-*.log")).read_text()
         listening = [json.loads(line) for line in decode_log.splitlines() if '"kv receiver listening"' in line]
         assert listening and all(event["tls"] is True for event in listening), listening
