@@ -1,19 +1,17 @@
-"""Typed msgpack messages: one dataclass per message, checked on the way in.
+"""Typed msgpack messages: one msgspec struct per message, checked on the way in.
 
-Every message encodes as a msgpack map holding its fields plus `type` and `v`
-(the schema version). `decode` accepts only a map of the declared type and
-version whose fields have the declared types; anything else raises
+Every message encodes as a msgpack map holding its fields plus `type` (the
+struct's tag) and `v` (the schema version). `decode` accepts only a map of the
+declared type and version whose fields have the declared types (validated in
+msgspec's C decoder, not field by field in Python); anything else raises
 `ContractError`, so a receiver can terminate the message, count it and carry on.
 No pickle, ever: only msgpack's plain types cross the wire.
 """
 
-import dataclasses
 import functools
-import types
-import typing
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, Union
 
-import msgpack
+import msgspec
 
 
 class ContractError(ValueError):
@@ -24,102 +22,80 @@ class ContractError(ValueError):
         self.reason = reason
 
 
-@dataclasses.dataclass(slots=True, kw_only=True)
-class Message:
-    TYPE: ClassVar[str] = ""
+class Part(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A typed part nested in messages (a map on the wire, checked like the message around it)."""
+
+
+class Message(msgspec.Struct, kw_only=True, tag_field="type", forbid_unknown_fields=True):
+    """A message class names its `type` with the class keyword `tag="..."`. A new schema version raises
+    VERSION and the default of `v` together."""
+
     VERSION: ClassVar[int] = 1
+    v: int = 1
+
+    @classmethod
+    def type_name(cls) -> str:
+        return cls.__struct_config__.tag
 
     def encode(self) -> bytes:
-        body = {name: getattr(self, name) for name in _field_names(type(self))}
-        body["type"] = self.TYPE
-        body["v"] = self.VERSION
-        return msgpack.packb(body, use_bin_type=True)
+        return _ENCODER.encode(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
-        return cls.from_map(unpack(data))
+        return _decode(data, cls, _decoder(cls))
 
-    @classmethod
-    def from_map(cls, body: dict) -> Self:
-        if body.get("type") != cls.TYPE:
-            raise ContractError(f"expected a {cls.TYPE!r} message, got type {body.get('type')!r}", "wrong_type")
-        if body.get("v") != cls.VERSION:
-            raise ContractError(
-                f"{cls.TYPE!r} message has schema version {body.get('v')!r}; this receiver speaks {cls.VERSION}",
-                "unknown_version",
-            )
-        hints = _field_types(cls)
-        values = {}
-        for name, value in body.items():
-            if name in ("type", "v"):
-                continue
-            if name not in hints:
-                raise ContractError(f"{cls.TYPE!r} message has an unknown field {name!r}")
-            if not _matches(value, hints[name]):
-                raise ContractError(f"{cls.TYPE!r} field {name!r} has the wrong type ({type(value).__name__})")
-            values[name] = value
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in values and _is_required(f)]
-        if missing:
-            raise ContractError(f"{cls.TYPE!r} message lacks {', '.join(missing)}")
-        return cls(**values)
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@functools.cache
+def _decoder(message_type) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(message_type)
+
+
+def decode_one_of(data: bytes, *classes: type[Message]) -> Message:
+    """Decode a message that may be any of `classes` (a subject carrying several types)."""
+    return _decode(data, classes, _decoder(Union[classes]))
+
+
+def _decode(data: bytes, expected: type[Message] | tuple[type[Message], ...], decoder) -> Message:
+    try:
+        message = decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _explained(data, expected, exc) from exc
+    if message.v != message.VERSION:
+        raise ContractError(f"{message.type_name()!r} message has schema version {message.v!r}; this receiver "
+                            f"speaks {message.VERSION}", "unknown_version")
+    return message
+
+
+def _explained(data: bytes, expected, exc: Exception) -> ContractError:
+    """Why `data` did not decode, told apart the slow way (only for messages that fail)."""
+    body = unpack(data)
+    classes = expected if isinstance(expected, tuple) else (expected,)
+    matching = [cls for cls in classes if body.get("type") == cls.type_name()]
+    if not matching:
+        names = " or ".join(repr(cls.type_name()) for cls in classes)
+        return ContractError(f"expected a {names} message, got type {body.get('type')!r}", "wrong_type")
+    cls = matching[0]
+    if body.get("v") != cls.VERSION:
+        return ContractError(f"{cls.type_name()!r} message has schema version {body.get('v')!r}; this receiver "
+                             f"speaks {cls.VERSION}", "unknown_version")
+    return ContractError(f"{cls.type_name()!r} message: {exc}")
 
 
 def unpack(data: bytes) -> dict:
+    """A payload as a plain map (no type checks): for error paths that want what they can read of it."""
     try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated exception types
+        body = msgspec.msgpack.decode(data)
+    except Exception as exc:
         raise ContractError(f"not a msgpack message: {exc}") from exc
     if not isinstance(body, dict):
         raise ContractError(f"a message must be a msgpack map, got {type(body).__name__}")
     return body
 
 
-def decode_one_of(data: bytes, *classes: type[Message]) -> Message:
-    """Decode a message that may be any of `classes` (a subject carrying several types)."""
-    body = unpack(data)
-    for cls in classes:
-        if body.get("type") == cls.TYPE:
-            return cls.from_map(body)
-    raise ContractError(f"unexpected message type {body.get('type')!r}", "wrong_type")
+def to_builtins(part: Any) -> Any:
+    """A message or part as plain dicts and lists (for logs and JSON)."""
+    return msgspec.to_builtins(part)
 
-
-def _is_required(field: dataclasses.Field) -> bool:
-    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-
-
-@functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    """A message class's field names (`dataclasses.fields` walks the class on every call: a token chunk's
-    encode spent most of its time there)."""
-    return tuple(f.name for f in dataclasses.fields(cls))
-
-
-@functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint in (str, bytes):
-        return isinstance(value, hint)
-    if origin is list:
-        (item,) = typing.get_args(hint) or (Any,)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
-    if origin is dict or hint is dict:
-        args = typing.get_args(hint) or (Any, Any)
-        return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
-    raise TypeError(f"unsupported field type {hint!r}")

@@ -1,16 +1,15 @@
 """Every message that crosses NATS, one class each. Field names carry their units."""
 
-from dataclasses import dataclass, field
 from typing import Any
+
+from msgspec import field
 
 from contracts.codec import Message
 
 
-@dataclass(slots=True, kw_only=True)
-class GenerateRequest(Message):
+class GenerateRequest(Message, tag="generate_request", kw_only=True):
     """gateway -> scheduler (JetStream, de-duplicated by request_id) -> worker."""
 
-    TYPE = "generate_request"
     request_id: str
     model: str
     prompt_token_ids: list[int]
@@ -22,11 +21,9 @@ class GenerateRequest(Message):
     prefill_instance: str = ""  # with "remote": the prefill worker whose cache holds the prompt's prefix ("" any)
 
 
-@dataclass(slots=True, kw_only=True)
-class PrefillJob(Message):
+class PrefillJob(Message, tag="prefill_job", kw_only=True):
     """decode worker -> prefill pool (JetStream work queue): compute this prompt's KV and first token."""
 
-    TYPE = "prefill_job"
     request_id: str
     model: str
     prompt_token_ids: list[int]
@@ -39,11 +36,9 @@ class PrefillJob(Message):
     created_ms: int
 
 
-@dataclass(slots=True, kw_only=True)
-class PrefillResult(Message):
+class PrefillResult(Message, tag="prefill_result", kw_only=True):
     """prefill worker -> decode worker, before the KV itself: the first token, or why there is none."""
 
-    TYPE = "prefill_result"
     request_id: str
     ok: bool
     prefill_instance: str
@@ -57,21 +52,17 @@ class PrefillResult(Message):
     error: str = ""
 
 
-@dataclass(slots=True, kw_only=True)
-class Assignment(Message):
+class Assignment(Message, tag="assignment", kw_only=True):
     """worker -> gateway, first on the reply subject: this worker process now owns the request."""
 
-    TYPE = "assignment"
     request_id: str
     worker_instance: str
     worker_boot_id: str  # changes when the worker restarts: the gateway fails requests of a dead boot
 
 
-@dataclass(slots=True, kw_only=True)
-class HandoffReply(Message):
+class HandoffReply(Message, tag="handoff_reply", kw_only=True):
     """worker -> scheduler: whether the worker took the request."""
 
-    TYPE = "handoff_reply"
     request_id: str
     accepted: bool
     code: str = ""  # when not accepted: "overloaded" | "invalid_request" | "draining"
@@ -81,11 +72,9 @@ class HandoffReply(Message):
     # registry entry shows the request once the entry's details["handoffs_taken"] reaches this (0: it does not say)
 
 
-@dataclass(slots=True, kw_only=True)
-class TokenChunk(Message):
+class TokenChunk(Message, tag="token_chunk", kw_only=True):
     """worker -> gateway: the next tokens of a request; `seq` counts chunks from 0."""
 
-    TYPE = "token_chunk"
     request_id: str
     seq: int
     token_ids: list[int]
@@ -98,11 +87,9 @@ class TokenChunk(Message):
     cached_tokens: int = 0
 
 
-@dataclass(slots=True, kw_only=True)
-class RequestFailed(Message):
+class RequestFailed(Message, tag="request_failed", kw_only=True):
     """any service -> gateway: the request ended with an error."""
 
-    TYPE = "request_failed"
     request_id: str
     code: str  # "no_worker" | "invalid_request" | "overloaded" | "worker_failed" | "timeout" | "internal"
     message: str
@@ -110,20 +97,16 @@ class RequestFailed(Message):
     retry_after_s: float | None = None
 
 
-@dataclass(slots=True, kw_only=True)
-class CancelRequest(Message):
+class CancelRequest(Message, tag="cancel_request", kw_only=True):
     """gateway -> everyone: stop working on this request and free what it holds."""
 
-    TYPE = "cancel_request"
     request_id: str
     reason: str = "client_disconnected"
 
 
-@dataclass(slots=True, kw_only=True)
-class ServiceInfo(Message):
+class ServiceInfo(Message, tag="service_info", kw_only=True):
     """A service's entry in the registry (heartbeated), also the reply to a stats request."""
 
-    TYPE = "service_info"
     instance_id: str
     role: str  # "gateway" | "scheduler" | "decode" | "prefill" | "stage" | "kvstore"
     model: str = ""
@@ -144,17 +127,14 @@ class ServiceInfo(Message):
     details: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(slots=True, kw_only=True)
-class StatsRequest(Message):
-    TYPE = "stats_request"
+class StatsRequest(Message, tag="stats_request", kw_only=True):
+    """anyone -> a service: reply with your ServiceInfo."""
 
 
-@dataclass(slots=True, kw_only=True)
-class StageActivation(Message):
+class StageActivation(Message, tag="stage_activation", kw_only=True):
     """One pipeline hop of one step: stage -> next stage (hidden states), last stage -> head (logits),
     any stage -> head (kind "error": the step failed there)."""
 
-    TYPE = "stage_activation"
     step_id: int
     head: str  # the head's instance id: logits and errors go back to it
     head_boot_id: str = ""  # ...and its process: a restarted head ignores what comes back for its predecessor
@@ -175,32 +155,26 @@ class StageActivation(Message):
     # stages' spans: {request_id, tokens, traceparent[, tracestate]} (a few at most)
 
 
-@dataclass(slots=True, kw_only=True)
-class StageTicketRequest(Message):
+class StageTicketRequest(Message, tag="stage_ticket_request", kw_only=True):
     """stage -> next hop, before a big activation: expect a side-channel transfer of this id."""
 
-    TYPE = "stage_ticket_request"
     transfer_id: str
     nbytes: int
     deadline_ms: int
 
 
-@dataclass(slots=True, kw_only=True)
-class StageTicketReply(Message):
+class StageTicketReply(Message, tag="stage_ticket_reply", kw_only=True):
     """The answer to a StageTicketRequest: a shared.transfer TransferTicket, or why not."""
 
-    TYPE = "stage_ticket_reply"
     ok: bool
     ticket: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 
 
-@dataclass(slots=True, kw_only=True)
-class KVShipped(Message):
+class KVShipped(Message, tag="kv_shipped", kw_only=True):
     """pipeline stage -> its (prefill) head: this stage's layers of a prompt's KV reached the decode worker, or not.
     Until every stage has said so (or the transfer's deadline passed), the head keeps the prompt's blocks."""
 
-    TYPE = "kv_shipped"
     request_id: str
     stage: str
     ok: bool
@@ -209,19 +183,15 @@ class KVShipped(Message):
     error: str = ""
 
 
-@dataclass(slots=True, kw_only=True)
-class KVStoreLookup(Message):
+class KVStoreLookup(Message, tag="kvstore_lookup", kw_only=True):
     """worker -> kv-store: how many of these chained block hashes, from the first, do you hold?"""
 
-    TYPE = "kvstore_lookup"
     hashes: list[bytes]
 
 
-@dataclass(slots=True, kw_only=True)
-class KVStorePut(Message):
+class KVStorePut(Message, tag="kvstore_put", kw_only=True):
     """worker -> kv-store: expect these blocks over the side channel (the reply carries the ticket)."""
 
-    TYPE = "kvstore_put"
     transfer_id: str
     hashes: list[bytes]  # block i of the transfer (its "layer" i) is stored under hashes[i]
     dtype: str
@@ -230,22 +200,18 @@ class KVStorePut(Message):
     model_fingerprint: bytes  # the model that computed the blocks; stored with them
 
 
-@dataclass(slots=True, kw_only=True)
-class KVStoreGet(Message):
+class KVStoreGet(Message, tag="kvstore_get", kw_only=True):
     """worker -> kv-store: send me these blocks, block i as "layer" i of the transfer this ticket expects."""
 
-    TYPE = "kvstore_get"
     hashes: list[bytes]
     ticket: dict[str, Any]
     deadline_ms: int
     model_fingerprint: bytes  # the asking worker's model: blocks stored by another are not served
 
 
-@dataclass(slots=True, kw_only=True)
-class KVStoreReply(Message):
+class KVStoreReply(Message, tag="kvstore_reply", kw_only=True):
     """kv-store -> worker: the answer to a lookup, a put (with the ticket) or a get (the blocks are on their way)."""
 
-    TYPE = "kvstore_reply"
     ok: bool
     num_hit: int = 0
     tiers: list[str] = field(default_factory=list)  # lookup: the tier of each hit
@@ -253,16 +219,13 @@ class KVStoreReply(Message):
     error: str = ""
 
 
-
-@dataclass(slots=True, kw_only=True)
-class KVEvents(Message):
+class KVEvents(Message, tag="kv_events", kw_only=True):
     """worker or kv-store -> schedulers (core NATS, may be lost): blocks it stored and removed since its last message.
 
     `seq` counts a publisher's messages from 0 per boot, so a gap shows lost events. A `snapshot` message
     replaces everything known of the publisher with its `stored` blocks (a long snapshot goes on in the
     messages that follow it)."""
 
-    TYPE = "kv_events"
     instance_id: str
     role: str  # "decode" | "prefill" | "kvstore"
     boot_id: str
@@ -272,9 +235,7 @@ class KVEvents(Message):
     removed: list[bytes] = field(default_factory=list)
 
 
-@dataclass(slots=True, kw_only=True)
-class KVSnapshotRequest(Message):
+class KVSnapshotRequest(Message, tag="kv_snapshot_request", kw_only=True):
     """scheduler -> one publisher of KV events: publish a snapshot (it lost events, or just started)."""
 
-    TYPE = "kv_snapshot_request"
     reason: str = ""

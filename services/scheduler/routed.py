@@ -12,7 +12,9 @@ worker leaving or restarting ends it, and at most `max_requests` are held (the o
 """
 
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+from msgspec.structs import replace
 
 from contracts import ServiceInfo
 from services.scheduler.routing import num_seqs

@@ -16,6 +16,7 @@ import secrets
 import time
 from collections import OrderedDict
 
+import msgspec
 import torch
 
 from contracts import StageActivation, StageTicketReply, StageTicketRequest, Subjects
@@ -169,7 +170,7 @@ class ActivationLink:
             tensor = tensor.to("cpu")
         tensor = tensor.contiguous()
         nbytes = tensor.numel() * tensor.element_size()
-        activation = dataclasses.replace(activation, dtype=_DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape))
+        activation = msgspec.structs.replace(activation, dtype=_DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape))
         if nbytes <= self.inline_bytes:
             activation.data = tensor.view(-1).view(torch.uint8).numpy().tobytes()
             await self.nc.publish(self.subjects.stage_activations(to), activation.encode())
@@ -208,7 +209,7 @@ class ActivationLink:
 
     async def fail_to_head(self, activation: StageActivation, error: str) -> None:
         """Tell the step's head that the step failed here (it ends the step's requests)."""
-        failure = dataclasses.replace(activation, route=[], kind="error", error=error[:2000], data=b"",
+        failure = msgspec.structs.replace(activation, route=[], kind="error", error=error[:2000], data=b"",
                                       transfer_id="", dtype="", shape=[])
         try:
             await self.nc.publish(self.subjects.stage_activations(activation.head), failure.encode())

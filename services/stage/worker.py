@@ -14,8 +14,9 @@ head when its part arrived (`KVShipped`).
 """
 
 import asyncio
-import dataclasses
 import time
+
+import msgspec
 
 from contracts import KVShipped, ServiceInfo, StageActivation, StatsRequest, Subjects
 from services.common.engine_thread import EngineThread
@@ -123,7 +124,7 @@ class StageWorker:
                 await self.link.fail_to_head(step, f"{self.instance_id} failed the step: {exc!r}")
                 continue
             rest = step.route[1:]
-            forward = dataclasses.replace(step, route=rest, kind="hidden" if rest else "logits", data=b"",
+            forward = msgspec.structs.replace(step, route=rest, kind="hidden" if rest else "logits", data=b"",
                                           transfer_id="")
             try:
                 await self.link.send(rest[0] if rest else step.head, forward, output)
