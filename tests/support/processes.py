@@ -47,7 +47,7 @@ class NatsServer:
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + ready_timeout_s
-        while not self._jetstream_ready():
+        while not jetstream_ready(self.port):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nats-server exited with {self.proc.returncode} (port {self.port} taken?)")
             if time.monotonic() > deadline:
@@ -66,16 +66,17 @@ class NatsServer:
             self.proc.wait(timeout=5)
         self.proc = None
 
-    def _jetstream_ready(self) -> bool:
-        """The server accepts TCP and its INFO line says JetStream is on."""
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                line = s.makefile("rb").readline()
-        except OSError:
-            return False
-        if not line.startswith(b"INFO "):
-            return False
-        return bool(json.loads(line[5:]).get("jetstream"))
+
+def jetstream_ready(port: int) -> bool:
+    """A nats-server on 127.0.0.1:`port` accepts TCP and its INFO line says JetStream is on."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            line = s.makefile("rb").readline()
+    except OSError:
+        return False
+    if not line.startswith(b"INFO "):
+        return False
+    return bool(json.loads(line[5:]).get("jetstream"))
 
 
 ROOT = Path(__file__).resolve().parents[2]

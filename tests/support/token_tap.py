@@ -9,6 +9,7 @@ import threading
 import nats
 
 from contracts import ContractError, Subjects, TokenChunk
+from support.waiting import server_has
 
 
 def request_id_of(body: dict) -> str:
@@ -32,7 +33,7 @@ class BusTap:
     async def _subscribe(self, nats_url: str, subject: str):
         nc = await nats.connect(nats_url)
         await nc.subscribe(subject, cb=self._on_msg)
-        await nc.flush()  # subscribed at the server before anything the test sends
+        await server_has(nc)  # subscribed at the server before anything the test sends
         return nc
 
     async def _on_msg(self, msg) -> None:

@@ -27,3 +27,11 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.3):
             return value
         assert time.monotonic() < deadline, f"{what} (waited {timeout_s} s)"
         time.sleep(poll_s)
+
+
+async def server_has(nc) -> None:
+    """Until the server has handled everything `nc` sent so far, a subscription just made included. One `flush()`
+    is not enough: nats-py 2.16 writes its PING straight to the socket, ahead of commands still queued for its
+    flusher task, so the PONG can come before a SUB sent just before it; the second PING follows them."""
+    await nc.flush()
+    await nc.flush()
