@@ -10,7 +10,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 import uuid
 
 import httpx
@@ -20,8 +19,9 @@ import pytest
 from contracts import KVStoreLookup, RequestFailed, ServiceInfo, Subjects, TokenChunk
 from services.launcher.nats_auth import creds_path, ensure_credentials
 from shared.bus.permissions import inbox_prefix
-from support.processes import ROOT, find_nats_server, free_port, service_env
+from support.processes import ROOT, find_nats_server, free_port, jetstream_ready, service_env
 from support.up import MODEL, start_up
+from support.waiting import eventually, server_has, wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -66,7 +66,9 @@ class Client:
 
 
 class Watcher:
-    """An admin connection seeing every subject, to tell what got through."""
+    """An admin connection seeing every subject, to tell what got through. The server handles a refused publish before
+    it answers the refusal, so had it got through the watcher would see it before anything published after that
+    answer: `sees` a control published after it, or `sees_everything_before` (its own publish), and then look."""
 
     def __init__(self, run):
         self.run, self.seen = run, []
@@ -75,7 +77,7 @@ class Watcher:
         self.nc = await nats.connect(nats_url(self.run), nkeys_seed=str(creds_path(self.run.run_dir / "creds", "admin")),
                                      allow_reconnect=False)
         await self.nc.subscribe(">", cb=self._on)
-        await self.nc.flush()
+        await server_has(self.nc)
         return self
 
     async def _on(self, msg):
@@ -84,9 +86,14 @@ class Watcher:
     async def __aexit__(self, *exc):
         await self.nc.close()
 
-    async def saw(self, subject: str, within_s: float = 0.5) -> bool:
-        await asyncio.sleep(within_s)
-        return subject in self.seen
+    async def sees(self, subject: str) -> None:
+        await eventually(lambda: subject in self.seen, what=f"the watcher never saw {subject}")
+
+    async def sees_everything_before(self) -> None:
+        """Until the watcher has seen everything the server handled before now."""
+        marker = f"_test.marker.{uuid.uuid4().hex}"
+        await self.nc.publish(marker, b"")
+        await self.sees(marker)
 
 
 def test_an_unauthenticated_or_unknown_client_is_refused(secured, tmp_path):
@@ -122,10 +129,10 @@ def test_only_workers_and_the_scheduler_may_publish_into_a_request_stream(secure
                 request_id=request_id, code="internal", message="forged").encode()
             await forger.nc.publish(subject, body)
             assert await forger.refused("publish", subject)
-            assert not await watcher.saw(subject)
             allowed = subjects.tokens("gateway-0", uuid.uuid4().hex)  # control: a decode worker's chunk gets through
             await worker.nc.publish(allowed, body)
-            assert await watcher.saw(allowed)
+            await watcher.sees(allowed)
+            assert subject not in watcher.seen
             assert not worker.errors
 
     asyncio.run(main())
@@ -141,13 +148,13 @@ def test_no_role_can_register_a_fake_decode_worker(secured, role):
             subject = f"$KV.{bucket}.decode.decode-fake"
             await forger.nc.publish(subject, fake)
             assert await forger.refused("publish", subject)
-            assert not await watcher.saw(subject)
             # Under its own role's keys the entry lands, but readers see it does not match its key and skip it.
             from shared.bus.registry import Registry
 
             own = f"$KV.{bucket}.{role}.decode-fake"
             await forger.nc.publish(own, fake)
-            assert await watcher.saw(own)
+            await watcher.sees(own)
+            assert subject not in watcher.seen
             registry = await Registry.open(watcher.nc.jetstream(), bucket)
             assert "decode-fake" not in [s.instance_id for s in await registry.list()]
             assert registry.num_malformed >= 1
@@ -166,6 +173,7 @@ def test_the_gateway_cannot_reach_the_kv_store(secured, endpoint):
             with pytest.raises(nats.errors.Error):  # timeout or no responders: the request never went out
                 await gateway.nc.request(subject, body, timeout=1.0)
             assert await gateway.refused("publish", subject)
+            await watcher.sees_everything_before()
             assert subject not in watcher.seen
             if endpoint == "lookup":  # control: a worker's lookup is answered
                 reply = await worker.nc.request(subject, body, timeout=5.0)
@@ -186,19 +194,16 @@ def test_roles_cannot_listen_outside_their_job(secured, role, pattern):
 
     async def main():
         async with Client(secured, role) as listener:
-            got = []
-
-            async def on_msg(msg):
-                got.append(msg.subject)
-
-            await listener.nc.subscribe(pattern, cb=on_msg)
+            refused = await listener.nc.subscribe(pattern)  # no callback: what it gets stays queued, in order
             assert await listener.refused("subscription", pattern)
+            own = await listener.nc.subscribe(listener.nc.new_inbox())  # control: its own inbox, which it may hear
+            await server_has(listener.nc)
             async with Client(secured, "admin") as admin:
-                probe = pattern.replace(">", "probe").replace("*", "probe")
-                await admin.nc.publish(probe, b"x")
+                await admin.nc.publish(pattern.replace(">", "probe").replace("*", "probe"), b"x")
+                await admin.nc.publish(own.subject, b"x")  # after the probe, from the same connection
                 await admin.nc.flush()
-            await asyncio.sleep(0.3)
-            assert got == []
+            await own.next_msg(timeout=5)  # had the probe got through, it came before this
+            assert refused.pending_msgs == 0
 
     asyncio.run(main())
 
@@ -250,14 +255,10 @@ def test_a_deployment_on_your_own_nats_server_with_nats_auth_credentials(tmp_pat
     url = f"nats://127.0.0.1:{port}"
     try:
         doctor = [*cli, "doctor", "--nats", url, "--json", "--run-dir", str(tmp_path / "doctor")]
-        checks = {}
-        for attempt in range(50):  # the server takes a moment to listen
-            result = subprocess.run([*doctor, "--nats-creds", str(creds / "admin.nk")], capture_output=True, text=True,
-                                    env=service_env(), cwd=ROOT, timeout=60)
-            checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
-            if checks["nats"]["status"] == "ok":
-                break
-            time.sleep(0.1)
+        wait_until(lambda: jetstream_ready(port), 10, "the nats-server never listened with JetStream on", poll_s=0.05)
+        result = subprocess.run([*doctor, "--nats-creds", str(creds / "admin.nk")], capture_output=True, text=True,
+                                env=service_env(), cwd=ROOT, timeout=60)
+        checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
         assert checks["nats"]["status"] == "ok", checks["nats"]
         result = subprocess.run(doctor, capture_output=True, text=True, env=service_env(), cwd=ROOT, timeout=60)
         assert "Authorization Violation" in result.stdout  # without credentials, refused
