@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 from support.metrics import matching, samples
 from support.processes import ROOT, free_port, service_env
 from support.up import MODEL, start_up
+from support.waiting import wait_until
 
 
 def splitserve(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -35,16 +35,6 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture
 def up(tmp_path, default_model):
     run = start_up(tmp_path / "run")
@@ -60,19 +50,18 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
     all_pids = [s["pid"] for s in state["services"]] + [state["nats"]["pid"]]
     assert all(pid_alive(pid) for pid in all_pids)
 
-    # A long stream is in flight when the worker is killed: it must end with an error event, not hang.
+    # A long stream is in flight when the worker is killed: it must end with an error event, not hang (a hang fails
+    # on the client's 30 s read timeout: the gateway sends nothing between events).
     body = {"model": MODEL, "prompt": "A story", "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
     events = []
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as response:
         assert response.status_code == 200
-        started = time.monotonic()
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
             events.append(line[6:])
             if len(events) == 3:
                 os.kill(decode["pid"], signal.SIGKILL)
-            assert time.monotonic() - started < 30
     assert events[-1] == "[DONE]"
     assert "error" in json.loads(events[-2]), events[-2]
 
@@ -80,24 +69,24 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
     def restarted():
         entry = next(s for s in ps(run_dir)["services"] if s["role"] == "decode")
         return entry["pid"] != decode["pid"] and pid_alive(entry["pid"]) and entry
-    new_decode = wait_until(restarted, 60, "the decode worker to be restarted")
-    wait_until(lambda: httpx.get(f"{base_url}/health", timeout=5).status_code == 200, 60, "/health 200")
+    new_decode = wait_until(restarted, 60, "the decode worker was not restarted", poll_s=0.2)
+    wait_until(lambda: httpx.get(f"{base_url}/health", timeout=5).status_code == 200, 60, "/health never said 200",
+               poll_s=0.2)
     wait_until(lambda: httpx.post(f"{base_url}/v1/completions", timeout=30,
                                   json={"model": MODEL, "prompt": "again", "max_tokens": 4}).status_code == 200,
-               60, "a completion after the restart")
+               60, "no completion after the restart", poll_s=0.2)
 
     if len(os.sched_getaffinity(0)) >= 2:  # disagg on its own CPUs: the idle prefill worker lends its CPU
         assert "--borrow-cpus" in new_decode["argv"]
         wait_until(lambda: sum(matching(samples(base_url), "splitserve_cpu_loan_events_total", instance="decode-0",
                                         event="lent")) >= 1, 30,
-                   "the restarted decode worker to borrow the idle prefill worker's CPU")
+                   "the restarted decode worker never borrowed the idle prefill worker's CPU", poll_s=0.2)
 
-    # SIGTERM stops every child and NATS within 10 s, leaving nothing behind.
+    # SIGTERM stops every child and NATS, leaving nothing behind (within its --stop-timeout: had a service to be
+    # killed at that deadline, the launcher says so, below).
     all_pids.append(new_decode["pid"])
-    stopping = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=15) == 0
-    assert time.monotonic() - stopping < 10
+    assert proc.wait(timeout=60) == 0
     assert not [pid for pid in all_pids if pid_alive(pid)]
     said = proc.stdout.read()
     assert "did not stop" not in said, said  # every service stopped on SIGTERM, none had to be killed
@@ -141,7 +130,8 @@ def test_up_with_a_trace_viewer_sends_it_every_services_traces(tmp_path, default
         # the prefill worker looked in it)
         wanted = {"splitserve-gateway", "splitserve-scheduler", "splitserve-decode", "splitserve-prefill",
                   "splitserve-kvstore"}
-        wait_until(lambda: wanted <= services_seen(), 30, f"the viewer to get spans of {wanted}")
+        wait_until(lambda: wanted <= services_seen(), 30, f"the viewer did not get spans of every one of {wanted}",
+                   poll_s=0.2)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
