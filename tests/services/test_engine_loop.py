@@ -9,6 +9,7 @@ import services.common.engine_loop as engine_loop
 from services.common.engine_loop import AddRequest, EngineLoop
 from services.common.engine_thread import EngineThread
 from shared.engine.sampling_params import SamplingParams
+from support.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +21,8 @@ def engine_and_thread(default_model):
     return thread.submit(LLMEngine, EngineConfig(model=default_model, max_num_seqs=4)).result(120), thread
 
 
-def _first_step_of_a_burst(engine_and_thread, gather_s: float) -> set[str]:
-    """Request a, then b 0.1 s later, to an idle engine: which of them its first step computed."""
+def _first_step_of_a_burst(engine_and_thread, gather_s: float, then_b) -> set[str]:
+    """Request a, then b once `then_b()` returns, to an idle engine: which of them its first step computed."""
     engine, thread = engine_and_thread
     steps: list[set[str]] = []
     emitted = threading.Event()
@@ -36,12 +37,10 @@ def _first_step_of_a_burst(engine_and_thread, gather_s: float) -> set[str]:
     try:
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         loop.add(AddRequest("a", list(range(5, 30)), params))
-        time.sleep(0.1)
+        then_b()
         loop.add(AddRequest("b", list(range(7, 40)), params))
-        assert emitted.wait(30)
-        deadline = time.monotonic() + 30
-        while engine.has_unfinished_requests() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert emitted.wait(30), "no step's outputs"
+        wait_until(lambda: not engine.has_unfinished_requests(), 30, "a and b did not finish", poll_s=0.01)
     finally:
         loop.stop()
     assert loop.crashed is None
@@ -49,12 +48,27 @@ def _first_step_of_a_burst(engine_and_thread, gather_s: float) -> set[str]:
 
 
 def test_an_idle_engine_takes_a_burst_into_its_first_step(engine_and_thread, monkeypatch):
-    monkeypatch.setattr(engine_loop, "GATHER_QUIET_S", 0.5)  # b comes 0.1 s after a: well inside
-    assert _first_step_of_a_burst(engine_and_thread, gather_s=2.0) == {"a", "b"}
+    monkeypatch.setattr(engine_loop, "GATHER_QUIET_S", 0.5)
+    # The gap is the input: b comes 0.1 s after a, when a lone a would have been stepped, well inside the window.
+    assert _first_step_of_a_burst(engine_and_thread, gather_s=2.0, then_b=lambda: time.sleep(0.1)) == {"a", "b"}
 
 
-def test_without_a_window_the_first_step_starts_at_once(engine_and_thread):
-    assert _first_step_of_a_burst(engine_and_thread, gather_s=0.0) == {"a"}
+def test_without_a_window_the_first_step_starts_at_once(engine_and_thread, monkeypatch):
+    monkeypatch.setattr(engine_loop, "GATHER_QUIET_S", 2.0)  # what a loop gathering anyway would wait for
+    engine, _ = engine_and_thread
+    stepping = threading.Event()
+    step = engine.step
+
+    def step_and_tell():
+        stepping.set()
+        return step()
+
+    monkeypatch.setattr(engine, "step", step_and_tell)
+
+    def once_a_is_stepping():  # (the time is the claim: at once, not after a quiet window; 1.5 s is loose for that)
+        assert stepping.wait(1.5), "a's first step did not start at once"
+
+    assert _first_step_of_a_burst(engine_and_thread, gather_s=0.0, then_b=once_a_is_stepping) == {"a"}
 
 
 def test_a_negative_window_is_refused(engine_and_thread):
