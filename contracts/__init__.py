@@ -22,10 +22,11 @@ from contracts.messages import (
     StageTicketRequest,
     StatsRequest,
     TokenChunk,
+    WorkerLoad,
 )
 from contracts.subjects import Subjects, check_token
 
 __all__ = [
     "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply", "Message", "PrefillJob", "PrefillResult",
-    "RequestFailed", "ServiceInfo", "StageActivation", "StageTicketReply", "StageTicketRequest", "StatsRequest", "Subjects", "TokenChunk", "check_token", "decode_one_of",
+    "RequestFailed", "ServiceInfo", "StageActivation", "StageTicketReply", "StageTicketRequest", "StatsRequest", "Subjects", "TokenChunk", "WorkerLoad", "check_token", "decode_one_of",
 ]

@@ -239,3 +239,18 @@ class KVSnapshotRequest(Message, tag="kv_snapshot_request", kw_only=True):
     """scheduler -> one publisher of KV events: publish a snapshot (it lost events, or just started)."""
 
     reason: str = ""
+
+
+class WorkerLoad(Message, tag="worker_load", kw_only=True):
+    """engine worker -> schedulers (core NATS, may be lost): its load now, sent as it changes (at most every few
+    tens of ms), so that routing does not wait a heartbeat to see a request end. The registry entry's fields of
+    the same names; a report newer than the entry's heartbeat, from the same boot, takes their place."""
+
+    instance_id: str
+    boot_id: str
+    sent_ms: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_free: int
+    active_requests: int = 0  # a decode worker's requests taken and not finished (details["active_requests"])
+    handoffs_taken: int = 0  # details["handoffs_taken"]

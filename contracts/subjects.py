@@ -94,6 +94,11 @@ class Subjects:
         """Where workers and kv-stores publish the blocks they store and remove (schedulers listen)."""
         return f"{self.namespace}.kv.events"
 
+    @property
+    def worker_load(self) -> str:
+        """Where engine workers say their load as it changes, between heartbeats (schedulers listen)."""
+        return f"{self.namespace}.load"
+
     def kv_snapshot(self, instance_id: str) -> str:
         """Where one publisher of KV events takes requests for a snapshot."""
         return f"{self.namespace}.kv.{check_token(instance_id, 'instance id')}.snapshot"

@@ -11,15 +11,20 @@ details for the registry entry, and drains its work when the worker stops.
 import asyncio
 from typing import Protocol
 
-from contracts import CancelRequest, ServiceInfo, StatsRequest, Subjects
+from contracts import CancelRequest, ServiceInfo, StatsRequest, Subjects, WorkerLoad
 from services.common.cpu_loan import CpuShare, loan_details
 from services.common.engine_loop import EngineLoop, RequestRejected
 from services.common.engine_thread import EngineThread
-from services.common.identity import ServiceIdentity
+from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_event_publisher import engine_kv_events, kv_hashing_details
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
+from shared.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+LOAD_REPORT_S = 0.05  # how often the load is looked at, and sent (`WorkerLoad`) when it changed
 
 
 class WorkerRole(Protocol):
@@ -34,6 +39,10 @@ class WorkerRole(Protocol):
 
     def load(self) -> dict:
         """The registry entry's load fields: num_running, num_waiting, max_num_seqs."""
+
+    def load_details(self) -> dict:
+        """The load figures among the entry's details (a decode worker's active_requests, handoffs_taken), also
+        in its `WorkerLoad` reports."""
 
     def details(self) -> dict:
         """The role's part of the registry entry's details."""
@@ -94,8 +103,8 @@ class EngineWorker:
         await self.nc.flush()
         self.state = "ready"
         self._heartbeat.start()
-        return [asyncio.create_task(self._deliver_outputs(), name="engine-outputs"), *role_tasks, *part_tasks,
-                *event_tasks]
+        return [asyncio.create_task(self._deliver_outputs(), name="engine-outputs"),
+                asyncio.create_task(self._report_load(), name="load-reports"), *role_tasks, *part_tasks, *event_tasks]
 
     async def stop(self) -> None:
         """Stop taking work, let the role end what runs, stop the engine, close everything, leave the registry."""
@@ -115,7 +124,7 @@ class EngineWorker:
                    "prefix_cache": self.engine.prefix_cache_counts(),
                    "kv_store": self.kv_store.details() if self.kv_store is not None else {},
                    "kv_events": dict(self.kv_events.counts), "cpu_loan": loan_details(self.engine_loop.cpu_share),
-                   **kv_hashing_details(self.engine), **self.role.details()}
+                   **kv_hashing_details(self.engine), **self.role.load_details(), **self.role.details()}
         for part in self.parts:
             details.update(part.details())
         return self.identity.info(
@@ -123,6 +132,31 @@ class EngineWorker:
             kv_blocks_total=block_manager.num_blocks, kv_blocks_free=block_manager.num_free_blocks,
             max_model_len=self.engine.max_model_len, details=details, **self.role.load(),
         )
+
+    def load_report(self) -> WorkerLoad:
+        load = self.role.load()
+        details = self.role.load_details()
+        return WorkerLoad(instance_id=self.instance_id, boot_id=self.identity.boot_id, sent_ms=now_ms(),
+                          num_running=load.get("num_running", 0), num_waiting=load.get("num_waiting", 0),
+                          kv_blocks_free=self.engine.block_manager.num_free_blocks,
+                          active_requests=details.get("active_requests", 0),
+                          handoffs_taken=details.get("handoffs_taken", 0))
+
+    async def _report_load(self) -> None:
+        """Say the load as it changes: a request that ended shows at once, not a heartbeat later."""
+        last = None
+        while True:
+            await asyncio.sleep(LOAD_REPORT_S)
+            report = self.load_report()
+            figures = (report.num_running, report.num_waiting, report.kv_blocks_free, report.active_requests,
+                       report.handoffs_taken)
+            if figures == last:
+                continue
+            try:
+                await self.nc.publish(self.subjects.worker_load, report.encode())
+                last = figures
+            except Exception as exc:  # reconnecting: the next change (or the heartbeat) tells it
+                log.warning("could not report the load", error=repr(exc))
 
     # ---- the engine's outputs ---------------------------------------------------------
     def deliver(self, items: list[RequestOutput | RequestRejected]) -> None:

@@ -97,10 +97,12 @@ class DecodeRole:
         return {"num_running": engine.num_running, "num_waiting": engine.num_waiting,
                 "max_num_seqs": engine.config.max_num_seqs}
 
+    def load_details(self) -> dict:
+        return {"active_requests": len(self.requests), "handoffs_taken": self.handoffs_taken}
+
     def details(self) -> dict:
         remote = self.remote
-        return {"mode": self.mode, "active_requests": len(self.requests), "handoffs_taken": self.handoffs_taken,
-                "prefill_decisions": dict(remote.counts) if remote is not None else {},
+        return {"mode": self.mode, "prefill_decisions": dict(remote.counts) if remote is not None else {},
                 "kv_transfer": remote.transfer_details() if remote is not None else {}}
 
     def trace_of(self, request_id: str) -> dict[str, str] | None:

@@ -25,6 +25,7 @@ from contracts import (
     ServiceInfo,
     StatsRequest,
     Subjects,
+    WorkerLoad,
 )
 from services.common.identity import ServiceIdentity, now_ms
 from services.scheduler.prefix_index import PrefixIndex
@@ -38,6 +39,7 @@ from services.scheduler.routing import (
     pick_prefill_worker,
     rank_by_kv,
     rank_by_load,
+    with_load,
 )
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, fetch_loop, subscribe_typed
@@ -82,6 +84,7 @@ class Router:
         self.overlap_weight = overlap_weight
         self.index = PrefixIndex(max_index_blocks)
         self.routed = RoutedTally()  # what the workers' heartbeats do not show yet
+        self._loads: dict[str, WorkerLoad] = {}  # instance id -> its latest load report
         self._snapshot_asked: dict[str, float] = {}
         self.prefix_hits = {"requests": 0, "prompt_blocks": 0, "cached_blocks": 0}  # of the workers chosen (kv router)
 
@@ -102,6 +105,7 @@ class Router:
         await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
         if self.router == "kv":
             await subscribe_typed(self.nc, self.subjects.kv_events, KVEvents, self._on_kv_events)
+        await subscribe_typed(self.nc, self.subjects.worker_load, WorkerLoad, self._on_load)
         await self.nc.flush()
         await self._refresh()
         self._heartbeat.start()
@@ -124,7 +128,9 @@ class Router:
             await self._refresh()
 
     async def _refresh(self) -> None:
-        self.workers = await self.registry.list()
+        entries = await self.registry.list()
+        self._loads = {e.instance_id: self._loads[e.instance_id] for e in entries if e.instance_id in self._loads}
+        self.workers = [with_load(entry, self._loads.get(entry.instance_id)) for entry in entries]
         self.routed.settle(self.workers, now_ms())
         if self.router == "kv":
             present = {w.instance_id for w in self.workers}
@@ -248,6 +254,15 @@ class Router:
             self.prefix_hits["cached_blocks"] += cached.blocks.get(worker.instance_id, 0)
             span.set_attributes({"splitserve.prompt_blocks": cached.prompt_blocks,
                                  "splitserve.cached_blocks": cached.blocks.get(worker.instance_id, 0)})
+
+    async def _on_load(self, load: WorkerLoad, msg) -> None:
+        """A worker's load between heartbeats: its entry shows it at once (and what it shows is no longer counted
+        here). Reports of workers not in the registry are dropped: the registry bounds what is kept."""
+        if not any(worker.instance_id == load.instance_id for worker in self.workers):
+            return
+        self._loads[load.instance_id] = load
+        self.workers = [with_load(w, load) if w.instance_id == load.instance_id else w for w in self.workers]
+        self.routed.settle(self.workers, now_ms())
 
     async def _on_kv_events(self, event: KVEvents, msg) -> None:
         if not self.index.apply(event):

@@ -3,13 +3,27 @@
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from contracts import ServiceInfo
+from msgspec.structs import replace
+
+from contracts import ServiceInfo, WorkerLoad
 from services.scheduler.prefix_index import KVSTORE
 from shared.engine.block_hash import cacheable_block_hashes
 
 
 def eligible_workers(entries: list[ServiceInfo], role: str, served_model_name: str) -> list[ServiceInfo]:
     return [e for e in entries if e.role == role and e.state == "ready" and e.served_model_name == served_model_name]
+
+
+def with_load(entry: ServiceInfo, load: WorkerLoad | None) -> ServiceInfo:
+    """`entry` with the figures of `load`, a report from the same process sent after the entry's heartbeat."""
+    if load is None or load.boot_id != entry.boot_id or load.sent_ms <= entry.heartbeat_ms:
+        return entry
+    details = dict(entry.details)
+    for name in ("active_requests", "handoffs_taken"):
+        if name in details:
+            details[name] = getattr(load, name)
+    return replace(entry, num_running=load.num_running, num_waiting=load.num_waiting,
+                   kv_blocks_free=load.kv_blocks_free, details=details)
 
 
 def num_seqs(worker: ServiceInfo) -> int:

@@ -73,14 +73,15 @@ def _kvstore_client(s: Subjects) -> list[str]:
 
 
 def _decode(s: Subjects) -> tuple[list[str], list[str]]:
-    publish = [s.any(s.tokens, 2), s.kv_events, s.prefill_jobs, s.any(s.prefill_offer), *_kvstore_client(s),
+    publish = [s.any(s.tokens, 2), s.kv_events, s.worker_load, s.prefill_jobs, s.any(s.prefill_offer),
+               *_kvstore_client(s),
                *_stream_owner(s.prefill_stream), *_consumer_provision(s.prefill_stream, s.prefill_consumer)]
     subscribe = [s.any(s.worker_generate), s.cancel, s.any(s.prefill_results), s.any(s.kv_snapshot)]
     return publish, subscribe
 
 
 def _prefill(s: Subjects) -> tuple[list[str], list[str]]:
-    publish = [s.any(s.prefill_results), s.kv_events, *_kvstore_client(s), *_stream_owner(s.prefill_stream),
+    publish = [s.any(s.prefill_results), s.kv_events, s.worker_load, *_kvstore_client(s), *_stream_owner(s.prefill_stream),
                *_consumer_owner(s.prefill_stream, s.prefill_consumer)]
     subscribe = [s.any(s.prefill_offer), s.cancel, s.any(s.kv_snapshot)]
     return publish, subscribe
@@ -104,7 +105,7 @@ def _scheduler(s: Subjects) -> tuple[list[str], list[str]]:
     publish = [s.any(s.worker_generate), s.cancel, s.any(s.kv_snapshot), s.any(s.tokens, 2),
                *_stream_owner(s.requests_stream), *_consumer_owner(s.requests_stream, s.scheduler_consumer),
                f"$JS.API.CONSUMER.INFO.{s.prefill_stream}.{s.prefill_consumer}"]
-    return publish, [s.kv_events]
+    return publish, [s.kv_events, s.worker_load]
 
 
 def _kvstore(s: Subjects) -> tuple[list[str], list[str]]:

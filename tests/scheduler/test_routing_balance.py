@@ -1,8 +1,18 @@
 """Spreading requests over workers when prefixes do not decide, and the tally of what was just routed: pure."""
 
-from contracts import ServiceInfo
+import msgspec
+
+from contracts import ServiceInfo, WorkerLoad
 from services.scheduler.routed import RoutedTally
-from services.scheduler.routing import blocks_to_take, kv_cost, load_score, num_seqs, rank_by_kv, rank_by_load
+from services.scheduler.routing import (
+    blocks_to_take,
+    kv_cost,
+    load_score,
+    num_seqs,
+    rank_by_kv,
+    rank_by_load,
+    with_load,
+)
 
 
 def worker(instance, used=0, running=0, waiting=0, active=None, taken=None, boot="b1", total=100, slots=8):
@@ -121,3 +131,21 @@ def test_blocks_to_take_are_the_prompt_blocks_the_cache_does_not_hold():
     assert blocks_to_take(worker("a"), 32, num_cached_blocks=5) == 0
     # Only requests beyond the batch's slots queue in kv_cost, counted by every request the worker holds.
     assert kv_cost(worker("a", running=2, active=10), 4, 0, 2.0) == 8 + 2 * 4
+
+
+def test_a_load_report_newer_than_the_heartbeat_replaces_its_figures():
+    entry = ServiceInfo(instance_id="d-0", role="decode", boot_id="b1", heartbeat_ms=1000, num_running=3,
+                        num_waiting=1, kv_blocks_free=10, details={"active_requests": 4, "handoffs_taken": 9, "x": 1})
+    report = WorkerLoad(instance_id="d-0", boot_id="b1", sent_ms=1040, num_running=0, num_waiting=0,
+                        kv_blocks_free=50, active_requests=0, handoffs_taken=10)
+    fresh = with_load(entry, report)
+    assert (fresh.num_running, fresh.num_waiting, fresh.kv_blocks_free) == (0, 0, 50)
+    assert fresh.details == {"active_requests": 0, "handoffs_taken": 10, "x": 1} and entry.num_running == 3
+    assert num_seqs(fresh) == 0 and num_seqs(entry) == 4
+    # Older than the heartbeat, or from another process of the same name: the entry stands.
+    assert with_load(entry, WorkerLoad(**{**msgspec.structs.asdict(report), "sent_ms": 990})) is entry
+    assert with_load(entry, WorkerLoad(**{**msgspec.structs.asdict(report), "boot_id": "b2"})) is entry
+    assert with_load(entry, None) is entry
+    # A prefill worker's entry has no such details: none are added.
+    prefill = ServiceInfo(instance_id="p-0", role="prefill", boot_id="b1", heartbeat_ms=1000, num_running=1)
+    assert with_load(prefill, WorkerLoad(**{**msgspec.structs.asdict(report), "instance_id": "p-0"})).details == {}
