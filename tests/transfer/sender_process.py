@@ -5,8 +5,8 @@
 
 Sends `kv(layers, dtype, seed)` one layer per part and prints `RESULT <json>`.
 With "close": false it exits without closing its sender (its pool is cleaned at exit).
-Mode "hang" sends the first layer, prints `SENT-FIRST`, then waits forever
-(the test kills it).
+Mode "hang" hands its sender the first layer, prints `SENT-FIRST` once the sender asks for the next one, then waits
+forever (the test kills it).
 """
 
 import asyncio
@@ -34,7 +34,6 @@ async def main(spec: dict) -> None:
         for layer in range(spec["layers"]):
             yield layer, layer + 1, src[layer : layer + 1]
             if spec["mode"] == "hang":
-                await asyncio.sleep(0.2)  # let the first part be acked
                 print("SENT-FIRST", flush=True)
                 await asyncio.sleep(3600)
 

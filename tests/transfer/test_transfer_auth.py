@@ -12,6 +12,7 @@ import torch
 
 from shared.transfer import KVSender, TransferTicket
 from shared.transfer.wire import PROTOCOL_VERSION
+from support.waiting import eventually
 from transfer_helpers import RawClient, Sink, kv
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -55,7 +56,8 @@ async def test_garbage_and_silence_are_turned_away_without_failing_anything(rece
     silent = await RawClient.connect(ticket)  # connects, never authenticates: closed after the handshake timeout
     start = asyncio.get_running_loop().time()
     await silent.closed()
-    assert asyncio.get_running_loop().time() - start < receiver.handshake_timeout_s + 1.0
+    # The time is the claim: closed at the 2 s handshake timeout (`closed()` gives up waiting at 5 s).
+    assert asyncio.get_running_loop().time() - start < receiver.handshake_timeout_s + 2.0
     silent.close()
 
     replayed = await RawClient.connect(ticket)  # a well-formed hello with a MAC for another nonce
@@ -107,8 +109,7 @@ async def test_a_second_authenticated_sender_takes_over_the_transfer(receiver):
     first, second = KVSender(), KVSender()
     try:
         stuck = asyncio.create_task(first.send(ticket, stuck_after_one_layer(), backend="tcp"))
-        while not sink.calls:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: sink.calls, what="the first sender's first layer applied")
         fresh = await second.send(ticket, [(0, 4, src)], backend="tcp")
         assert fresh.ok, fresh
         assert (await receiver.wait("takeover")).ok

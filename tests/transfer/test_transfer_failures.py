@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from shared.transfer import KVReceiver, KVSender
+from support.waiting import eventually
 from transfer_helpers import RawClient, Sink, kv, segments_with_prefix
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
-SLACK_S = 0.5
+# Here the deadlines are the claims (a failure at its deadline, well before the transfer's own, or at once): how late
+# past one a loaded machine may see it.
+SLACK_S = 2.0
 
 
 def elapsed_since(start: float) -> float:
@@ -66,7 +69,7 @@ async def test_a_ticket_already_expired_fails_at_once(receiver, sender):
     ticket = receiver.expect("expired", on_part=lambda *a: None, total_layers=(0, 1), deadline_s=10)
     ticket.deadline_unix_s = time.time() - 1
     result = await sender.send(ticket, [(0, 1, kv(1))])
-    assert not result.ok and result.reason == "deadline" and result.seconds < 0.1
+    assert not result.ok and result.reason == "deadline" and result.seconds < SLACK_S  # at once, not in 10 s
 
 
 async def test_a_payload_that_stops_midway_fails_as_stalled_before_the_deadline():
@@ -106,8 +109,7 @@ async def test_cancel_discards_late_parts_and_frees_everything(receiver, backend
 
     try:
         sending = asyncio.create_task(sender.send(ticket, parts(), backend=backend))
-        while not sink.calls:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: sink.calls, what="the first part applied")
         receiver.cancel("cancel-me")
         go_on.set()  # the late layers are produced after the cancel
         got = await receiver.wait("cancel-me")

@@ -118,7 +118,8 @@ async def test_a_receiver_that_is_not_there_still_fails_fast():
         started = asyncio.get_running_loop().time()
         result = await sender.send(ticket, [(0, 1, kv(1))], backend="tcp")
         assert not result.ok and result.reason == "connection"
-        assert asyncio.get_running_loop().time() - started < 3  # a few quick retries, not the 30 s deadline
+        # The time is the claim: a few quick retries, not the 30 s deadline (loose for a loaded machine).
+        assert asyncio.get_running_loop().time() - started < 10
     finally:
         sender.close()
 

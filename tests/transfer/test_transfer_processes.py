@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shared.transfer import sweep_orphan_segments
+from support.waiting import eventually
 from transfer_helpers import Sink, kv, segments_of_pid
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -56,6 +57,7 @@ async def test_a_killed_sender_fails_the_transfer_at_once_and_its_segments_are_s
     proc = await start_sender(ticket, backend="shm", layers=3, seed=12, dtype="float32", mode="hang")
     line = await asyncio.wait_for(proc.stdout.readline(), 30)
     assert line.strip() == b"SENT-FIRST"
+    await eventually(lambda: sink.calls, what="the first layer applied")
     assert sink.calls == [(0, 1)]
     leftovers = segments_of_pid(proc.pid)
     assert leftovers, "the sender's pooled segment should exist while it lives"
@@ -65,7 +67,8 @@ async def test_a_killed_sender_fails_the_transfer_at_once_and_its_segments_are_s
     start = asyncio.get_running_loop().time()
     got = await receiver.wait("killed")
     assert not got.ok and got.reason == "connection", got
-    assert asyncio.get_running_loop().time() - start < 5  # noticed when the connection dropped, not at the deadline
+    # The time is the claim: noticed when the connection dropped, not at the 30 s deadline (loose for a loaded machine).
+    assert asyncio.get_running_loop().time() - start < 10
 
     assert segments_of_pid(proc.pid) == leftovers  # a killed process cannot clean up...
     assert sweep_orphan_segments() >= len(leftovers)  # ...so the next sender or receiver start does

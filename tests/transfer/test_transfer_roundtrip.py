@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shared.transfer import KVSender, TransferTicket, host_id
+from support.waiting import eventually
 from transfer_helpers import Sink, kv, segments_with_prefix
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -42,7 +43,9 @@ async def test_layers_stream_while_later_ones_are_still_computed(receiver, sende
     async def layer_by_layer():
         for layer in range(3):
             yield layer, layer + 1, src[layer : layer + 1]
-        await asyncio.sleep(0.3)  # the model is still computing the last layer
+        # The model is still computing the last layer: it comes only once the first three were applied (a sender
+        # holding parts back until the end fails here).
+        await eventually(lambda: len(sink.calls) == 3, what="the first three layers applied before the last existed")
         produced_last_at.append(asyncio.get_running_loop().time())
         yield 3, 4, src[3:4]
 
@@ -193,7 +196,8 @@ async def test_parts_outside_the_claim_or_a_claim_outside_the_transfer_are_refus
 async def test_a_sender_counts_its_sends_in_flight(receiver, sender):
     """What a prefill worker reads before it lends its CPUs (it never lends them while it still ships KV)."""
     src = kv(2)
-    ticket = receiver.expect("counted", on_part=Sink(src), total_layers=(0, 2), deadline_s=10)
+    sink = Sink(src)
+    ticket = receiver.expect("counted", on_part=sink, total_layers=(0, 2), deadline_s=10)
     gate = asyncio.Event()
 
     async def parts():
@@ -202,7 +206,7 @@ async def test_a_sender_counts_its_sends_in_flight(receiver, sender):
         yield 1, 2, src[1:2]
 
     sending = asyncio.create_task(sender.send(ticket, parts()))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: sink.calls, what="the first part applied")
     assert sender.sends_in_flight == 1
     gate.set()
     assert (await sending).ok and sender.sends_in_flight == 0

@@ -14,6 +14,7 @@ from services.cli import main as cli_main
 from services.launcher.tls_files import make_deployment_tls
 from shared.transfer import KVReceiver, KVSender
 from shared.transfer.tls import TransferTLSError, transfer_tls
+from support.waiting import eventually
 from transfer_helpers import RECEIVER_OPTIONS, RawClient, Sink, kv
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -133,7 +134,7 @@ async def test_a_sender_and_receiver_that_disagree_about_tls_fail_at_once_and_sa
         ticket = tls_receiver.expect("wants-tls", on_part=lambda *a: None, total_layers=(0, 1), deadline_s=20)
         result = await plain_sender.send(ticket, [(0, 1, kv(1))])
         assert not result.ok and result.reason == "tls" and "takes TLS only" in result.error
-        assert result.seconds < 1
+        assert result.seconds < 5  # the time is the claim: at once, not at the 20 s deadline
         ticket = receiver.expect("plain", on_part=lambda *a: None, total_layers=(0, 1), deadline_s=20)
         result = await tls_sender.send(ticket, [(0, 1, kv(1))])
         assert not result.ok and result.reason == "tls" and "does not take TLS" in result.error
@@ -147,19 +148,19 @@ async def test_a_client_speaking_clear_text_to_a_tls_receiver_gets_nothing(tls_r
     ticket = tls_receiver.expect("probe", on_part=lambda *a: None, total_layers=(0, 1), deadline_s=20)
     with pytest.raises((asyncio.IncompleteReadError, ConnectionError, TimeoutError)):
         await RawClient.connect(ticket)  # no clear-text hello ever comes
-    await asyncio.sleep(0.1)
-    assert tls_receiver.stats.unauthenticated >= 1
+    await eventually(lambda: tls_receiver.stats.unauthenticated >= 1, what="the clear-text connection counted")
     assert tls_receiver.num_active == 1  # the expectation is untouched
 
 
 async def test_a_connection_that_never_finishes_its_handshake_is_closed_at_the_handshake_deadline(tls):
-    receiver = KVReceiver(handshake_timeout_s=0.3, io_timeout_s=2.0, tls=tls)
+    receiver = KVReceiver(handshake_timeout_s=0.3, io_timeout_s=20.0, tls=tls)
     await receiver.start()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", receiver.endpoint["port"])
         start = asyncio.get_running_loop().time()
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the receiver
-        assert asyncio.get_running_loop().time() - start < 2
+        assert await asyncio.wait_for(reader.read(), 30) == b""  # closed by the receiver
+        # The time is the claim: at the 0.3 s handshake deadline, not the 20 s I/O timeout (loose for a loaded machine).
+        assert asyncio.get_running_loop().time() - start < 5
         writer.close()
         assert receiver.stats.unauthenticated == 1
     finally:
@@ -206,8 +207,7 @@ async def test_connections_reset_before_they_are_accepted_never_stop_the_tls_rec
         raw = socket.create_connection(("127.0.0.1", tls_receiver.endpoint["port"]))
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         raw.close()
-    await asyncio.sleep(0.2)
-    sender = KVSender(tls=tls)
+    sender = KVSender(tls=tls)  # (its connection is accepted after theirs: the listen queue keeps their order)
     try:
         src = kv(2, seed=5)
         sink = Sink(src)
