@@ -7,6 +7,7 @@ from contracts.messages import (
     GenerateRequest,
     HandoffReply,
     KVEvents,
+    LogprobEntry,
     KVShipped,
     KVSnapshotRequest,
     KVStoreGet,
@@ -27,6 +28,6 @@ from contracts.messages import (
 from contracts.subjects import Subjects, check_token
 
 __all__ = [
-    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply", "Message", "PrefillJob", "PrefillResult",
+    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply", "LogprobEntry", "Message", "PrefillJob", "PrefillResult",
     "RequestFailed", "ServiceInfo", "StageActivation", "StageTicketReply", "StageTicketRequest", "StatsRequest", "Subjects", "TokenChunk", "WorkerLoad", "check_token", "decode_one_of",
 ]

@@ -4,7 +4,20 @@ from typing import Any
 
 from msgspec import field
 
-from contracts.codec import Message
+from contracts.codec import Message, Part
+
+
+class LogprobEntry(Part, kw_only=True):
+    """One sampled token's logprob and the top-N alternatives, best first (N: the request's `logprobs`)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob)
+
+    @classmethod
+    def of(cls, sampled) -> "LogprobEntry":
+        """From the engine's `TokenLogprobs` (anything with token_id, logprob and top)."""
+        return cls(token_id=sampled.token_id, logprob=sampled.logprob, top=list(sampled.top))
 
 
 class GenerateRequest(Message, tag="generate_request", kw_only=True):
@@ -43,7 +56,7 @@ class PrefillResult(Message, tag="prefill_result", kw_only=True):
     ok: bool
     prefill_instance: str
     first_token_id: int = -1
-    first_logprobs: dict[str, Any] | None = None  # {token_id, logprob, top: [[id, logprob], ...]}
+    first_logprobs: LogprobEntry | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     will_transfer: bool = True  # False when the request already ended at its first token
@@ -79,7 +92,7 @@ class TokenChunk(Message, tag="token_chunk", kw_only=True):
     seq: int
     token_ids: list[int]
     text: str
-    logprobs: list[dict[str, Any]] | None = None  # per token: {token_id, logprob, top: [[id, logprob], ...]}
+    logprobs: list[LogprobEntry] | None = None  # per token, when the request asked for logprobs
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0

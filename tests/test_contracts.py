@@ -8,6 +8,7 @@ from contracts import (
     CancelRequest,
     ContractError,
     GenerateRequest,
+    LogprobEntry,
     Message,
     RequestFailed,
     ServiceInfo,
@@ -41,7 +42,7 @@ def test_every_message_class_has_its_own_type_name_and_round_trips_its_defaults(
     assert len(classes) == 21 and len(set(names)) == len(names) and all(names)
     request = generate_request(prefill="remote", prefill_instance="prefill-2")
     assert GenerateRequest.decode(request.encode()) == request
-    chunk = TokenChunk(request_id="r", seq=3, token_ids=[7], text="a", logprobs=[{"token_id": 7, "logprob": -0.5}])
+    chunk = TokenChunk(request_id="r", seq=3, token_ids=[7], text="a", logprobs=[LogprobEntry(token_id=7, logprob=-0.5)])
     assert TokenChunk.decode(chunk.encode()) == chunk
     info = ServiceInfo(instance_id="d-0", role="decode", details={"nested": {"a": [1, 2]}})
     assert ServiceInfo.decode(info.encode()) == info
@@ -87,3 +88,15 @@ def test_decode_one_of_picks_the_class_its_type_names():
         decode_one_of(TokenChunk(request_id="r", seq=0, token_ids=[], text="").encode(), GenerateRequest,
                       CancelRequest)
     assert raised.value.reason == "wrong_type"
+
+
+def test_logprobs_travel_as_typed_entries():
+    entry = LogprobEntry(token_id=5, logprob=-0.25, top=[(5, -0.25), (9, -1.5)])
+    chunk = TokenChunk(request_id="r", seq=0, token_ids=[5], text="a", logprobs=[entry])
+    assert TokenChunk.decode(chunk.encode()).logprobs == [entry]
+    wire = msgpack.unpackb(chunk.encode())["logprobs"]
+    assert wire == [{"token_id": 5, "logprob": -0.25, "top": [[5, -0.25], [9, -1.5]]}]
+    for bad in ({"token_id": 5, "logprob": -0.25, "top": [[5]]}, {"token_id": 5, "logprob": "x"},
+                {"token_id": 5, "logprob": -0.2, "rank": 1}):
+        error = refused(body_of(chunk, logprobs=[bad]), TokenChunk)
+        assert error.reason == "malformed" and "logprobs" in str(error)

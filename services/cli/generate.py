@@ -4,6 +4,8 @@ import argparse
 import json
 import sys
 
+from contracts import LogprobEntry
+from contracts.codec import to_builtins
 from shared.engine.errors import EngineError
 
 
@@ -83,9 +85,7 @@ def run(args: argparse.Namespace) -> int:
             "finish_reason": finish_reason,
         }
         if args.logprobs is not None:
-            result["logprobs"] = [
-                {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in logprobs
-            ]
+            result["logprobs"] = [to_builtins(LogprobEntry.of(lp)) for lp in logprobs]
         print(json.dumps(result))
     else:
         print()

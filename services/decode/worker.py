@@ -21,6 +21,7 @@ from contracts import (
     CancelRequest,
     GenerateRequest,
     HandoffReply,
+    LogprobEntry,
     PrefillResult,
     RequestFailed,
     TokenChunk,
@@ -212,8 +213,7 @@ class DecodeRole:
                 seq=active.next_seq,
                 token_ids=item.new_token_ids,
                 text=item.new_text,
-                logprobs=[{"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-                          for lp in item.new_logprobs] or None,
+                logprobs=[LogprobEntry.of(lp) for lp in item.new_logprobs] or None,
                 finished=item.finished,
                 finish_reason=item.finish_reason,
                 prompt_tokens=item.num_prompt_tokens,

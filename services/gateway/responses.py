@@ -1,7 +1,7 @@
 """OpenAI response bodies and stream chunks, as plain dicts ready for JSON.
 
-Logprobs arrive as the wire carries them (TokenChunk.logprobs): per token
-`{"token_id", "logprob", "top": [[token_id, logprob], ...]}`, top-N best first.
+Logprobs arrive as the wire carries them (TokenChunk.logprobs): per token a
+`LogprobEntry` (token_id, logprob, top: [(token_id, logprob), ...], top-N best first).
 Token strings come from the caller's `token_text(token_id)`, which returns the
 token's text (str) or its raw bytes (bytes, for tokens that are only part of a
 UTF-8 character); `bytes` in chat logprobs are the token's UTF-8 bytes.
@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from contracts import LogprobEntry
 from services.gateway.errors import RequestError, error_body
 
 TokenText = Callable[[int], str | bytes]
@@ -51,7 +52,7 @@ class _Tokens:
         return self._cache[token_id]
 
 
-def completion_logprobs(entries: Sequence[dict], token_text: TokenText, text_offset_start: int = 0) -> dict:
+def completion_logprobs(entries: Sequence[LogprobEntry], token_text: TokenText, text_offset_start: int = 0) -> dict:
     """The legacy completions logprobs object.
 
     top_logprobs holds the top N and always the sampled token (so up to N+1
@@ -62,11 +63,11 @@ def completion_logprobs(entries: Sequence[dict], token_text: TokenText, text_off
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     offset = text_offset_start
     for entry in entries:
-        text, _ = lookup(entry["token_id"])
+        text, _ = lookup(entry.token_id)
         tokens.append(text)
-        token_logprobs.append(_finite(entry["logprob"]))
-        top = {lookup(token_id)[0]: _finite(logprob) for token_id, logprob in entry["top"]}
-        top.setdefault(text, _finite(entry["logprob"]))
+        token_logprobs.append(_finite(entry.logprob))
+        top = {lookup(token_id)[0]: _finite(logprob) for token_id, logprob in entry.top}
+        top.setdefault(text, _finite(entry.logprob))
         top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(text)
@@ -74,7 +75,7 @@ def completion_logprobs(entries: Sequence[dict], token_text: TokenText, text_off
             "text_offset": text_offset}
 
 
-def chat_logprobs(entries: Sequence[dict], token_text: TokenText) -> dict:
+def chat_logprobs(entries: Sequence[LogprobEntry], token_text: TokenText) -> dict:
     """The chat logprobs object: `{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}`."""
     lookup = _Tokens(token_text)
 
@@ -84,8 +85,8 @@ def chat_logprobs(entries: Sequence[dict], token_text: TokenText) -> dict:
 
     content = []
     for entry in entries:
-        token = item(entry["token_id"], entry["logprob"])
-        token["top_logprobs"] = [item(token_id, logprob) for token_id, logprob in entry["top"]]
+        token = item(entry.token_id, entry.logprob)
+        token["top_logprobs"] = [item(token_id, logprob) for token_id, logprob in entry.top]
         content.append(token)
     return {"content": content, "refusal": None}
 

@@ -22,7 +22,7 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from contracts import CancelRequest, HandoffReply, PrefillJob, PrefillResult
+from contracts import CancelRequest, HandoffReply, LogprobEntry, PrefillJob, PrefillResult
 from services.common.cpu_loan import CpuLender
 from services.common.engine_loop import AddRequest, RequestRejected
 from services.common.engine_worker import EngineWorker
@@ -289,8 +289,7 @@ class PrefillRole:
             result.num_prompt_tokens = output.num_prompt_tokens
             result.num_cached_tokens = output.num_cached_tokens
             if output.new_logprobs:
-                lp = output.new_logprobs[0]
-                result.first_logprobs = {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                result.first_logprobs = LogprobEntry.of(output.new_logprobs[0])
         await w.nc.publish(job.reply_subject, result.encode())
 
     async def on_cancel(self, cancel: CancelRequest) -> None:

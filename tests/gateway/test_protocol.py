@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from contracts import LogprobEntry
 from services.gateway.app import GatewaySettings, create_app
 from services.gateway.errors import (
     RequestError,
@@ -338,9 +339,9 @@ def test_an_empty_prompt_is_refused():
 
 VOCAB = {0: "Hello", 1: " world", 2: b"\xe2\x82", 3: "!", 4: "é"}
 ENTRIES = [
-    {"token_id": 0, "logprob": -0.1, "top": [[0, -0.1], [1, -2.5]]},
-    {"token_id": 2, "logprob": -1.0, "top": [[3, -0.5], [4, -0.9]]},  # sampled token not in the top 2
-    {"token_id": 4, "logprob": float("-inf"), "top": [[4, float("-inf")], [1, -3.0]]},
+    LogprobEntry(token_id=0, logprob=-0.1, top=[(0, -0.1), (1, -2.5)]),
+    LogprobEntry(token_id=2, logprob=-1.0, top=[(3, -0.5), (4, -0.9)]),  # sampled token not in the top 2
+    LogprobEntry(token_id=4, logprob=float("-inf"), top=[(4, float("-inf")), (1, -3.0)]),
 ]
 
 
@@ -363,7 +364,7 @@ def test_completion_response_validates_as_openai_completion():
     assert lp.top_logprobs[0] == {"Hello": -0.1, " world": -2.5}
     assert lp.top_logprobs[1] == {"!": -0.5, "é": -0.9, "\ufffd": -1.0}  # up to N+1: the sampled one too
     assert completion_logprobs(ENTRIES[:1], token_text, text_offset_start=7)["text_offset"] == [7]
-    zero = completion_logprobs([{"token_id": 3, "logprob": -0.2, "top": []}], token_text)
+    zero = completion_logprobs([LogprobEntry(token_id=3, logprob=-0.2)], token_text)
     assert zero["top_logprobs"] == [{"!": -0.2}]
 
 

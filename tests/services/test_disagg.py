@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from contracts import PrefillResult, ServiceInfo, Subjects
-from reference import reference_greedy, safe_prompts, safe_seed
+from reference import reference_greedy, reference_logprobs, safe_prompts, safe_seed
 from support.deployment import start_deployment
 from support.kv_workload import wait_until
 from support.metrics import samples, value
@@ -71,6 +71,22 @@ def test_seeded_sampling_draws_what_the_seed_says_across_prefill_and_decode(disa
     body = complete(disagg.base_url, prompt, temperature=0.8, top_p=0.9, seed=seed)
     assert disagg.token_ids(body) == expected
     assert expected != reference_greedy(default_model, prompt, 16)[0]
+
+
+def test_logprobs_come_from_both_workers_as_transformers_computes_them(disagg, default_model):
+    # The first token's logprobs travel from the prefill worker in its PrefillResult, the rest from the decode worker.
+    prompt = list(range(300, 340))
+    body = complete(disagg.base_url, prompt, max_tokens=6, logprobs=3)
+    tokens = disagg.token_ids(body)
+    reference = reference_logprobs(default_model, prompt, tokens)
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"] == pytest.approx([reference[i, t].item() for i, t in enumerate(tokens)],
+                                                       abs=1e-4)
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    for i, top in enumerate(logprobs["top_logprobs"]):  # greedy: the sampled token is the best of the top 3
+        values, ids = reference[i].topk(3)
+        assert top == pytest.approx({tokenizer.decode([t]): v for t, v in zip(ids.tolist(), values.tolist())},
+                                    abs=1e-4)
 
 
 def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):
