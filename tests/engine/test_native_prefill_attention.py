@@ -121,7 +121,7 @@ def test_the_fresh_prompt_attention_choice_is_timed_forced_or_implied(monkeypatc
         choose_fresh_prefill_attention(library, windowed=False, **shape)
     monkeypatch.delenv(FRESH_PREFILL_ENV)
     native_s, sdpa_s = time_fresh_chunk(library, tokens=64, **shape)
-    assert 0 < native_s < 1 and 0 < sdpa_s < 1
+    assert native_s > 0 and sdpa_s > 0  # each path was timed (how fast they are is the benchmarks' business)
 
 
 @needs_kernel

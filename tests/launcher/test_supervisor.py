@@ -98,7 +98,9 @@ def test_stop_leaves_no_process_even_a_child_ignoring_sigterm_or_a_grandchild(tm
     codes = sup.stop(timeout_s=1.5)
     elapsed = time.monotonic() - started
 
-    assert elapsed < 3.5
+    # The time is the claim: the child ignoring SIGTERM is killed at the 1.5 s stop timeout, not waited for (its 60 s
+    # sleep); the bound is loose for a loaded machine.
+    assert elapsed < 15
     assert not [pid for pid in pids if proc_alive(pid)]
     assert codes["sleeper"] == -signal.SIGTERM
     assert codes["stubborn"] == -signal.SIGKILL and stubborn.killed and not sleeper.killed
