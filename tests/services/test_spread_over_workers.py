@@ -1,27 +1,26 @@
 """Requests that no cached prefix draws anywhere spread over the decode workers by their running work.
 
 On a fresh deployment the workers' heartbeats show both idle while 8 requests arrive at once: only what
-the scheduler counts of its own routing (before each handoff) tells them apart. Each request runs long
-enough (many output tokens) that all 8 are still running when the last is routed, so the split is exact.
+the scheduler counts of its own routing (before each handoff) tells them apart. Each request streams until
+all 8 have their first tokens (then hangs up), so all 8 run when the last is routed and the split is exact.
 Then the load only the heartbeats show: one worker busy with a request routed long before, every request
 sent meanwhile goes to the other.
 """
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
 
+from services.common.identity import now_ms
 from support.deployment import start_deployment
 from support.kv_workload import wait_until
 
 MODEL = "splitserve-default-llama"
 PROMPT_TOKENS = 40
-MAX_TOKENS = 800  # long enough that the last request starts well before the first ends, even on a loaded machine
 
 
 def stream_until(base_url: str, prompt, stop: threading.Event) -> None:
@@ -48,26 +47,32 @@ def test_concurrent_requests_on_a_fresh_deployment_land_on_both_workers(nats_ser
                                   scheduler_args=("--router", router))
     try:
         deployment.wait_scheduler_sees("decode", 2)
-        start = threading.Barrier(len(prompts))
+        start, started = threading.Barrier(len(prompts)), threading.Barrier(len(prompts), timeout=120)
 
-        def complete(prompt) -> tuple[float, float, dict]:
-            """When the first tokens came, when the last did, and the final chunk."""
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
+        def start_and_hold(prompt) -> dict:
+            """Stream until every request has its first tokens, then hang up (the request is cancelled)."""
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
             start.wait()
-            chunks = []
             with httpx.stream("POST", f"{deployment.base_url}/v1/completions", json=body, timeout=120) as response:
                 assert response.status_code == 200, response.read()
                 for line in response.iter_lines():
                     if line.startswith("data: {"):
-                        chunks.append((time.monotonic(), json.loads(line[len("data: "):])))
-            return chunks[0][0], chunks[-1][0], chunks[-1][1]
+                        chunk = json.loads(line[len("data: "):])
+                        started.wait()
+                        return chunk
 
         with ThreadPoolExecutor(len(prompts)) as pool:
-            streams = list(pool.map(complete, prompts))
-        assert all(last["usage"]["completion_tokens"] == MAX_TOKENS for _, _, last in streams)
-        # What makes the split exact: every request was routed while all the others were still running.
-        assert max(first for first, _, _ in streams) < min(end for _, end, _ in streams)
+            firsts = list(pool.map(start_and_hold, prompts))
+        # What makes the split exact: every request was routed while all the others were running (none had ended).
+        assert all(first["choices"][0]["finish_reason"] is None for first in firsts)
+        # Their cancellations reach the workers, and heartbeats sent after that are what the registry shows (one
+        # taken while a cancelled request still ran would make the next part pick the wrong worker as busy).
+        wait_until(lambda: all(deployment.stats(w).num_running + deployment.stats(w).num_waiting == 0
+                               for w in ("decode-0", "decode-1")), 30, "the hung-up requests still run")
+        settled_ms = now_ms()
+        wait_until(lambda: all(e.heartbeat_ms > settled_ms for e in deployment.registry_entries().values()
+                               if e.role == "decode"), 30, "no heartbeat since the requests ended")
 
         # Every prompt is computed in full by the worker that ran it (nothing cached): tokens computed count them.
         computed = [deployment.stats(w).details["prefix_cache"]["prompt_tokens_computed"] for w in ("decode-0", "decode-1")]
