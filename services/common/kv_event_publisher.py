@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from contracts import KVEvents, KVSnapshotRequest, Subjects
 from shared.bus.subscribe import subscribe_typed
-from shared.engine.kv_event_log import KVEventLog
+from shared.engine.kv_event_log import KVEventLog, PrefixCacheEvents
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -90,9 +90,9 @@ class KVEventPublisher:
 
 
 def engine_kv_events(*, nc, subjects: Subjects, identity, engine, engine_loop) -> KVEventPublisher:
-    """A publisher of the engine's prefix-cache events (the block manager records them from now on)."""
+    """A publisher of the engine's prefix-cache events (recorded from now on)."""
     events = KVEventLog()
-    engine.block_manager.kv_events = events
+    engine.connect(PrefixCacheEvents(events))
     return KVEventPublisher(nc=nc, subjects=subjects, instance_id=identity.instance_id, role=identity.role,
                             boot_id=identity.boot_id, events=events,
                             held_hashes=lambda: engine_loop.call(lambda e: e.block_manager.held_hashes()))

@@ -23,6 +23,7 @@ from opentelemetry import trace
 from services.kvstore.client import KVStoreClient
 from services.kvstore.placement import group_by_instance
 from shared.bus.registry import Registry
+from shared.engine.kv_connector import BlockExport, KVConnector
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import tracer
 
@@ -31,7 +32,7 @@ log = get_logger(__name__)
 _INSTANCES_TTL_S = 1.0
 
 
-class KVStoreTier:
+class KVStoreTier(KVConnector):
     def __init__(self, *, client: KVStoreClient, registry: Registry, engine, engine_loop, known_capacity: int = 1 << 16,
                  max_puts_in_flight: int = 32):
         self.client = client
@@ -48,7 +49,7 @@ class KVStoreTier:
         self.counts: Counter[str] = Counter()
         self.max_puts_in_flight = max_puts_in_flight
         self._puts_in_flight = 0  # counted from the engine thread (up) and the event loop (down), under _known_lock
-        engine.kv_write_back = self._write_back
+        engine.connect(self)
 
     @property
     def puts_in_flight(self) -> int:
@@ -154,7 +155,8 @@ class KVStoreTier:
         return all(results)
 
     # ---- after a prompt is computed (engine thread) -------------------------------------------
-    def _write_back(self, hashes: list[bytes], export) -> None:
+    def blocks_computed(self, hashes: list[bytes], export: BlockExport) -> None:
+        """Put the blocks the store does not have yet (in the background; skipped while too many puts are out)."""
         with self._known_lock:
             new = [i for i, block_hash in enumerate(hashes) if block_hash not in self._known]
             if not new:

@@ -10,7 +10,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from shared.engine.block_hash import extend_block_hashes
-from shared.engine.kv_event_log import KVEventLog
+from shared.engine.kv_connector import KVConnector
 from shared.engine.sequence import Sequence
 
 
@@ -23,7 +23,8 @@ class PrefixHit:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, fingerprint: bytes, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: bytes, enable_prefix_caching: bool = True,
+                 connector: KVConnector | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -36,12 +37,11 @@ class BlockManager:
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.cached_free_block_ids: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
         self.num_evictions = 0
-        self.kv_events: KVEventLog | None = None  # set by a worker that publishes KV events
+        self.connector = connector or KVConnector()  # told of blocks entering and leaving the prefix cache
 
     def held_hashes(self) -> list[bytes]:
-        """Every block hash the prefix cache holds now; restarts the event log (a snapshot covers it)."""
-        if self.kv_events is not None:
-            self.kv_events.restart()
+        """Every block hash the prefix cache holds now (the connector hears that the cache was listed)."""
+        self.connector.cache_listed()
         return list(self.block_of_hash)
 
     # ---- accounting -------------------------------------------------------------
@@ -93,8 +93,7 @@ class BlockManager:
             if block_hash not in self.block_of_hash and self.hash_of_block[block_id] is None:
                 self.block_of_hash[block_hash] = block_id
                 self.hash_of_block[block_id] = block_hash
-                if self.kv_events is not None:
-                    self.kv_events.stored(block_hash)
+                self.connector.block_stored(block_hash)
         seq.num_hashed_blocks = num_full
 
     # ---- allocation ---------------------------------------------------------------
@@ -179,5 +178,4 @@ class BlockManager:
         if block_hash is not None:
             del self.block_of_hash[block_hash]
             self.hash_of_block[block_id] = None
-            if self.kv_events is not None:
-                self.kv_events.removed(block_hash)
+            self.connector.block_removed(block_hash)

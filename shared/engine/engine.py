@@ -22,6 +22,7 @@ from shared.engine.errors import EngineError, EngineOverloadedError, InvalidRequ
 from shared.engine.executor import ChainExecutor
 from shared.engine.block_slice import BlockSlice
 from shared.engine.block_hash import cacheable_block_hashes
+from shared.engine.kv_connector import KVConnector, KVConnectors
 from shared.engine.kv_cache import KVAllocator, KVLayout, PagedKVCache, dtype_name
 from shared.engine.model_loader import LayerRange, load_model, read_config, resolve_dtype
 from shared.engine.model_runner import ModelRunner
@@ -107,7 +108,9 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
         self.executor = ChainExecutor([ModelRunner(m, num_blocks, config.block_size, kv_allocator) for m in loaded])
         self.fingerprint = first.fingerprint
-        self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint, config.enable_prefix_caching)
+        self.connectors = KVConnectors()  # services' hooks into the KV (see `connect`)
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint, config.enable_prefix_caching,
+                                          self.connectors)
         per_engine_seqs = -(-config.max_num_seqs // num_virtual_engines)
         self.schedulers = [
             Scheduler(SchedulerConfig(per_engine_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
@@ -129,12 +132,11 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (misses, and preempted ones again)
         self.kv_store_query_tokens = 0  # of requests that started from kv-store blocks (the engine never looks)
         self.kv_store_hit_tokens = 0
-        # Called on the engine thread with newly computed full blocks: (their hashes, export), where
-        # `export(indices)` copies those blocks' KV out as [n, layers, 2, block_size, kv_heads, head_dim]
-        # (valid only during the call). It comes when a prompt's KV is complete, every WRITE_BACK_BLOCKS
-        # blocks that decoding fills, and when a request finishes. A worker writes blocks back to the
-        # kv-store with it.
-        self.kv_write_back: Callable[[list[bytes], Callable[[list[int]], torch.Tensor]], None] | None = None
+
+    def connect(self, connector: KVConnector) -> None:
+        """Call `connector`'s hooks from now on: prefix-cache changes, and computed blocks (when a prompt's
+        KV is complete, every WRITE_BACK_BLOCKS blocks that decoding fills, and when a request finishes)."""
+        self.connectors.connect(connector)
 
     # ---- requests -----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs) -> None:
@@ -481,13 +483,13 @@ class LLMEngine:
     @property
     def _writes_back(self) -> bool:
         # A pipeline head holds only its own layers' KV: whole blocks cannot be written back from it.
-        return self.kv_write_back is not None and self.local_layers_end == self.model_config.num_hidden_layers
+        return self.connectors.wants("blocks_computed") and self.local_layers_end == self.model_config.num_hidden_layers
 
     def _full_blocks(self, seq: Sequence) -> int:
         return min(seq.num_computed_tokens // self.config.block_size, len(seq.block_table))
 
     def _write_back(self, seq: Sequence) -> None:
-        """Hand the sequence's full computed blocks not yet written back to the kv_write_back hook."""
+        """Hand the sequence's full computed blocks not yet handed over to the connectors."""
         start, end = seq.num_written_back, self._full_blocks(seq)
         if end <= start:
             return
@@ -501,7 +503,7 @@ class LLMEngine:
                                               self.model_config.num_hidden_layers)
             return data.permute(2, 0, 1, 3, 4, 5).contiguous()  # one block after another
 
-        self.kv_write_back(list(seq.block_hashes[start:end]), export)
+        self.connectors.blocks_computed(list(seq.block_hashes[start:end]), export)
 
     def prefix_block_hashes(self, prompt_token_ids: list[int]) -> list[bytes]:
         """The hashes of the prompt's full blocks that a cached prefix may cover."""

@@ -13,6 +13,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from shared.engine.kv_connector import KVConnector
+
 
 @dataclass(slots=True)
 class KVEventBatch:
@@ -57,3 +59,19 @@ class KVEventLog:
         with self._lock:
             self._state.clear()
             self._lost = False
+
+
+class PrefixCacheEvents(KVConnector):
+    """Records the engine's prefix-cache changes in a KVEventLog (a listing of the cache covers what is pending)."""
+
+    def __init__(self, events: KVEventLog):
+        self.events = events
+
+    def block_stored(self, block_hash: bytes) -> None:
+        self.events.stored(block_hash)
+
+    def block_removed(self, block_hash: bytes) -> None:
+        self.events.removed(block_hash)
+
+    def cache_listed(self) -> None:
+        self.events.restart()

@@ -34,7 +34,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_hashed_blocks: int = 0  # blocks of block_table registered in the prefix cache
-    num_written_back: int = 0  # full blocks handed to the engine's kv_write_back hook (or already stored elsewhere)
+    num_written_back: int = 0  # full blocks handed to the engine's connectors (blocks_computed) (or already stored elsewhere)
     num_preemptions: int = 0
     hold_kv: bool = False  # keep the blocks after finishing, until released (a prefill worker ships them)
     virtual_engine: int = 0  # which of the engine's schedulers runs it (pipeline micro-batches)

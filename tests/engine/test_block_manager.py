@@ -470,22 +470,22 @@ def test_reset_prefix_cache():
 
 
 def test_kv_events_follow_what_the_prefix_cache_holds():
-    from shared.engine.kv_event_log import KVEventLog
+    from shared.engine.kv_event_log import KVEventLog, PrefixCacheEvents
 
-    bm = BlockManager(4, 2, FP)
-    bm.kv_events = KVEventLog()
+    events = KVEventLog()
+    bm = BlockManager(4, 2, FP, connector=PrefixCacheEvents(events))
     a = make_seq([1, 2, 3, 4, 5], "a")
     compute_all(bm, a)
     hashes = list(a.block_hashes)
-    batch = bm.kv_events.drain()
+    batch = events.drain()
     assert batch.stored == hashes and batch.removed == [] and len(hashes) == 2  # full blocks only
     b = make_seq([1, 2, 3, 4, 9], "b")
     compute_all(bm, b)  # the same two blocks, from the cache: nothing new
-    assert bm.kv_events.drain().stored == []
+    assert events.drain().stored == []
     bm.free(a)
     bm.free(b)
     bm.allocate_blocks(3)  # two plain free blocks, then the least recently freed cached one goes
-    assert bm.kv_events.drain().removed == [hashes[1]]
+    assert events.drain().removed == [hashes[1]]
     assert bm.held_hashes() == [hashes[0]]
     bm.reset_prefix_cache()
-    assert bm.kv_events.drain().removed == [hashes[0]] and bm.held_hashes() == []
+    assert events.drain().removed == [hashes[0]] and bm.held_hashes() == []

@@ -7,9 +7,18 @@ from reference import safe_prompts
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.errors import EngineError
+from shared.engine.kv_connector import KVConnector
 from shared.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+class OnBlocksComputed(KVConnector):
+    def __init__(self, handle):
+        self.handle = handle
+
+    def blocks_computed(self, block_hashes, export):
+        self.handle(block_hashes, export)
 
 
 def make_engine(model_dir, **overrides):
@@ -169,7 +178,7 @@ def test_blocks_written_back_and_loaded_elsewhere_continue_identically(default_m
         blocks = export(list(range(len(hashes))))
         stored.update(zip(hashes, blocks))
 
-    source.kv_write_back = write_back
+    source.connect(OnBlocksComputed(write_back))
     assert source.generate([prompt], GREEDY)[0].token_ids == expected
     hashes = source.prefix_block_hashes(prompt)
     assert calls[0] == hashes and len(hashes) == 69 // 16  # the prompt's blocks first, in one call
@@ -196,20 +205,20 @@ def test_decoded_blocks_are_written_back_every_eight_and_imported_ones_only_when
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     engine = make_engine(default_model)
     calls = []
-    engine.kv_write_back = lambda hashes, export: calls.append(len(hashes))
+    engine.connect(OnBlocksComputed(lambda hashes, export: calls.append(len(hashes))))
     engine.generate([prompt], params)
     # 40 + 199 computed tokens = 14 full blocks: the prompt's 2, then 8 as decoding fills them, then the rest.
     assert WRITE_BACK_BLOCKS == 8 and calls == [2, 8, 4]
 
     stored = {}
     source = make_engine(default_model)
-    source.kv_write_back = lambda hashes, export: stored.update(zip(hashes, export(list(range(len(hashes))))))
+    source.connect(OnBlocksComputed(lambda hashes, export: stored.update(zip(hashes, export(list(range(len(hashes))))))))
     source.generate([prompt], GREEDY)
     hashes = source.prefix_block_hashes(prompt)
     for kwargs, first_call in (({"kv_written_back": True}, 3), ({}, 0), ({"from_kv_store": True}, 3)):
         target = make_engine(default_model)
         calls = []
-        target.kv_write_back = lambda hashes, export: calls.append(hashes)
+        target.connect(OnBlocksComputed(lambda hashes, export: calls.append(hashes)))
         options = _load_blocks(target, stored, hashes) | kwargs
         _run_to_end(target, "r", prompt, GREEDY, **options)
         # 40 + 19 computed tokens: 3 full blocks, of which the first 2 came in; sent back only if not stored yet.
