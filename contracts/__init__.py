@@ -17,6 +17,7 @@ from contracts.messages import (
     PrefillJob,
     PrefillResult,
     RequestFailed,
+    Sampling,
     ServiceInfo,
     StageActivation,
     StageTicketReply,
@@ -29,5 +30,5 @@ from contracts.subjects import Subjects, check_token
 
 __all__ = [
     "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply", "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply", "LogprobEntry", "Message", "PrefillJob", "PrefillResult",
-    "RequestFailed", "ServiceInfo", "StageActivation", "StageTicketReply", "StageTicketRequest", "StatsRequest", "Subjects", "TokenChunk", "WorkerLoad", "check_token", "decode_one_of",
+    "RequestFailed", "Sampling", "ServiceInfo", "StageActivation", "StageTicketReply", "StageTicketRequest", "StatsRequest", "Subjects", "TokenChunk", "WorkerLoad", "check_token", "decode_one_of",
 ]

@@ -20,13 +20,32 @@ class LogprobEntry(Part, kw_only=True):
         return cls(token_id=sampled.token_id, logprob=sampled.logprob, top=list(sampled.top))
 
 
+class Sampling(Part, kw_only=True):
+    """How the request samples and stops: the engine's SamplingParams, field for field (checked there)."""
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
 class GenerateRequest(Message, tag="generate_request", kw_only=True):
     """gateway -> scheduler (JetStream, de-duplicated by request_id) -> worker."""
 
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # SamplingParams fields
+    sampling: Sampling
     reply_subject: str  # where the token stream and request events go
     deadline_ms: int  # unix epoch ms after which nobody waits for the answer
     created_ms: int
@@ -40,7 +59,7 @@ class PrefillJob(Message, tag="prefill_job", kw_only=True):
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]  # the request's SamplingParams fields, seed always set
+    sampling: Sampling  # the request's, seed always set
     ticket: dict[str, Any]  # shared.transfer TransferTicket: where and how to ship the KV
     reply_subject: str  # where the PrefillResult goes (the decode worker)
     block_size: int  # the decode worker's KV block size; a prefill worker with another one refuses

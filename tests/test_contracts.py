@@ -11,6 +11,7 @@ from contracts import (
     LogprobEntry,
     Message,
     RequestFailed,
+    Sampling,
     ServiceInfo,
     StageActivation,
     TokenChunk,
@@ -20,7 +21,7 @@ from contracts import (
 
 def generate_request(**fields) -> GenerateRequest:
     return GenerateRequest(**{"request_id": "r-1", "model": "m", "prompt_token_ids": [1, 2, 3],
-                              "sampling": {"temperature": 0.5}, "reply_subject": "x.y", "deadline_ms": 5,
+                              "sampling": Sampling(temperature=0.5), "reply_subject": "x.y", "deadline_ms": 5,
                               "created_ms": 4, **fields})
 
 

@@ -14,10 +14,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.common.cpu_loan import CpuShare
 from services.common.engine_thread import EngineThread
+from shared.engine.continuation import Continuation
 from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.errors import EngineError
 from shared.engine.sampling_params import SamplingParams
@@ -40,7 +41,9 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    options: dict = field(default_factory=dict)  # more LLMEngine.add_request keywords (continuations, hold_kv)
+    continuation: Continuation | None = None
+    hold_kv: bool = False
+    stream_prompt_kv: bool = False
 
 
 @dataclass(slots=True)
@@ -157,9 +160,9 @@ class EngineLoop:
                 applied += 1
                 if isinstance(command, AddRequest):
                     try:
-                        self.engine.add_request(
-                            command.request_id, command.prompt_token_ids, command.params, **command.options
-                        )
+                        self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                                command.continuation, hold_kv=command.hold_kv,
+                                                stream_prompt_kv=command.stream_prompt_kv)
                     except EngineError as exc:
                         rejected.append(RequestRejected(command.request_id, exc))
                 elif isinstance(command, AbortRequest):

@@ -23,6 +23,7 @@ from opentelemetry import trace
 from services.kvstore.client import KVStoreClient
 from services.kvstore.placement import group_by_instance
 from shared.bus.registry import Registry
+from shared.engine.continuation import Continuation, KVOrigin, ReservedKV
 from shared.engine.kv_connector import BlockExport, KVConnector
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import tracer
@@ -70,23 +71,23 @@ class KVStoreTier(KVConnector):
         return instances
 
     # ---- before a request runs ------------------------------------------------------------------
-    async def load_prefix(self, prompt: list[int]) -> dict:
-        """AddRequest options that start the request with its cached prefix from the store, or {} (also when
-        anything fails: the store is a cache, without it the prompt is computed in full)."""
+    async def load_prefix(self, prompt: list[int]) -> Continuation | None:
+        """The start of the request from its cached prefix in the store, or None (also when anything fails: the
+        store is a cache, without it the prompt is computed in full)."""
         with tracer().start_as_current_span("kvstore.load_prefix") as span:
             try:
-                options = await self._load_prefix(prompt)
+                loaded = await self._load_prefix(prompt)
             except Exception:
                 log.exception("kv-store prefix load failed")
                 self.counts["load_failed"] += 1
-                options = {}
-            span.set_attribute("splitserve.loaded_tokens", options.get("num_cached_tokens", 0))
-            return options
+                loaded = None
+            span.set_attribute("splitserve.loaded_tokens", loaded.num_cached_tokens if loaded else 0)
+            return loaded
 
-    async def _load_prefix(self, prompt: list[int]) -> dict:
+    async def _load_prefix(self, prompt: list[int]) -> Continuation | None:
         hashes = self.engine.prefix_block_hashes(prompt)
         if not hashes:
-            return {}
+            return None
         local = await self.engine_loop.call(lambda engine: engine.local_prefix_blocks(hashes))
         instances = await self.instances()
         span = trace.get_current_span()
@@ -94,14 +95,14 @@ class KVStoreTier(KVConnector):
                              "splitserve.kvstore_instances": len(instances)})
         if not instances:
             self.counts["no_kvstore"] += 1
-            return {}
+            return None
         held = await self._held_prefix(hashes, instances)
         span.set_attribute("splitserve.kvstore_blocks", held)
         if held < len(hashes):
             self.counts["lookup_misses"] += 1  # the store lacks part of the prefix (never stored, or evicted)
             self._forget(hashes[held:])  # so that the blocks are written back again once computed
         if held <= local:
-            return {}  # the engine finds its own cached prefix (and counts the lookup) when it schedules it
+            return None  # the engine finds its own cached prefix (and counts the lookup) when it schedules it
         reserving = self.engine_loop.call(lambda engine: engine.reserve_blocks(held * self.block_size))
         try:
             block_ids = await asyncio.shield(reserving)  # if cancelled meanwhile, the blocks still come: give back
@@ -110,7 +111,7 @@ class KVStoreTier(KVConnector):
             raise
         except Exception:
             self.counts["no_blocks"] += 1
-            return {}
+            return None
         try:
             fetched = await self._fetch(hashes[:held], instances, block_ids)
         except BaseException:
@@ -119,11 +120,11 @@ class KVStoreTier(KVConnector):
         if not fetched:
             self.engine_loop.call(lambda engine: engine.release_blocks(block_ids))
             self.counts["fetch_failed"] += 1
-            return {}
+            return None
         self._remember(hashes[:held])
         self.counts["loaded"] += 1
-        return {"reserved": (block_ids, held * self.block_size), "num_cached_tokens": held * self.block_size,
-                "from_kv_store": True}
+        return Continuation(reserved=ReservedKV(block_ids, held * self.block_size),
+                            num_cached_tokens=held * self.block_size, kv_origin=KVOrigin.KV_STORE)
 
     def _release_reserved(self, future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is None:

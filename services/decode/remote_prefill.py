@@ -22,8 +22,10 @@ from opentelemetry import trace
 
 from contracts import GenerateRequest, HandoffReply, PrefillJob, PrefillResult, TokenChunk
 from services.common.engine_loop import AddRequest
+from services.common.sampling_wire import to_wire
 from shared.bus.registry import Registry
-from shared.engine.kv_cache import KVLayout, dtype_name
+from shared.engine.continuation import Continuation, KVOrigin, ReservedKV
+from shared.engine.kv_cache import KVLayout
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.histogram import CumulativeHistogram
 from shared.telemetry.logging import get_logger
@@ -124,7 +126,7 @@ class RemotePrefill:
         result_future = asyncio.get_running_loop().create_future()
         self.results[rid] = result_future
         job = PrefillJob(
-            request_id=rid, model=request.model, prompt_token_ids=prompt, sampling=dataclasses.asdict(params),
+            request_id=rid, model=request.model, prompt_token_ids=prompt, sampling=to_wire(params),
             ticket=ticket.to_dict(), reply_subject=worker.subjects.prefill_results(worker.instance_id),
             block_size=engine.config.block_size, model_fingerprint=engine.fingerprint,
             deadline_ms=int((time.time() + self.timeout_s) * 1000), created_ms=int(time.time() * 1000),
@@ -175,11 +177,10 @@ class RemotePrefill:
             return self._prefill_locally(request, params, held)
         self.transfer_seconds.observe(transfer.seconds)
         trace.get_current_span().set_attributes(transfer.span_attributes())
-        worker.engine_loop.add(AddRequest(rid, prompt, params, {
-            "output_token_ids": [held.first_token], "reserved": (block_ids, len(prompt)), "seed": params.seed,
-            "detokenizer": held.detok, "num_cached_tokens": result.num_cached_tokens,
-            "kv_written_back": result.kv_written_back,
-        }))
+        worker.engine_loop.add(AddRequest(rid, prompt, params, Continuation(
+            output_token_ids=[held.first_token], reserved=ReservedKV(block_ids, len(prompt)), detokenizer=held.detok,
+            num_cached_tokens=result.num_cached_tokens,
+            kv_origin=KVOrigin.WRITTEN_BACK if result.kv_written_back else KVOrigin.COMPUTED)))
         held.adopted = True
         self._count("remote")
 
@@ -217,10 +218,9 @@ class RemotePrefill:
             block_ids, held.block_ids = held.block_ids, None
             self.worker.engine_loop.call(lambda e: e.release_blocks(block_ids))
         held.adopted = True  # the request now lives in the engine
-        options = {"seed": params.seed}
-        if held.first_token is not None:
-            options.update(output_token_ids=[held.first_token], detokenizer=held.detok)
-        self.worker.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params, options))
+        continuation = (Continuation(output_token_ids=[held.first_token], detokenizer=held.detok)
+                        if held.first_token is not None else None)
+        self.worker.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params, continuation))
 
 
 async def _result_unless_gone(registry: Registry, result: asyncio.Future, target: str) -> PrefillResult | None:
@@ -245,10 +245,7 @@ async def _result_unless_gone(registry: Registry, result: asyncio.Future, target
 
 
 def _layout_factory(engine, num_blocks: int, num_tokens: int):
-    cache = engine.executor.runners[0].kv_cache
-
     def layout(layer_start: int, layer_end: int) -> KVLayout:
-        return KVLayout(layer_start, layer_end, num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim,
-                        dtype_name(cache.dtype), num_tokens)
+        return engine.executor.kv_layout(layer_start, layer_end, num_blocks, num_tokens)
 
     return layout

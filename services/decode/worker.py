@@ -29,6 +29,7 @@ from contracts import (
 from services.common.engine_loop import AddRequest, RequestRejected
 from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
+from services.common.sampling_wire import from_wire
 from services.decode.remote_prefill import RemotePrefill
 from shared.engine.engine import RequestOutput
 from shared.engine.errors import InvalidRequestError
@@ -160,11 +161,9 @@ class DecodeRole:
         if len(self.requests) >= self.max_active_requests:
             return refuse("overloaded", f"worker {w.instance_id} holds {len(self.requests)} requests")
         try:
-            params = SamplingParams(**request.sampling)
+            params = from_wire(request.sampling)
         except InvalidRequestError as exc:
             return refuse("invalid_request", str(exc), exc.param)
-        except TypeError as exc:
-            return refuse("invalid_request", f"unknown sampling parameter: {exc}")
         return HandoffReply(request_id=request.request_id, accepted=True), params
 
     async def on_cancel(self, cancel: CancelRequest) -> None:
@@ -187,13 +186,13 @@ class DecodeRole:
     async def _load_prefix_then_add(self, request: GenerateRequest, params: SamplingParams) -> None:
         """Start the request with its cached prefix from the kv-store, when the store has one."""
         w = self.worker
-        options = await w.kv_store.load_prefix(request.prompt_token_ids)
+        loaded = await w.kv_store.load_prefix(request.prompt_token_ids)
         if request.request_id not in self.requests:  # cancelled meanwhile
-            if "reserved" in options:
-                block_ids = options["reserved"][0]
+            if loaded is not None:
+                block_ids = loaded.reserved.block_ids
                 w.engine_loop.call(lambda engine: engine.release_blocks(block_ids))
             return
-        w.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params, options))
+        w.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params, loaded))
 
     # ---- outputs ----------------------------------------------------------------------
     async def on_outputs(self, items: list[RequestOutput | RequestRejected]) -> None:

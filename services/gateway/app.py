@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from contracts import ServiceInfo, Subjects
 from services.common.identity import ServiceIdentity
+from services.common.sampling_wire import to_wire
 from services.gateway import responses
 from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, authorized, check_text, read_body, unauthorized
 from services.gateway.errors import (
@@ -272,7 +273,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         prompt_param="messages" if chat else "prompt", max_tokens_param=req.max_tokens_param,
     )
     try:
-        SamplingParams(**sampling)
+        params = SamplingParams(**sampling)
     except InvalidRequestError as exc:
         raise from_invalid_request(exc) from None
 
@@ -284,7 +285,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):
         with _failures_counted(telemetry):
             stream = await _unless_disconnected(request, gateway.request_bus.submit(
-                request_id, req.model, prompt_ids, sampling, headers=telemetry.headers({})))
+                request_id, req.model, prompt_ids, to_wire(params), headers=telemetry.headers({})))
             if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
                 telemetry.finish("cancelled")
                 return Response(status_code=499)

@@ -2,7 +2,7 @@
 
 from collections.abc import AsyncIterator
 
-from contracts import Assignment, CancelRequest, GenerateRequest, Subjects, TokenChunk
+from contracts import Assignment, CancelRequest, GenerateRequest, Sampling, Subjects, TokenChunk
 from services.common.identity import now_ms
 from services.gateway.streams import RequestStream, StreamError, TokenStreams
 from shared.telemetry.logging import get_logger
@@ -21,7 +21,7 @@ class RequestBus:
         self.assign_timeout_s = assign_timeout_s
         self.idle_timeout_s = idle_timeout_s
 
-    async def submit(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: dict,
+    async def submit(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: Sampling,
                      headers: dict[str, str] | None = None) -> RequestStream:
         """Queue the request for the scheduler (with `headers`, e.g. its trace context) and wait until a
         worker owns it.

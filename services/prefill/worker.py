@@ -15,6 +15,7 @@ straight into its own cache: one copy in all.
 """
 
 import asyncio
+import dataclasses
 from typing import Protocol
 
 import nats.errors
@@ -27,10 +28,11 @@ from services.common.cpu_loan import CpuLender
 from services.common.engine_loop import AddRequest, RequestRejected
 from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
+from services.common.sampling_wire import from_wire
+from services.prefill.prompt_kv_stream import PromptKVStream
 from shared.bus.subscribe import fetch_loop
 from shared.engine.engine import RequestOutput
 from shared.engine.errors import EngineError
-from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import extract, inject, tracer
 from shared.transfer import KVSender, TransferTicket
@@ -67,6 +69,8 @@ class PrefillRole:
         self._cancelled: dict[str, bool] = {}
         self._first_tokens: dict[str, asyncio.Future] = {}
         self._loop = asyncio.get_running_loop()
+        self.prompt_kv = PromptKVStream(self._loop)
+        worker.engine.connect(self.prompt_kv)
         if isinstance(worker.engine_loop.cpu_share, CpuLender):
             worker.engine_loop.cpu_share.quiet = self._quiet
         self.counts: dict[str, int] = {}
@@ -75,7 +79,7 @@ class PrefillRole:
 
     async def start(self) -> list[asyncio.Task]:
         w = self.worker
-        cache_in_region = region_of(w.engine.executor.runners[0].kv_cache.tensor) is not None
+        cache_in_region = all(region_of(tensor) is not None for tensor in w.engine.executor.kv_tensors())
         if self.kv_transport in ("auto", "shm") and not cache_in_region:
             self.sender.prewarm_shm()  # the first staged transfers would otherwise pay for fresh shared-memory pages
         await w.subscribe(w.subjects.prefill_offer(w.instance_id), PrefillJob, self._on_offer)
@@ -200,18 +204,15 @@ class PrefillRole:
             await self._report(job, ok=False, error="the job is for another model (or dtype) than this worker's")
             return "refused"
         try:
-            params = SamplingParams(**job.sampling)
-            first_only = SamplingParams(**{**job.sampling, "max_tokens": 1})
-        except (EngineError, TypeError) as exc:
+            params = from_wire(job.sampling)
+            first_only = dataclasses.replace(params, max_tokens=1)
+        except EngineError as exc:
             await self._report(job, ok=False, error=f"bad sampling parameters: {exc}")
             return "refused"
         # The KV streams out layer by layer while the prompt's last step computes the next layers.
-        layers: asyncio.Queue = asyncio.Queue()
+        layers = self.prompt_kv.open(job.request_id)
         # The layers whose KV this process ships: a pipeline's stages ship the rest.
         num_layers = engine.local_layers_end
-
-        def on_prompt_kv(data, layout) -> None:  # on the engine thread, between two layers; data: a BlockSlice
-            self._loop.call_soon_threadsafe(layers.put_nowait, (layout.layer_start, layout.layer_end, data))
 
         async def parts():
             for _ in range(num_layers):
@@ -225,10 +226,11 @@ class PrefillRole:
         future = self._loop.create_future()
         self._first_tokens[job.request_id] = future
         try:
-            options = {"seed": params.seed, "on_prompt_kv": on_prompt_kv, "hold_kv": True}
+            continuation = None
             if self.worker.kv_store is not None:  # start from the prefix the kv-store holds, if longer than our own
-                options |= await self.worker.kv_store.load_prefix(job.prompt_token_ids)
-            self.worker.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only, options))
+                continuation = await self.worker.kv_store.load_prefix(job.prompt_token_ids)
+            self.worker.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only, continuation,
+                                                   hold_kv=True, stream_prompt_kv=True))
             remaining_s = max(0.0, (job.deadline_ms - now_ms()) / 1000)
             try:
                 output = await asyncio.wait_for(future, remaining_s)
@@ -254,6 +256,7 @@ class PrefillRole:
             others_error = await self.stages.shipped(job) if self.stages is not None else None
         finally:
             self._first_tokens.pop(job.request_id, None)
+            self.prompt_kv.close(job.request_id)
             if self.stages is not None:
                 self.stages.end(job)
             if not sending.done():

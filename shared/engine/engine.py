@@ -22,8 +22,9 @@ from shared.engine.errors import EngineError, EngineOverloadedError, InvalidRequ
 from shared.engine.executor import ChainExecutor
 from shared.engine.block_slice import BlockSlice
 from shared.engine.block_hash import cacheable_block_hashes
+from shared.engine.continuation import Continuation, KVOrigin
 from shared.engine.kv_connector import KVConnector, KVConnectors
-from shared.engine.kv_cache import KVAllocator, KVLayout, PagedKVCache, dtype_name
+from shared.engine.kv_cache import KVAllocator, KVLayout, PagedKVCache
 from shared.engine.model_loader import LayerRange, load_model, read_config, resolve_dtype
 from shared.engine.model_runner import ModelRunner
 from shared.engine.prefill_pacer import PrefillPacer
@@ -126,7 +127,6 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, Sequence] = {}  # finished hold_kv requests whose blocks are kept
-        self._kv_streams: dict[str, Callable] = {}  # request id -> on_prompt_kv(data, layout), per layer
         self._arrivals = 0
         self._rng = random.Random()
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (misses, and preempted ones again)
@@ -139,59 +139,31 @@ class LLMEngine:
         self.connectors.connect(connector)
 
     # ---- requests -----------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs) -> None:
-        """Queue a request (see `_add_request` for the keywords).
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    continuation: Continuation | None = None, *, hold_kv: bool = False,
+                    stream_prompt_kv: bool = False) -> None:
+        """Queue a request, from its start or from a `continuation`.
 
-        Reserved blocks passed in belong to the engine from here on: if the
-        request is refused, they are released.
+        With `hold_kv`, the request's blocks outlive it until `release_held` (a prefill worker ships them).
+        With `stream_prompt_kv`, the connectors get the prompt's KV one layer at a time during the step that
+        completes the prompt (`prompt_layer_computed`). Reserved blocks in the continuation belong to the
+        engine from here on: if the request is refused, they are released.
         """
-        reserved = kwargs.get("reserved")
+        continuation = continuation or Continuation()
+        reserved = continuation.reserved
         try:
-            self._add_request(request_id, prompt_token_ids, params, **kwargs)
+            self._add_request(request_id, prompt_token_ids, params, continuation, hold_kv, stream_prompt_kv)
         except BaseException:
             seq = self._sequences.get(request_id)
-            adopted = seq is not None and reserved is not None and seq.block_table[: len(reserved[0])] == reserved[0]
+            adopted = (seq is not None and reserved is not None
+                       and seq.block_table[: len(reserved.block_ids)] == reserved.block_ids)
             if reserved is not None and not adopted:
-                self.release_blocks(reserved[0])
+                self.release_blocks(reserved.block_ids)
             raise
 
-    def _add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        output_token_ids: list[int] = (),
-        kv: list[tuple[torch.Tensor, KVLayout]] = (),
-        reserved: tuple[list[int], int] | None = None,
-        num_cached_tokens: int = 0,
-        seed: int | None = None,
-        from_kv_store: bool = False,
-        kv_written_back: bool = False,
-        hold_kv: bool = False,
-        detokenizer: IncrementalDetokenizer | None = None,
-        on_prompt_kv: Callable[[BlockSlice, KVLayout], None] | None = None,
-    ) -> None:
-        """Queue a request. `output_token_ids` with `kv` or `reserved` continue one computed elsewhere.
-
-        With `kv`, the imported tensors hold the KV of the first `layout.num_tokens`
-        tokens (all layers of this engine, possibly split in several layer parts).
-        With `reserved=(block_ids, num_tokens)`, blocks from `reserve_blocks` that
-        already hold (were written with) the KV of the first `num_tokens` tokens
-        become the request's own. `seed` overrides the drawn seed of an unseeded
-        request (so a continuation samples as its origin would). `from_kv_store`:
-        the reserved blocks were loaded from the kv-store (counted as its hits);
-        `kv_written_back`: whoever computed the imported KV wrote its full
-        blocks to the kv-store (so they are not written back again). With `hold_kv`,
-        the request's blocks outlive it until `release_held`. `detokenizer`
-        continues text already streamed for `output_token_ids` (else a new one
-        starts after them). `on_prompt_kv(data, layout)` receives the prompt's
-        KV one layer at a time, on the engine's thread, as each layer of the
-        step that completes the prompt finishes (layer-wise streaming). `data`
-        is a `BlockSlice`, a view of the cache's blocks rather than a copy:
-        valid as long as the blocks are (with `hold_kv`, until `release_held`);
-        `data.gather()` copies it out.
-        """
+    def _add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     continuation: Continuation, hold_kv: bool, stream_prompt_kv: bool) -> None:
+        output_token_ids = continuation.output_token_ids
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if self.num_waiting >= self.config.max_waiting_requests:
@@ -216,36 +188,36 @@ class LLMEngine:
             token_ids=list(prompt_token_ids) + list(output_token_ids),
             num_prompt_tokens=prompt_len,
             params=params,
-            seed=seed if seed is not None else params.seed if params.seed is not None else self._rng.getrandbits(63),
+            seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
             max_total_tokens=max_total,
             arrival_index=self._arrivals,
             hold_kv=hold_kv,
+            stream_prompt_kv=stream_prompt_kv,
             virtual_engine=min(range(len(self.schedulers)), key=lambda i: self._load_of(i)),
         )
         scheduler = self.schedulers[seq.virtual_engine]
-        continued = bool(kv) or reserved is not None
+        continued = continuation.has_kv
         if continued and len(scheduler.running) >= scheduler.config.max_num_seqs:
             # No room in the batch now: recompute it later like any waiting request rather than refuse it.
-            if reserved is not None:
-                self.release_blocks(reserved[0])
-            kv, reserved, continued = (), None, False
-        if kv:
-            self._import_kv(seq, kv, num_cached_tokens)
-        elif reserved is not None:
-            self._adopt_blocks(seq, *reserved, num_cached_tokens)
-        if continued and (from_kv_store or kv_written_back):
+            if continuation.reserved is not None:
+                self.release_blocks(continuation.reserved.block_ids)
+            continued = False
+        if continued and continuation.kv:
+            self._import_kv(seq, continuation.kv, continuation.num_cached_tokens)
+        elif continued:
+            self._adopt_blocks(seq, continuation.reserved.block_ids, continuation.reserved.num_tokens,
+                               continuation.num_cached_tokens)
+        if continued and continuation.kv_origin is not KVOrigin.COMPUTED:
             seq.num_written_back = seq.num_computed_tokens // self.config.block_size
-        if continued and from_kv_store:
+        if continued and continuation.kv_origin is KVOrigin.KV_STORE:
             block_size = self.config.block_size
             self.kv_store_query_tokens += (seq.num_prompt_tokens - 1) // block_size * block_size
-            self.kv_store_hit_tokens += num_cached_tokens
+            self.kv_store_hit_tokens += continuation.num_cached_tokens
         self._arrivals += 1
         self._sequences[request_id] = seq
-        detok = detokenizer or self.new_detokenizer(seq.token_ids, params)
+        detok = continuation.detokenizer or self.new_detokenizer(seq.token_ids, params)
         if detok is not None:
             self._detokenizers[request_id] = detok
-        if on_prompt_kv is not None:
-            self._kv_streams[request_id] = on_prompt_kv
         if continued:
             # It holds blocks already, so it runs (and can be preempted) like any running sequence.
             scheduler.add_running(seq)
@@ -260,7 +232,6 @@ class LLMEngine:
         if seq is None:
             return False
         self._detokenizers.pop(request_id, None)
-        self._kv_streams.pop(request_id, None)
         self.schedulers[seq.virtual_engine].finish(seq)
         return True
 
@@ -367,12 +338,12 @@ class LLMEngine:
     def _completing_streams(self, scheduled) -> list[Sequence]:
         """Requests whose prompt completes this step and that asked for their KV layer by layer."""
         return [item.seq for item in scheduled.scheduled
-                if item.seq.request_id in self._kv_streams
+                if item.seq.stream_prompt_kv
                 and item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_prompt_tokens]
 
     def _layer_streamer(self, scheduled) -> Callable[[int], None] | None:
         """For requests whose prompt completes this step and asked for their KV layer by layer:
-        after each of this engine's layers, hand that layer's prompt KV to their callback (still inside
+        after each of this engine's layers, hand that layer's prompt KV to the connectors (still inside
         the step). A pipeline head streams only its own layers; its stages stream theirs."""
         completing = self._completing_streams(scheduled)
         if not completing:
@@ -382,10 +353,10 @@ class LLMEngine:
             for seq in completing:
                 blocks = seq.block_table[: self.block_manager.blocks_needed(seq.num_prompt_tokens)]
                 data, layout = self.executor.view_kv(blocks, seq.num_prompt_tokens, layer, layer + 1)
-                self._kv_streams[seq.request_id](data, layout)
+                self.connectors.prompt_layer_computed(seq.request_id, data, layout)
             if layer == self.local_layers_end - 1:
                 for seq in completing:
-                    self._kv_streams.pop(seq.request_id, None)
+                    seq.stream_prompt_kv = False
 
         return after_layer
 
@@ -412,7 +383,6 @@ class LLMEngine:
                 self._write_back(seq)
             self._sequences.pop(seq.request_id, None)
             self._detokenizers.pop(seq.request_id, None)
-            self._kv_streams.pop(seq.request_id, None)
             self.schedulers[seq.virtual_engine].finish(seq, free_blocks=not seq.hold_kv)
             if seq.hold_kv:
                 self._held[seq.request_id] = seq
@@ -523,10 +493,8 @@ class LLMEngine:
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write whole blocks' KV ([n, layers, 2, block_size, kv_heads, head_dim], as the kv-store keeps them)
         into reserved blocks."""
-        cache = self.executor.runners[0].kv_cache
-        layout = KVLayout(0, self.model_config.num_hidden_layers, len(block_ids), cache.block_size,
-                          cache.num_kv_heads, cache.head_dim, dtype_name(cache.dtype),
-                          len(block_ids) * cache.block_size)
+        layout = self.executor.kv_layout(0, self.model_config.num_hidden_layers, len(block_ids),
+                                         len(block_ids) * self.config.block_size)
         self.write_kv(block_ids, blocks.permute(1, 2, 0, 3, 4, 5), layout)
 
     def reserve_blocks(self, num_tokens: int) -> list[int]:

@@ -3,7 +3,7 @@
 import torch
 
 from shared.engine.block_slice import BlockSlice
-from shared.engine.kv_cache import KVLayout
+from shared.engine.kv_cache import KVLayout, dtype_name
 from shared.engine.model_runner import ModelRunner
 from shared.engine.step_batch import StepBatch
 
@@ -24,6 +24,16 @@ class ChainExecutor:
         for runner in self.runners:
             hidden = runner.execute(batch, hidden, after_layer)
         return hidden
+
+    def kv_layout(self, layer_start: int, layer_end: int, num_blocks: int, num_tokens: int) -> KVLayout:
+        """How these runners' caches lay out `num_blocks` blocks of those layers' KV for `num_tokens` tokens."""
+        cache = self.runners[0].kv_cache
+        return KVLayout(layer_start, layer_end, num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim,
+                        dtype_name(cache.dtype), num_tokens)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Each runner's whole KV cache tensor (to tell where the caches live: in a shared-memory region?)."""
+        return [runner.kv_cache.tensor for runner in self.runners]
 
     def export_kv(self, block_ids: list[int], num_tokens: int, layer_start: int, layer_end: int) -> tuple[torch.Tensor, KVLayout]:
         parts = []

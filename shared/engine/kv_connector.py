@@ -10,6 +10,9 @@ from collections.abc import Callable
 
 import torch
 
+from shared.engine.block_slice import BlockSlice
+from shared.engine.kv_cache import KVLayout
+
 # export(indices) -> the KV of those of the handed blocks, [n, layers, 2, block_size, kv_heads, head_dim]
 BlockExport = Callable[[list[int]], torch.Tensor]
 
@@ -30,6 +33,14 @@ class KVConnector:
         complete, every few blocks of decoding, and when it finishes); `export` copies them out, valid
         only during the call."""
 
+    def prompt_layer_computed(self, request_id: str, data: BlockSlice, layout: KVLayout) -> None:
+        """One layer of the prompt KV of a request added with `stream_prompt_kv`, during the step that
+        completes its prompt, right after the layer ran (every local layer, in order); `data` views the
+        cache's blocks (valid while they are: with `hold_kv`, until `release_held`), `data.gather()` copies."""
+
+
+_HOOKS = ("block_stored", "block_removed", "cache_listed", "blocks_computed", "prompt_layer_computed")
+
 
 def _overrides(connector: KVConnector, hook: str) -> bool:
     return getattr(type(connector), hook) is not getattr(KVConnector, hook)
@@ -45,7 +56,7 @@ class KVConnectors(KVConnector):
     def connect(self, connector: KVConnector) -> None:
         self._connected.append(connector)
         self._by_hook = {hook: [c for c in self._connected if _overrides(c, hook)]
-                         for hook in ("block_stored", "block_removed", "cache_listed", "blocks_computed")}
+                         for hook in _HOOKS}
 
     def wants(self, hook: str) -> bool:
         """Whether any connector implements `hook` (the engine skips the work of a hook nobody takes)."""
@@ -66,3 +77,7 @@ class KVConnectors(KVConnector):
     def blocks_computed(self, block_hashes: list[bytes], export: BlockExport) -> None:
         for connector in self._by_hook.get("blocks_computed", ()):
             connector.blocks_computed(block_hashes, export)
+
+    def prompt_layer_computed(self, request_id: str, data: BlockSlice, layout: KVLayout) -> None:
+        for connector in self._by_hook.get("prompt_layer_computed", ()):
+            connector.prompt_layer_computed(request_id, data, layout)

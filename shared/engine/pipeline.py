@@ -15,9 +15,9 @@ stage k-1 computes step s+1. With one micro-batch the stages take turns.
 No NATS in here: the head hands each step to `submit(step_id, batch, hidden,
 shipping, prompt_chunks)` (the service sends it on) and the service puts what
 comes back into `results` (`StepResult`). `shipping` names the requests whose
-prompt completes in the step and that asked for their KV (`on_prompt_kv`, as a
-prefill worker's requests do): the head streams its own layers' KV to the
-callback, and every stage must ship its layers' KV of those blocks.
+prompt completes in the step and that asked for their KV (`stream_prompt_kv`, as a
+prefill worker's requests do): the head streams its own layers' KV to its
+connectors, and every stage must ship its layers' KV of those blocks.
 `prompt_chunks` names the requests whose prompt tokens the step computes, and
 how many (for tracing: the stages' share of a request's prefill).
 """

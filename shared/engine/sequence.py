@@ -37,6 +37,7 @@ class Sequence:
     num_written_back: int = 0  # full blocks handed to the engine's connectors (blocks_computed) (or already stored elsewhere)
     num_preemptions: int = 0
     hold_kv: bool = False  # keep the blocks after finishing, until released (a prefill worker ships them)
+    stream_prompt_kv: bool = False  # hand the prompt's KV to the connectors layer by layer (until it has been)
     virtual_engine: int = 0  # which of the engine's schedulers runs it (pipeline micro-batches)
 
     @property

@@ -3,7 +3,7 @@ import asyncio
 import msgpack
 import pytest
 
-from contracts import CancelRequest, GenerateRequest, RequestFailed, StatsRequest
+from contracts import CancelRequest, GenerateRequest, RequestFailed, Sampling, StatsRequest
 from shared.bus import subscribe
 from shared.bus.provision import ensure_pull_consumer, ensure_stream
 from shared.bus.service import cancel_and_wait
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 
 def generate_request(request_id: str) -> GenerateRequest:
-    return GenerateRequest(request_id=request_id, model="m", prompt_token_ids=[1, 2], sampling={},
+    return GenerateRequest(request_id=request_id, model="m", prompt_token_ids=[1, 2], sampling=Sampling(),
                            reply_subject="r", deadline_ms=0, created_ms=0)
 
 

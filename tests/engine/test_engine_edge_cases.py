@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from shared.engine.continuation import Continuation, ReservedKV
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.errors import EngineError, InvalidRequestError, ModelLoadError
@@ -46,7 +47,7 @@ def test_imported_request_under_memory_pressure_does_not_hang(default_model):
     engine.step()
     engine.add_request("c", list(range(40, 68)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.add_request("b", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                       output_token_ids=[first], kv=parts)
+                       Continuation(output_token_ids=[first], kv=parts))
     run_to_end(engine)
     assert engine.block_manager.num_used_blocks == 0
 
@@ -54,7 +55,7 @@ def test_imported_request_under_memory_pressure_does_not_hang(default_model):
 def test_continuation_past_max_tokens_is_rejected(default_model):
     engine = make_engine(default_model)
     with pytest.raises(InvalidRequestError, match="max_tokens"):
-        engine.add_request("x", [1, 2, 3, 4], SamplingParams(max_tokens=5), output_token_ids=list(range(5, 15)))
+        engine.add_request("x", [1, 2, 3, 4], SamplingParams(max_tokens=5), Continuation(output_token_ids=list(range(5, 15))))
     assert not engine.has_unfinished_requests()
 
 
@@ -65,7 +66,7 @@ def test_partial_export_cannot_be_imported_as_a_prefix(default_model):
     assert layout.block_start == 1
     target = make_engine(default_model, block_size=4)
     with pytest.raises(EngineError, match="first block"):
-        target.add_request("y", prompt, GREEDY, output_token_ids=[5], kv=[(data, layout)])
+        target.add_request("y", prompt, GREEDY, Continuation(output_token_ids=[5], kv=[(data, layout)]))
     assert target.block_manager.num_used_blocks == 0
 
 
@@ -111,7 +112,7 @@ def test_continuation_into_a_full_batch_is_recomputed_not_refused(default_model)
         engine.write_kv(block_ids, data, layout)
     used_before = engine.block_manager.num_used_blocks
     engine.add_request("cont", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                       output_token_ids=[first], reserved=(block_ids, len(prompt)))
+                       Continuation(output_token_ids=[first], reserved=ReservedKV(block_ids, len(prompt))))
     assert engine.block_manager.num_used_blocks == used_before - len(block_ids)  # given back, to recompute later
     tokens = [first]
     while engine.has_unfinished_requests():
@@ -125,5 +126,5 @@ def test_refused_continuation_gives_its_reserved_blocks_back(default_model):
     block_ids = engine.reserve_blocks(12)
     used = engine.block_manager.num_used_blocks
     with pytest.raises(InvalidRequestError, match="already in use"):
-        engine.add_request("dup", list(range(12)), GREEDY, output_token_ids=[4], reserved=(block_ids, 12))
+        engine.add_request("dup", list(range(12)), GREEDY, Continuation(output_token_ids=[4], reserved=ReservedKV(block_ids, 12)))
     assert engine.block_manager.num_used_blocks == used - len(block_ids)

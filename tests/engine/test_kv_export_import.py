@@ -6,6 +6,7 @@ import torch
 from reference import safe_prompts
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.engine.continuation import Continuation, KVOrigin, ReservedKV
 from shared.engine.errors import EngineError
 from shared.engine.kv_connector import KVConnector
 from shared.engine.sampling_params import SamplingParams
@@ -19,6 +20,14 @@ class OnBlocksComputed(KVConnector):
 
     def blocks_computed(self, block_hashes, export):
         self.handle(block_hashes, export)
+
+
+class OnPromptLayer(KVConnector):
+    def __init__(self, handle):
+        self.handle = handle
+
+    def prompt_layer_computed(self, request_id, data, layout):
+        self.handle(request_id, data, layout)
 
 
 def make_engine(model_dir, **overrides):
@@ -39,7 +48,7 @@ def prefill_and_export(engine, prompt, params, layer_parts):
 def continue_elsewhere(model_dir, prompt, params, first_token, parts):
     """Import the KV into a fresh engine and generate the rest; all tokens from the first on."""
     target = make_engine(model_dir)
-    target.add_request("dst", prompt, params, output_token_ids=[first_token], kv=parts)
+    target.add_request("dst", prompt, params, Continuation(output_token_ids=[first_token], kv=parts))
     tokens = [first_token]
     while target.has_unfinished_requests():
         for out in target.step():
@@ -79,10 +88,10 @@ def test_import_rejects_incomplete_or_mismatched_kv(default_model, case):
     _, parts = prefill_and_export(make_engine(default_model), prompt, GREEDY, [(0, 1), (1, 4)])
     target = make_engine(default_model)
     with pytest.raises(EngineError, match="every layer"):
-        target.add_request("a", prompt, GREEDY, output_token_ids=[5], kv=parts[:1])
+        target.add_request("a", prompt, GREEDY, Continuation(output_token_ids=[5], kv=parts[:1]))
     other_block_size = make_engine(default_model, block_size=8)
     with pytest.raises(EngineError, match="does not"):
-        other_block_size.add_request("b", prompt, GREEDY, output_token_ids=[5], kv=parts)
+        other_block_size.add_request("b", prompt, GREEDY, Continuation(output_token_ids=[5], kv=parts))
     # Nothing leaked: the failed imports hold no blocks and no requests.
     assert target.block_manager.num_used_blocks == 0 and not target.has_unfinished_requests()
     assert other_block_size.block_manager.num_used_blocks == 0 and not other_block_size.has_unfinished_requests()
@@ -104,7 +113,8 @@ def test_prefill_decode_handoff_through_held_and_reserved_blocks(default_model, 
     block_ids = decode.reserve_blocks(len(prompt))
     for data, layout in reversed(parts):  # layers may arrive in any order
         decode.write_kv(block_ids, data, layout)
-    decode.add_request("d", prompt, params, output_token_ids=first[0].new_token_ids, reserved=(block_ids, len(prompt)))
+    decode.add_request("d", prompt, params, Continuation(output_token_ids=first[0].new_token_ids,
+                                                       reserved=ReservedKV(block_ids, len(prompt))))
     tokens = list(first[0].new_token_ids)
     while decode.has_unfinished_requests():
         tokens += [t for o in decode.step() for t in o.new_token_ids]
@@ -124,8 +134,15 @@ def test_prompt_kv_streams_layer_by_layer_during_the_completing_step(default_mod
     prompt, expected = case
     engine = make_engine(default_model, max_num_batched_tokens=16)  # 45 tokens: chunks of 16, 16, 13
     streamed = []
+    streamed_ids = []
+
+    def on_layer(request_id, data, layout):
+        streamed_ids.append(request_id)
+        streamed.append((data, layout))
+
+    engine.connect(OnPromptLayer(on_layer))
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    engine.add_request("p", prompt, params, hold_kv=True, on_prompt_kv=lambda data, layout: streamed.append((data, layout)))
+    engine.add_request("p", prompt, params, hold_kv=True, stream_prompt_kv=True)
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -136,6 +153,8 @@ def test_prompt_kv_streams_layer_by_layer_during_the_completing_step(default_mod
     for data, layout in streamed:  # views of the held blocks: identical to exporting afterwards
         again, _ = engine.export_kv("p", layer_start=layout.layer_start, layer_end=layout.layer_end)
         assert layout.num_tokens == len(prompt) and torch.equal(data.gather(), again)
+    engine.generate([prompt[:20]], params)  # a request that did not ask is not streamed
+    assert streamed_ids == ["p"] * 4
     # And they continue generation elsewhere like any export.
     target = make_engine(default_model)
     block_ids = target.reserve_blocks(len(prompt))
@@ -143,15 +162,15 @@ def test_prompt_kv_streams_layer_by_layer_during_the_completing_step(default_mod
         target.write_kv(block_ids, data, layout)
     first_token = expected[0]
     target.add_request("d", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-                       output_token_ids=[first_token], reserved=(block_ids, len(prompt)))
+                       Continuation(output_token_ids=[first_token], reserved=ReservedKV(block_ids, len(prompt))))
     tokens = [first_token]
     while target.has_unfinished_requests():
         tokens += [t for o in target.step() for t in o.new_token_ids]
     assert tokens == expected
 
 
-def _run_to_end(engine, request_id, prompt, params, **options):
-    engine.add_request(request_id, prompt, params, **options)
+def _run_to_end(engine, request_id, prompt, params, continuation=None):
+    engine.add_request(request_id, prompt, params, continuation)
     tokens, cached = [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -160,10 +179,11 @@ def _run_to_end(engine, request_id, prompt, params, **options):
     return tokens, cached
 
 
-def _load_blocks(engine, stored, hashes):
+def _load_blocks(engine, stored, hashes, kv_origin=KVOrigin.COMPUTED):
     block_ids = engine.reserve_blocks(len(hashes) * 16)
     engine.write_blocks(block_ids, torch.stack([stored[h] for h in hashes]))
-    return {"reserved": (block_ids, len(hashes) * 16), "num_cached_tokens": len(hashes) * 16}
+    return Continuation(reserved=ReservedKV(block_ids, len(hashes) * 16), num_cached_tokens=len(hashes) * 16,
+                        kv_origin=kv_origin)
 
 
 def test_blocks_written_back_and_loaded_elsewhere_continue_identically(default_model):
@@ -188,14 +208,14 @@ def test_blocks_written_back_and_loaded_elsewhere_continue_identically(default_m
     assert source.local_prefix_blocks(hashes) == 4 and source.local_prefix_blocks([b"x" * 16] + hashes) == 0
 
     target = make_engine(default_model)
-    assert _run_to_end(target, "r", prompt, GREEDY, **_load_blocks(target, stored, hashes)) == (expected, 64)
+    assert _run_to_end(target, "r", prompt, GREEDY, _load_blocks(target, stored, hashes)) == (expected, 64)
 
     # The conversation's next turn finds its decoded blocks too, and continues as a cold engine would.
     next_turn = conversation + [5, 6, 7]
     next_hashes = target.prefix_block_hashes(next_turn)[:5]
     cold, _ = _run_to_end(make_engine(default_model, enable_prefix_caching=False), "cold", next_turn, GREEDY)
     fresh = make_engine(default_model)
-    assert _run_to_end(fresh, "warm", next_turn, GREEDY, **_load_blocks(fresh, stored, next_hashes)) == (cold, 80)
+    assert _run_to_end(fresh, "warm", next_turn, GREEDY, _load_blocks(fresh, stored, next_hashes)) == (cold, 80)
 
 
 def test_decoded_blocks_are_written_back_every_eight_and_imported_ones_only_when_not_already(default_model):
@@ -215,15 +235,14 @@ def test_decoded_blocks_are_written_back_every_eight_and_imported_ones_only_when
     source.connect(OnBlocksComputed(lambda hashes, export: stored.update(zip(hashes, export(list(range(len(hashes))))))))
     source.generate([prompt], GREEDY)
     hashes = source.prefix_block_hashes(prompt)
-    for kwargs, first_call in (({"kv_written_back": True}, 3), ({}, 0), ({"from_kv_store": True}, 3)):
+    for origin, first_call in ((KVOrigin.WRITTEN_BACK, 3), (KVOrigin.COMPUTED, 0), (KVOrigin.KV_STORE, 3)):
         target = make_engine(default_model)
         calls = []
         target.connect(OnBlocksComputed(lambda hashes, export: calls.append(hashes)))
-        options = _load_blocks(target, stored, hashes) | kwargs
-        _run_to_end(target, "r", prompt, GREEDY, **options)
+        _run_to_end(target, "r", prompt, GREEDY, _load_blocks(target, stored, hashes, origin))
         # 40 + 19 computed tokens: 3 full blocks, of which the first 2 came in; sent back only if not stored yet.
         written = [h for call in calls for h in call]
-        assert len(written) == 3 - (first_call and 2) and written[-1] not in hashes, kwargs
+        assert len(written) == 3 - (first_call and 2) and written[-1] not in hashes, origin
         counts = target.prefix_cache_counts()
-        assert counts["hit_tokens"]["kvstore"] == (32 if kwargs.get("from_kv_store") else 0), kwargs
+        assert counts["hit_tokens"]["kvstore"] == (32 if origin is KVOrigin.KV_STORE else 0), origin
         assert counts["prompt_tokens_computed"] == 40 - 32

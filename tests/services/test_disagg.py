@@ -13,7 +13,7 @@ import nats
 import pytest
 from transformers import AutoTokenizer
 
-from contracts import PrefillResult, ServiceInfo, Subjects
+from contracts import PrefillResult, Sampling, ServiceInfo, Subjects
 from reference import reference_greedy, reference_logprobs, safe_prompts, safe_seed
 from support.deployment import start_deployment
 from support.kv_workload import wait_until
@@ -102,7 +102,7 @@ def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):
             ticket = TransferTicket(transfer_id=request_id, endpoint={"host": "127.0.0.1", "port": 9, "host_id": "elsewhere"}, token=b"t" * 32,
                                     deadline_unix_s=time.time() + 5)
             job = PrefillJob(request_id=request_id, model=MODEL, prompt_token_ids=list(range(100, 140)),
-                             sampling={"max_tokens": 4, "temperature": 0.0, "seed": 1}, ticket=ticket.to_dict(),
+                             sampling=Sampling(max_tokens=4, temperature=0.0, seed=1), ticket=ticket.to_dict(),
                              reply_subject=f"{disagg.namespace}.test.{request_id}", block_size=16,
                              model_fingerprint=fingerprint, deadline_ms=int((time.time() + 5) * 1000),
                              created_ms=int(time.time() * 1000))
@@ -232,7 +232,6 @@ def test_a_prefill_worker_killed_mid_job_has_it_redelivered_and_a_failed_transfe
     results = BusTap(deployment.nats_url, Subjects(deployment.namespace).prefill_results("decode-0"), PrefillResult)
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     try:
-        deployment.wait_scheduler_sees("prefill", 2)
         prompt, expected = cases[-1]
         stop_without_a_pull(deployment, "prefill-0", "prefill-1")
         chunks = queue.Queue()
@@ -316,7 +315,6 @@ def test_each_kv_transport_decodes_identically(nats_server, default_model, tmp_p
     deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1,
                                   scheduler_args=("--max-local-prefill", "0"), prefill_args=("--kv-transport", transport))
     try:
-        deployment.wait_scheduler_sees("prefill", 1)  # else the first prompts may be prefilled locally
         for prompt, expected in cases[2:5]:
             body = complete(deployment.base_url, prompt)
             assert deployment.token_ids(body) == expected
@@ -354,7 +352,6 @@ def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_
         nats_server, default_model, tmp_path, cases):
     deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1)
     try:
-        deployment.wait_scheduler_sees("prefill", 1)
         with ThreadPoolExecutor(1) as pool:
             # A long stream keeps the decode worker busy (a short prompt to an idle worker: computed there).
             streaming = pool.submit(complete, deployment.base_url, cases[1][0], max_tokens=1500)

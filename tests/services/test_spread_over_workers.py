@@ -46,7 +46,6 @@ def test_concurrent_requests_on_a_fresh_deployment_land_on_both_workers(nats_ser
     deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2,
                                   scheduler_args=("--router", router))
     try:
-        deployment.wait_scheduler_sees("decode", 2)
         start, started = threading.Barrier(len(prompts)), threading.Barrier(len(prompts), timeout=120)
 
         def start_and_hold(prompt) -> dict:

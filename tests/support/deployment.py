@@ -138,7 +138,18 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
     deployment.procs["gateway"] = start_service(
         "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts,
                     *gateway_args], log_dir, **(gateway_env or {}))
-    return _ready(deployment)
+    _ready(deployment)
+    if expect is None:
+        # /health is the gateway's view of the registry; the scheduler refreshes its own: until it sees the
+        # workers too, it routes as if they were not there (a prefill pool not seen yet means "local").
+        try:
+            deployment.wait_scheduler_sees("decode", workers)
+            if prefill:
+                deployment.wait_scheduler_sees("prefill", prefill)
+        except BaseException:
+            deployment.stop()
+            raise
+    return deployment
 
 
 def start_pipeline(nats_url: str, log_dir: Path, model_dir: str, split: list[tuple[int, int]],
