@@ -1,8 +1,8 @@
 """Every message that crosses NATS, one class each. Field names carry their units."""
 
-from typing import Any
+from typing import Annotated, Any
 
-from msgspec import field
+from msgspec import Meta, field
 
 from contracts.codec import Message, Part
 
@@ -18,6 +18,30 @@ class LogprobEntry(Part, kw_only=True):
     def of(cls, sampled) -> "LogprobEntry":
         """From the engine's `TokenLogprobs` (anything with token_id, logprob and top)."""
         return cls(token_id=sampled.token_id, logprob=sampled.logprob, top=list(sampled.top))
+
+
+class TransferEndpoint(Part, frozen=True, kw_only=True):
+    """Where a side-channel receiver listens, which shared-memory domain it is in (a sender with the same
+    `host_id` can use shm), and whether it takes TLS only."""
+
+    host: str
+    port: Annotated[int, Meta(ge=1, le=65535)]
+    host_id: str
+    tls: bool = False
+
+
+class TransferTicket(Part, frozen=True, kw_only=True):
+    """Made by a side-channel receiver for one expected transfer; travels to the sender inside a NATS message.
+    `token` proves the sender is the one the receiver meant: it never crosses the side channel in clear (only
+    HMACs keyed by it do), nor shows in a repr, a log line or an error."""
+
+    transfer_id: Annotated[str, Meta(min_length=1)]
+    token: Annotated[bytes, Meta(min_length=16)]
+    endpoint: TransferEndpoint
+    deadline_unix_s: float
+
+    def __repr__(self) -> str:
+        return f"TransferTicket(transfer_id={self.transfer_id!r}, endpoint={self.endpoint!r}, token=<secret>)"
 
 
 class Sampling(Part, kw_only=True):
@@ -60,7 +84,7 @@ class PrefillJob(Message, tag="prefill_job", kw_only=True):
     model: str
     prompt_token_ids: list[int]
     sampling: Sampling  # the request's, seed always set
-    ticket: dict[str, Any]  # shared.transfer TransferTicket: where and how to ship the KV
+    ticket: TransferTicket  # where and how to ship the KV
     reply_subject: str  # where the PrefillResult goes (the decode worker)
     block_size: int  # the decode worker's KV block size; a prefill worker with another one refuses
     model_fingerprint: bytes  # the decode worker's model (weights and KV dtype); a prefill worker with another refuses
@@ -163,6 +187,41 @@ class StatsRequest(Message, tag="stats_request", kw_only=True):
     """anyone -> a service: reply with your ServiceInfo."""
 
 
+class ForwardBatch(Part, kw_only=True):
+    """One forward step, as the engine's StepBatch has it (field for field): every scheduled token with its
+    position, and per sequence its query length, context length and block table; which sequences sample."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    sample_indices: list[int]
+    block_size: int
+
+
+class StageShipment(Part, kw_only=True):
+    """A prompt completing in a pipeline step whose KV each stage ships, its own layers, straight to the decode
+    worker: where (the ticket), its blocks and tokens, and the head's attempt at the job (for its reports)."""
+
+    request_id: str
+    ticket: TransferTicket
+    attempt: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+class StepTrace(Part, kw_only=True):
+    """A request whose prompt a pipeline step computes (`tokens` of it), with its trace context, so that each
+    stage's share of the prompt shows in the request's trace."""
+
+    request_id: str
+    tokens: int
+    traceparent: str
+    tracestate: str = ""
+
+
 class StageActivation(Message, tag="stage_activation", kw_only=True):
     """One pipeline hop of one step: stage -> next stage (hidden states), last stage -> head (logits),
     any stage -> head (kind "error": the step failed there)."""
@@ -173,7 +232,7 @@ class StageActivation(Message, tag="stage_activation", kw_only=True):
     route: list[str]  # the stages still to run this step, in order; the receiver is the first
     stage_boot_ids: dict[str, str] = field(default_factory=dict)  # the stage processes the head means (a
     # restarted stage has lost the KV of earlier steps, so it must refuse steps meant for its previous boot)
-    batch: dict[str, Any]  # shared.engine StepBatch fields
+    batch: ForwardBatch
     kind: str  # "hidden" | "logits" | "error"
     dtype: str = ""
     shape: list[int] = field(default_factory=list)
@@ -181,10 +240,8 @@ class StageActivation(Message, tag="stage_activation", kw_only=True):
     transfer_id: str = ""  # ...or the side-channel transfer it comes by (big ones)
     error: str = ""
     deadline_ms: int  # after this the head has given up on the step
-    ship: list[dict[str, Any]] = field(default_factory=list)  # prompts completing in this step whose KV each
-    # stage ships, its own layers, straight to the decode worker: {request_id, ticket, attempt, block_ids, num_tokens}
-    traces: list[dict[str, Any]] = field(default_factory=list)  # requests whose prompt this step computes, for the
-    # stages' spans: {request_id, tokens, traceparent[, tracestate]} (a few at most)
+    ship: list[StageShipment] = field(default_factory=list)
+    traces: list[StepTrace] = field(default_factory=list)  # a few at most
 
 
 class StageTicketRequest(Message, tag="stage_ticket_request", kw_only=True):
@@ -196,10 +253,10 @@ class StageTicketRequest(Message, tag="stage_ticket_request", kw_only=True):
 
 
 class StageTicketReply(Message, tag="stage_ticket_reply", kw_only=True):
-    """The answer to a StageTicketRequest: a shared.transfer TransferTicket, or why not."""
+    """The answer to a StageTicketRequest: the ticket to send the activation with, or why not."""
 
     ok: bool
-    ticket: dict[str, Any] = field(default_factory=dict)
+    ticket: TransferTicket | None = None
     error: str = ""
 
 
@@ -236,7 +293,7 @@ class KVStoreGet(Message, tag="kvstore_get", kw_only=True):
     """worker -> kv-store: send me these blocks, block i as "layer" i of the transfer this ticket expects."""
 
     hashes: list[bytes]
-    ticket: dict[str, Any]
+    ticket: TransferTicket
     deadline_ms: int
     model_fingerprint: bytes  # the asking worker's model: blocks stored by another are not served
 
@@ -247,7 +304,7 @@ class KVStoreReply(Message, tag="kvstore_reply", kw_only=True):
     ok: bool
     num_hit: int = 0
     tiers: list[str] = field(default_factory=list)  # lookup: the tier of each hit
-    ticket: dict[str, Any] = field(default_factory=dict)
+    ticket: TransferTicket | None = None  # put
     error: str = ""
 
 

@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 from services.launcher.tls_files import make_deployment_tls
@@ -56,7 +57,7 @@ async def sender_main(tls_files: str | None) -> None:
         if not line:
             break
         cmd = json.loads(line)
-        ticket = TransferTicket.from_dict({**cmd["ticket"], "token": bytes.fromhex(cmd["ticket"]["token"])})
+        ticket = msgspec.convert(cmd["ticket"], TransferTicket)  # as JSON: the token in base64
         payload = torch.ones(cmd["layers"], cmd["size"] // cmd["layers"] // 4)
         result = await sender.send(ticket, [(0, cmd["layers"], payload)], backend="tcp")
         out.write(json.dumps({"ok": result.ok, "error": result.error}) + "\n")
@@ -112,8 +113,7 @@ async def run_phase(args, receiver: KVReceiver, sender: asyncio.subprocess.Proce
         started = time.perf_counter()
         ticket = receiver.expect(transfer_id, on_part=lambda *_: None, total_layers=(0, layers),
                                  deadline_s=args.deadline)
-        wire = ticket.to_dict()
-        wire["token"] = wire["token"].hex()
+        wire = msgspec.to_builtins(ticket)
         sender.stdin.write((json.dumps({"ticket": wire, "size": args.size, "layers": layers}) + "\n").encode())
         await sender.stdin.drain()
         result = await receiver.wait(transfer_id)
@@ -158,7 +158,7 @@ async def main_async(args, tls_dir: Path | None) -> dict:
         phases.append(await run_phase(args, receiver, sender, "quiet"))
         if args.flooders:
             flood = await asyncio.create_subprocess_exec(
-                *me, "--role", "flood", "--port", str(receiver.endpoint["port"]), "--flooders", str(args.flooders),
+                *me, "--role", "flood", "--port", str(receiver.endpoint.port), "--flooders", str(args.flooders),
                 *(["--tls"] if tls is not None else []), stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=env)
             opened = 0
             while opened < args.flooders:  # every flooder has a connection before the real transfers start

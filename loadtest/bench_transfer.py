@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from shared.engine.block_slice import BlockSlice
@@ -161,9 +162,7 @@ async def worker_main(args: argparse.Namespace) -> None:
                 replies.write(json.dumps({"sum": checksum("fold64", as_bytes(private))}) + "\n")
             elif cmd["cmd"] == "send":
                 cache = payloads["region" if cmd["backend"] == "shm" else "private"]
-                data = dict(cmd["ticket"])
-                data["token"] = bytes.fromhex(data["token"])
-                ticket = TransferTicket.from_dict(data)
+                ticket = msgspec.convert(cmd["ticket"], TransferTicket)  # as JSON: the token in base64
                 parts = block_parts(cache, per_layer=cmd["parts"] == "layers")
                 start = now()
                 use = tls_sender if cmd["backend"] == "tcp-tls" else sender
@@ -287,8 +286,7 @@ async def one_transfer(args, receiver: KVReceiver, worker: Worker, backend: str,
 
     tid = f"bench-{backend}-{size}-{i}"
     ticket = receiver.expect(tid, on_part=on_part, total_layers=(0, dst.shape[0]), deadline_s=args.deadline_s)
-    data = ticket.to_dict()
-    data["token"] = data["token"].hex()
+    data = msgspec.to_builtins(ticket)
     reply, result = await asyncio.gather(
         worker.call({"cmd": "send", "size": size, "ticket": data, "backend": backend, "parts": args.parts}),
         receiver.wait(tid),

@@ -1,12 +1,14 @@
 """The contracts' codec: every message round-trips; anything not what the class declares is refused, with a reason."""
 
 import msgpack
+import msgspec
 import pytest
 
 import contracts
 from contracts import (
     CancelRequest,
     ContractError,
+    ForwardBatch,
     GenerateRequest,
     LogprobEntry,
     Message,
@@ -14,9 +16,11 @@ from contracts import (
     Sampling,
     ServiceInfo,
     StageActivation,
+    StepTrace,
     TokenChunk,
     decode_one_of,
 )
+from shared.engine.step_batch import StepBatch
 
 
 def generate_request(**fields) -> GenerateRequest:
@@ -47,8 +51,13 @@ def test_every_message_class_has_its_own_type_name_and_round_trips_its_defaults(
     assert TokenChunk.decode(chunk.encode()) == chunk
     info = ServiceInfo(instance_id="d-0", role="decode", details={"nested": {"a": [1, 2]}})
     assert ServiceInfo.decode(info.encode()) == info
-    step = StageActivation(step_id=1, head="h", route=["s1"], batch={}, kind="hidden", deadline_ms=9, data=b"\x00\x01")
-    assert StageActivation.decode(step.encode()).data == b"\x00\x01"
+    batch = StepBatch(["a", "b"], [5, 6, 7], [3, 0, 1], [1, 2], [4, 2], [[0], [1]], [0, 1], 16)
+    step = StageActivation(step_id=1, head="h", route=["s1"], batch=ForwardBatch(**batch.to_dict()), kind="hidden",
+                           deadline_ms=9, data=b"\x00\x01",
+                           traces=[StepTrace(request_id="a", tokens=1, traceparent="00-ab-cd-01")])
+    decoded = StageActivation.decode(step.encode())
+    assert decoded == step and decoded.data == b"\x00\x01"
+    assert StepBatch.from_dict(msgspec.structs.asdict(decoded.batch)) == batch  # the engine's batch, field for field
     assert msgpack.unpackb(request.encode())["type"] == "generate_request"
     assert msgpack.unpackb(request.encode())["v"] == 1
 

@@ -127,7 +127,7 @@ class RemotePrefill:
         self.results[rid] = result_future
         job = PrefillJob(
             request_id=rid, model=request.model, prompt_token_ids=prompt, sampling=to_wire(params),
-            ticket=ticket.to_dict(), reply_subject=worker.subjects.prefill_results(worker.instance_id),
+            ticket=ticket, reply_subject=worker.subjects.prefill_results(worker.instance_id),
             block_size=engine.config.block_size, model_fingerprint=engine.fingerprint,
             deadline_ms=int((time.time() + self.timeout_s) * 1000), created_ms=int(time.time() * 1000),
         )

@@ -18,7 +18,7 @@ from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, Subje
 from contracts.codec import ContractError
 from shared.bus.subscribe import decode
 from shared.telemetry.tracing import inject
-from shared.transfer import KVReceiver, KVSender, TransferTicket
+from shared.transfer import KVReceiver, KVSender
 
 
 class KVStoreClient:
@@ -66,12 +66,10 @@ class KVStoreClient:
             block_shape=list(blocks.shape[1:]), deadline_ms=deadline_ms, model_fingerprint=self.model_fingerprint))
         if answer is None:
             return False
-        try:
-            ticket = TransferTicket.from_dict(answer.ticket)
-        except ValueError:
+        if answer.ticket is None:
             self.misses["put_bad_reply"] += 1
             return False
-        result = await self.sender.send(ticket, [(0, len(hashes), blocks)])
+        result = await self.sender.send(answer.ticket, [(0, len(hashes), blocks)])
         if not result.ok:
             self.misses["put_transfer"] += 1
         return result.ok
@@ -83,7 +81,7 @@ class KVStoreClient:
         transfer_id = f"kvget-{secrets.token_hex(8)}"
         ticket = self.receiver.expect(transfer_id, on_part=on_blocks, total_layers=(0, len(hashes)),
                                       deadline_s=self.timeout_s)
-        answer = await self._ask(instance, "get", KVStoreGet(hashes=list(hashes), ticket=ticket.to_dict(),
+        answer = await self._ask(instance, "get", KVStoreGet(hashes=list(hashes), ticket=ticket,
                                                              deadline_ms=int(ticket.deadline_unix_s * 1000),
                                                              model_fingerprint=self.model_fingerprint))
         if answer is None:

@@ -148,7 +148,7 @@ class KVStoreService:
             return await self._answer(msg, KVStoreReply(ok=False, error=str(exc)), "put_refused")
         self._puts_in_flight += 1
         self._spawn(self._finish_put(transfer_id, request.hashes, received, request.model_fingerprint))
-        await self._answer(msg, KVStoreReply(ok=True, ticket=ticket.to_dict()), "put")
+        await self._answer(msg, KVStoreReply(ok=True, ticket=ticket), "put")
 
     async def _finish_put(self, transfer_id: str, hashes: list[bytes], received: dict[int, StoredBlock],
                           model_fingerprint: bytes) -> None:
@@ -172,12 +172,7 @@ class KVStoreService:
         sending = False
         try:
             problem = self._bad_hashes(request.hashes)
-            ticket = None
-            if problem is None:
-                try:
-                    ticket = TransferTicket.from_dict(request.ticket)
-                except ValueError as exc:
-                    problem = f"bad ticket: {exc}"
+            ticket = request.ticket
             if problem:
                 span.set_status(Status(StatusCode.ERROR, problem))
                 return await self._answer(msg, KVStoreReply(ok=False, error=problem), "get_refused")

@@ -35,7 +35,7 @@ from shared.engine.engine import RequestOutput
 from shared.engine.errors import EngineError
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import extract, inject, tracer
-from shared.transfer import KVSender, TransferTicket
+from shared.transfer import KVSender
 from shared.transfer.tls import TransferTLS
 from shared.transfer.shm import region_of
 
@@ -220,7 +220,7 @@ class PrefillRole:
 
         claim = None if num_layers == engine.model_config.num_hidden_layers else (0, num_layers)
         sending = asyncio.create_task(
-            self.sender.send(TransferTicket.from_dict(job.ticket), parts(), backend=self.kv_transport, layers=claim))
+            self.sender.send(job.ticket, parts(), backend=self.kv_transport, layers=claim))
         if self.stages is not None:
             self.stages.begin(job)
         future = self._loop.create_future()

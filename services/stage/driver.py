@@ -10,8 +10,9 @@ while a stage is gone fail at once rather than wait for their deadline.
 
 import asyncio
 from collections.abc import Callable
+from typing import NamedTuple
 
-from contracts import StageActivation
+from contracts import ForwardBatch, StageActivation, StageShipment, StepTrace, TransferTicket
 from services.common.engine_loop import EngineLoop
 from services.common.identity import now_ms
 from services.stage.link import ActivationLink
@@ -41,6 +42,14 @@ async def wait_for_stages(registry: Registry, stages: list[str], timeout_s: floa
         await asyncio.sleep(0.2)
 
 
+class Shipping(NamedTuple):
+    """How a prefill pipeline's stages ship one request's KV: the decode worker's ticket, and the head's attempt
+    at the job (a stage's report names it, so a late report of an earlier attempt does not count)."""
+
+    ticket: TransferTicket
+    attempt: str
+
+
 class PipelineDriver:
     """Made before its head (the engine's `submit` needs it), attached to it once the head exists."""
 
@@ -55,7 +64,7 @@ class PipelineDriver:
         self.engine_loop: EngineLoop | None = None
         self.boot_id = ""
         self.on_reset: Callable[[list[RequestOutput]], None] = lambda outputs: None
-        self.shipment_of: Callable[[str], dict | None] = lambda request_id: None
+        self.shipment_of: Callable[[str], Shipping | None] = lambda request_id: None
         self.trace_of: Callable[[str], dict[str, str] | None] = lambda request_id: None
         self.stages_missing: list[str] = []
         self.resets = 0
@@ -64,11 +73,10 @@ class PipelineDriver:
 
     def attach(self, *, engine: PipelineHeadEngine, engine_loop: EngineLoop, boot_id: str,
                on_reset: Callable[[list[RequestOutput]], None],
-               shipment_of: Callable[[str], dict | None] | None = None,
+               shipment_of: Callable[[str], Shipping | None] | None = None,
                trace_of: Callable[[str], dict[str, str] | None] | None = None) -> None:
         """`on_reset(outputs)` publishes the failures a reset produced (on the event loop);
-        `shipment_of(request_id)` says how the stages ship a request's KV ({ticket, attempt}: a prefill
-        head's requests), None for requests whose KV stays; `trace_of(request_id)` is the request's trace
+        `shipment_of(request_id)` says how the stages ship a request's KV (a prefill head's requests), None for requests whose KV stays; `trace_of(request_id)` is the request's trace
         context (headers), None if it has none."""
         self.engine = engine
         self.engine_loop = engine_loop
@@ -113,17 +121,19 @@ class PipelineDriver:
                    prompt_chunks: list[tuple[str, int]], boots: dict) -> None:
         traces = []
         for request_id, tokens in prompt_chunks[:_MAX_TRACED_PER_STEP]:
-            carrier = self.trace_of(request_id)
-            if carrier:
-                traces.append({**carrier, "request_id": request_id, "tokens": tokens})
+            carrier = self.trace_of(request_id) or {}
+            if carrier.get("traceparent"):
+                traces.append(StepTrace(request_id=request_id, tokens=tokens, traceparent=carrier["traceparent"],
+                                        tracestate=carrier.get("tracestate", "")))
         ship = []
         for item in shipping:
             shipment = self.shipment_of(item.request_id)
             if shipment is not None:
-                ship.append({**shipment, "request_id": item.request_id, "block_ids": list(item.block_ids),
-                             "num_tokens": item.num_tokens})
+                ship.append(StageShipment(request_id=item.request_id, ticket=shipment.ticket,
+                                          attempt=shipment.attempt, block_ids=list(item.block_ids),
+                                          num_tokens=item.num_tokens))
         step = StageActivation(step_id=step_id, head=self.instance_id, head_boot_id=self.boot_id,
-                               route=list(self.stages), batch=batch.to_dict(), stage_boot_ids=boots,
+                               route=list(self.stages), batch=ForwardBatch(**batch.to_dict()), stage_boot_ids=boots,
                                kind="hidden", ship=ship, traces=traces,
                                deadline_ms=now_ms() + int(self.engine.step_timeout_s * 1000))
         task = asyncio.create_task(self._send(step, hidden))

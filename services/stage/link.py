@@ -143,7 +143,7 @@ class ActivationLink:
 
         try:
             ticket = self.receiver.expect(request.transfer_id, on_part=keep, total_layers=(0, 1), deadline_s=deadline_s)
-            reply = StageTicketReply(ok=True, ticket=ticket.to_dict())
+            reply = StageTicketReply(ok=True, ticket=ticket)
         except (ValueError, RuntimeError) as exc:
             reply = StageTicketReply(ok=False, error=str(exc))
         if msg.reply:
@@ -185,9 +185,9 @@ class ActivationLink:
             timeout=self.hop_timeout_s,
         )
         answer = decode(reply.data, StageTicketReply)
-        if not answer.ok:
-            raise RuntimeError(f"{to} refused the activation transfer: {answer.error}")
-        ticket = TransferTicket.from_dict(answer.ticket)
+        if not answer.ok or answer.ticket is None:
+            raise RuntimeError(f"{to} refused the activation transfer: {answer.error or 'no ticket'}")
+        ticket = answer.ticket
         activation.transfer_id = transfer_id
         await self.nc.publish(self.subjects.stage_activations(to), activation.encode())
         task = asyncio.create_task(self._transfer(ticket, tensor, activation))

@@ -18,7 +18,7 @@ from contracts import KVShipped, PrefillJob
 from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
 from services.prefill.worker import PrefillRole
-from services.stage.driver import PipelineDriver
+from services.stage.driver import PipelineDriver, Shipping
 
 _DEADLINE_MARGIN_S = 1.0  # past the transfer's deadline, the decode worker applies nothing more
 
@@ -39,7 +39,7 @@ class PipelineShipments:
     def __init__(self, worker: EngineWorker, stages: list[str]):
         self.worker = worker
         self.stages = stages
-        self._shipments: dict[str, dict] = {}  # request id -> {ticket, attempt}, while prefilling
+        self._shipments: dict[str, Shipping] = {}  # request id -> how its KV ships, while prefilling
         self._reports: dict[str, dict[str, asyncio.Future]] = {}  # request id -> stage -> its KVShipped
 
     async def start(self) -> list[asyncio.Task]:
@@ -53,14 +53,14 @@ class PipelineShipments:
     def details(self) -> dict:
         return {}
 
-    def shipment_of(self, request_id: str) -> dict | None:
+    def shipment_of(self, request_id: str) -> Shipping | None:
         """How the stages ship a request's KV (its ticket and attempt), for the steps the driver sends."""
         return self._shipments.get(request_id)
 
     def begin(self, job: PrefillJob) -> None:
         # A fresh attempt id: a late report of an earlier attempt at this job must not count for this one.
         loop = asyncio.get_running_loop()
-        self._shipments[job.request_id] = {"ticket": job.ticket, "attempt": secrets.token_hex(8)}
+        self._shipments[job.request_id] = Shipping(job.ticket, secrets.token_hex(8))
         self._reports[job.request_id] = {stage: loop.create_future() for stage in self.stages}
 
     async def shipped(self, job: PrefillJob) -> str | None:
@@ -85,7 +85,7 @@ class PipelineShipments:
 
     async def _on_shipped(self, report: KVShipped, msg) -> None:
         shipment = self._shipments.get(report.request_id)
-        if shipment is None or report.attempt != shipment["attempt"]:
+        if shipment is None or report.attempt != shipment.attempt:
             return  # an earlier attempt's
         future = self._reports.get(report.request_id, {}).get(report.stage)
         if future is not None and not future.done():

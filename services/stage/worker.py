@@ -18,7 +18,7 @@ import time
 
 import msgspec
 
-from contracts import KVShipped, ServiceInfo, StageActivation, StatsRequest, Subjects
+from contracts import KVShipped, ServiceInfo, StageActivation, StageShipment, StatsRequest, Subjects
 from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
 from services.stage.link import ActivationLink
@@ -29,7 +29,6 @@ from shared.engine.stage import StageRunner
 from shared.engine.step_batch import StepBatch
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import extract, tracer
-from shared.transfer import TransferTicket
 
 log = get_logger(__name__)
 
@@ -109,7 +108,7 @@ class StageWorker:
                 continue
             shipments = [self._start_shipment(step, entry) for entry in step.ship]
             try:
-                batch = StepBatch.from_dict(step.batch)
+                batch = StepBatch.from_dict(msgspec.structs.asdict(step.batch))
                 started, started_ns = time.monotonic(), time.time_ns()
                 # One step at a time, in arrival order; the event loop keeps receiving the next ones meanwhile.
                 output = await self.engine_thread.run(self.runner.execute, batch, incoming.tensor,
@@ -137,18 +136,17 @@ class StageWorker:
         """A span in each traced request's trace for this stage's share of the step computing its prompt."""
         layers = self.runner.layer_range
         for entry in step.traces:
-            if not isinstance(entry, dict):
-                continue
-            span = tracer().start_span("stage.prefill_chunk", context=extract(entry), start_time=started_ns,
+            carrier = {"traceparent": entry.traceparent, "tracestate": entry.tracestate}
+            span = tracer().start_span("stage.prefill_chunk", context=extract(carrier), start_time=started_ns,
                                        attributes={"splitserve.stage": self.instance_id, "splitserve.step_id": step.step_id,
                                                    "splitserve.layers": f"{layers.start}:{layers.end}",
-                                                   "splitserve.request_id": str(entry.get("request_id", "")),
-                                                   "splitserve.prompt_tokens_in_step": int(entry.get("tokens", 0)),
+                                                   "splitserve.request_id": entry.request_id,
+                                                   "splitserve.prompt_tokens_in_step": entry.tokens,
                                                    "splitserve.step_tokens": batch.num_tokens})
             span.end(end_time=ended_ns)
 
     # ---- shipping a prompt's KV (prefill pipelines) ---------------------------------------------
-    def _start_shipment(self, step: StageActivation, entry: dict) -> "_Shipment":
+    def _start_shipment(self, step: StageActivation, entry: StageShipment) -> "_Shipment":
         shipment = _Shipment(entry)
         shipment.task = asyncio.create_task(self._ship(step, shipment))
         self.shipments.add(shipment.task)
@@ -182,8 +180,7 @@ class StageWorker:
                 yield layer_start, layer_end, data
 
         try:
-            ticket = TransferTicket.from_dict(shipment.ticket)
-            result = await self.link.sender.send(ticket, layer_parts(), backend=self.kv_transport,
+            result = await self.link.sender.send(shipment.ticket, layer_parts(), backend=self.kv_transport,
                                                  layers=(layers.start, layers.end))
             ok, error, num_bytes = result.ok, result.error or "", result.num_bytes
         except asyncio.CancelledError:
@@ -206,13 +203,12 @@ class StageWorker:
 class _Shipment:
     """One prompt's KV this stage ships: its blocks, the ticket, and its layers as they are computed."""
 
-    def __init__(self, entry: dict):
-        entry = entry if isinstance(entry, dict) else {}
-        self.request_id = str(entry.get("request_id", ""))
-        self.ticket = entry.get("ticket")
-        self.attempt = str(entry.get("attempt", ""))
-        self.block_ids = entry.get("block_ids") if isinstance(entry.get("block_ids"), list) else []
-        self.num_tokens = entry.get("num_tokens") if isinstance(entry.get("num_tokens"), int) else 0
+    def __init__(self, entry: StageShipment):
+        self.request_id = entry.request_id
+        self.ticket = entry.ticket
+        self.attempt = entry.attempt
+        self.block_ids = entry.block_ids
+        self.num_tokens = entry.num_tokens
         self.parts: asyncio.Queue = asyncio.Queue()
         self.task: asyncio.Task | None = None
 

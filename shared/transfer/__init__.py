@@ -11,17 +11,18 @@ stream layer by layer.
     # decode process
     receiver = KVReceiver(); await receiver.start()
     ticket = receiver.expect(tid, on_part=copy_into_cache, total_layers=(0, L), deadline_s=10)
-    ...send ticket.to_dict() to the prefill worker over NATS...
+    ...send the ticket to the prefill worker inside a NATS message (contracts.TransferTicket)...
     result = await receiver.wait(tid)
 
     # prefill process
     sender = KVSender()
-    result = await sender.send(TransferTicket.from_dict(d), layer_parts())   # (start, end, tensor) items
+    result = await sender.send(ticket, layer_parts())   # (start, end, tensor) items
 
 `cuda_ipc` is not implemented: both backends move CPU bytes (a CUDA tensor given
 to `send` is copied to host memory first).
 """
 
+from contracts import TransferTicket  # the side channel's ticket is the wire's
 from shared.transfer.checksum import ALGORITHMS as CHECKSUM_ALGORITHMS
 from shared.transfer.receiver import KVReceiver
 from shared.transfer.sender import KVSender
@@ -32,7 +33,6 @@ from shared.transfer.types import (
     TransferFailed,
     TransferResult,
     TransferStats,
-    TransferTicket,
 )
 
 __all__ = [

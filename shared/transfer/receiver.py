@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from contracts import TransferEndpoint, TransferTicket
 from shared.engine.block_slice import BlockSlice
 from shared.telemetry.logging import get_logger
 from shared.transfer import checksum as checksums
@@ -66,7 +67,6 @@ from shared.transfer.types import (
     TransferFailed,
     TransferResult,
     TransferStats,
-    TransferTicket,
 )
 from shared.transfer.tls import TLSChannel, TransferTLS
 from shared.transfer.wire import (
@@ -219,7 +219,7 @@ class KVReceiver:
         self.tls = tls
         self.stats = TransferStats()
         self.host_id = host_id()
-        self.endpoint: dict | None = None
+        self.endpoint: TransferEndpoint | None = None
         self._shm_cache = MappingCache(shm_cache_bytes)
         self._region_cache = MappingCache(region_cache_bytes)
         self._buffers: _BufferPool | None = None
@@ -256,8 +256,8 @@ class KVReceiver:
             if host in ("0.0.0.0", "::", ""):
                 raise ValueError(f"listening on {host!r} needs advertise_host: the address senders should dial")
             advertise_host = host
-        self.endpoint = {"host": advertise_host, "port": bound_port, "host_id": self.host_id,
-                         "tls": self.tls is not None}
+        self.endpoint = TransferEndpoint(host=advertise_host, port=bound_port, host_id=self.host_id,
+                                         tls=self.tls is not None)
         self._buffers = _BufferPool(self.max_buffer_bytes, self.idle_buffer_bytes)
         sweep_orphan_segments()
         self._accept_task = asyncio.create_task(self._accept_loop(), name="kv-receiver-accept")
@@ -319,7 +319,8 @@ class KVReceiver:
                            time.time() + deadline_s, loop.create_future())
         exp.timer = loop.call_at(loop.time() + deadline_s, self._on_deadline, exp)
         self._active[transfer_id] = exp
-        return TransferTicket(transfer_id, exp.token, dict(self.endpoint), exp.deadline_unix_s)
+        return TransferTicket(transfer_id=transfer_id, token=exp.token, endpoint=self.endpoint,
+                              deadline_unix_s=exp.deadline_unix_s)
 
     async def wait(self, transfer_id: str) -> TransferResult:
         """The outcome of an expected transfer: ok once every layer arrived, else the failure. Ends by the deadline."""

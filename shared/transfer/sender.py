@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from contracts import TransferTicket
 from shared.bus.service import cancel_and_wait
 from shared.telemetry.logging import get_logger
 from shared.transfer import checksum as checksums
@@ -62,7 +63,6 @@ from shared.transfer.types import (
     TransferFailed,
     TransferResult,
     TransferStats,
-    TransferTicket,
 )
 from shared.transfer.tls import TLSChannel, TransferTLS
 from shared.transfer.wire import (
@@ -283,7 +283,7 @@ class KVSender:
 
     def _choose_backend(self, ticket: TransferTicket, backend: str) -> str:
         if backend == "auto":
-            backend = "shm" if shm_usable_with(ticket.endpoint.get("host_id", "")) else "tcp"
+            backend = "shm" if shm_usable_with(ticket.endpoint.host_id) else "tcp"
         elif backend == "shm" and not shm_available():
             raise TransferFailed(SHM_ERROR, "shm was asked for but this process has no /dev/shm")
         elif backend not in ("shm", "tcp"):
@@ -315,8 +315,8 @@ class KVSender:
 
     async def _connect(self, ticket: TransferTicket) -> Channel:
         loop = asyncio.get_running_loop()
-        host, port = ticket.endpoint["host"], ticket.endpoint["port"]
-        wants_tls = bool(ticket.endpoint.get("tls", False))
+        host, port = ticket.endpoint.host, ticket.endpoint.port
+        wants_tls = ticket.endpoint.tls
         if wants_tls != (self.tls is not None):
             raise TransferFailed(TLS, f"the receiver at {host}:{port} takes TLS only and this sender has no "
                                       "side-channel TLS (--transfer-tls-ca ...)" if wants_tls else
@@ -621,7 +621,7 @@ def _unpack(part) -> Part:
 
 
 def _endpoint_key(ticket: TransferTicket) -> tuple[str, int]:
-    return ticket.endpoint["host"], int(ticket.endpoint["port"])
+    return ticket.endpoint.host, ticket.endpoint.port
 
 
 def _remote_failure(reason, detail) -> TransferFailed:

@@ -40,58 +40,6 @@ class TransferFailed(Exception):
 
 
 @dataclass(slots=True)
-class TransferTicket:
-    """Made by the receiver for one expected transfer; travels to the sender inside a NATS message.
-
-    `token` proves the sender is the one the receiver meant: it never crosses the
-    side channel in clear, only HMACs keyed by it do. `endpoint` is where the
-    receiver listens (`host`, `port`), which shared-memory domain it is in
-    (`host_id`: a sender with the same `host_id` can use `shm`) and whether it
-    takes TLS only (`tls`, absent: no).
-    """
-
-    transfer_id: str
-    token: bytes = field(repr=False)  # a secret: never in a log line or an error message
-    endpoint: dict
-    deadline_unix_s: float
-
-    def to_dict(self) -> dict:
-        return {
-            "transfer_id": self.transfer_id,
-            "token": bytes(self.token),
-            "endpoint": {"host": self.endpoint["host"], "port": int(self.endpoint["port"]),
-                         "host_id": self.endpoint["host_id"], "tls": bool(self.endpoint.get("tls", False))},
-            "deadline_unix_s": float(self.deadline_unix_s),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "TransferTicket":
-        """Decode a ticket; raises `ValueError` naming the field when something is missing or mistyped."""
-        if not isinstance(data, dict):
-            raise ValueError(f"a transfer ticket is a map, got {type(data).__name__}")
-        try:
-            transfer_id, token, endpoint, deadline = (
-                data["transfer_id"], data["token"], data["endpoint"], data["deadline_unix_s"])
-        except KeyError as exc:
-            raise ValueError(f"transfer ticket without {exc.args[0]!r}") from None
-        if not isinstance(transfer_id, str) or not transfer_id:
-            raise ValueError("transfer ticket transfer_id must be a non-empty string")
-        if not isinstance(token, (bytes, bytearray)) or len(token) < 16:
-            raise ValueError("transfer ticket token must be at least 16 bytes")
-        if not isinstance(endpoint, dict) or not {"host", "port", "host_id"} <= set(endpoint):
-            raise ValueError("transfer ticket endpoint must be a map with host, port and host_id")
-        if not isinstance(endpoint["host"], str) or not isinstance(endpoint["host_id"], str):
-            raise ValueError("transfer ticket endpoint host and host_id must be strings")
-        if not isinstance(endpoint["port"], int) or isinstance(endpoint["port"], bool) or not 0 < endpoint["port"] < 65536:
-            raise ValueError("transfer ticket endpoint port must be an integer in 1..65535")
-        if not isinstance(endpoint.get("tls", False), bool):
-            raise ValueError("transfer ticket endpoint tls must be true or false")
-        if not isinstance(deadline, (int, float)) or isinstance(deadline, bool):
-            raise ValueError("transfer ticket deadline_unix_s must be a number")
-        return cls(transfer_id, bytes(token), dict(endpoint), float(deadline))
-
-
-@dataclass(slots=True)
 class TransferResult:
     """How one transfer ended, on one side. `reason` is the machine-readable part of `error`."""
 

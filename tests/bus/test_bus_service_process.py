@@ -44,7 +44,7 @@ async def test_sigterm_drains_and_exits_0(nc, js, nats_url, unique):
 
     await nc.publish(subject, CancelRequest(request_id="req-7").encode())
     await nc.flush()
-    await asyncio.sleep(0.2)
+    assert await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 10) == "handled req-7\n"
     proc.send_signal(signal.SIGTERM)
     code, lines = await asyncio.to_thread(finish, proc, 5)
 

@@ -1,7 +1,8 @@
 """A minimal service main for the process tests: `python tiny_service.py NATS_URL BUCKET SUBJECT`.
 
 It heartbeats into the registry, runs one task fed by a typed subscription
-(a CancelRequest with request_id "crash" crashes it), prints "ready" on stdout,
+(a CancelRequest with request_id "crash" crashes it), prints "ready" on stdout
+once started and "handled ID" after each cancel,
 and exits the way every service does: `sys.exit(asyncio.run(main()))`.
 """
 
@@ -31,6 +32,7 @@ async def handle_cancels(mailbox: asyncio.Queue) -> None:
             log.info("handling cancel")
             if msg.request_id == "crash":
                 raise RuntimeError("told to crash")
+        print(f"handled {msg.request_id}", flush=True)
 
 
 async def main(url: str, bucket: str, subject: str) -> int:

@@ -5,13 +5,14 @@ import json
 import os
 import queue
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import nats
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from contracts import PrefillResult, Sampling, ServiceInfo, Subjects
 from reference import reference_greedy, reference_logprobs, safe_prompts, safe_seed
@@ -91,7 +92,7 @@ def test_logprobs_come_from_both_workers_as_transformers_computes_them(disagg, d
 
 def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):
     from contracts import PrefillJob, PrefillResult
-    from shared.transfer import TransferTicket
+    from contracts import TransferEndpoint, TransferTicket
 
     subjects = Subjects(disagg.namespace)
 
@@ -99,10 +100,10 @@ def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):
         nc = await nats.connect(disagg.nats_url)
         try:
             results = await nc.subscribe(f"{disagg.namespace}.test.{request_id}")
-            ticket = TransferTicket(transfer_id=request_id, endpoint={"host": "127.0.0.1", "port": 9, "host_id": "elsewhere"}, token=b"t" * 32,
-                                    deadline_unix_s=time.time() + 5)
+            ticket = TransferTicket(transfer_id=request_id, token=b"t" * 32, deadline_unix_s=time.time() + 5,
+                                    endpoint=TransferEndpoint(host="127.0.0.1", port=9, host_id="elsewhere"))
             job = PrefillJob(request_id=request_id, model=MODEL, prompt_token_ids=list(range(100, 140)),
-                             sampling=Sampling(max_tokens=4, temperature=0.0, seed=1), ticket=ticket.to_dict(),
+                             sampling=Sampling(max_tokens=4, temperature=0.0, seed=1), ticket=ticket,
                              reply_subject=f"{disagg.namespace}.test.{request_id}", block_size=16,
                              model_fingerprint=fingerprint, deadline_ms=int((time.time() + 5) * 1000),
                              created_ms=int(time.time() * 1000))
@@ -310,9 +311,13 @@ def test_gateway_metrics_show_the_disaggregation(disagg, cases):
     assert any(l.startswith("splitserve_time_to_first_token_seconds_count") for l in lines)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_each_kv_transport_decodes_identically(nats_server, default_model, tmp_path, cases, transport):
-    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1,
+# Two model shapes: the default, and one KV head with tied embeddings (5 layers, head_dim 16).
+@pytest.mark.parametrize("transport, shape", [("tcp", "default"), ("shm", "llama-1kv")])
+def test_each_kv_transport_decodes_identically(nats_server, default_model, model_zoo, tmp_path, cases, transport, shape):
+    model = default_model if shape == "default" else model_zoo[shape]
+    if shape != "default":
+        cases = safe_prompts(model, len(AutoTokenizer.from_pretrained(model)), LENGTHS, 16, seed=4)
+    deployment = start_deployment(nats_server.url, tmp_path, model, prefill=1,
                                   scheduler_args=("--max-local-prefill", "0"), prefill_args=("--kv-transport", transport))
     try:
         for prompt, expected in cases[2:5]:
@@ -322,7 +327,7 @@ def test_each_kv_transport_decodes_identically(nats_server, default_model, tmp_p
         moved = transfers["bytes_by_backend"]
         assert set(moved) == {transport} and moved[transport] > 0
         # Over shm the decode worker copied every layer straight out of the prefill worker's cache.
-        layers = 4  # of the default model; a layer's KV here is well under a part's split size
+        layers = AutoConfig.from_pretrained(model).num_hidden_layers  # a layer's KV here is well under a part's split size
         assert transfers["in_place_parts"] == (layers * transfers["ok_by_backend"]["shm"] if transport == "shm" else 0)
     finally:
         deployment.stop()
@@ -351,10 +356,21 @@ def test_default_threshold_prefills_short_prompts_locally(nats_server, default_m
 def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_streams(
         nats_server, default_model, tmp_path, cases):
     deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=1)
+    hang_up = threading.Event()
+
+    def stream_until_hung_up() -> str:
+        body = {"model": MODEL, "prompt": cases[1][0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{deployment.base_url}/v1/completions", json=body, timeout=120) as response:
+            for _ in response.iter_lines():
+                if hang_up.is_set():
+                    return "hung up"
+        return "finished"
+
     try:
         with ThreadPoolExecutor(1) as pool:
             # A long stream keeps the decode worker busy (a short prompt to an idle worker: computed there).
-            streaming = pool.submit(complete, deployment.base_url, cases[1][0], max_tokens=1500)
+            streaming = pool.submit(stream_until_hung_up)
             deadline = time.monotonic() + 30
             while asyncio.run(_registry_entry(deployment, "scheduler", "scheduler-0")).details["disagg_decisions"].get("local", 0) < 1:
                 assert time.monotonic() < deadline, "the first request was never routed"
@@ -369,7 +385,8 @@ def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_
                     "local": 1, "remote": 1}:
                 assert time.monotonic() < deadline, decisions
                 time.sleep(0.3)
-            streaming.result(timeout=120)
+            hang_up.set()  # the rest of the stream proves nothing more
+            assert streaming.result(timeout=60) == "hung up"
     finally:
         deployment.stop()
 

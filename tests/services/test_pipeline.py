@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from reference import safe_prompts
 from support.deployment import start_deployment, start_pipeline
@@ -148,10 +148,16 @@ def test_a_stage_killed_mid_request_fails_it_and_the_pipeline_serves_again(nats_
         deployment.stop()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_pipelined_prefill_pool_ships_each_stages_kv_straight_to_decode(nats_server, default_model, tmp_path, cases,
-                                                                         tokenizer, transport):
-    deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill_split=[(0, 1), (1, 4)],
+# Two model shapes: the default (4 layers, head_dim 32) and qwen3 with q/k norms and head_dim 48 != hidden/heads.
+@pytest.mark.parametrize("transport, shape", [("shm", "default"), ("tcp", "qwen3-qknorm")])
+def test_a_pipelined_prefill_pool_ships_each_stages_kv_straight_to_decode(nats_server, default_model, model_zoo, tmp_path,
+                                                                         cases, tokenizer, transport, shape):
+    model = default_model if shape == "default" else model_zoo[shape]
+    num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
+    if shape != "default":
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        cases = safe_prompts(model, len(tokenizer), LENGTHS, 16, seed=4)
+    deployment = start_deployment(nats_server.url, tmp_path, model, prefill_split=[(0, 1), (1, num_layers)],
                                   scheduler_args=("--max-local-prefill", "0"),
                                   prefill_args=("--kv-transport", transport))
     try:
@@ -162,12 +168,12 @@ def test_a_pipelined_prefill_pool_ships_each_stages_kv_straight_to_decode(nats_s
         assert remote >= len(cases) and not decode.details["prefill_decisions"].get("local_fallback_transfer")
         transfers = decode.details["kv_transfer"]
         assert transfers["ok_by_backend"][transport] == remote
-        # Every layer came from the stage that computed it: 1 from the head, 3 from the stage.
+        # Every layer came from the stage that computed it: 1 from the head, the rest from the stage.
         head, stage = deployment.stats("prefill-0"), deployment.stats("prefill-stage-1")
         assert head.details["jobs"].get("shipped") == remote and stage.details["kv_shipped"].get("ok") == remote
         assert head.details["kv_transfer"]["ok_by_backend"][transport] == remote
         if transport == "shm":
-            assert transfers["in_place_parts"] == 4 * remote  # no copy but the decode worker's own
+            assert transfers["in_place_parts"] == num_layers * remote  # no copy but the decode worker's own
         assert head.kv_blocks_free == head.kv_blocks_total  # the prompts' blocks were let go once shipped
     finally:
         deployment.stop()

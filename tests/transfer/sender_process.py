@@ -17,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 from shared.transfer import KVSender, TransferTicket  # noqa: E402
@@ -24,9 +25,7 @@ from transfer_helpers import kv  # noqa: E402
 
 
 async def main(spec: dict) -> None:
-    data = dict(spec["ticket"])
-    data["token"] = bytes.fromhex(data["token"])
-    ticket = TransferTicket.from_dict(data)
+    ticket = msgspec.convert(spec["ticket"], TransferTicket)  # as JSON: the token in base64
     src = kv(spec["layers"], getattr(torch, spec["dtype"]), seed=spec["seed"])
     sender = KVSender()
 

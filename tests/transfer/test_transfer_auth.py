@@ -1,15 +1,16 @@
 """Authentication: a wrong token or an unknown transfer is turned away without harming the real transfer."""
 
 import asyncio
-import dataclasses
 import secrets
 import struct
 import time
 
 import msgpack
+import msgspec
 import pytest
 import torch
 
+from contracts import TransferEndpoint
 from shared.transfer import KVSender, TransferTicket
 from shared.transfer.wire import PROTOCOL_VERSION
 from support.waiting import eventually
@@ -23,7 +24,7 @@ async def test_a_wrong_token_is_rejected_and_the_right_sender_still_succeeds(rec
     src = kv(3, seed=1)
     sink = Sink(src)
     ticket = receiver.expect("auth", on_part=sink, total_layers=(0, 3), deadline_s=10)
-    forged = dataclasses.replace(ticket, token=secrets.token_bytes(32))
+    forged = msgspec.structs.replace(ticket, token=secrets.token_bytes(32))
 
     impostor = await sender.send(forged, [(0, 3, torch.zeros_like(src))], backend=backend)
 
@@ -39,7 +40,7 @@ async def test_a_wrong_token_is_rejected_and_the_right_sender_still_succeeds(rec
 
 async def test_an_unknown_transfer_is_rejected(receiver, sender):
     ticket = receiver.expect("known", on_part=lambda *a: None, total_layers=(0, 1), deadline_s=10)
-    unknown = dataclasses.replace(ticket, transfer_id="never-expected")
+    unknown = msgspec.structs.replace(ticket, transfer_id="never-expected")
     result = await sender.send(unknown, [(0, 1, kv(1))], backend="tcp")
     assert not result.ok and result.reason == "rejected"
     assert receiver.stats.unauthenticated == 1 and receiver.num_active == 1
@@ -47,7 +48,7 @@ async def test_an_unknown_transfer_is_rejected(receiver, sender):
 
 async def test_garbage_and_silence_are_turned_away_without_failing_anything(receiver):
     ticket = receiver.expect("quiet", on_part=lambda *a: None, total_layers=(0, 1), deadline_s=10)
-    reader, writer = await asyncio.open_connection(ticket.endpoint["host"], ticket.endpoint["port"])
+    reader, writer = await asyncio.open_connection(ticket.endpoint.host, ticket.endpoint.port)
     writer.write(b"\xff" * 64 + b"GET / HTTP/1.1\r\n\r\n")
     await writer.drain()
     assert await asyncio.wait_for(reader.read(), 5) is not None  # the receiver closes: read() ends
@@ -87,8 +88,8 @@ async def test_a_receiver_that_cannot_prove_the_token_gets_no_data(sender):
 
     server = await asyncio.start_server(impostor, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    ticket = TransferTicket("t", secrets.token_bytes(32), {"host": "127.0.0.1", "port": port, "host_id": "x"},
-                            time.time() + 10)
+    ticket = TransferTicket(transfer_id="t", token=secrets.token_bytes(32), deadline_unix_s=time.time() + 10,
+                            endpoint=TransferEndpoint(host="127.0.0.1", port=port, host_id="x"))
     result = await sender.send(ticket, [(0, 2, kv(2))], backend="tcp")
     server.close()
     assert not result.ok and result.reason == "receiver-unauthenticated", result

@@ -1,11 +1,11 @@
 """A flood of connections that never authenticate cannot starve real transfers (issue 13, item 5)."""
 
 import asyncio
-import dataclasses
 import json
 import subprocess
 import sys
 
+import msgspec
 import pytest
 import torch
 
@@ -27,7 +27,7 @@ async def test_silent_connections_past_the_bound_make_room_and_the_real_sender_g
     sender = KVSender()
     flood = []
     try:
-        port = receiver.endpoint["port"]
+        port = receiver.endpoint.port
         flood = [await silent_connection(port) for _ in range(40)]
         src = kv(3, seed=2)
         sink = Sink(src)
@@ -88,12 +88,12 @@ async def test_a_connection_lost_before_the_receiver_took_anything_is_retried(cl
     await receiver.start()
     sender = KVSender()
     try:
-        front = FlakyFront(receiver.endpoint["port"], close)
+        front = FlakyFront(receiver.endpoint.port, close)
         port = await front.start()
         src = kv(4, seed=5)
         sink = Sink(src)
         ticket = receiver.expect("retried", on_part=sink, total_layers=(0, 4), deadline_s=10)
-        ticket = dataclasses.replace(ticket, endpoint={**ticket.endpoint, "port": port})
+        ticket = msgspec.structs.replace(ticket, endpoint=msgspec.structs.replace(ticket.endpoint, port=port))
 
         async def parts():  # a producer: the part the lost connection had already taken must not be lost
             for layer in range(4):

@@ -7,6 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -20,8 +21,7 @@ SCRIPT = Path(__file__).with_name("sender_process.py")
 
 
 async def start_sender(ticket, **spec) -> asyncio.subprocess.Process:
-    data = ticket.to_dict()
-    data["token"] = data["token"].hex()
+    data = msgspec.to_builtins(ticket)
     return await asyncio.create_subprocess_exec(
         sys.executable, str(SCRIPT), json.dumps({"ticket": data, **spec}),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,

@@ -5,6 +5,7 @@ anyone else's transfers."""
 import asyncio
 import ssl
 
+import msgspec
 import pytest
 import pytest_asyncio
 import torch
@@ -50,7 +51,7 @@ async def test_kv_arrives_intact_over_tls_and_one_connection_carries_the_next_tr
         for n, src in enumerate((kv(4, seed=1), torch.randn(3, 2, 96, 16, 4, 64))):  # the second: ~9 MiB
             sink = Sink(src)
             ticket = tls_receiver.expect(f"t{n}", on_part=sink, total_layers=(0, src.shape[0]), deadline_s=20)
-            assert ticket.endpoint["tls"] is True
+            assert ticket.endpoint.tls is True
             sent, got = await asyncio.gather(sender.send(ticket, [(0, src.shape[0], src)], backend=backend),
                                              tls_receiver.wait(f"t{n}"))
             assert sent.ok and got.ok, (sent, got)
@@ -83,7 +84,7 @@ async def test_what_crosses_the_network_is_ciphertext_with_tls_and_the_kv_itself
     relays = []
 
     async def on_connect(client_reader, client_writer):
-        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", receiver.endpoint["port"])
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", receiver.endpoint.port)
         relays.extend([asyncio.create_task(_relay(client_reader, server_writer, seen)),
                        asyncio.create_task(_relay(server_reader, client_writer, seen))])
 
@@ -93,7 +94,8 @@ async def test_what_crosses_the_network_is_ciphertext_with_tls_and_the_kv_itself
         src = pattern_kv(2, 1)
         sink = Sink(src)
         ticket = receiver.expect("sniffed", on_part=sink, total_layers=(0, 2), deadline_s=20)
-        ticket.endpoint["port"] = relay.sockets[0].getsockname()[1]
+        ticket = msgspec.structs.replace(
+            ticket, endpoint=msgspec.structs.replace(ticket.endpoint, port=relay.sockets[0].getsockname()[1]))
         sent, got = await asyncio.gather(sender.send(ticket, [(0, 2, src)], backend="tcp"), receiver.wait("sniffed"))
         assert sent.ok and got.ok, (sent, got)
         assert torch.equal(sink.dst, src)
@@ -156,7 +158,7 @@ async def test_a_connection_that_never_finishes_its_handshake_is_closed_at_the_h
     receiver = KVReceiver(handshake_timeout_s=0.3, io_timeout_s=20.0, tls=tls)
     await receiver.start()
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", receiver.endpoint["port"])
+        reader, writer = await asyncio.open_connection("127.0.0.1", receiver.endpoint.port)
         start = asyncio.get_running_loop().time()
         assert await asyncio.wait_for(reader.read(), 30) == b""  # closed by the receiver
         # The time is the claim: at the 0.3 s handshake deadline, not the 20 s I/O timeout (loose for a loaded machine).
@@ -204,7 +206,7 @@ async def test_connections_reset_before_they_are_accepted_never_stop_the_tls_rec
     import struct
 
     for _ in range(20):  # connect, then reset at once (SO_LINGER 0): the receiver may accept it already dead
-        raw = socket.create_connection(("127.0.0.1", tls_receiver.endpoint["port"]))
+        raw = socket.create_connection(("127.0.0.1", tls_receiver.endpoint.port))
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         raw.close()
     sender = KVSender(tls=tls)  # (its connection is accepted after theirs: the listen queue keeps their order)

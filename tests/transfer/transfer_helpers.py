@@ -60,7 +60,7 @@ class RawClient:
 
     @classmethod
     async def connect(cls, ticket: TransferTicket) -> "RawClient":
-        reader, writer = await asyncio.open_connection(ticket.endpoint["host"], ticket.endpoint["port"])
+        reader, writer = await asyncio.open_connection(ticket.endpoint.host, ticket.endpoint.port)
         client = cls(reader, writer, {})
         client.hello = await client.recv()
         return client
