@@ -180,7 +180,15 @@ class ServiceInfo(Message, tag="service_info", kw_only=True):
     kv_blocks_free: int = 0
     max_model_len: int = 0
     http_port: int | None = None  # gateway API / metrics port, when the service serves HTTP
-    details: dict[str, Any] = field(default_factory=dict)
+    active_requests: int = 0  # a decode worker's requests taken and not ended (loading or awaiting a prefill too)
+    handoffs_taken: int = 0  # a decode worker's requests taken since it started: an entry counting one shows it
+    kv_block_size: int = 0  # tokens per KV block, where the service has a paged KV cache (engine workers, stages)
+    kv_fingerprint: bytes = b""  # an engine worker's model (weights and KV dtype): with the block size, how a
+    # prompt hashes into the block hashes of its cache (shared.engine.block_hash)
+    layer_range: tuple[int, int] | None = None  # a pipeline stage's decoder layers [start, end)
+    uses_kv_store: bool = False  # an engine worker that loads prefixes from the kv-store (so it holds theirs too)
+    publishes_kv_events: bool = False  # it tells the schedulers which blocks it holds (KVEvents)
+    details: dict[str, Any] = field(default_factory=dict)  # stats, for people, metrics and tests: nothing acts on them
 
 
 class StatsRequest(Message, tag="stats_request", kw_only=True):
@@ -341,5 +349,5 @@ class WorkerLoad(Message, tag="worker_load", kw_only=True):
     num_running: int
     num_waiting: int
     kv_blocks_free: int
-    active_requests: int = 0  # a decode worker's requests taken and not finished (details["active_requests"])
-    handoffs_taken: int = 0  # details["handoffs_taken"]
+    active_requests: int = 0
+    handoffs_taken: int = 0

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from contracts import StageActivation, Subjects
+from contracts import ForwardBatch, StageActivation, Subjects
 from loadtest.bench_transfer import human, parse_size
 from services.launcher.nats_server import EmbeddedNats
 from services.stage.link import ActivationLink
@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transport", choices=("shm", "tcp"), default="shm")
     parser.add_argument("--output")
     return parser
+
+
+# The hop carries the tensor only: the step it belongs to is empty.
+_NO_BATCH = ForwardBatch(request_ids=[], token_ids=[], positions=[], query_lens=[], context_lens=[], block_tables=[],
+                         sample_indices=[], block_size=16)
 
 
 async def measure(args) -> list[dict]:
@@ -72,11 +77,11 @@ async def measure(args) -> list[dict]:
                     links["a"].inline_bytes = inline_bytes
                     times = []
                     for i in range(args.repeats + 2):
-                        message = StageActivation(step_id=i, head="b", route=["b"], batch={}, kind="hidden",
+                        message = StageActivation(step_id=i, head="b", route=["b"], batch=_NO_BATCH, kind="hidden",
                                                   deadline_ms=int(time.time() * 1000) + 30_000)
                         started = time.perf_counter()
                         await links["a"].send("b", message, tensor)
-                        incoming = await links["b"].next()
+                        incoming = await asyncio.wait_for(links["b"].next(), 30)  # it was refused, or lost
                         elapsed = time.perf_counter() - started
                         if incoming.error is not None or not torch.equal(incoming.tensor, tensor):
                             raise RuntimeError(f"{path} hop of {human(size)} failed: {incoming.error}")

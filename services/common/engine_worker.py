@@ -16,7 +16,7 @@ from services.common.cpu_loan import CpuShare, loan_details
 from services.common.engine_loop import EngineLoop, RequestRejected
 from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
-from services.common.kv_event_publisher import engine_kv_events, kv_hashing_details
+from services.common.kv_event_publisher import engine_kv_events, kv_hashing
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
@@ -38,11 +38,8 @@ class WorkerRole(Protocol):
         """A request is cancelled (it may not be this worker's)."""
 
     def load(self) -> dict:
-        """The registry entry's load fields: num_running, num_waiting, max_num_seqs."""
-
-    def load_details(self) -> dict:
-        """The load figures among the entry's details (a decode worker's active_requests, handoffs_taken), also
-        in its `WorkerLoad` reports."""
+        """The registry entry's load fields (num_running, num_waiting, max_num_seqs; a decode worker's
+        active_requests and handoffs_taken), also in its `WorkerLoad` reports."""
 
     def details(self) -> dict:
         """The role's part of the registry entry's details."""
@@ -120,27 +117,31 @@ class EngineWorker:
 
     def info(self) -> ServiceInfo:
         block_manager = self.engine.block_manager
-        details = {"rejected_messages": dict(REJECTED), "uses_kv_store": self.kv_store is not None,
-                   "prefix_cache": self.engine.prefix_cache_counts(),
+        details = {"rejected_messages": dict(REJECTED), "prefix_cache": self.engine.prefix_cache_counts(),
                    "kv_store": self.kv_store.details() if self.kv_store is not None else {},
                    "kv_events": dict(self.kv_events.counts), "cpu_loan": loan_details(self.engine_loop.cpu_share),
-                   **kv_hashing_details(self.engine), **self.role.load_details(), **self.role.details()}
+                   **self.role.details()}
         for part in self.parts:
             details.update(part.details())
         return self.identity.info(
             model=self.model, served_model_name=self.served_model_name, state=self.state,
             kv_blocks_total=block_manager.num_blocks, kv_blocks_free=block_manager.num_free_blocks,
-            max_model_len=self.engine.max_model_len, details=details, **self.role.load(),
+            max_model_len=self.engine.max_model_len, uses_kv_store=self.kv_store is not None,
+            publishes_kv_events=True, layer_range=self._layer_range(), details=details, **kv_hashing(self.engine),
+            **self.role.load(),
         )
+
+    def _layer_range(self) -> tuple[int, int] | None:
+        """A pipeline head's own layers (the rest run on its stages); None when the engine runs them all."""
+        end = self.engine.local_layers_end
+        return (0, end) if end < self.engine.model_config.num_hidden_layers else None
 
     def load_report(self) -> WorkerLoad:
         load = self.role.load()
-        details = self.role.load_details()
         return WorkerLoad(instance_id=self.instance_id, boot_id=self.identity.boot_id, sent_ms=now_ms(),
                           num_running=load.get("num_running", 0), num_waiting=load.get("num_waiting", 0),
                           kv_blocks_free=self.engine.block_manager.num_free_blocks,
-                          active_requests=details.get("active_requests", 0),
-                          handoffs_taken=details.get("handoffs_taken", 0))
+                          active_requests=load.get("active_requests", 0), handoffs_taken=load.get("handoffs_taken", 0))
 
     async def _report_load(self) -> None:
         """Say the load as it changes: a request that ended shows at once, not a heartbeat later."""

@@ -98,7 +98,7 @@ def engine_kv_events(*, nc, subjects: Subjects, identity, engine, engine_loop) -
                             held_hashes=lambda: engine_loop.call(lambda e: e.block_manager.held_hashes()))
 
 
-def kv_hashing_details(engine) -> dict:
-    """What a scheduler needs to hash prompts into this engine's block hashes (registry details)."""
-    return {"kv_block_size": engine.config.block_size, "kv_fingerprint": engine.fingerprint.hex()}
+def kv_hashing(engine) -> dict:
+    """What a scheduler needs to hash prompts into this engine's block hashes (its registry entry's fields)."""
+    return {"kv_block_size": engine.config.block_size, "kv_fingerprint": engine.fingerprint}
 

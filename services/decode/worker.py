@@ -97,10 +97,8 @@ class DecodeRole:
     def load(self) -> dict:
         engine = self.worker.engine
         return {"num_running": engine.num_running, "num_waiting": engine.num_waiting,
-                "max_num_seqs": engine.config.max_num_seqs}
-
-    def load_details(self) -> dict:
-        return {"active_requests": len(self.requests), "handoffs_taken": self.handoffs_taken}
+                "max_num_seqs": engine.config.max_num_seqs, "active_requests": len(self.requests),
+                "handoffs_taken": self.handoffs_taken}
 
     def details(self) -> dict:
         remote = self.remote

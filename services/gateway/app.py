@@ -121,7 +121,7 @@ class Gateway:
         return self.identity.info(
             model=self.settings.model_dir, served_model_name=self.settings.served_model_name, state="ready",
             http_port=self.settings.http_port,
-            details={"active_requests": len(self.streams)},
+            active_requests=len(self.streams),
         )
 
     async def _watch_services(self) -> None:

@@ -81,7 +81,7 @@ class KVStoreService:
         await self._heartbeat.stop(remove=True)
 
     def info(self) -> ServiceInfo:
-        return self.identity.info(state=self.state, details={
+        return self.identity.info(state=self.state, publishes_kv_events=True, details={
             "store": self.store.snapshot(), "requests": dict(self.counts), "puts_in_flight": self._puts_in_flight,
             "kv_transfer_in": self.receiver.stats.snapshot(), "kv_transfer_out": self.sender.stats.snapshot(),
             "rejected_messages": dict(REJECTED), "kv_events": dict(self.kv_events.counts)})

@@ -106,9 +106,6 @@ class PrefillRole:
     def load(self) -> dict:
         return {"num_running": len(self.jobs), "max_num_seqs": self.max_concurrent_jobs}
 
-    def load_details(self) -> dict:
-        return {}
-
     def details(self) -> dict:
         return {"jobs": dict(self.counts), "kv_transfer": self.sender.stats.snapshot()}
 

@@ -79,7 +79,7 @@ class RoutedTally:
         for request_id, routed in list(self._routed.items()):
             entry = by_id.get(routed.instance_id)
             if (entry is None or entry.boot_id != routed.boot_id or now_ms - routed.chosen_ms > self.max_age_ms
-                    or 0 < routed.handoffs_taken <= (entry.details.get("handoffs_taken") or 0)):
+                    or 0 < routed.handoffs_taken <= entry.handoffs_taken):
                 self.discard(request_id)
 
     def apply(self, workers: list[ServiceInfo]) -> list[ServiceInfo]:

@@ -140,7 +140,7 @@ class Router:
             for worker in self.workers:
                 # Registered, but nothing heard (it published before this scheduler listened, or its snapshot
                 # came before its heartbeat and was dropped above): ask, as an idle one sends nothing else.
-                if worker.instance_id not in known and worker.details.get("kv_events") is not None:
+                if worker.instance_id not in known and worker.publishes_kv_events:
                     await self._ask_snapshot(worker.instance_id, "unknown")
         if any(w.role == "prefill" for w in self.workers):
             try:

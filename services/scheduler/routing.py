@@ -18,18 +18,15 @@ def with_load(entry: ServiceInfo, load: WorkerLoad | None) -> ServiceInfo:
     """`entry` with the figures of `load`, a report from the same process sent after the entry's heartbeat."""
     if load is None or load.boot_id != entry.boot_id or load.sent_ms <= entry.heartbeat_ms:
         return entry
-    details = dict(entry.details)
-    for name in ("active_requests", "handoffs_taken"):
-        if name in details:
-            details[name] = getattr(load, name)
     return replace(entry, num_running=load.num_running, num_waiting=load.num_waiting,
-                   kv_blocks_free=load.kv_blocks_free, details=details)
+                   kv_blocks_free=load.kv_blocks_free, active_requests=load.active_requests,
+                   handoffs_taken=load.handoffs_taken)
 
 
 def num_seqs(worker: ServiceInfo) -> int:
     """The requests a worker holds: running and waiting in its engine, or (a decode worker's `active_requests`)
     every one it has taken and not finished, including those still loading or waiting for their prefill."""
-    return max(worker.num_running + worker.num_waiting, worker.details.get("active_requests") or 0)
+    return max(worker.num_running + worker.num_waiting, worker.active_requests)
 
 
 def load_score(worker: ServiceInfo) -> tuple[float, float]:
@@ -63,14 +60,12 @@ def cached_prefixes(workers: list[ServiceInfo], prompt: list[int],
     The prompt is hashed once per block size and model fingerprint the workers report; a worker that
     reports none is taken to hold nothing."""
     cached = CachedPrefixes()
-    by_hashing: dict[tuple[int, str], list[ServiceInfo]] = {}
+    by_hashing: dict[tuple[int, bytes], list[ServiceInfo]] = {}
     for worker in workers:
-        key = (worker.details.get("kv_block_size") or 0, worker.details.get("kv_fingerprint") or "")
-        by_hashing.setdefault(key, []).append(worker)
+        if worker.kv_block_size and worker.kv_fingerprint:
+            by_hashing.setdefault((worker.kv_block_size, worker.kv_fingerprint), []).append(worker)
     for (block_size, fingerprint), group in by_hashing.items():
-        if not block_size or not fingerprint:
-            continue
-        overlaps = overlaps_of(cacheable_block_hashes(prompt, block_size, bytes.fromhex(fingerprint)))
+        overlaps = overlaps_of(cacheable_block_hashes(prompt, block_size, fingerprint))
         cached.prompt_blocks = max(cached.prompt_blocks, -(-len(prompt) // block_size))
         for worker in group:
             cached.blocks[worker.instance_id] = cached_blocks(worker, overlaps, overlaps.get(KVSTORE, 0))
@@ -81,7 +76,7 @@ def cached_prefixes(workers: list[ServiceInfo], prompt: list[int],
 def cached_blocks(worker: ServiceInfo, overlaps: dict[str, int], kvstore_blocks: int) -> int:
     """How many of a prompt's blocks `worker` can start from: its own cache's, or the kv-store's if it uses one."""
     own = overlaps.get(worker.instance_id, 0)
-    return max(own, kvstore_blocks) if worker.details.get("uses_kv_store") else own
+    return max(own, kvstore_blocks) if worker.uses_kv_store else own
 
 
 def kv_cost(worker: ServiceInfo, num_prompt_blocks: int, num_cached_blocks: int, overlap_weight: float) -> float:
@@ -118,7 +113,7 @@ def rank_by_kv(workers: list[ServiceInfo], num_prompt_blocks: int, cached: dict[
 
 def blocks_to_take(worker: ServiceInfo, num_prompt_tokens: int, num_cached_blocks: int = 0) -> int:
     """The KV blocks a prompt will take on `worker`: its blocks, less the cached prefix it starts from."""
-    block_size = worker.details.get("kv_block_size") or 1
+    block_size = worker.kv_block_size or 1
     return max(-(-num_prompt_tokens // block_size) - num_cached_blocks, 0)
 
 

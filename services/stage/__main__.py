@@ -99,14 +99,14 @@ async def build_head(args: argparse.Namespace, registry, link, model_dir: str, n
     from shared.engine.pipeline import LayerSplitError, PipelineHeadEngine, check_layer_split
 
     stages = await wait_for_stages(registry, args.stages, args.stage_wait)
-    ranges = [args.layers] + [LayerRange(*stages[iid].details["layers"]) for iid in args.stages]
+    ranges = [args.layers] + [LayerRange(*stages[iid].layer_range) for iid in args.stages]
     try:
         check_layer_split(ranges, num_layers)
     except LayerSplitError as exc:
         raise SystemExit(f"the pipeline's stages do not fit together: {exc}") from None
     for iid in args.stages:
-        if stages[iid].details.get("block_size") != args.block_size:
-            raise SystemExit(f"stage {iid} has KV blocks of {stages[iid].details.get('block_size')} tokens; "
+        if stages[iid].kv_block_size != args.block_size:
+            raise SystemExit(f"stage {iid} has KV blocks of {stages[iid].kv_block_size} tokens; "
                              f"the head has {args.block_size}")
     # Steps name the head's block ids, so the head uses no more blocks than any stage has.
     own_blocks = args.kv_cache_bytes // head_bytes_per_block(model_dir, args)

@@ -101,7 +101,7 @@ class PipelineDriver:
     def details(self) -> dict:
         engine = self.engine
         return {
-            "layers": [0, engine.local_layers_end], "stages": list(self.stages),
+            "stages": list(self.stages),
             "microbatches": len(engine.schedulers), "steps_started": engine.steps_started,
             "steps_failed": engine.steps_failed, "steps_in_flight": engine.num_in_flight,
             "stages_missing": list(self.stages_missing), "resets": self.resets,

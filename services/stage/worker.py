@@ -77,8 +77,8 @@ class StageWorker:
         return self.identity.info(
             model=self.model, served_model_name=self.served_model_name, state=self.state,
             kv_blocks_total=self.runner.num_blocks, kv_blocks_free=self.runner.num_blocks,
-            details={"layers": [layers.start, layers.end], "is_last": self.runner.is_last,
-                     "parameter_bytes": self.runner.parameter_bytes, "block_size": self.runner.block_size,
+            kv_block_size=self.runner.block_size, layer_range=(layers.start, layers.end),
+            details={"is_last": self.runner.is_last, "parameter_bytes": self.runner.parameter_bytes,
                      "steps": dict(self.counts), "utilization": self.utilization.snapshot(),
                      "link": dict(self.link.stats), "kv_shipped": dict(self.shipped),
                      "kv_transfer": self.link.sender.stats.snapshot(), "rejected_messages": dict(REJECTED)},

@@ -80,7 +80,7 @@ def test_event_log_keeps_the_latest_state_and_overflows_to_a_snapshot():
 def worker(instance, used=0, total=100, uses_kv_store=False, running=0):
     return ServiceInfo(instance_id=instance, role="decode", state="ready", served_model_name="m", max_num_seqs=8,
                        num_running=running, kv_blocks_total=total, kv_blocks_free=total - used,
-                       details={"uses_kv_store": uses_kv_store})
+                       uses_kv_store=uses_kv_store)
 
 
 def test_kv_ranking_trades_the_cached_prefix_against_load():

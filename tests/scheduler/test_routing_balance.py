@@ -15,15 +15,11 @@ from services.scheduler.routing import (
 )
 
 
-def worker(instance, used=0, running=0, waiting=0, active=None, taken=None, boot="b1", total=100, slots=8):
-    details = {"kv_block_size": 16}
-    if active is not None:
-        details["active_requests"] = active
-    if taken is not None:
-        details["handoffs_taken"] = taken
+def worker(instance, used=0, running=0, waiting=0, active=0, taken=0, boot="b1", total=100, slots=8):
     return ServiceInfo(instance_id=instance, role="decode", state="ready", served_model_name="m", max_num_seqs=slots,
                        num_running=running, num_waiting=waiting, kv_blocks_total=total, kv_blocks_free=total - used,
-                       boot_id=boot, details=details)
+                       boot_id=boot, active_requests=active, handoffs_taken=taken,
+                       kv_block_size=16, kv_fingerprint=b"f" * 16)
 
 
 def route(tally, workers, request_id, prompt_blocks=4, cached=None, router="kv", now_ms=1000):
@@ -135,12 +131,12 @@ def test_blocks_to_take_are_the_prompt_blocks_the_cache_does_not_hold():
 
 def test_a_load_report_newer_than_the_heartbeat_replaces_its_figures():
     entry = ServiceInfo(instance_id="d-0", role="decode", boot_id="b1", heartbeat_ms=1000, num_running=3,
-                        num_waiting=1, kv_blocks_free=10, details={"active_requests": 4, "handoffs_taken": 9, "x": 1})
+                        num_waiting=1, kv_blocks_free=10, active_requests=4, handoffs_taken=9, details={"x": 1})
     report = WorkerLoad(instance_id="d-0", boot_id="b1", sent_ms=1040, num_running=0, num_waiting=0,
                         kv_blocks_free=50, active_requests=0, handoffs_taken=10)
     fresh = with_load(entry, report)
     assert (fresh.num_running, fresh.num_waiting, fresh.kv_blocks_free) == (0, 0, 50)
-    assert fresh.details == {"active_requests": 0, "handoffs_taken": 10, "x": 1} and entry.num_running == 3
+    assert (fresh.active_requests, fresh.handoffs_taken, fresh.details) == (0, 10, {"x": 1}) and entry.num_running == 3
     assert num_seqs(fresh) == 0 and num_seqs(entry) == 4
     # Older than the heartbeat, or from another process of the same name: the entry stands.
     assert with_load(entry, WorkerLoad(**{**msgspec.structs.asdict(report), "sent_ms": 990})) is entry

@@ -120,8 +120,8 @@ def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):
         assert time.monotonic() < deadline, entry.details["jobs"]
         time.sleep(0.2)
     # control: the same job with the deployment's own fingerprint is computed (its KV then fails to ship: port 9)
-    own = asyncio.run(offer(bytes.fromhex(entry.details["kv_fingerprint"]), "own-model-job"))
-    assert own.ok and own.first_token_id >= 0 and own.model_fingerprint.hex() == entry.details["kv_fingerprint"]
+    own = asyncio.run(offer(entry.kv_fingerprint, "own-model-job"))
+    assert own.ok and own.first_token_id >= 0 and own.model_fingerprint == entry.kv_fingerprint
 
 
 def test_transfer_that_never_arrives_falls_back_locally(nats_server, default_model, tmp_path, cases):

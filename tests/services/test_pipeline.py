@@ -69,12 +69,12 @@ def test_pipeline_matches_transformers_alone_and_concurrently(nats_server, defau
         assert_matches_transformers(deployment, cases, tokenizer)
 
         head = deployment.stats("stage-0")
-        assert head.details["layers"] == list(split[0]) and head.details["steps_failed"] == 0
+        assert head.layer_range == tuple(split[0]) and head.details["steps_failed"] == 0
         assert head.kv_blocks_free == head.kv_blocks_total  # every request's blocks came back
         parameter_bytes = [head.details["parameter_bytes"]]
         for i, (start, end) in enumerate(split[1:], start=1):
             stage = deployment.stats(f"stage-{i}")
-            assert stage.details["layers"] == [start, end]
+            assert stage.layer_range == (start, end)
             assert stage.details["steps"].get("forwarded", 0) > 0 and not stage.details["steps"].get("failed")
             assert 0 <= stage.details["utilization"]["idle_fraction"] < 1
             parameter_bytes.append(stage.details["parameter_bytes"])
