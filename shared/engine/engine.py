@@ -134,8 +134,9 @@ class LLMEngine:
         self.kv_store_hit_tokens = 0
 
     def connect(self, connector: KVConnector) -> None:
-        """Call `connector`'s hooks from now on: prefix-cache changes, and computed blocks (when a prompt's
-        KV is complete, every WRITE_BACK_BLOCKS blocks that decoding fills, and when a request finishes)."""
+        """Call `connector`'s hooks from now on: prefix-cache changes; computed blocks (when a prompt's KV is
+        complete, every WRITE_BACK_BLOCKS blocks that decoding fills, and when a request finishes); and the
+        prompt KV, layer by layer, of requests added with `stream_prompt_kv`."""
         self.connectors.connect(connector)
 
     # ---- requests -----------------------------------------------------------------
