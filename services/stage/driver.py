@@ -76,8 +76,9 @@ class PipelineDriver:
                shipment_of: Callable[[str], Shipping | None] | None = None,
                trace_of: Callable[[str], dict[str, str] | None] | None = None) -> None:
         """`on_reset(outputs)` publishes the failures a reset produced (on the event loop);
-        `shipment_of(request_id)` says how the stages ship a request's KV (a prefill head's requests), None for requests whose KV stays; `trace_of(request_id)` is the request's trace
-        context (headers), None if it has none."""
+        `shipment_of(request_id)` says how the stages ship a request's KV (a prefill head's requests), None
+        for requests whose KV stays; `trace_of(request_id)` is the request's trace context (headers), None if
+        it has none."""
         self.engine = engine
         self.engine_loop = engine_loop
         self.boot_id = boot_id
