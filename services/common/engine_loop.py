@@ -104,6 +104,11 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
 
+    def wake(self) -> None:
+        """Step again now (from any thread): what a stalled engine waited for (a connector's answer or load)
+        has come."""
+        self._commands.put(None)
+
     def call(self, fn: Callable) -> "asyncio.Future":
         """Run `fn(engine)` between steps; await the returned future (from the event loop)."""
         future = asyncio.get_running_loop().create_future()
@@ -116,11 +121,13 @@ class EngineLoop:
             if share is not None:
                 share.start()
             while not self._stop.is_set():
-                busy = self.engine.has_unfinished_requests()
-                if not busy and share is not None:
+                idle = not self.engine.has_unfinished_requests()
+                if idle and share is not None:
                     share.idle()
-                rejected, _ = self._apply_commands(0.0 if busy else _IDLE_WAIT_S)
-                if not busy and self.engine.has_unfinished_requests():
+                # A stalled engine (its requests wait for connectors, or for blocks held outside a step) waits
+                # for a command or a wake too, and steps at least every _IDLE_WAIT_S.
+                rejected, _ = self._apply_commands(_IDLE_WAIT_S if idle or self.engine.stalled else 0.0)
+                if idle and self.engine.has_unfinished_requests():
                     rejected += self._gather_burst()
                 outputs = []
                 if self.engine.has_unfinished_requests():

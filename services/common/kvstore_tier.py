@@ -1,9 +1,10 @@
 """A worker's use of the kv-store: load a prompt's cached prefix before it runs, write its full blocks back after.
 
-Before a request runs, its prompt's full blocks are looked up (each on the
-kv-store instance `placement` gives it); when the store holds a longer prefix
-than the worker's own prefix cache, those blocks are fetched over the side
-channel into reserved blocks and the request starts with them as computed
+As a request is added, its prompt's full blocks are looked up (each on the
+kv-store instance `placement` gives it). The tier is the engine's connector:
+when the engine admits the request and the store holds a longer prefix than
+the engine's own prefix cache, the blocks beyond it are fetched over the side
+channel into the request's blocks, and it runs from there with them as computed
 (`cached_tokens`). Once a prompt's KV is complete, its full blocks that the
 store does not have yet are copied out and put there, in the background.
 
@@ -23,7 +24,6 @@ from opentelemetry import trace
 from services.kvstore.client import KVStoreClient
 from services.kvstore.placement import group_by_instance
 from shared.bus.registry import Registry
-from shared.engine.continuation import Continuation, KVOrigin, ReservedKV
 from shared.engine.kv_connector import BlockExport, KVConnector
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import tracer
@@ -33,7 +33,32 @@ log = get_logger(__name__)
 _INSTANCES_TTL_S = 1.0
 
 
+class _Prefix:
+    """A request's prefix in the store, from `expect` until the request ends (or its load does)."""
+
+    def __init__(self, hashes: list[bytes], span):
+        self.hashes = hashes
+        self.span = span  # "kvstore.load_prefix": the lookup and the fetch
+        self.held_blocks: int | None = None  # of `hashes`, from the first, the store holds (None: not known yet)
+        self.lookup: asyncio.Task | None = None
+        self.fetch: asyncio.Task | None = None
+
+    def cancel(self) -> None:
+        for task in (self.lookup, self.fetch):
+            if task is not None:
+                task.cancel()  # a fetch still reports its (failed) load
+        _end(self.span, 0)
+
+
+def _end(span, loaded_tokens: int) -> None:
+    if span.is_recording():
+        span.set_attribute("splitserve.loaded_tokens", loaded_tokens)
+        span.end()
+
+
 class KVStoreTier(KVConnector):
+    name = "kvstore"
+
     def __init__(self, *, client: KVStoreClient, registry: Registry, engine, engine_loop, known_capacity: int = 1 << 16,
                  max_puts_in_flight: int = 32):
         self.client = client
@@ -50,6 +75,9 @@ class KVStoreTier(KVConnector):
         self.counts: Counter[str] = Counter()
         self.max_puts_in_flight = max_puts_in_flight
         self._puts_in_flight = 0  # counted from the engine thread (up) and the event loop (down), under _known_lock
+        self._lock = threading.Lock()  # the prefixes and finished loads, shared with the engine thread
+        self._prefixes: dict[str, _Prefix] = {}  # request id -> its prefix, from `expect` to its end
+        self._loaded: list[tuple[str, bool]] = []  # finished loads not collected by the engine yet
         engine.connect(self)
 
     @property
@@ -70,66 +98,104 @@ class KVStoreTier(KVConnector):
             self._instances = (time.monotonic(), instances)
         return instances
 
-    # ---- before a request runs ------------------------------------------------------------------
-    async def load_prefix(self, prompt: list[int]) -> Continuation | None:
-        """The start of the request from its cached prefix in the store, or None (also when anything fails: the
-        store is a cache, without it the prompt is computed in full)."""
-        with tracer().start_as_current_span("kvstore.load_prefix") as span:
-            try:
-                loaded = await self._load_prefix(prompt)
-            except Exception:
-                log.exception("kv-store prefix load failed")
-                self.counts["load_failed"] += 1
-                loaded = None
-            span.set_attribute("splitserve.loaded_tokens", loaded.num_cached_tokens if loaded else 0)
-            return loaded
-
-    async def _load_prefix(self, prompt: list[int]) -> Continuation | None:
+    # ---- before a request runs: the engine's admission hooks -----------------------------------
+    def expect(self, request_id: str, prompt: list[int]) -> None:
+        """The request is about to be added to the engine: look its prefix up in the store now (traced under the
+        current span), so that the answer is there, or close, when the engine admits it."""
         hashes = self.engine.prefix_block_hashes(prompt)
-        if not hashes:
-            return None
-        local = await self.engine_loop.call(lambda engine: engine.local_prefix_blocks(hashes))
-        instances = await self.instances()
-        span = trace.get_current_span()
-        span.set_attributes({"splitserve.prompt_blocks": len(hashes), "splitserve.local_blocks": local,
-                             "splitserve.kvstore_instances": len(instances)})
-        if not instances:
-            self.counts["no_kvstore"] += 1
-            return None
-        held = await self._held_prefix(hashes, instances)
-        span.set_attribute("splitserve.kvstore_blocks", held)
-        if held < len(hashes):
-            self.counts["lookup_misses"] += 1  # the store lacks part of the prefix (never stored, or evicted)
-            self._forget(hashes[held:])  # so that the blocks are written back again once computed
-        if held <= local:
-            return None  # the engine finds its own cached prefix (and counts the lookup) when it schedules it
-        reserving = self.engine_loop.call(lambda engine: engine.reserve_blocks(held * self.block_size))
-        try:
-            block_ids = await asyncio.shield(reserving)  # if cancelled meanwhile, the blocks still come: give back
-        except asyncio.CancelledError:
-            reserving.add_done_callback(self._release_reserved)
-            raise
-        except Exception:
-            self.counts["no_blocks"] += 1
-            return None
-        try:
-            fetched = await self._fetch(hashes[:held], instances, block_ids)
-        except BaseException:
-            self.engine_loop.call(lambda engine: engine.release_blocks(block_ids))
-            raise
-        if not fetched:
-            self.engine_loop.call(lambda engine: engine.release_blocks(block_ids))
-            self.counts["fetch_failed"] += 1
-            return None
-        self._remember(hashes[:held])
-        self.counts["loaded"] += 1
-        return Continuation(reserved=ReservedKV(block_ids, held * self.block_size),
-                            num_cached_tokens=held * self.block_size, kv_origin=KVOrigin.KV_STORE)
+        with self._lock:
+            if not hashes or request_id in self._prefixes:
+                return  # nothing to load (or a duplicate request id, which the engine refuses)
+            span = tracer().start_span("kvstore.load_prefix", attributes={"splitserve.prompt_blocks": len(hashes)})
+            prefix = _Prefix(hashes, span)
+            self._prefixes[request_id] = prefix
+        with trace.use_span(span):
+            prefix.lookup = asyncio.create_task(self._look_up(prefix))
 
-    def _release_reserved(self, future: asyncio.Future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            block_ids = future.result()
-            self.engine_loop.call(lambda engine: engine.release_blocks(block_ids))
+    async def _look_up(self, prefix: "_Prefix") -> None:
+        held = 0
+        try:
+            instances = await self.instances()
+            prefix.span.set_attribute("splitserve.kvstore_instances", len(instances))
+            if not instances:
+                self.counts["no_kvstore"] += 1
+            else:
+                held = await self._held_prefix(prefix.hashes, instances)
+                if held < len(prefix.hashes):
+                    self.counts["lookup_misses"] += 1  # the store lacks part of the prefix (never stored, or evicted)
+                    self._forget(prefix.hashes[held:])  # so that the blocks are written back again once computed
+        except Exception:
+            log.exception("kv-store prefix lookup failed")
+            self.counts["load_failed"] += 1
+        finally:
+            prefix.span.set_attribute("splitserve.kvstore_blocks", held)
+            with self._lock:
+                prefix.held_blocks = held
+            self.engine_loop.wake()
+
+    def external_prefix(self, request_id: str, token_ids: list[int], num_local_tokens: int) -> int | None:
+        """(Engine thread.) What the store holds beyond the engine's own cached prefix; None while it is asked."""
+        with self._lock:
+            prefix = self._prefixes.get(request_id)
+            if prefix is None:
+                return 0
+            if prefix.held_blocks is None:
+                return None
+            offer = prefix.held_blocks * self.block_size - num_local_tokens
+        prefix.span.set_attribute("splitserve.local_blocks", num_local_tokens // self.block_size)
+        if offer <= 0:
+            _end(prefix.span, 0)  # the engine's own cache holds as much (and counts it)
+        return max(0, offer)
+
+    def start_load(self, request_id: str, block_ids: list[int], first_token: int, num_tokens: int) -> None:
+        """(Engine thread.) Fetch the offered blocks into the request's blocks, on the event loop."""
+        self._loop.call_soon_threadsafe(self._start_fetch, request_id, block_ids, first_token, num_tokens)
+
+    def _start_fetch(self, request_id: str, block_ids: list[int], first_token: int, num_tokens: int) -> None:
+        with self._lock:
+            prefix = self._prefixes.get(request_id)
+        if prefix is None:  # the request ended before its fetch began
+            self._report(request_id, False)
+            return
+        first = first_token // self.block_size
+        hashes = prefix.hashes[first: first + num_tokens // self.block_size]
+        with trace.use_span(prefix.span):
+            prefix.fetch = asyncio.create_task(self._fetch_into(request_id, prefix, hashes, block_ids))
+
+    async def _fetch_into(self, request_id: str, prefix: "_Prefix", hashes: list[bytes], block_ids: list[int]) -> None:
+        ok = False
+        try:
+            instances = await self.instances()
+            ok = bool(instances) and await self._fetch(hashes, instances, block_ids)
+        except asyncio.CancelledError:
+            pass  # the request ended: reported as failed below, which frees its blocks
+        except Exception:
+            log.exception("kv-store prefix fetch failed", request_id=request_id)
+        finally:
+            if ok:
+                self._remember(prefix.hashes[: prefix.held_blocks])
+                self.counts["loaded"] += 1
+            else:
+                self.counts["fetch_failed"] += 1
+            _end(prefix.span, len(hashes) * self.block_size if ok else 0)
+            self._report(request_id, ok)  # after the last block was written (they are written on this loop)
+
+    def _report(self, request_id: str, ok: bool) -> None:
+        with self._lock:
+            self._loaded.append((request_id, ok))
+        self.engine_loop.wake()
+
+    def finished_loads(self) -> list[tuple[str, bool]]:
+        with self._lock:
+            loaded, self._loaded = self._loaded, []
+        return loaded
+
+    def request_finished(self, request_id: str) -> None:
+        """(Engine thread.) Stop looking up or fetching for a request that ended."""
+        with self._lock:
+            prefix = self._prefixes.pop(request_id, None)
+        if prefix is not None:
+            self._loop.call_soon_threadsafe(prefix.cancel)
 
     async def _held_prefix(self, hashes: list[bytes], instances: list[str]) -> int:
         """How many of `hashes`, from the first, the instances hold between them."""
@@ -212,9 +278,14 @@ class KVStoreTier(KVConnector):
                 self._known.pop(block_hash, None)
 
     async def stop(self) -> None:
+        with self._lock:
+            prefixes = list(self._prefixes.values())
+        for prefix in prefixes:
+            prefix.cancel()
+        tasks = [*self._puts, *(t for p in prefixes for t in (p.lookup, p.fetch) if t is not None)]
         for task in list(self._puts):
             task.cancel()
-        await asyncio.gather(*self._puts, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.close()
 
 

@@ -134,9 +134,9 @@ class DecodeRole:
             with trace.use_span(span), structlog.contextvars.bound_contextvars(request_id=request.request_id):
                 if request.prefill == "remote" and self.remote is not None:
                     active.preparing = asyncio.create_task(self.remote.run(request, params, active))
-                elif w.kv_store is not None:
-                    active.preparing = asyncio.create_task(self._load_prefix_then_add(request, params))
                 else:
+                    if w.kv_store is not None:  # the engine loads the prefix the store holds when it admits it
+                        w.kv_store.expect(request.request_id, request.prompt_token_ids)
                     w.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params))
         if msg.reply:
             if reply.accepted:
@@ -180,17 +180,6 @@ class DecodeRole:
     def forget(self, request_id: str) -> None:
         """The request ended outside the engine (a remote prefill's first token was its last)."""
         self.requests.pop(request_id, None)
-
-    async def _load_prefix_then_add(self, request: GenerateRequest, params: SamplingParams) -> None:
-        """Start the request with its cached prefix from the kv-store, when the store has one."""
-        w = self.worker
-        loaded = await w.kv_store.load_prefix(request.prompt_token_ids)
-        if request.request_id not in self.requests:  # cancelled meanwhile
-            if loaded is not None:
-                block_ids = loaded.reserved.block_ids
-                w.engine_loop.call(lambda engine: engine.release_blocks(block_ids))
-            return
-        w.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params, loaded))
 
     # ---- outputs ----------------------------------------------------------------------
     async def on_outputs(self, items: list[RequestOutput | RequestRejected]) -> None:

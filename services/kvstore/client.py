@@ -81,13 +81,15 @@ class KVStoreClient:
         transfer_id = f"kvget-{secrets.token_hex(8)}"
         ticket = self.receiver.expect(transfer_id, on_part=on_blocks, total_layers=(0, len(hashes)),
                                       deadline_s=self.timeout_s)
-        answer = await self._ask(instance, "get", KVStoreGet(hashes=list(hashes), ticket=ticket,
-                                                             deadline_ms=int(ticket.deadline_unix_s * 1000),
-                                                             model_fingerprint=self.model_fingerprint))
-        if answer is None:
-            self.receiver.cancel(transfer_id)
-            return False
-        result = await self.receiver.wait(transfer_id)
+        try:
+            answer = await self._ask(instance, "get", KVStoreGet(hashes=list(hashes), ticket=ticket,
+                                                                 deadline_ms=int(ticket.deadline_unix_s * 1000),
+                                                                 model_fingerprint=self.model_fingerprint))
+            if answer is None:
+                return False
+            result = await self.receiver.wait(transfer_id)
+        finally:
+            self.receiver.cancel(transfer_id)  # when cancelled (or refused): no late block reaches `on_blocks`
         trace.get_current_span().set_attributes(result.span_attributes())
         if not result.ok:
             self.misses["get_transfer"] += 1

@@ -223,10 +223,9 @@ class PrefillRole:
         future = self._loop.create_future()
         self._first_tokens[job.request_id] = future
         try:
-            continuation = None
-            if self.worker.kv_store is not None:  # start from the prefix the kv-store holds, if longer than our own
-                continuation = await self.worker.kv_store.load_prefix(job.prompt_token_ids)
-            self.worker.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only, continuation,
+            if self.worker.kv_store is not None:  # the engine starts from the prefix the store holds, if longer
+                self.worker.kv_store.expect(job.request_id, job.prompt_token_ids)
+            self.worker.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only,
                                                    hold_kv=True, stream_prompt_kv=True))
             remaining_s = max(0.0, (job.deadline_ms - now_ms()) / 1000)
             try:

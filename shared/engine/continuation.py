@@ -1,9 +1,9 @@
 """`Continuation`: a request that starts part-way, with tokens or KV computed before it reached this engine.
 
 A decode worker continues a request a prefill worker started (its first token, and the prompt's KV written
-into reserved blocks); any worker starts one from the prefix blocks it loaded from the kv-store; a request
-whose transfer failed continues after the first token it already streamed. The engine checks that the KV
-fits the request when it is added.
+into reserved blocks); a request whose transfer failed continues after the first token it already streamed.
+The engine checks that the KV fits the request when it is added. (A prefix loaded from the kv-store is not a
+continuation: a connector loads it when the engine admits the request, see `kv_connector`.)
 """
 
 import enum
@@ -18,7 +18,6 @@ from shared.engine.kv_cache import KVLayout
 class KVOrigin(enum.Enum):
     COMPUTED = "computed"  # computed elsewhere; the kv-store does not have its blocks
     WRITTEN_BACK = "written_back"  # computed elsewhere, whose full blocks went to the kv-store there
-    KV_STORE = "kv_store"  # loaded from the kv-store (counted as its hits)
 
 
 @dataclass(slots=True, frozen=True)

@@ -7,6 +7,7 @@ services drive `step()` from their own loop.
 """
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 import random
 import time
@@ -115,7 +116,7 @@ class LLMEngine:
         per_engine_seqs = -(-config.max_num_seqs // num_virtual_engines)
         self.schedulers = [
             Scheduler(SchedulerConfig(per_engine_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
-                      self.block_manager)
+                      self.block_manager, self.connectors)
             for _ in range(num_virtual_engines)
         ]
         self.scheduler = self.schedulers[0]
@@ -130,13 +131,14 @@ class LLMEngine:
         self._arrivals = 0
         self._rng = random.Random()
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (misses, and preempted ones again)
-        self.kv_store_query_tokens = 0  # of requests that started from kv-store blocks (the engine never looks)
-        self.kv_store_hit_tokens = 0
+        self.external_hit_tokens: Counter[str] = Counter()  # prompt tokens loaded by connectors, by connector name
+        self.stalled = False  # the last step ran nothing though requests are unfinished (loads, or blocks held)
 
     def connect(self, connector: KVConnector) -> None:
-        """Call `connector`'s hooks from now on: prefix-cache changes; computed blocks (when a prompt's KV is
-        complete, every WRITE_BACK_BLOCKS blocks that decoding fills, and when a request finishes); and the
-        prompt KV, layer by layer, of requests added with `stream_prompt_kv`."""
+        """Call `connector`'s hooks from now on: prefixes to load when a request is admitted; prefix-cache
+        changes; computed blocks (when a prompt's KV is complete, every WRITE_BACK_BLOCKS blocks that decoding
+        fills, and when a request finishes); the prompt KV, layer by layer, of requests added with
+        `stream_prompt_kv`; and the end of every request."""
         self.connectors.connect(connector)
 
     # ---- requests -----------------------------------------------------------------
@@ -152,7 +154,10 @@ class LLMEngine:
         """
         continuation = continuation or Continuation()
         reserved = continuation.reserved
+        in_use = request_id in self._sequences or any(request_id in s.abandoned for s in self.schedulers)
         try:
+            if in_use:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
             self._add_request(request_id, prompt_token_ids, params, continuation, hold_kv, stream_prompt_kv)
         except BaseException:
             seq = self._sequences.get(request_id)
@@ -160,13 +165,13 @@ class LLMEngine:
                        and seq.block_table[: len(reserved.block_ids)] == reserved.block_ids)
             if reserved is not None and not adopted:
                 self.release_blocks(reserved.block_ids)
+            if not in_use:
+                self.connectors.request_finished(request_id)
             raise
 
     def _add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      continuation: Continuation, hold_kv: bool, stream_prompt_kv: bool) -> None:
         output_token_ids = continuation.output_token_ids
-        if request_id in self._sequences:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if self.num_waiting >= self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting")
         self._validate(prompt_token_ids, list(output_token_ids), params)
@@ -208,12 +213,8 @@ class LLMEngine:
         elif continued:
             self._adopt_blocks(seq, continuation.reserved.block_ids, continuation.reserved.num_tokens,
                                continuation.num_cached_tokens)
-        if continued and continuation.kv_origin is not KVOrigin.COMPUTED:
+        if continued and continuation.kv_origin is KVOrigin.WRITTEN_BACK:
             seq.num_written_back = seq.num_computed_tokens // self.config.block_size
-        if continued and continuation.kv_origin is KVOrigin.KV_STORE:
-            block_size = self.config.block_size
-            self.kv_store_query_tokens += (seq.num_prompt_tokens - 1) // block_size * block_size
-            self.kv_store_hit_tokens += continuation.num_cached_tokens
         self._arrivals += 1
         self._sequences[request_id] = seq
         detok = continuation.detokenizer or self.new_detokenizer(seq.token_ids, params)
@@ -234,6 +235,7 @@ class LLMEngine:
             return False
         self._detokenizers.pop(request_id, None)
         self.schedulers[seq.virtual_engine].finish(seq)
+        self.connectors.request_finished(request_id)
         return True
 
     def release_held(self, request_id: str) -> bool:
@@ -257,7 +259,8 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(s.waiting) for s in self.schedulers)
+        """Requests not in a batch yet (loading ones included)."""
+        return sum(len(s.waiting) + len(s.loading) for s in self.schedulers)
 
     @property
     def num_preemptions(self) -> int:
@@ -271,9 +274,9 @@ class LLMEngine:
         """Prompt tokens looked up in the prefix caches (this engine's own, at a request's first scheduling, or
         the kv-store's, for a request started from its blocks), found per tier, and prompt tokens computed
         (plain ints: safe to read from another thread)."""
-        return {"query_tokens": sum(s.prefix_query_tokens for s in self.schedulers) + self.kv_store_query_tokens,
+        return {"query_tokens": sum(s.prefix_query_tokens for s in self.schedulers),
                 "hit_tokens": {"local": sum(s.prefix_hit_tokens for s in self.schedulers),
-                               "kvstore": self.kv_store_hit_tokens},
+                               **{name: self.external_hit_tokens[name] for name in self.connectors.loader_names}},
                 "prompt_tokens_computed": self.num_prompt_tokens_computed}
 
     def get_sequence(self, request_id: str) -> Sequence | None:
@@ -283,19 +286,37 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.local_layers_end != self.model_config.num_hidden_layers:
             raise EngineError("this engine runs only the first layers of a pipeline; a pipeline head drives it")
+        self.collect_loads()
         outputs = []
+        ran = False
         pacer = self.prefill_pacer
         for virtual_engine in range(len(self.schedulers)):
             if pacer is not None:
                 self.schedulers[virtual_engine].prefill_cap = pacer.cap()
             planned = self.plan_step(virtual_engine)
             if planned is not None:
+                ran = True
                 started = time.perf_counter()
                 logits = self.executor.execute(planned.batch, self._layer_streamer(planned.scheduled))
                 if pacer is not None:
                     pacer.observe(time.perf_counter() - started, _prompt_tokens(planned.scheduled))
                 outputs += self.complete_step(planned, logits)
+        self.stalled = not ran
         return outputs
+
+    def collect_loads(self) -> None:
+        """Take the connectors' finished loads: loaded requests run from where their KV ends, failed ones
+        compute it (called at the start of every step)."""
+        if not any(s.loading or s.abandoned for s in self.schedulers):
+            return
+        for request_id, ok in self.connectors.finished_loads():
+            loader = self.connectors.loader_of(request_id)
+            for scheduler in self.schedulers:
+                loaded = scheduler.load_finished(request_id, ok)
+                if loaded is not None:
+                    if loaded and loader is not None:
+                        self.external_hit_tokens[loader.name] += loaded
+                    break
 
     def plan_step(self, virtual_engine: int = 0) -> PlannedStep | None:
         """Schedule one step of a virtual engine (None: nothing to run). Until `complete_step`, schedule
@@ -387,6 +408,7 @@ class LLMEngine:
             self.schedulers[seq.virtual_engine].finish(seq, free_blocks=not seq.hold_kv)
             if seq.hold_kv:
                 self._held[seq.request_id] = seq
+            self.connectors.request_finished(seq.request_id)
         return output
 
     def judge_token(
@@ -479,17 +501,6 @@ class LLMEngine:
     def prefix_block_hashes(self, prompt_token_ids: list[int]) -> list[bytes]:
         """The hashes of the prompt's full blocks that a cached prefix may cover."""
         return cacheable_block_hashes(prompt_token_ids, self.config.block_size, self.fingerprint)
-
-    def local_prefix_blocks(self, hashes: list[bytes]) -> int:
-        """How many of `hashes`, from the first, this engine's prefix cache holds."""
-        if not self.config.enable_prefix_caching:
-            return 0
-        count = 0
-        for block_hash in hashes:
-            if block_hash not in self.block_manager.block_of_hash:
-                break
-            count += 1
-        return count
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write whole blocks' KV ([n, layers, 2, block_size, kv_heads, head_dim], as the kv-store keeps them)

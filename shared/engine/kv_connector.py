@@ -4,6 +4,11 @@ The engine calls a connector's hooks (vLLM v1's `KVConnectorBase_V1` plays this 
 thread, inside the call that caused them; each default does nothing, so a connector overrides only what
 it needs. A hook must not block: work that waits (network, disk) goes to another thread or event loop.
 `KVConnectors` is the engine's set of them, called in the order they were connected.
+
+Loading a prefix from outside, as the engine sees it:
+
+    admitted -> external_prefix: None (ask again next step) | 0 (compute it) | n tokens
+    n -> blocks allocated -> start_load -> ... -> finished_loads: ok (n tokens computed) | failed (compute)
 """
 
 from collections.abc import Callable
@@ -18,6 +23,29 @@ BlockExport = Callable[[list[int]], torch.Tensor]
 
 
 class KVConnector:
+    name = "external"  # what the prefix-cache counts call the tokens this connector loads
+
+    def external_prefix(self, request_id: str, token_ids: list[int], num_local_tokens: int) -> int | None:
+        """How many tokens after the `num_local_tokens` the engine's own prefix cache holds this connector can
+        load into the request's blocks (0: none; None: not known yet, so the request waits and is asked again
+        at the next step); asked when a request is first admitted, the answer counts whole blocks from the
+        engine's `block_size` and the engine may load fewer."""
+        return 0
+
+    def start_load(self, request_id: str, block_ids: list[int], first_token: int, num_tokens: int) -> None:
+        """Write the KV of tokens [first_token, first_token + num_tokens) of the request into `block_ids` (its
+        blocks from the one holding `first_token`), from any thread, then report it in `finished_loads`: until
+        then the blocks are the load's, even if the request is aborted meanwhile."""
+
+    def finished_loads(self) -> list[tuple[str, bool]]:
+        """The requests whose loads ended since the last call (asked every step while any is loading), each with
+        whether all of its KV was written; a failed load's tokens are computed instead."""
+        return []
+
+    def request_finished(self, request_id: str) -> None:
+        """The request is over (finished, aborted or refused): forget it, and end a load still running for it
+        soon (it must still be reported)."""
+
     def block_stored(self, block_hash: bytes) -> None:
         """A full block with this hash entered the prefix cache: requests can reuse it from now on."""
 
@@ -39,7 +67,8 @@ class KVConnector:
         cache's blocks (valid while they are: with `hold_kv`, until `release_held`), `data.gather()` copies."""
 
 
-_HOOKS = ("block_stored", "block_removed", "cache_listed", "blocks_computed", "prompt_layer_computed")
+_HOOKS = ("block_stored", "block_removed", "cache_listed", "blocks_computed", "prompt_layer_computed",
+          "external_prefix", "start_load", "finished_loads", "request_finished")
 
 
 def _overrides(connector: KVConnector, hook: str) -> bool:
@@ -47,16 +76,22 @@ def _overrides(connector: KVConnector, hook: str) -> bool:
 
 
 class KVConnectors(KVConnector):
-    """The connectors of one engine, each hook called on every connector that overrides it."""
+    """The connectors of one engine, each hook called on every connector that overrides it; of those that can
+    load a prefix, the first to offer one loads it."""
 
     def __init__(self) -> None:
         self._connected: list[KVConnector] = []
         self._by_hook: dict[str, list[KVConnector]] = {}
+        self._loader: dict[str, KVConnector] = {}  # request id -> the connector whose offer stands
 
     def connect(self, connector: KVConnector) -> None:
         self._connected.append(connector)
         self._by_hook = {hook: [c for c in self._connected if _overrides(c, hook)]
                          for hook in _HOOKS}
+
+    @property
+    def loader_names(self) -> list[str]:
+        return [connector.name for connector in self._by_hook.get("external_prefix", ())]
 
     def wants(self, hook: str) -> bool:
         """Whether any connector implements `hook` (the engine skips the work of a hook nobody takes)."""
@@ -81,3 +116,28 @@ class KVConnectors(KVConnector):
     def prompt_layer_computed(self, request_id: str, data: BlockSlice, layout: KVLayout) -> None:
         for connector in self._by_hook.get("prompt_layer_computed", ()):
             connector.prompt_layer_computed(request_id, data, layout)
+
+    def external_prefix(self, request_id: str, token_ids: list[int], num_local_tokens: int) -> int | None:
+        self._loader.pop(request_id, None)
+        for connector in self._by_hook.get("external_prefix", ()):
+            offer = connector.external_prefix(request_id, token_ids, num_local_tokens)
+            if offer is None:
+                return None  # an earlier connector's answer decides: wait for it
+            if offer > 0:
+                self._loader[request_id] = connector
+                return offer
+        return 0
+
+    def start_load(self, request_id: str, block_ids: list[int], first_token: int, num_tokens: int) -> None:
+        self._loader[request_id].start_load(request_id, block_ids, first_token, num_tokens)
+
+    def loader_of(self, request_id: str) -> KVConnector | None:
+        return self._loader.get(request_id)
+
+    def finished_loads(self) -> list[tuple[str, bool]]:
+        return [done for connector in self._by_hook.get("finished_loads", ()) for done in connector.finished_loads()]
+
+    def request_finished(self, request_id: str) -> None:
+        self._loader.pop(request_id, None)
+        for connector in self._by_hook.get("request_finished", ()):
+            connector.request_finished(request_id)

@@ -142,6 +142,7 @@ class PipelineHeadEngine(LLMEngine):
         return len(self._in_flight)
 
     def step(self) -> list[RequestOutput]:
+        self.collect_loads()
         for virtual_engine in range(len(self.schedulers)):
             if virtual_engine not in self._busy:
                 self._start(virtual_engine)
@@ -155,6 +156,7 @@ class PipelineHeadEngine(LLMEngine):
             outputs += self._finish(result)
             wait_s = 0.0  # take whatever else is there, without waiting again
         outputs += self._expire()
+        self.stalled = not self._in_flight and not outputs
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -9,12 +9,20 @@ ones in arrival order. With `prefill_cap` set (the engine's pacer, see
 tokens, so a long chunk never stalls the tokens of running requests. When blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it is recomputed later (its
 full blocks usually survive in the prefix cache, so recompute is cheap).
+
+A waiting sequence admitted for the first time may have more of its prefix
+outside (the kv-store): the engine's connectors are asked, and if they offer
+tokens, the sequence gets its blocks and waits LOADING, out of the batch, until
+its load is reported (then it runs from there, or computes all if the load
+failed). A sequence whose offer is not known yet keeps its place, and those
+behind it go first.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.engine.block_manager import BlockManager
+from shared.engine.block_manager import BlockManager, PrefixHit
+from shared.engine.kv_connector import KVConnectors
 from shared.engine.sequence import Sequence, SequenceStatus
 
 
@@ -46,11 +54,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, connectors: KVConnectors | None = None):
+        """`connectors`: asked for prefixes to load from outside (when one implements `external_prefix`)."""
         self.config = config
         self.block_manager = block_manager
+        self.connectors = connectors
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: dict[str, tuple[Sequence, int]] = {}  # request id -> (sequence, tokens computed once loaded)
+        self.abandoned: dict[str, Sequence] = {}  # finished while loading: blocks freed when the load is reported
         self.num_preemptions = 0
         self.prefill_cap: int | None = None  # prompt tokens a step carrying decodes may take (None: the budget)
         # Prefix-cache lookups of sequences scheduled for the first time: tokens looked up, tokens found.
@@ -69,7 +81,7 @@ class Scheduler:
         self.running.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self.abandoned)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -106,13 +118,26 @@ class Scheduler:
             break  # `seq` itself was preempted: nothing newer is left
 
         # Then waiting sequences, unless this step already had to preempt.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+        awaiting: list[Sequence] = []  # their connectors' offer is not known yet: they keep their place
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             seq = self.waiting[0]
             limit = min(budget, prompt_budget)
             if limit <= 0:
                 break  # the step's prompt tokens are spent: in arrival order, the next step
-            # A sequence arriving with imported KV already holds its blocks.
+            # A sequence arriving with imported KV (or loaded from outside) already holds its blocks.
             hit = None if seq.block_table else self.block_manager.find_prefix_hit(seq)
+            if hit is not None and self._asks_connectors(seq, hit):
+                offer = self._external_offer(seq, hit)
+                if offer is None:
+                    awaiting.append(self.waiting.popleft())
+                    continue
+                if offer > 0:
+                    if not self.block_manager.allocate(seq, offer, hit):
+                        break
+                    self.waiting.popleft()
+                    self._start_load(seq, offer)
+                    continue
             num_new = seq.num_tokens - (hit.num_tokens if hit else seq.num_computed_tokens)
             if num_new > limit and not self.config.enable_chunked_prefill:
                 if out.scheduled:
@@ -124,16 +149,72 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = hit.num_tokens if hit else 0
-                if hit is not None and self.block_manager.enable_prefix_caching:
-                    self.prefix_query_tokens += (seq.num_tokens - 1) // self.block_manager.block_size * self.block_manager.block_size
-                    self.prefix_hit_tokens += hit.num_tokens
+                self._count_prefix_lookup(seq, hit.num_tokens if hit else 0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
             prompt_budget -= num_new
+        self.waiting.extendleft(reversed(awaiting))
         return out
+
+    def load_finished(self, request_id: str, ok: bool) -> int | None:
+        """A connector's load for a sequence of this scheduler ended: the tokens it made computed (0 when it
+        failed: the sequence computes them); None if the request is not one of this scheduler's."""
+        abandoned = self.abandoned.pop(request_id, None)
+        if abandoned is not None:
+            self.block_manager.free(abandoned)
+            return 0
+        entry = self.loading.pop(request_id, None)
+        if entry is None:
+            return None
+        seq, loaded_end = entry
+        num_local = seq.num_computed_tokens
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        if not ok:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            return 0
+        seq.num_computed_tokens = loaded_end
+        self._count_prefix_lookup(seq, num_local)
+        seq.num_cached_tokens = loaded_end
+        return loaded_end - num_local
+
+    def _asks_connectors(self, seq: Sequence, hit: PrefixHit) -> bool:
+        """At a sequence's first admission, when whole blocks beyond the local hit could be loaded."""
+        block_size = self.block_manager.block_size
+        return (self.connectors is not None and not seq.external_asked and seq.num_cached_tokens < 0
+                and (seq.num_tokens - 1) // block_size * block_size > hit.num_tokens
+                and self.connectors.wants("external_prefix"))
+
+    def _external_offer(self, seq: Sequence, hit: PrefixHit) -> int | None:
+        """Tokens to load after the local hit (whole blocks, leaving one token to compute); None: ask later."""
+        offer = self.connectors.external_prefix(seq.request_id, seq.token_ids, hit.num_tokens)
+        if offer is None:
+            return None
+        block_size = self.block_manager.block_size
+        loadable = (seq.num_tokens - 1) // block_size * block_size - hit.num_tokens
+        offer = max(0, min(offer, loadable)) // block_size * block_size
+        if offer == 0:
+            seq.external_asked = True
+        return offer
+
+    def _start_load(self, seq: Sequence, num_tokens: int) -> None:
+        seq.external_asked = True
+        seq.status = SequenceStatus.LOADING
+        first = seq.num_computed_tokens  # the local hit, adopted by `allocate`
+        self.loading[seq.request_id] = (seq, first + num_tokens)
+        self.connectors.start_load(seq.request_id, seq.block_table[first // self.block_manager.block_size:],
+                                   first, num_tokens)
+
+    def _count_prefix_lookup(self, seq: Sequence, num_local_tokens: int) -> None:
+        """A sequence's first scheduling: its prefix-cache lookup and what the local cache held."""
+        seq.num_cached_tokens = num_local_tokens
+        if self.block_manager.enable_prefix_caching:
+            block_size = self.block_manager.block_size
+            self.prefix_query_tokens += (seq.num_tokens - 1) // block_size * block_size
+            self.prefix_hit_tokens += num_local_tokens
 
     def finish(self, seq: Sequence, free_blocks: bool = True) -> None:
         """Remove a sequence (finished or aborted); its blocks are freed at once unless the caller keeps them."""
@@ -141,6 +222,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.LOADING:
+            del self.loading[seq.request_id]
+            seq.status = SequenceStatus.FINISHED
+            self.abandoned[seq.request_id] = seq  # its blocks are the load's until it is reported
+            return
         seq.status = SequenceStatus.FINISHED
         if free_blocks:
             self.block_manager.free(seq)

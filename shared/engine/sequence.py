@@ -9,6 +9,7 @@ from shared.engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # its blocks are being written from outside (a connector's load)
     FINISHED = "finished"
 
 
@@ -36,6 +37,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # blocks of block_table registered in the prefix cache
     num_written_back: int = 0  # full blocks handed to the engine's connectors (blocks_computed) (or already stored elsewhere)
     num_preemptions: int = 0
+    external_asked: bool = False  # the connectors' offer of its prefix was taken (a load started, or none offered)
     hold_kv: bool = False  # keep the blocks after finishing, until released (a prefill worker ships them)
     stream_prompt_kv: bool = False  # hand the prompt's KV to the connectors layer by layer (until it has been)
     virtual_engine: int = 0  # which of the engine's schedulers runs it (pipeline micro-batches)

@@ -43,3 +43,43 @@ def test_a_plain_connector_does_nothing():
     connector.block_removed(b"h")
     connector.cache_listed()
     connector.blocks_computed([b"h"], lambda indices: 1 / 0)  # the default never exports
+
+
+class Offers(KVConnector):
+    def __init__(self, name, offer, heard):
+        self.name, self.offer, self.heard = name, offer, heard
+
+    def external_prefix(self, request_id, token_ids, num_local_tokens):
+        self.heard.append((self.name, "asked", num_local_tokens))
+        return self.offer
+
+    def start_load(self, request_id, block_ids, first_token, num_tokens):
+        self.heard.append((self.name, "load", block_ids, first_token, num_tokens))
+
+    def finished_loads(self):
+        return [(f"{self.name}-done", True)]
+
+    def request_finished(self, request_id):
+        self.heard.append((self.name, "finished", request_id))
+
+
+def test_the_first_connector_offering_a_prefix_loads_it_and_an_unknown_answer_waits():
+    heard = []
+    connectors = KVConnectors()
+    connectors.connect(Offers("none", 0, heard))
+    second = Offers("second", 32, heard)
+    connectors.connect(second)
+    connectors.connect(Offers("third", 64, heard))
+    assert connectors.loader_names == ["none", "second", "third"]
+    assert connectors.external_prefix("r", [1] * 80, 16) == 32
+    assert heard == [("none", "asked", 16), ("second", "asked", 16)]  # the third is not asked
+    connectors.start_load("r", [7, 8], 16, 32)
+    assert heard[-1] == ("second", "load", [7, 8], 16, 32) and connectors.loader_of("r") is second
+    assert connectors.finished_loads() == [("none-done", True), ("second-done", True), ("third-done", True)]
+    connectors.request_finished("r")
+    assert heard[-3:] == [("none", "finished", "r"), ("second", "finished", "r"), ("third", "finished", "r")]
+    assert connectors.loader_of("r") is None
+
+    second.offer = None  # an earlier connector that does not know yet decides: the request waits
+    assert connectors.external_prefix("s", [1] * 80, 0) is None and connectors.loader_of("s") is None
+    assert KVConnectors().external_prefix("t", [1] * 80, 0) == 0  # no connector: nothing to load

@@ -171,12 +171,8 @@ def test_prompt_kv_streams_layer_by_layer_during_the_completing_step(default_mod
 
 def _run_to_end(engine, request_id, prompt, params, continuation=None):
     engine.add_request(request_id, prompt, params, continuation)
-    tokens, cached = [], None
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            cached = out.num_cached_tokens
-    return tokens, cached
+        engine.step()
 
 
 def _load_blocks(engine, stored, hashes, kv_origin=KVOrigin.COMPUTED):
@@ -184,38 +180,6 @@ def _load_blocks(engine, stored, hashes, kv_origin=KVOrigin.COMPUTED):
     engine.write_blocks(block_ids, torch.stack([stored[h] for h in hashes]))
     return Continuation(reserved=ReservedKV(block_ids, len(hashes) * 16), num_cached_tokens=len(hashes) * 16,
                         kv_origin=kv_origin)
-
-
-def test_blocks_written_back_and_loaded_elsewhere_continue_identically(default_model):
-    # As a worker with a kv-store does: one engine hands its full blocks out (the prompt's once its KV is
-    # complete, decoded ones as they fill); another loads them into reserved blocks and computes only the rest.
-    prompt, expected = safe_prompts(default_model, 2048, [70], GREEDY.max_tokens, seed=9)[0]
-    stored, calls = {}, []
-    source = make_engine(default_model, max_num_batched_tokens=32)  # the prompt completes over several steps
-
-    def write_back(hashes, export):
-        calls.append(list(hashes))
-        blocks = export(list(range(len(hashes))))
-        stored.update(zip(hashes, blocks))
-
-    source.connect(OnBlocksComputed(write_back))
-    assert source.generate([prompt], GREEDY)[0].token_ids == expected
-    hashes = source.prefix_block_hashes(prompt)
-    assert calls[0] == hashes and len(hashes) == 69 // 16  # the prompt's blocks first, in one call
-    # 70 + 19 computed tokens (the last sampled one has no KV): one more full block, written back at the end.
-    conversation = prompt + expected
-    assert calls[1:] == [source.prefix_block_hashes(conversation)[4:5]]
-    assert source.local_prefix_blocks(hashes) == 4 and source.local_prefix_blocks([b"x" * 16] + hashes) == 0
-
-    target = make_engine(default_model)
-    assert _run_to_end(target, "r", prompt, GREEDY, _load_blocks(target, stored, hashes)) == (expected, 64)
-
-    # The conversation's next turn finds its decoded blocks too, and continues as a cold engine would.
-    next_turn = conversation + [5, 6, 7]
-    next_hashes = target.prefix_block_hashes(next_turn)[:5]
-    cold, _ = _run_to_end(make_engine(default_model, enable_prefix_caching=False), "cold", next_turn, GREEDY)
-    fresh = make_engine(default_model)
-    assert _run_to_end(fresh, "warm", next_turn, GREEDY, _load_blocks(fresh, stored, next_hashes)) == (cold, 80)
 
 
 def test_decoded_blocks_are_written_back_every_eight_and_imported_ones_only_when_not_already(default_model):
@@ -235,7 +199,7 @@ def test_decoded_blocks_are_written_back_every_eight_and_imported_ones_only_when
     source.connect(OnBlocksComputed(lambda hashes, export: stored.update(zip(hashes, export(list(range(len(hashes))))))))
     source.generate([prompt], GREEDY)
     hashes = source.prefix_block_hashes(prompt)
-    for origin, first_call in ((KVOrigin.WRITTEN_BACK, 3), (KVOrigin.COMPUTED, 0), (KVOrigin.KV_STORE, 3)):
+    for origin, first_call in ((KVOrigin.WRITTEN_BACK, 3), (KVOrigin.COMPUTED, 0)):
         target = make_engine(default_model)
         calls = []
         target.connect(OnBlocksComputed(lambda hashes, export: calls.append(hashes)))
@@ -243,6 +207,4 @@ def test_decoded_blocks_are_written_back_every_eight_and_imported_ones_only_when
         # 40 + 19 computed tokens: 3 full blocks, of which the first 2 came in; sent back only if not stored yet.
         written = [h for call in calls for h in call]
         assert len(written) == 3 - (first_call and 2) and written[-1] not in hashes, origin
-        counts = target.prefix_cache_counts()
-        assert counts["hit_tokens"]["kvstore"] == (32 if origin is KVOrigin.KV_STORE else 0), origin
-        assert counts["prompt_tokens_computed"] == 40 - 32
+        assert target.prefix_cache_counts()["prompt_tokens_computed"] == 40 - 32
