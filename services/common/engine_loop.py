@@ -44,6 +44,7 @@ class AddRequest:
     continuation: Continuation | None = None
     hold_kv: bool = False
     stream_prompt_kv: bool = False
+    read_prefix_cache: bool = True
 
 
 @dataclass(slots=True)
@@ -169,7 +170,8 @@ class EngineLoop:
                     try:
                         self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                                 command.continuation, hold_kv=command.hold_kv,
-                                                stream_prompt_kv=command.stream_prompt_kv)
+                                                stream_prompt_kv=command.stream_prompt_kv,
+                                                read_prefix_cache=command.read_prefix_cache)
                     except EngineError as exc:
                         rejected.append(RequestRejected(command.request_id, exc))
                 elif isinstance(command, AbortRequest):

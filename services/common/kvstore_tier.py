@@ -21,10 +21,11 @@ from collections import Counter, OrderedDict
 import torch
 from opentelemetry import trace
 
+from services.common.load_reports import LoadReports
 from services.kvstore.client import KVStoreClient
 from services.kvstore.placement import group_by_instance
 from shared.bus.registry import Registry
-from shared.engine.kv_connector import BlockExport, KVConnector
+from shared.engine.kv_connector import BlockExport, KVConnector, LoadEnd
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import tracer
 
@@ -75,9 +76,9 @@ class KVStoreTier(KVConnector):
         self.counts: Counter[str] = Counter()
         self.max_puts_in_flight = max_puts_in_flight
         self._puts_in_flight = 0  # counted from the engine thread (up) and the event loop (down), under _known_lock
-        self._lock = threading.Lock()  # the prefixes and finished loads, shared with the engine thread
+        self._lock = threading.Lock()  # the prefixes, shared with the engine thread
         self._prefixes: dict[str, _Prefix] = {}  # request id -> its prefix, from `expect` to its end
-        self._loaded: list[tuple[str, bool]] = []  # finished loads not collected by the engine yet
+        self._loaded = LoadReports(engine_loop.wake)
         engine.connect(self)
 
     @property
@@ -155,7 +156,7 @@ class KVStoreTier(KVConnector):
         with self._lock:
             prefix = self._prefixes.get(request_id)
         if prefix is None:  # the request ended before its fetch began
-            self._report(request_id, False)
+            self._loaded.report(LoadEnd(request_id, False))
             return
         first = first_token // self.block_size
         hashes = prefix.hashes[first: first + num_tokens // self.block_size]
@@ -178,17 +179,10 @@ class KVStoreTier(KVConnector):
             else:
                 self.counts["fetch_failed"] += 1
             _end(prefix.span, len(hashes) * self.block_size if ok else 0)
-            self._report(request_id, ok)  # after the last block was written (they are written on this loop)
+            self._loaded.report(LoadEnd(request_id, ok))  # after the last block was written (on this loop)
 
-    def _report(self, request_id: str, ok: bool) -> None:
-        with self._lock:
-            self._loaded.append((request_id, ok))
-        self.engine_loop.wake()
-
-    def finished_loads(self) -> list[tuple[str, bool]]:
-        with self._lock:
-            loaded, self._loaded = self._loaded, []
-        return loaded
+    def finished_loads(self) -> list[LoadEnd]:
+        return self._loaded.take()
 
     def request_finished(self, request_id: str) -> None:
         """(Engine thread.) Stop looking up or fetching for a request that ended."""

@@ -1,31 +1,38 @@
-"""A decode worker's side of a remotely prefilled request.
+"""A decode worker's side of a remotely prefilled request: the engine's connector that loads a prompt's KV
+from the prefill pool.
 
-    reserve blocks -> expect the KV on the side channel -> queue a PrefillJob
-    -> first token arrives: stream it at once -> KV arrives: adopt the blocks
-    and decode on
+    start: the request goes to the engine, which is not to compute its prompt
+    -> the engine admits it, gives it blocks: start_load
+    -> expect the KV on the side channel, queue a PrefillJob
+    -> first token arrives: stream it at once -> KV arrives: the load ends with the first token,
+       and the engine decodes on
 
-Any step that fails or misses its deadline ends in a local prefill (counted),
-never a hang: with the first token if it was already streamed (sampling is
-stateless per position, so the tokens are the same either way), without it
-otherwise. Cancelling the task releases everything it holds.
+Any step that fails or misses its deadline ends the load as failed, and the engine prefills locally
+(counted), never a hang: after the first token if it was already streamed (sampling is stateless per
+position, so the tokens are the same either way). A request that ends meanwhile (cancelled, or the first
+token was its last) ends its load, and the engine frees the blocks once it has.
 """
 
 import asyncio
 import dataclasses
 import random
+import threading
 import time
 
 from collections.abc import Awaitable, Callable
 
 import nats.errors
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from contracts import GenerateRequest, HandoffReply, PrefillJob, PrefillResult, TokenChunk
 from services.common.engine_loop import AddRequest
+from services.common.load_reports import LoadReports
 from services.common.sampling_wire import to_wire
 from shared.bus.registry import Registry
-from shared.engine.continuation import Continuation, KVOrigin, ReservedKV
+from shared.engine.continuation import Continuation, KVOrigin
 from shared.engine.kv_cache import KVLayout
+from shared.engine.kv_connector import KVConnector, LoadEnd
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.histogram import CumulativeHistogram
 from shared.telemetry.logging import get_logger
@@ -38,18 +45,21 @@ _WATCH_S = 1.0  # how often the registry is checked for a prefill worker that to
 TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
-class _Held:
-    """What a remote prefill holds, released whatever the ending."""
+@dataclasses.dataclass(slots=True)
+class _Remote:
+    """A remotely prefilled request, from `start` until it ends."""
 
-    def __init__(self):
-        self.block_ids: list[int] | None = None
-        self.first_token: int | None = None
-        self.detok = None
-        self.adopted = False
+    request: GenerateRequest
+    params: SamplingParams
+    active: object  # the decode role's ActiveRequest: where its tokens stream
+    context: otel_context.Context  # the request's span, for the remote prefill's
+    task: asyncio.Task | None = None
+    first_token: int | None = None
+    detok: object = None
 
 
-class RemotePrefill:
-    """A decode worker's remote prefills: `run` one per request; `on_result` takes the prefill pool's replies."""
+class RemotePrefill(KVConnector):
+    """A decode worker's remote prefills: `start` one per request; `on_result` takes the prefill pool's replies."""
 
     def __init__(self, worker, receiver, timeout_s: float, *,
                  publish_chunk: Callable[[object, TokenChunk], Awaitable[None]], forget: Callable[[str], None]):
@@ -63,6 +73,11 @@ class RemotePrefill:
         self.results: dict[str, asyncio.Future] = {}
         self.counts: dict[str, int] = {}  # how the prompts were computed, by outcome
         self.transfer_seconds = CumulativeHistogram(TRANSFER_BUCKETS_S)
+        self._loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()  # the requests, shared with the engine thread
+        self._remotes: dict[str, _Remote] = {}
+        self._ended = LoadReports(lambda: worker.engine_loop.wake())
+        worker.engine.connect(self)
 
     def transfer_details(self) -> dict:
         return {**self.receiver.stats.snapshot(), "seconds_histogram": self.transfer_seconds.snapshot()}
@@ -77,45 +92,81 @@ class RemotePrefill:
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
         trace.get_current_span().set_attribute("splitserve.prefill_outcome", outcome)
 
-    async def run(self, request: GenerateRequest, params: SamplingParams, active) -> None:
-        rid = request.request_id
+    # ---- the service's side (event loop) ------------------------------------------------------------
+    def start(self, request: GenerateRequest, params: SamplingParams, active) -> None:
+        """Hand the request to the engine, whose admission starts the remote prefill (under the current span)."""
         if params.seed is None:  # fix the seed here, so prefill, decode and any fallback sample alike
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        held = _Held()
+        with self._lock:
+            self._remotes[request.request_id] = _Remote(request, params, active, otel_context.get_current())
+        self.worker.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params,
+                                               read_prefix_cache=False))
+
+    async def stop(self) -> None:
+        with self._lock:
+            tasks = [r.task for r in self._remotes.values() if r.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- the engine's hooks (engine thread) ---------------------------------------------------------
+    def external_prefix(self, request_id: str, token_ids: list[int], num_local_tokens: int) -> int | None:
+        with self._lock:
+            remote = self._remotes.get(request_id)
+        return 0 if remote is None else len(remote.request.prompt_token_ids) - num_local_tokens
+
+    def start_load(self, request_id: str, block_ids: list[int], first_token: int, num_tokens: int) -> None:
+        self._loop.call_soon_threadsafe(self._begin, request_id, block_ids)
+
+    def finished_loads(self) -> list[LoadEnd]:
+        return self._ended.take()
+
+    def request_finished(self, request_id: str) -> None:
+        with self._lock:
+            remote = self._remotes.pop(request_id, None)
+        if remote is not None:
+            self._loop.call_soon_threadsafe(_cancel, remote)
+
+    # ---- one remote prefill (event loop) ------------------------------------------------------------
+    def _begin(self, request_id: str, block_ids: list[int]) -> None:
+        with self._lock:
+            remote = self._remotes.get(request_id)
+        if remote is None:  # it ended before its load began
+            self._ended.report(LoadEnd(request_id, False))
+            return
+        token = otel_context.attach(remote.context)  # the task runs in (a copy of) the request's context
+        try:
+            remote.task = self._loop.create_task(self._run(remote, block_ids))
+        finally:
+            otel_context.detach(token)
+
+    async def _run(self, remote: _Remote, block_ids: list[int]) -> None:
+        rid = remote.request.request_id
+        end = LoadEnd(rid, False)
         try:
             with tracer().start_as_current_span("decode.remote_prefill"):
-                await self._run(request, params, active, held)
-        except Exception:
-            log.exception("remote prefill failed; prefilling locally", request_id=rid)
-            self._count("local_fallback_error")
-            self._prefill_locally(request, params, held)
+                try:
+                    end = await self._prefill_remotely(remote, block_ids)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("remote prefill failed; prefilling locally", request_id=rid)
+                    self._count("local_fallback_error")
+                    end = self._locally(remote)
+        except asyncio.CancelledError:
+            pass  # the request ended: the load ends failed, which frees its blocks
         finally:
             self.results.pop(rid, None)
-            if not held.adopted:
-                self.receiver.cancel(rid)
-                if held.block_ids is not None:
-                    block_ids = held.block_ids
-                    self.worker.engine_loop.call(lambda e: e.release_blocks(block_ids))
+            self.receiver.cancel(rid)  # no late part is written into the blocks after this
+            self._ended.report(end)
 
-    async def _run(self, request: GenerateRequest, params: SamplingParams, active, held: _Held) -> None:
+    async def _prefill_remotely(self, remote: _Remote, block_ids: list[int]) -> LoadEnd:
         worker = self.worker
         engine = worker.engine
+        request, params = remote.request, remote.params
         rid = request.request_id
         prompt = request.prompt_token_ids
         deadline = time.monotonic() + self.timeout_s
-        reserving = worker.engine_loop.call(lambda e: e.reserve_blocks(len(prompt)))
-        try:
-            # Shielded: if this task is cancelled meanwhile, the blocks still get reserved, and must be given back.
-            held.block_ids = await asyncio.shield(reserving)
-        except asyncio.CancelledError:
-            reserving.add_done_callback(self._release_result)
-            raise
-        except Exception as exc:
-            self._count("local_no_blocks")
-            log.info("no blocks for a remote prefill; prefilling locally", request_id=rid, error=str(exc))
-            return self._prefill_locally(request, params, held)
-
-        block_ids = held.block_ids
         layout_of = _layout_factory(engine, len(block_ids), len(prompt))
         ticket = self.receiver.expect(
             rid,
@@ -141,22 +192,23 @@ class RemotePrefill:
             log.warning("no prefill result in time", request_id=rid)
         if result is None or not result.ok:
             self._count("local_fallback_no_result")
-            return self._prefill_locally(request, params, held)
+            return self._locally(remote)
         if result.model_fingerprint != engine.fingerprint:  # its first token and KV are another model's: not used
             self._count("local_fallback_other_model")
             log.warning("prefill result from another model; prefilling locally", request_id=rid,
                         prefill_worker=result.prefill_instance)
-            return self._prefill_locally(request, params, held)
+            return self._locally(remote)
         trace.get_current_span().set_attributes({"splitserve.prefill_worker": result.prefill_instance,
                                                  "splitserve.cached_tokens": result.num_cached_tokens})
 
         # The first token: streamed now, before the KV arrives.
-        held.first_token = result.first_token_id
-        held.detok = engine.new_detokenizer(prompt, params)
-        text, finish_reason, _ = engine.judge_token(params, held.first_token, held.detok, len(prompt) + 1,
+        remote.first_token = result.first_token_id
+        remote.detok = engine.new_detokenizer(prompt, params)
+        text, finish_reason, _ = engine.judge_token(params, remote.first_token, remote.detok, len(prompt) + 1,
                                                     engine.max_total_tokens(len(prompt), params))
+        active = remote.active
         await self.publish_chunk(active, TokenChunk(
-            request_id=rid, seq=active.next_seq, token_ids=[held.first_token], text=text,
+            request_id=rid, seq=active.next_seq, token_ids=[remote.first_token], text=text,
             logprobs=[result.first_logprobs] if result.first_logprobs else None,
             finished=finish_reason is not None, finish_reason=finish_reason, prompt_tokens=len(prompt),
             completion_tokens=1, cached_tokens=result.num_cached_tokens,
@@ -164,25 +216,23 @@ class RemotePrefill:
         if finish_reason is not None:
             self._count("remote_finished_at_first_token")
             self.forget(rid)
-            return  # the finally cancels the expected transfer and releases the blocks
+            return LoadEnd(rid, False, request_over=True)
         if not result.will_transfer:
             # The prefill worker judged the request over at its first token, this worker does not: go on locally.
             self._count("local_fallback_no_transfer")
-            return self._prefill_locally(request, params, held)
+            return self._locally(remote)
 
         transfer = await self.receiver.wait(rid)
         if not transfer.ok:
             self._count("local_fallback_transfer")
             log.warning("kv transfer failed; prefilling locally", request_id=rid, error=transfer.error)
-            return self._prefill_locally(request, params, held)
+            return self._locally(remote)
         self.transfer_seconds.observe(transfer.seconds)
         trace.get_current_span().set_attributes(transfer.span_attributes())
-        worker.engine_loop.add(AddRequest(rid, prompt, params, Continuation(
-            output_token_ids=[held.first_token], reserved=ReservedKV(block_ids, len(prompt)), detokenizer=held.detok,
-            num_cached_tokens=result.num_cached_tokens,
-            kv_origin=KVOrigin.WRITTEN_BACK if result.kv_written_back else KVOrigin.COMPUTED)))
-        held.adopted = True
         self._count("remote")
+        return LoadEnd(rid, True, Continuation(
+            output_token_ids=[remote.first_token], detokenizer=remote.detok, num_cached_tokens=result.num_cached_tokens,
+            kv_origin=KVOrigin.WRITTEN_BACK if result.kv_written_back else KVOrigin.COMPUTED))
 
     async def _hand_out(self, request: GenerateRequest, job: PrefillJob) -> str:
         """Offer the job to the prefill worker the scheduler picked (its cache holds the prompt's prefix); if there
@@ -205,22 +255,18 @@ class RemotePrefill:
                                      headers=inject({"Nats-Msg-Id": request.request_id}))
         return ""
 
-    def _release_result(self, future: asyncio.Future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            block_ids = future.result()
-            self.worker.engine_loop.call(lambda e: e.release_blocks(block_ids))
+    @staticmethod
+    def _locally(remote: _Remote) -> LoadEnd:
+        """The load failed: the engine computes the prompt (and goes on after a first token already streamed)."""
+        if remote.first_token is None:
+            return LoadEnd(remote.request.request_id, False)
+        return LoadEnd(remote.request.request_id, False,
+                       Continuation(output_token_ids=[remote.first_token], detokenizer=remote.detok))
 
-    def _prefill_locally(self, request: GenerateRequest, params: SamplingParams, held: _Held) -> None:
-        """Give back what the remote attempt held, then run the request here (continuing after a streamed first
-        token)."""
-        self.receiver.cancel(request.request_id)
-        if held.block_ids is not None:
-            block_ids, held.block_ids = held.block_ids, None
-            self.worker.engine_loop.call(lambda e: e.release_blocks(block_ids))
-        held.adopted = True  # the request now lives in the engine
-        continuation = (Continuation(output_token_ids=[held.first_token], detokenizer=held.detok)
-                        if held.first_token is not None else None)
-        self.worker.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params, continuation))
+
+def _cancel(remote: _Remote) -> None:
+    if remote.task is not None:
+        remote.task.cancel()
 
 
 async def _result_unless_gone(registry: Registry, result: asyncio.Future, target: str) -> PrefillResult | None:

@@ -45,7 +45,6 @@ class ActiveRequest:
     reply_subject: str
     span: trace.Span = trace.INVALID_SPAN  # the request's life on this worker, in its trace
     next_seq: int = 0
-    preparing: asyncio.Task | None = None  # before it reaches the engine: a remote prefill, a kv-store load
 
     def end(self, status: str, message: str = "", **attributes) -> None:
         if not self.span.is_recording():
@@ -85,13 +84,12 @@ class DecodeRole:
         while self.requests and time.monotonic() < deadline and not self.worker.engine_loop.crashed:
             await asyncio.sleep(0.05)
         for request_id, active in list(self.requests.items()):
-            if active.preparing is not None:
-                active.preparing.cancel()
-            self.worker.engine_loop.abort(request_id)
+            self.worker.engine_loop.abort(request_id)  # ends a remote prefill too
             await self._fail(request_id, active, "worker_failed", "the worker is shutting down")
 
     async def close(self) -> None:
         if self.remote is not None:
+            await self.remote.stop()
             await self.remote.receiver.stop()
 
     def load(self) -> dict:
@@ -133,7 +131,7 @@ class DecodeRole:
             # The tasks started here log with the request's ids and hang their spans under its span.
             with trace.use_span(span), structlog.contextvars.bound_contextvars(request_id=request.request_id):
                 if request.prefill == "remote" and self.remote is not None:
-                    active.preparing = asyncio.create_task(self.remote.run(request, params, active))
+                    self.remote.start(request, params, active)
                 else:
                     if w.kv_store is not None:  # the engine loads the prefix the store holds when it admits it
                         w.kv_store.expect(request.request_id, request.prompt_token_ids)
@@ -167,9 +165,7 @@ class DecodeRole:
     async def on_cancel(self, cancel: CancelRequest) -> None:
         active = self.requests.pop(cancel.request_id, None)
         if active is not None:
-            if active.preparing is not None:
-                active.preparing.cancel()  # releases its reserved blocks (and a remote prefill's expected transfer)
-            self.worker.engine_loop.abort(cancel.request_id)
+            self.worker.engine_loop.abort(cancel.request_id)  # ends a remote prefill or kv-store load too
             active.end("cancelled", reason=cancel.reason)
             log.info("request cancelled", request_id=cancel.request_id, reason=cancel.reason)
 

@@ -124,8 +124,9 @@ class _RegistryCollector:
             prefix = details.get("prefix_cache")
             if prefix:
                 query_tokens.add_metric(labels, prefix["query_tokens"])
-                for tier in ("local", "kvstore"):
-                    hit_tokens.add_metric([*labels, tier], prefix["hit_tokens"][tier])
+                # Every worker shows the local and kv-store tiers (0 without a kv-store), and any other it reports.
+                for tier, tokens in {"local": 0, "kvstore": 0, **prefix["hit_tokens"]}.items():
+                    hit_tokens.add_metric([*labels, tier], tokens)
                 computed.add_metric(labels, prefix["prompt_tokens_computed"])
             store = details.get("store")
             if entry.role == "kvstore" and store:

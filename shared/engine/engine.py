@@ -32,7 +32,7 @@ from shared.engine.prefill_pacer import PrefillPacer
 from shared.engine.sampler import SamplingRow, TokenLogprobs, sample
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from shared.engine.sequence import Sequence
+from shared.engine.sequence import Sequence, SequenceStatus
 from shared.engine.step_batch import StepBatch, build_step_batch
 
 WRITE_BACK_BLOCKS = 8  # while decoding, full blocks are written back this many at a time (and the rest at the end)
@@ -144,13 +144,15 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     continuation: Continuation | None = None, *, hold_kv: bool = False,
-                    stream_prompt_kv: bool = False) -> None:
+                    stream_prompt_kv: bool = False, read_prefix_cache: bool = True) -> None:
         """Queue a request, from its start or from a `continuation`.
 
         With `hold_kv`, the request's blocks outlive it until `release_held` (a prefill worker ships them).
         With `stream_prompt_kv`, the connectors get the prompt's KV one layer at a time during the step that
-        completes the prompt (`prompt_layer_computed`). Reserved blocks in the continuation belong to the
-        engine from here on: if the request is refused, they are released.
+        completes the prompt (`prompt_layer_computed`). Without `read_prefix_cache`, its prefix is not looked
+        up here: a connector is to load all of it (if none does, or its load fails, the request computes as
+        any other). Reserved blocks in the continuation belong to the engine from here on: if the request is
+        refused, they are released.
         """
         continuation = continuation or Continuation()
         reserved = continuation.reserved
@@ -158,7 +160,8 @@ class LLMEngine:
         try:
             if in_use:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-            self._add_request(request_id, prompt_token_ids, params, continuation, hold_kv, stream_prompt_kv)
+            self._add_request(request_id, prompt_token_ids, params, continuation, hold_kv, stream_prompt_kv,
+                              read_prefix_cache)
         except BaseException:
             seq = self._sequences.get(request_id)
             adopted = (seq is not None and reserved is not None
@@ -170,7 +173,8 @@ class LLMEngine:
             raise
 
     def _add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     continuation: Continuation, hold_kv: bool, stream_prompt_kv: bool) -> None:
+                     continuation: Continuation, hold_kv: bool, stream_prompt_kv: bool,
+                     read_prefix_cache: bool) -> None:
         output_token_ids = continuation.output_token_ids
         if self.num_waiting >= self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting")
@@ -199,6 +203,7 @@ class LLMEngine:
             arrival_index=self._arrivals,
             hold_kv=hold_kv,
             stream_prompt_kv=stream_prompt_kv,
+            read_prefix_cache=read_prefix_cache,
             virtual_engine=min(range(len(self.schedulers)), key=lambda i: self._load_of(i)),
         )
         scheduler = self.schedulers[seq.virtual_engine]
@@ -309,14 +314,34 @@ class LLMEngine:
         compute it (called at the start of every step)."""
         if not any(s.loading or s.abandoned for s in self.schedulers):
             return
-        for request_id, ok in self.connectors.finished_loads():
-            loader = self.connectors.loader_of(request_id)
+        for end in self.connectors.finished_loads():
+            seq = self._sequences.get(end.request_id)
+            loading = seq is not None and seq.status is SequenceStatus.LOADING
+            if loading and end.request_over:
+                self.abort_request(end.request_id)  # its blocks are freed just below
+            elif loading and end.continuation is not None:
+                self._continue_after_load(seq, end.continuation)
+            loader = self.connectors.loader_of(end.request_id)
             for scheduler in self.schedulers:
-                loaded = scheduler.load_finished(request_id, ok)
+                loaded = scheduler.load_finished(end.request_id, end.ok)
                 if loaded is not None:
-                    if loaded and loader is not None:
-                        self.external_hit_tokens[loader.name] += loaded
                     break
+            if not loaded:
+                continue
+            if end.continuation is not None:  # computed elsewhere: what it says, not this engine's hits
+                seq.num_cached_tokens = end.continuation.num_cached_tokens
+                if end.continuation.kv_origin is KVOrigin.WRITTEN_BACK:
+                    seq.num_written_back = seq.num_computed_tokens // self.config.block_size
+            elif loader is not None and loader.name is not None:
+                self.external_hit_tokens[loader.name] += loaded
+
+    def _continue_after_load(self, seq: Sequence, continuation: Continuation) -> None:
+        """The tokens a loaded request brought from where its prompt was computed (sampled there, and streamed)."""
+        if continuation.has_kv:
+            raise EngineError("a load's continuation brings tokens, not KV")
+        seq.token_ids.extend(continuation.output_token_ids)
+        if continuation.detokenizer is not None:
+            self._detokenizers[seq.request_id] = continuation.detokenizer
 
     def plan_step(self, virtual_engine: int = 0) -> PlannedStep | None:
         """Schedule one step of a virtual engine (None: nothing to run). Until `complete_step`, schedule

@@ -9,27 +9,46 @@ Loading a prefix from outside, as the engine sees it:
 
     admitted -> external_prefix: None (ask again next step) | 0 (compute it) | n tokens
     n -> blocks allocated -> start_load -> ... -> finished_loads: ok (n tokens computed) | failed (compute)
+
+A load from a cache tier (the kv-store) brings whole blocks of the prefix, counted as that tier's hits. A
+load that continues work done elsewhere (a remote prefill) may bring every prompt token, and with them the
+tokens sampled there (`LoadEnd.continuation`).
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from shared.engine.block_slice import BlockSlice
+from shared.engine.continuation import Continuation
 from shared.engine.kv_cache import KVLayout
 
 # export(indices) -> the KV of those of the handed blocks, [n, layers, 2, block_size, kv_heads, head_dim]
 BlockExport = Callable[[list[int]], torch.Tensor]
 
 
+@dataclass(slots=True, frozen=True)
+class LoadEnd:
+    """How a connector's load for a request ended: `ok` when all of its KV was written. `continuation` (its
+    output tokens, detokenizer, cached tokens and origin; never KV) says how the request goes on from work done
+    elsewhere, whether the load succeeded or not. `request_over`: the request ended outside the engine (the
+    first token sampled elsewhere was its last): the engine drops it."""
+
+    request_id: str
+    ok: bool
+    continuation: Continuation | None = None
+    request_over: bool = False
+
+
 class KVConnector:
-    name = "external"  # what the prefix-cache counts call the tokens this connector loads
+    name: str | None = None  # a cache tier's name for the prefix-cache counts (None: its loads are not cache hits)
 
     def external_prefix(self, request_id: str, token_ids: list[int], num_local_tokens: int) -> int | None:
         """How many tokens after the `num_local_tokens` the engine's own prefix cache holds this connector can
         load into the request's blocks (0: none; None: not known yet, so the request waits and is asked again
-        at the next step); asked when a request is first admitted, the answer counts whole blocks from the
-        engine's `block_size` and the engine may load fewer."""
+        at the next step); asked when a request is first admitted. Short of all the request's tokens, the
+        engine loads whole blocks only, and may load fewer."""
         return 0
 
     def start_load(self, request_id: str, block_ids: list[int], first_token: int, num_tokens: int) -> None:
@@ -37,9 +56,9 @@ class KVConnector:
         blocks from the one holding `first_token`), from any thread, then report it in `finished_loads`: until
         then the blocks are the load's, even if the request is aborted meanwhile."""
 
-    def finished_loads(self) -> list[tuple[str, bool]]:
-        """The requests whose loads ended since the last call (asked every step while any is loading), each with
-        whether all of its KV was written; a failed load's tokens are computed instead."""
+    def finished_loads(self) -> list[LoadEnd]:
+        """The loads that ended since the last call (asked every step while any is loading); a failed load's
+        tokens are computed instead."""
         return []
 
     def request_finished(self, request_id: str) -> None:
@@ -91,7 +110,8 @@ class KVConnectors(KVConnector):
 
     @property
     def loader_names(self) -> list[str]:
-        return [connector.name for connector in self._by_hook.get("external_prefix", ())]
+        """The cache tiers among the connectors that load prefixes."""
+        return [c.name for c in self._by_hook.get("external_prefix", ()) if c.name is not None]
 
     def wants(self, hook: str) -> bool:
         """Whether any connector implements `hook` (the engine skips the work of a hook nobody takes)."""
@@ -134,7 +154,7 @@ class KVConnectors(KVConnector):
     def loader_of(self, request_id: str) -> KVConnector | None:
         return self._loader.get(request_id)
 
-    def finished_loads(self) -> list[tuple[str, bool]]:
+    def finished_loads(self) -> list[LoadEnd]:
         return [done for connector in self._by_hook.get("finished_loads", ()) for done in connector.finished_loads()]
 
     def request_finished(self, request_id: str) -> None:

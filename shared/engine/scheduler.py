@@ -126,8 +126,8 @@ class Scheduler:
             if limit <= 0:
                 break  # the step's prompt tokens are spent: in arrival order, the next step
             # A sequence arriving with imported KV (or loaded from outside) already holds its blocks.
-            hit = None if seq.block_table else self.block_manager.find_prefix_hit(seq)
-            if hit is not None and self._asks_connectors(seq, hit):
+            hit = None if seq.block_table else self._prefix_hit(seq)
+            if hit is not None and self._asks_connectors(seq):
                 offer = self._external_offer(seq, hit)
                 if offer is None:
                     awaiting.append(self.waiting.popleft())
@@ -172,30 +172,36 @@ class Scheduler:
         num_local = seq.num_computed_tokens
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        counted = seq.read_prefix_cache
+        seq.read_prefix_cache = True  # from here on (recomputed, preempted) it is like any other
         if not ok:
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
             return 0
-        seq.num_computed_tokens = loaded_end
-        self._count_prefix_lookup(seq, num_local)
+        # A load of every token (and no token sampled elsewhere after them) leaves the last to compute again.
+        seq.num_computed_tokens = min(loaded_end, seq.num_tokens - 1)
+        if counted:
+            self._count_prefix_lookup(seq, num_local)
         seq.num_cached_tokens = loaded_end
         return loaded_end - num_local
 
-    def _asks_connectors(self, seq: Sequence, hit: PrefixHit) -> bool:
-        """At a sequence's first admission, when whole blocks beyond the local hit could be loaded."""
-        block_size = self.block_manager.block_size
+    def _prefix_hit(self, seq: Sequence) -> PrefixHit:
+        return self.block_manager.find_prefix_hit(seq) if seq.read_prefix_cache else PrefixHit([], 0)
+
+    def _asks_connectors(self, seq: Sequence) -> bool:
+        """At a sequence's first admission."""
         return (self.connectors is not None and not seq.external_asked and seq.num_cached_tokens < 0
-                and (seq.num_tokens - 1) // block_size * block_size > hit.num_tokens
                 and self.connectors.wants("external_prefix"))
 
     def _external_offer(self, seq: Sequence, hit: PrefixHit) -> int | None:
-        """Tokens to load after the local hit (whole blocks, leaving one token to compute); None: ask later."""
+        """Tokens to load after the local hit (all the rest, or whole blocks); None: ask later."""
         offer = self.connectors.external_prefix(seq.request_id, seq.token_ids, hit.num_tokens)
         if offer is None:
             return None
-        block_size = self.block_manager.block_size
-        loadable = (seq.num_tokens - 1) // block_size * block_size - hit.num_tokens
-        offer = max(0, min(offer, loadable)) // block_size * block_size
+        offer = max(0, min(offer, seq.num_tokens - hit.num_tokens))
+        if hit.num_tokens + offer < seq.num_tokens:
+            block_size = self.block_manager.block_size
+            offer = offer // block_size * block_size
         if offer == 0:
             seq.external_asked = True
         return offer

@@ -37,6 +37,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # blocks of block_table registered in the prefix cache
     num_written_back: int = 0  # full blocks handed to the engine's connectors (blocks_computed) (or already stored elsewhere)
     num_preemptions: int = 0
+    read_prefix_cache: bool = True  # False: its whole prefix comes from a connector (a remote prefill's KV)
     external_asked: bool = False  # the connectors' offer of its prefix was taken (a load started, or none offered)
     hold_kv: bool = False  # keep the blocks after finishing, until released (a prefill worker ships them)
     stream_prompt_kv: bool = False  # hand the prompt's KV to the connectors layer by layer (until it has been)

@@ -10,7 +10,8 @@ from reference import safe_prompts
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.errors import InvalidRequestError
-from shared.engine.kv_connector import KVConnector
+from shared.engine.continuation import Continuation
+from shared.engine.kv_connector import KVConnector, LoadEnd
 from shared.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -63,7 +64,7 @@ class BlockStore(KVConnector):
         for request_id, block_ids, hashes in self._in_flight:
             if ok:
                 self.engine.write_blocks(block_ids[:len(hashes)], torch.stack([self.stored[h] for h in hashes]))
-            self._done.append((request_id, ok))
+            self._done.append(LoadEnd(request_id, ok))
         self._in_flight.clear()
 
     def finished_loads(self):
@@ -138,16 +139,6 @@ def test_only_what_the_local_cache_lacks_is_loaded(default_model, written_back):
     assert target.prefix_cache_counts()["hit_tokens"] == {"local": 32, "store": 32}
 
 
-def test_nothing_is_asked_when_no_more_than_the_local_cache_could_be_loaded(default_model, written_back):
-    prompt, expected, stored = written_back
-    target, store = engine_with_store(default_model, stored)
-    target.generate([prompt[:16]], SamplingParams(temperature=0.0, max_tokens=1))  # no full block before its last
-    assert store.asked == []
-    run_to_end(target, "r", prompt)
-    assert run_to_end(target, "again", prompt) == (expected, 64)  # all 4 loadable blocks are cached here now
-    assert [rid for rid, _ in store.asked] == ["r"]
-
-
 def test_a_failed_load_computes_the_prompt_instead(default_model, written_back):
     prompt, expected, stored = written_back
     target, store = engine_with_store(default_model, stored, deferred=True)
@@ -204,3 +195,59 @@ def test_a_request_whose_offer_is_unknown_does_not_hold_back_those_behind_it(def
     while target.has_unfinished_requests():
         rest += [t for out in target.step() for t in out.new_token_ids]
     assert rest == expected and not target.stalled
+
+
+class PromptFromElsewhere(KVConnector):
+    """Loads a request's whole prompt and brings the first token sampled where it was computed (a remote
+    prefill's shape): from a source engine that held the prompt's KV."""
+
+    def __init__(self, engine, source, first_token, *, ok=True, over=False):
+        self.engine, self.source, self.first_token, self.ok, self.over = engine, source, first_token, ok, over
+        self.loads, self._done = [], []
+
+    def external_prefix(self, request_id, token_ids, num_local_tokens):
+        return len(token_ids) - num_local_tokens
+
+    def start_load(self, request_id, block_ids, first_token, num_tokens):
+        self.loads.append((first_token, num_tokens, len(block_ids)))
+        if self.ok:
+            data, layout = self.source.export_kv("p")
+            self.engine.write_kv(block_ids, data, layout)
+        self._done.append(LoadEnd(request_id, self.ok, Continuation(output_token_ids=[self.first_token],
+                                                                    num_cached_tokens=7), request_over=self.over))
+
+    def finished_loads(self):
+        done, self._done = self._done, []
+        return done
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_prompt_loaded_whole_goes_on_after_the_token_sampled_elsewhere(default_model, ok):
+    prompt, expected = safe_prompts(default_model, 2048, [45], GREEDY.max_tokens, seed=7)[0]
+    source = make_engine(default_model)
+    source.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), hold_kv=True)
+    first = source.step()[0].new_token_ids[0]
+    target = make_engine(default_model)
+    target.generate([prompt[:40]], SamplingParams(temperature=0.0, max_tokens=1))  # a local hit it must not read
+    connector = PromptFromElsewhere(target, source, first, ok=ok)
+    target.connect(connector)
+    target.add_request("d", prompt, GREEDY, read_prefix_cache=False)
+    tokens, cached = [first], None
+    while target.has_unfinished_requests():
+        for out in target.step():
+            tokens += out.new_token_ids
+            cached = out.num_cached_tokens
+    assert tokens == expected
+    assert connector.loads == [(0, 45, 3)]  # every prompt token, from the first block
+    # Loaded: the cached tokens are the source's; failed: computed here, from this engine's own prefix cache.
+    assert cached == (7 if ok else 32)
+    assert target.prefix_cache_counts()["prompt_tokens_computed"] == 40 + (0 if ok else 45 - 32)  # 40: the hit's
+
+
+def test_a_request_over_at_the_token_sampled_elsewhere_is_dropped_with_its_blocks(default_model):
+    prompt, _ = safe_prompts(default_model, 2048, [45], 1, seed=7)[0]
+    target = make_engine(default_model)
+    target.connect(PromptFromElsewhere(target, None, 5, ok=False, over=True))
+    target.add_request("d", prompt, GREEDY, read_prefix_cache=False)
+    assert target.step() == [] and target.step() == []
+    assert not target.has_unfinished_requests() and target.block_manager.num_used_blocks == 0
