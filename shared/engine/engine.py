@@ -151,11 +151,9 @@ class LLMEngine:
         With `stream_prompt_kv`, the connectors get the prompt's KV one layer at a time during the step that
         completes the prompt (`prompt_layer_computed`). Without `read_prefix_cache`, its prefix is not looked
         up here: a connector is to load all of it (if none does, or its load fails, the request computes as
-        any other). Reserved blocks in the continuation belong to the engine from here on: if the request is
-        refused, they are released.
+        any other). A continuation's tokens are computed again here, after the prompt.
         """
         continuation = continuation or Continuation()
-        reserved = continuation.reserved
         in_use = request_id in self._sequences or any(request_id in s.abandoned for s in self.schedulers)
         try:
             if in_use:
@@ -163,11 +161,6 @@ class LLMEngine:
             self._add_request(request_id, prompt_token_ids, params, continuation, hold_kv, stream_prompt_kv,
                               read_prefix_cache)
         except BaseException:
-            seq = self._sequences.get(request_id)
-            adopted = (seq is not None and reserved is not None
-                       and seq.block_table[: len(reserved.block_ids)] == reserved.block_ids)
-            if reserved is not None and not adopted:
-                self.release_blocks(reserved.block_ids)
             if not in_use:
                 self.connectors.request_finished(request_id)
             raise
@@ -206,30 +199,12 @@ class LLMEngine:
             read_prefix_cache=read_prefix_cache,
             virtual_engine=min(range(len(self.schedulers)), key=lambda i: self._load_of(i)),
         )
-        scheduler = self.schedulers[seq.virtual_engine]
-        continued = continuation.has_kv
-        if continued and len(scheduler.running) >= scheduler.config.max_num_seqs:
-            # No room in the batch now: recompute it later like any waiting request rather than refuse it.
-            if continuation.reserved is not None:
-                self.release_blocks(continuation.reserved.block_ids)
-            continued = False
-        if continued and continuation.kv:
-            self._import_kv(seq, continuation.kv, continuation.num_cached_tokens)
-        elif continued:
-            self._adopt_blocks(seq, continuation.reserved.block_ids, continuation.reserved.num_tokens,
-                               continuation.num_cached_tokens)
-        if continued and continuation.kv_origin is KVOrigin.WRITTEN_BACK:
-            seq.num_written_back = seq.num_computed_tokens // self.config.block_size
         self._arrivals += 1
         self._sequences[request_id] = seq
         detok = continuation.detokenizer or self.new_detokenizer(seq.token_ids, params)
         if detok is not None:
             self._detokenizers[request_id] = detok
-        if continued:
-            # It holds blocks already, so it runs (and can be preempted) like any running sequence.
-            scheduler.add_running(seq)
-        else:
-            scheduler.add(seq)
+        self.schedulers[seq.virtual_engine].add(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request at once (running, waiting or held); its blocks are free when this returns."""
@@ -337,8 +312,6 @@ class LLMEngine:
 
     def _continue_after_load(self, seq: Sequence, continuation: Continuation) -> None:
         """The tokens a loaded request brought from where its prompt was computed (sampled there, and streamed)."""
-        if continuation.has_kv:
-            raise EngineError("a load's continuation brings tokens, not KV")
         seq.token_ids.extend(continuation.output_token_ids)
         if continuation.detokenizer is not None:
             self._detokenizers[seq.request_id] = continuation.detokenizer
@@ -529,60 +502,19 @@ class LLMEngine:
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write whole blocks' KV ([n, layers, 2, block_size, kv_heads, head_dim], as the kv-store keeps them)
-        into reserved blocks."""
+        into a loading request's blocks."""
         layout = self.executor.kv_layout(0, self.model_config.num_hidden_layers, len(block_ids),
                                          len(block_ids) * self.config.block_size)
         self.write_kv(block_ids, blocks.permute(1, 2, 0, 3, 4, 5), layout)
 
-    def reserve_blocks(self, num_tokens: int) -> list[int]:
-        """Blocks for the KV of `num_tokens` tokens that will be written from outside (a KV transfer)."""
-        block_ids = self.block_manager.allocate_blocks(self.block_manager.blocks_needed(num_tokens))
-        if block_ids is None:
-            raise EngineOverloadedError(f"not enough free KV blocks for {num_tokens} tokens")
-        return block_ids
-
-    def release_blocks(self, block_ids: list[int]) -> None:
-        """Give back reserved blocks that will not be adopted (a failed or cancelled transfer)."""
-        self.block_manager.release(block_ids)
-
     def write_kv(self, block_ids: list[int], data: "torch.Tensor | BlockSlice", layout: KVLayout) -> None:
-        """Copy received KV (a tensor, or blocks of another cache) into reserved blocks: the one copy on
-        the receiving side."""
+        """Copy received KV (a tensor, or blocks of another cache) into a loading request's blocks, from the
+        first: the one copy on the receiving side."""
         if layout.block_start != 0:
             raise EngineError("imported KV must start at the sequence's first block")
         if layout.num_blocks != len(block_ids):
-            raise EngineError(f"KV for {layout.num_blocks} blocks does not fit {len(block_ids)} reserved blocks")
+            raise EngineError(f"KV for {layout.num_blocks} blocks does not fit {len(block_ids)} blocks")
         self.executor.import_kv(block_ids, data, layout)
-
-    def _import_kv(self, seq: Sequence, parts: list[tuple[torch.Tensor, KVLayout]], num_cached_tokens: int) -> None:
-        num_tokens = parts[0][1].num_tokens
-        if any(layout.num_tokens != num_tokens for _, layout in parts):
-            raise EngineError("imported KV parts must cover every layer once, for the same tokens")
-        expected_start = 0
-        for start, end in sorted((layout.layer_start, layout.layer_end) for _, layout in parts):
-            if start != expected_start:
-                raise EngineError("imported KV parts must cover every layer once, for the same tokens")
-            expected_start = end
-        if expected_start != self.model_config.num_hidden_layers:
-            raise EngineError("imported KV parts must cover every layer once, for the same tokens")
-        if not 0 < num_tokens < seq.num_tokens:
-            raise EngineError(f"imported KV covers {num_tokens} tokens; the request has {seq.num_tokens}")
-        block_ids = self.reserve_blocks(num_tokens)
-        try:
-            for data, layout in parts:
-                self.write_kv(block_ids, data, layout)
-        except Exception:
-            self.release_blocks(block_ids)
-            raise
-        self._adopt_blocks(seq, block_ids, num_tokens, num_cached_tokens)
-
-    def _adopt_blocks(self, seq: Sequence, block_ids: list[int], num_tokens: int, num_cached_tokens: int) -> None:
-        if not 0 < num_tokens < seq.num_tokens or len(block_ids) != self.block_manager.blocks_needed(num_tokens):
-            raise EngineError(f"{len(block_ids)} blocks of KV for {num_tokens} tokens do not fit a request "
-                              f"of {seq.num_tokens} tokens")
-        seq.block_table.extend(block_ids)
-        seq.num_computed_tokens = num_tokens
-        seq.num_cached_tokens = num_cached_tokens
 
     # ---- offline convenience ------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[CompletedRequest]:

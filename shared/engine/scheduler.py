@@ -73,13 +73,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Admit a sequence that already holds its blocks (imported KV) straight into the batch."""
-        seq.status = SequenceStatus.RUNNING
-        if seq.num_cached_tokens < 0:
-            seq.num_cached_tokens = 0
-        self.running.append(seq)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.abandoned)
 
@@ -125,7 +118,7 @@ class Scheduler:
             limit = min(budget, prompt_budget)
             if limit <= 0:
                 break  # the step's prompt tokens are spent: in arrival order, the next step
-            # A sequence arriving with imported KV (or loaded from outside) already holds its blocks.
+            # A sequence whose prefix was loaded from outside already holds its blocks.
             hit = None if seq.block_table else self._prefix_hit(seq)
             if hit is not None and self._asks_connectors(seq):
                 offer = self._external_offer(seq, hit)
@@ -170,19 +163,25 @@ class Scheduler:
             return None
         seq, loaded_end = entry
         num_local = seq.num_computed_tokens
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
         counted = seq.read_prefix_cache
         seq.read_prefix_cache = True  # from here on (recomputed, preempted) it is like any other
         if not ok:
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
             return 0
         # A load of every token (and no token sampled elsewhere after them) leaves the last to compute again.
         seq.num_computed_tokens = min(loaded_end, seq.num_tokens - 1)
         if counted:
             self._count_prefix_lookup(seq, num_local)
         seq.num_cached_tokens = loaded_end
+        if seq.num_uncomputed_tokens == 1:  # it decodes: into the batch (its slot was kept while it loaded)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:  # the rest of its prompt is a chunk like any other's, first in line
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
         return loaded_end - num_local
 
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:

@@ -5,12 +5,13 @@ import shutil
 
 import pytest
 
-from shared.engine.continuation import Continuation, ReservedKV
+from shared.engine.continuation import Continuation
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.errors import EngineError, InvalidRequestError, ModelLoadError
 from shared.engine.model_loader import load_model
 from shared.engine.sampling_params import SamplingParams
+from support.kv_from_elsewhere import KVFromElsewhere
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -46,8 +47,9 @@ def test_imported_request_under_memory_pressure_does_not_hang(default_model):
     engine.add_request("a", list(range(30, 34)), GREEDY)
     engine.step()
     engine.add_request("c", list(range(40, 68)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.connect(KVFromElsewhere(engine, parts, first, request_ids={"b"}))
     engine.add_request("b", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                       Continuation(output_token_ids=[first], kv=parts))
+                       read_prefix_cache=False)
     run_to_end(engine)
     assert engine.block_manager.num_used_blocks == 0
 
@@ -57,17 +59,6 @@ def test_continuation_past_max_tokens_is_rejected(default_model):
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         engine.add_request("x", [1, 2, 3, 4], SamplingParams(max_tokens=5), Continuation(output_token_ids=list(range(5, 15))))
     assert not engine.has_unfinished_requests()
-
-
-def test_partial_export_cannot_be_imported_as_a_prefix(default_model):
-    prompt = list(range(10, 22))
-    _, _, source = exported_prompt_kv(default_model, prompt)
-    data, layout = source.export_kv("src", block_start=1, block_end=3)
-    assert layout.block_start == 1
-    target = make_engine(default_model, block_size=4)
-    with pytest.raises(EngineError, match="first block"):
-        target.add_request("y", prompt, GREEDY, Continuation(output_token_ids=[5], kv=[(data, layout)]))
-    assert target.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("layers", [(0, 10), (3, 3), (5, 7), (-1, 2)])
@@ -99,32 +90,34 @@ def test_unverified_causal_lm_families_are_refused(tmp_path, default_model):
         load_model(tmp_path / "m")
 
 
-def test_continuation_into_a_full_batch_is_recomputed_not_refused(default_model):
+def test_a_load_into_a_full_batch_waits_for_a_slot(default_model):
     prompt = list(range(10, 22))
     first, parts, _ = exported_prompt_kv(default_model, prompt)
-    reference = make_engine(default_model, block_size=4).generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = make_engine(default_model, block_size=4).generate([prompt], params)[0].token_ids
     engine = make_engine(default_model, block_size=4, max_num_seqs=1)
+    connector = KVFromElsewhere(engine, parts, first, request_ids={"cont"})
+    engine.connect(connector)
     engine.add_request("busy", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.step()
-    block_ids = engine.reserve_blocks(len(prompt))
-    for data, layout in parts:
-        engine.write_kv(block_ids, data, layout)
-    used_before = engine.block_manager.num_used_blocks
-    engine.add_request("cont", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                       Continuation(output_token_ids=[first], reserved=ReservedKV(block_ids, len(prompt))))
-    assert engine.block_manager.num_used_blocks == used_before - len(block_ids)  # given back, to recompute later
+    engine.add_request("cont", prompt, params, read_prefix_cache=False)
     tokens = [first]
     while engine.has_unfinished_requests():
+        busy = engine.get_sequence("busy") is not None
         tokens += [t for o in engine.step() if o.request_id == "cont" for t in o.new_token_ids]
-    assert tokens == reference
+        assert not (busy and connector.loads)  # nothing loads (nor goes out to prefill) while the batch is full
+    assert tokens == reference and len(connector.loads) == 1
 
 
-def test_refused_continuation_gives_its_reserved_blocks_back(default_model):
+def test_a_refused_request_is_over_for_the_connectors_but_not_a_running_one_of_that_id(default_model):
     engine = make_engine(default_model)
+    connector = KVFromElsewhere(engine, [], 0, request_ids=())
+    engine.connect(connector)
     engine.add_request("dup", [1, 2, 3], GREEDY)
-    block_ids = engine.reserve_blocks(12)
-    used = engine.block_manager.num_used_blocks
     with pytest.raises(InvalidRequestError, match="already in use"):
-        engine.add_request("dup", list(range(12)), GREEDY, Continuation(output_token_ids=[4], reserved=ReservedKV(block_ids, 12)))
-    assert engine.block_manager.num_used_blocks == used - len(block_ids)
+        engine.add_request("dup", list(range(12)), GREEDY)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("empty", [], GREEDY)
+    assert connector.ended == ["empty"]  # the running "dup" is not over
+    run_to_end(engine)
+    assert connector.ended == ["empty", "dup"]

@@ -1,4 +1,5 @@
-"""A sequence's KV exported from one engine continues identically in another."""
+"""A sequence's KV exported from one engine continues identically in another (loaded as a remote prefill loads
+it, through a connector)."""
 
 import pytest
 import torch
@@ -6,10 +7,11 @@ import torch
 from reference import safe_prompts
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.continuation import Continuation, KVOrigin, ReservedKV
+from shared.engine.continuation import KVOrigin
 from shared.engine.errors import EngineError
 from shared.engine.kv_connector import KVConnector
 from shared.engine.sampling_params import SamplingParams
+from support.kv_from_elsewhere import KVFromElsewhere
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
@@ -45,10 +47,11 @@ def prefill_and_export(engine, prompt, params, layer_parts):
     return first[0].new_token_ids[0], parts
 
 
-def continue_elsewhere(model_dir, prompt, params, first_token, parts):
-    """Import the KV into a fresh engine and generate the rest; all tokens from the first on."""
-    target = make_engine(model_dir)
-    target.add_request("dst", prompt, params, Continuation(output_token_ids=[first_token], kv=parts))
+def continue_elsewhere(model_dir, prompt, params, first_token, parts, target=None, **connector_options):
+    """Load the KV into a fresh engine (or `target`) and generate the rest; all tokens from the first on."""
+    target = target or make_engine(model_dir)
+    target.connect(KVFromElsewhere(target, parts, first_token, request_ids={"dst"}, **connector_options))
+    target.add_request("dst", prompt, params, read_prefix_cache=False)
     tokens = [first_token]
     while target.has_unfinished_requests():
         for out in target.step():
@@ -83,25 +86,25 @@ def test_seeded_sampling_continues_identically_after_import(default_model, case)
     assert continue_elsewhere(default_model, prompt, params, first_token, parts) == whole
 
 
-def test_import_rejects_incomplete_or_mismatched_kv(default_model, case):
+def test_kv_that_does_not_fit_the_blocks_is_refused(default_model, case):
     prompt, _ = case
-    _, parts = prefill_and_export(make_engine(default_model), prompt, GREEDY, [(0, 1), (1, 4)])
+    source = make_engine(default_model)
+    _, parts = prefill_and_export(source, prompt, GREEDY, [(0, 4)])
     target = make_engine(default_model)
-    with pytest.raises(EngineError, match="every layer"):
-        target.add_request("a", prompt, GREEDY, Continuation(output_token_ids=[5], kv=parts[:1]))
-    other_block_size = make_engine(default_model, block_size=8)
-    with pytest.raises(EngineError, match="does not"):
-        other_block_size.add_request("b", prompt, GREEDY, Continuation(output_token_ids=[5], kv=parts))
-    # Nothing leaked: the failed imports hold no blocks and no requests.
-    assert target.block_manager.num_used_blocks == 0 and not target.has_unfinished_requests()
-    assert other_block_size.block_manager.num_used_blocks == 0 and not other_block_size.has_unfinished_requests()
+    data, layout = parts[0]  # 45 tokens: 3 blocks
+    with pytest.raises(EngineError, match="does not fit"):
+        target.write_kv([0, 1], data, layout)
+    source.add_request("again", prompt, GREEDY)
+    source.step()
+    data, layout = source.export_kv("again", block_start=1, block_end=3)
+    with pytest.raises(EngineError, match="first block"):
+        target.write_kv([0, 1], data, layout)
 
 
-def test_prefill_decode_handoff_through_held_and_reserved_blocks(default_model, case):
-    """The PD path inside the engine: prefill holds its KV, decode writes it into reserved blocks."""
+def test_prefill_decode_handoff_through_held_blocks_and_a_load(default_model, case):
+    """The PD path inside the engine: prefill holds its KV, decode loads it (layers in any order)."""
     prompt, expected = case
     prefill = make_engine(default_model)
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     prefill.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), hold_kv=True)
     first = [o for o in prefill.step()]
     assert first[0].finished and prefill.num_held == 1
@@ -110,24 +113,8 @@ def test_prefill_decode_handoff_through_held_and_reserved_blocks(default_model, 
     assert prefill.release_held("p") and prefill.block_manager.num_used_blocks == 0 and held_blocks > 0
 
     decode = make_engine(default_model)
-    block_ids = decode.reserve_blocks(len(prompt))
-    for data, layout in reversed(parts):  # layers may arrive in any order
-        decode.write_kv(block_ids, data, layout)
-    decode.add_request("d", prompt, params, Continuation(output_token_ids=first[0].new_token_ids,
-                                                       reserved=ReservedKV(block_ids, len(prompt))))
-    tokens = list(first[0].new_token_ids)
-    while decode.has_unfinished_requests():
-        tokens += [t for o in decode.step() for t in o.new_token_ids]
-    assert tokens == expected
+    assert continue_elsewhere(default_model, prompt, GREEDY, first[0].new_token_ids[0], parts[::-1], decode) == expected
     assert decode.block_manager.num_used_blocks == 0
-
-
-def test_released_reservation_returns_its_blocks(default_model):
-    engine = make_engine(default_model)
-    block_ids = engine.reserve_blocks(40)
-    assert engine.block_manager.num_used_blocks == 3
-    engine.release_blocks(block_ids)
-    assert engine.block_manager.num_used_blocks == 0
 
 
 def test_prompt_kv_streams_layer_by_layer_during_the_completing_step(default_model, case):
@@ -156,30 +143,7 @@ def test_prompt_kv_streams_layer_by_layer_during_the_completing_step(default_mod
     engine.generate([prompt[:20]], params)  # a request that did not ask is not streamed
     assert streamed_ids == ["p"] * 4
     # And they continue generation elsewhere like any export.
-    target = make_engine(default_model)
-    block_ids = target.reserve_blocks(len(prompt))
-    for data, layout in streamed:
-        target.write_kv(block_ids, data, layout)
-    first_token = expected[0]
-    target.add_request("d", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-                       Continuation(output_token_ids=[first_token], reserved=ReservedKV(block_ids, len(prompt))))
-    tokens = [first_token]
-    while target.has_unfinished_requests():
-        tokens += [t for o in target.step() for t in o.new_token_ids]
-    assert tokens == expected
-
-
-def _run_to_end(engine, request_id, prompt, params, continuation=None):
-    engine.add_request(request_id, prompt, params, continuation)
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
-def _load_blocks(engine, stored, hashes, kv_origin=KVOrigin.COMPUTED):
-    block_ids = engine.reserve_blocks(len(hashes) * 16)
-    engine.write_blocks(block_ids, torch.stack([stored[h] for h in hashes]))
-    return Continuation(reserved=ReservedKV(block_ids, len(hashes) * 16), num_cached_tokens=len(hashes) * 16,
-                        kv_origin=kv_origin)
+    assert continue_elsewhere(default_model, prompt, GREEDY, expected[0], streamed) == expected
 
 
 def test_decoded_blocks_are_written_back_every_eight_and_imported_ones_only_when_not_already(default_model):
@@ -194,17 +158,15 @@ def test_decoded_blocks_are_written_back_every_eight_and_imported_ones_only_when
     # 40 + 199 computed tokens = 14 full blocks: the prompt's 2, then 8 as decoding fills them, then the rest.
     assert WRITE_BACK_BLOCKS == 8 and calls == [2, 8, 4]
 
-    stored = {}
-    source = make_engine(default_model)
-    source.connect(OnBlocksComputed(lambda hashes, export: stored.update(zip(hashes, export(list(range(len(hashes))))))))
-    source.generate([prompt], GREEDY)
-    hashes = source.prefix_block_hashes(prompt)
-    for origin, first_call in ((KVOrigin.WRITTEN_BACK, 3), (KVOrigin.COMPUTED, 0)):
+    first_token, parts = prefill_and_export(make_engine(default_model), prompt, GREEDY, [(0, 4)])
+    hashes = make_engine(default_model).prefix_block_hashes(prompt)
+    for origin in (KVOrigin.WRITTEN_BACK, KVOrigin.COMPUTED):
         target = make_engine(default_model)
         calls = []
         target.connect(OnBlocksComputed(lambda hashes, export: calls.append(hashes)))
-        _run_to_end(target, "r", prompt, GREEDY, _load_blocks(target, stored, hashes, origin))
+        continue_elsewhere(default_model, prompt, GREEDY, first_token, parts, target, kv_origin=origin)
         # 40 + 19 computed tokens: 3 full blocks, of which the first 2 came in; sent back only if not stored yet.
         written = [h for call in calls for h in call]
-        assert len(written) == 3 - (first_call and 2) and written[-1] not in hashes, origin
-        assert target.prefix_cache_counts()["prompt_tokens_computed"] == 40 - 32
+        assert len(written) == (1 if origin is KVOrigin.WRITTEN_BACK else 3) and written[-1] not in hashes, origin
+        assert written[:-1] == ([] if origin is KVOrigin.WRITTEN_BACK else hashes), origin
+        assert target.prefix_cache_counts()["prompt_tokens_computed"] == 0

@@ -10,9 +10,9 @@ from reference import safe_prompts
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.errors import InvalidRequestError
-from shared.engine.continuation import Continuation
 from shared.engine.kv_connector import KVConnector, LoadEnd
 from shared.engine.sampling_params import SamplingParams
+from support.kv_from_elsewhere import KVFromElsewhere
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 BLOCK = 16
@@ -197,30 +197,6 @@ def test_a_request_whose_offer_is_unknown_does_not_hold_back_those_behind_it(def
     assert rest == expected and not target.stalled
 
 
-class PromptFromElsewhere(KVConnector):
-    """Loads a request's whole prompt and brings the first token sampled where it was computed (a remote
-    prefill's shape): from a source engine that held the prompt's KV."""
-
-    def __init__(self, engine, source, first_token, *, ok=True, over=False):
-        self.engine, self.source, self.first_token, self.ok, self.over = engine, source, first_token, ok, over
-        self.loads, self._done = [], []
-
-    def external_prefix(self, request_id, token_ids, num_local_tokens):
-        return len(token_ids) - num_local_tokens
-
-    def start_load(self, request_id, block_ids, first_token, num_tokens):
-        self.loads.append((first_token, num_tokens, len(block_ids)))
-        if self.ok:
-            data, layout = self.source.export_kv("p")
-            self.engine.write_kv(block_ids, data, layout)
-        self._done.append(LoadEnd(request_id, self.ok, Continuation(output_token_ids=[self.first_token],
-                                                                    num_cached_tokens=7), request_over=self.over))
-
-    def finished_loads(self):
-        done, self._done = self._done, []
-        return done
-
-
 @pytest.mark.parametrize("ok", [True, False])
 def test_a_prompt_loaded_whole_goes_on_after_the_token_sampled_elsewhere(default_model, ok):
     prompt, expected = safe_prompts(default_model, 2048, [45], GREEDY.max_tokens, seed=7)[0]
@@ -229,7 +205,7 @@ def test_a_prompt_loaded_whole_goes_on_after_the_token_sampled_elsewhere(default
     first = source.step()[0].new_token_ids[0]
     target = make_engine(default_model)
     target.generate([prompt[:40]], SamplingParams(temperature=0.0, max_tokens=1))  # a local hit it must not read
-    connector = PromptFromElsewhere(target, source, first, ok=ok)
+    connector = KVFromElsewhere(target, [source.export_kv("p")], first, request_ids={"d"}, ok=ok, num_cached_tokens=7)
     target.connect(connector)
     target.add_request("d", prompt, GREEDY, read_prefix_cache=False)
     tokens, cached = [first], None
@@ -238,7 +214,7 @@ def test_a_prompt_loaded_whole_goes_on_after_the_token_sampled_elsewhere(default
             tokens += out.new_token_ids
             cached = out.num_cached_tokens
     assert tokens == expected
-    assert connector.loads == [(0, 45, 3)]  # every prompt token, from the first block
+    assert connector.loads == [("d", 0, 45, 3)]  # every prompt token, from the first block
     # Loaded: the cached tokens are the source's; failed: computed here, from this engine's own prefix cache.
     assert cached == (7 if ok else 32)
     assert target.prefix_cache_counts()["prompt_tokens_computed"] == 40 + (0 if ok else 45 - 32)  # 40: the hit's
@@ -247,7 +223,7 @@ def test_a_prompt_loaded_whole_goes_on_after_the_token_sampled_elsewhere(default
 def test_a_request_over_at_the_token_sampled_elsewhere_is_dropped_with_its_blocks(default_model):
     prompt, _ = safe_prompts(default_model, 2048, [45], 1, seed=7)[0]
     target = make_engine(default_model)
-    target.connect(PromptFromElsewhere(target, None, 5, ok=False, over=True))
+    target.connect(KVFromElsewhere(target, [], 5, request_ids={"d"}, ok=False, over=True))
     target.add_request("d", prompt, GREEDY, read_prefix_cache=False)
     assert target.step() == [] and target.step() == []
     assert not target.has_unfinished_requests() and target.block_manager.num_used_blocks == 0

@@ -328,15 +328,15 @@ def test_without_decodes_the_prefill_cap_does_not_apply_and_an_imported_prompt_d
     sched.add(decoding)
     apply(sched.schedule(), bm)
     sched.prefill_cap = 0  # no chunk at all beside decodes
+    # Two loads end (see `load_finished`), each holding its blocks.
     imported = make_seq(8, "imported", 1, base=50)  # a prefill worker computed its prompt and first token
     imported.token_ids.append(7)
-    assert bm.allocate(imported, 9)
-    imported.num_computed_tokens = 8
-    sched.add_running(imported)
     partly = make_seq(12, "partly", 2, base=80)  # 8 tokens of its prompt loaded from the kv-store
-    assert bm.allocate(partly, 12)
-    partly.num_computed_tokens = 8
-    sched.add_running(partly)
+    for seq, loaded in ((imported, 8), (partly, 8)):
+        assert bm.allocate(seq, seq.num_tokens)
+        sched.loading[seq.request_id] = (seq, loaded)
+        assert sched.load_finished(seq.request_id, True) == 8
+    assert imported in sched.running and list(sched.waiting) == [partly]
     fresh = make_seq(5, "fresh", 3, base=120)
     sched.add(fresh)
     assert plan(sched.schedule()) == [("decoding", 1), ("imported", 1)]  # the two chunks wait
