@@ -123,11 +123,13 @@ class EngineLoop:
                 share.start()
             while not self._stop.is_set():
                 idle = not self.engine.has_unfinished_requests()
-                if idle and share is not None:
+                # A stalled engine (its requests wait for connectors, or for blocks held outside a step) has
+                # nothing to run either: it lends or gives back CPUs, and waits for a command or a wake (or
+                # steps again after _IDLE_WAIT_S).
+                waiting = idle or self.engine.stalled
+                if waiting and share is not None:
                     share.idle()
-                # A stalled engine (its requests wait for connectors, or for blocks held outside a step) waits
-                # for a command or a wake too, and steps at least every _IDLE_WAIT_S.
-                rejected, _ = self._apply_commands(_IDLE_WAIT_S if idle or self.engine.stalled else 0.0)
+                rejected, _ = self._apply_commands(_IDLE_WAIT_S if waiting else 0.0)
                 if idle and self.engine.has_unfinished_requests():
                     rejected += self._gather_burst()
                 outputs = []

@@ -169,8 +169,8 @@ class LLMEngine:
                      continuation: Continuation, hold_kv: bool, stream_prompt_kv: bool,
                      read_prefix_cache: bool) -> None:
         output_token_ids = continuation.output_token_ids
-        if self.num_waiting >= self.config.max_waiting_requests:
-            raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting")
+        if self.num_waiting + self.num_loading >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{self.num_waiting + self.num_loading} requests are already waiting")
         self._validate(prompt_token_ids, list(output_token_ids), params)
         prompt_len = len(prompt_token_ids)
         if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
@@ -239,8 +239,13 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not in a batch yet (loading ones included)."""
-        return sum(len(s.waiting) + len(s.loading) for s in self.schedulers)
+        """Requests waiting for a place in the batch (not those whose KV is loading)."""
+        return sum(len(s.waiting) for s in self.schedulers)
+
+    @property
+    def num_loading(self) -> int:
+        """Requests out of the batch while a connector loads their KV (a remote prefill, a kv-store fetch)."""
+        return sum(len(s.loading) for s in self.schedulers)
 
     @property
     def num_preemptions(self) -> int:
