@@ -6,6 +6,7 @@ The work is in `services.launcher.launcher`; this module is the flags.
 import argparse
 import os
 
+from services.common.options import checked_type, factor_or_off
 from services.launcher.deployment import DEFAULT_RUN_DIR, RUN_DIR_ENV
 from services.launcher.topology import DISAGG_PREFILL_BESIDE_DECODES_MS
 
@@ -20,25 +21,10 @@ def take_gateway_api_keys(flags: list[str] | None) -> tuple[str, ...]:
     return parse_api_keys(flags, os.environ.pop("SPLITSERVE_API_KEY", None))
 
 
-def _checked(convert, ok, kind: str):
-    """An argparse type: `convert` the text, then require `ok(value)`, naming `kind` in the error."""
-
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"{text} is not {kind}")
-        return value
-
-    return parse
-
-
-_positive_int = _checked(int, lambda v: v >= 1, "a whole number of at least 1")
-_port = _checked(int, lambda v: 0 < v < 65536, "a port number (1-65535)")
-_seconds = _checked(float, lambda v: v > 0, "a positive number of seconds")
-_milliseconds_or_off = _checked(float, lambda v: v >= 0 and v == v and v != float("inf"),
+_positive_int = checked_type(int, lambda v: v >= 1, "a whole number of at least 1")
+_port = checked_type(int, lambda v: 0 < v < 65536, "a port number (1-65535)")
+_seconds = checked_type(float, lambda v: v > 0, "a positive number of seconds")
+_milliseconds_or_off = checked_type(float, lambda v: v >= 0 and v == v and v != float("inf"),
                                 "a number of milliseconds (0: off)")
 
 
@@ -94,6 +80,9 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--offload-short-prefills", action=argparse.BooleanOptionalAction, default=True,
                         help="disagg: a shorter prompt goes to an idle prefill worker too while its decode worker "
                              "is busy streaming (default: on)")
+    parser.add_argument("--prefill-backlog-factor", type=factor_or_off, metavar="F",
+                        help="disagg: a long prompt is prefilled by its decode worker when each prefill worker has "
+                             "more than F times its tokens queued (default: the scheduler's, 0.5; 0: never)")
     parser.add_argument("--lend-idle-cpus", action=argparse.BooleanOptionalAction, default=True,
                         help="disagg: while a prefill worker has nothing to compute, its CPUs run its decode "
                              "worker's steps too, handed back before each prefill (default: on)")
@@ -182,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         max_local_prefill=args.max_local_prefill,
         offload_short_prefills=args.offload_short_prefills,
+        prefill_backlog_factor=args.prefill_backlog_factor,
         lend_idle_cpus=args.lend_idle_cpus,
         kv_transport=args.kv_transport,
         stages=args.stages,

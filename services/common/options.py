@@ -120,6 +120,24 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "(default: wherever the OS places them, torch's default thread count)")
 
 
+def checked_type(convert, ok, kind: str):
+    """An argparse type: `convert` the text, then require `ok(value)`, naming `kind` in the error."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {kind}")
+        return value
+
+    return parse
+
+
+factor_or_off = checked_type(float, lambda v: 0 <= v < float("inf"), "a number of at least 0 (0: off)")
+
+
 def _positive_ms(text: str) -> float:
     try:
         value = float(text)

@@ -29,6 +29,7 @@ class UpConfig:
     prefill: int = 1  # disagg: prefill workers
     max_local_prefill: int | None = None  # disagg: the scheduler's threshold (None: its default)
     offload_short_prefills: bool = True  # disagg: shorter prompts too, to an idle prefill worker, when decode is busy
+    prefill_backlog_factor: float | None = None  # disagg: long prompts local behind this deep a backlog (None: default)
     kv_transport: str = "auto"  # disagg: how prefill workers ship KV
     stage_ranges: tuple[tuple[int, int], ...] = ()  # pipeline (or disagg's prefill pipeline): each stage's layers
     microbatches: int = 2  # pipeline: steps in flight at once
@@ -172,6 +173,8 @@ def _plan(config: UpConfig) -> list[ServiceSpec]:
         scheduler_args += ("--max-local-prefill", str(config.max_local_prefill))
     if disagg and not config.offload_short_prefills:
         scheduler_args += ("--no-offload-short-prefills",)
+    if disagg and config.prefill_backlog_factor is not None:
+        scheduler_args += ("--prefill-backlog-factor", f"{config.prefill_backlog_factor:g}")
     specs = [ServiceSpec("scheduler-0", "scheduler", "scheduler-0", scheduler_args)]
     counts = {"decode": config.decode, "scheduler": 1}
     store_flag = ("--kv-store",) if kv_store else ()

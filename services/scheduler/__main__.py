@@ -3,7 +3,8 @@
 import argparse
 import sys
 
-from services.common.options import add_bus_options, run_async
+from services.common.options import add_bus_options, factor_or_off, run_async
+from services.scheduler.routing import DEFAULT_PREFILL_BACKLOG_FACTOR
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +15,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompts with more uncached tokens than this are prefilled remotely (0: always remote)")
     parser.add_argument("--max-prefill-queue", type=int, default=64,
                         help="prefill locally when this many prefill jobs are already queued")
+    parser.add_argument("--prefill-backlog-factor", type=factor_or_off, default=DEFAULT_PREFILL_BACKLOG_FACTOR,
+                        help="prefill a prompt over --max-local-prefill locally when each prefill worker has more than "
+                             "this many times its uncached tokens queued ahead of it (default: %(default)s; 0: never "
+                             "for that reason; --max-local-prefill 0 keeps every prompt remote)")
     parser.add_argument("--offload-short-prefills", action=argparse.BooleanOptionalAction, default=True,
                         help="send a prompt within --max-local-prefill to an idle prefill worker too, when its "
                              "decode worker is busy streaming (computing it there stalls every stream for a step)")
@@ -38,6 +43,7 @@ async def serve(args: argparse.Namespace) -> int:
         return Router(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id,
                       handoff_timeout_s=args.handoff_timeout, max_local_prefill=args.max_local_prefill,
                       max_prefill_queue=args.max_prefill_queue, offload_short_prefills=args.offload_short_prefills,
+                      prefill_backlog_factor=args.prefill_backlog_factor,
                       router=args.router,
                       overlap_weight=args.kv_overlap_weight, max_index_blocks=args.prefix_index_blocks)
 

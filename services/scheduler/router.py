@@ -7,7 +7,7 @@ same request id is recognised (here and by the worker) and never run twice.
 
 import asyncio
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 
 import nats.errors
 import structlog
@@ -31,11 +31,13 @@ from services.common.identity import ServiceIdentity, now_ms
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.routed import RoutedTally
 from services.scheduler.routing import (
+    DEFAULT_PREFILL_BACKLOG_FACTOR,
     CachedPrefixes,
     blocks_to_take,
     cached_prefixes,
     decide_prefill,
     eligible_workers,
+    prefill_backlog,
     pick_prefill_worker,
     rank_by_kv,
     rank_by_load,
@@ -59,7 +61,7 @@ class Router:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str,
                  handoff_timeout_s: float = 5.0, max_concurrent_handoffs: int = 64,
                  max_local_prefill: int = 256, max_prefill_queue: int = 64, offload_short_prefills: bool = True,
-                 router: str = "kv",
+                 prefill_backlog_factor: float = DEFAULT_PREFILL_BACKLOG_FACTOR, router: str = "kv",
                  overlap_weight: float = 2.0, max_index_blocks: int = 1 << 18):
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
@@ -78,7 +80,11 @@ class Router:
         self.max_local_prefill = max_local_prefill
         self.offload_short_prefills = offload_short_prefills
         self.max_prefill_queue = max_prefill_queue
+        self.prefill_backlog_factor = prefill_backlog_factor
         self.prefill_queue_depth = 0
+        # The uncached tokens of the jobs sent to the prefill queue, oldest first: the newest `prefill_queue_depth`
+        # of them are what the pool has yet to compute (`prefill_backlog`).
+        self._queued_prefills: deque[int] = deque(maxlen=max(max_prefill_queue, 1))
         self.request_queue_depth = 0
         self.router = router
         self.overlap_weight = overlap_weight
@@ -200,7 +206,7 @@ class Router:
         else:
             candidates = rank_by_load(decode_workers)
         for worker in candidates:
-            self._plan_prefill(request, worker, prefill_workers, cached)
+            uncached = self._plan_prefill(request, worker, prefill_workers, cached)
             # Counted on the worker before the handoff, so that the requests routed meanwhile see it.
             self.routed.offered(request.request_id, worker, now_ms=now_ms(), num_blocks=blocks_to_take(
                 worker, len(prompt), cached.blocks.get(worker.instance_id, 0) if cached is not None else 0))
@@ -220,30 +226,36 @@ class Router:
             if not reply.accepted:
                 await self._fail(request, reply.code or "invalid_request", reply.message, reply.param)
                 return "rejected"
-            self._assigned(request, worker, cached)
+            self._assigned(request, worker, cached, uncached)
             return "assigned"
         await self._fail(request, "no_worker", f"no {request.model!r} worker can take the request now",
                          retry_after_s=1.0)
         return "no_worker"
 
     def _plan_prefill(self, request: GenerateRequest, worker: ServiceInfo, prefill_workers: list[ServiceInfo],
-                      cached: CachedPrefixes | None) -> None:
-        """Where `worker` is to get the request's prompt computed: itself, or the prefill pool (which worker)."""
+                      cached: CachedPrefixes | None) -> int:
+        """Where `worker` is to get the request's prompt computed: itself, or the prefill pool (which worker).
+        Returns the prompt tokens that `worker` does not hold."""
         uncached = len(request.prompt_token_ids) - (cached.tokens(worker) if cached is not None else 0)
         request.prefill = decide_prefill(
             uncached, self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,
             max_prefill_queue=self.max_prefill_queue, prefill_workers_ready=len(prefill_workers),
             decode_worker_busy=worker.num_running + worker.num_waiting > 0, offload_short=self.offload_short_prefills,
+            prefill_backlog_tokens=prefill_backlog(self._queued_prefills, self.prefill_queue_depth),
+            backlog_factor=self.prefill_backlog_factor,
         )
         request.prefill_instance = ""
         if request.prefill == "remote" and cached is not None:
             request.prefill_instance = pick_prefill_worker(prefill_workers, cached.prompt_blocks, cached.blocks,
                                                            self.overlap_weight)
+        return uncached
 
-    def _assigned(self, request: GenerateRequest, worker: ServiceInfo, cached: CachedPrefixes | None) -> None:
+    def _assigned(self, request: GenerateRequest, worker: ServiceInfo, cached: CachedPrefixes | None,
+                  uncached: int) -> None:
         self.decisions[request.prefill] = self.decisions.get(request.prefill, 0) + 1
-        if request.prefill == "remote":
+        if request.prefill == "remote" and not request.prefill_instance:  # a job offered to one worker is not queued
             self.prefill_queue_depth += 1  # until the next refresh shows the real depth
+            self._queued_prefills.append(uncached)
         self._remember(request.request_id, worker.instance_id)
         span = trace.get_current_span()
         span.set_attributes({"splitserve.worker": worker.instance_id, "splitserve.prefill": request.prefill,

@@ -1,6 +1,7 @@
 """Which worker gets a request: pure functions over registry entries."""
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from msgspec.structs import replace
@@ -136,11 +137,27 @@ def pick_prefill_worker(workers: list[ServiceInfo], num_prompt_blocks: int, cach
 # Below this many uncached tokens a prompt is always computed where it decodes: shipping its KV costs more
 # than the stall it would cause.
 MIN_OFFLOADED_PREFILL = 32
+# A long prompt is computed where it decodes when each prefill worker has more than this many times its tokens
+# queued ahead of it (see `decide_prefill`).
+DEFAULT_PREFILL_BACKLOG_FACTOR = 0.5
+
+
+def prefill_backlog(routed_tokens: Sequence[int], queue_depth: int) -> int:
+    """The prompt tokens the prefill pool has yet to compute, as far as this scheduler knows.
+
+    `routed_tokens`: the uncached tokens of the jobs this scheduler sent to the pool's queue, oldest first;
+    `queue_depth`: the jobs in the queue, waiting or running. The queue is first in, first out, so the jobs
+    still in it are the newest `queue_depth` sent (jobs other schedulers sent are not known, and not counted).
+    """
+    if queue_depth <= 0:
+        return 0
+    return sum(itertools.islice(reversed(routed_tokens), queue_depth))
 
 
 def decide_prefill(uncached_prompt_tokens: int, prefill_queue_depth: int, *, max_local_prefill: int,
                    max_prefill_queue: int, prefill_workers_ready: int, decode_worker_busy: bool = False,
-                   offload_short: bool = True) -> str:
+                   offload_short: bool = True, prefill_backlog_tokens: int = 0,
+                   backlog_factor: float = 0.0) -> str:
     """"remote" or "local": where a request's prompt is computed.
 
     Never remote without a prefill pool, or when its queue (waiting and
@@ -150,10 +167,20 @@ def decide_prefill(uncached_prompt_tokens: int, prefill_queue_depth: int, *, max
     (0: every prompt); and, with `offload_short`, a shorter prompt too when
     its decode worker is busy streaming (computing the prompt there stalls
     every stream for that step) while a prefill worker sits idle.
+
+    With `backlog_factor` > 0 (and `max_local_prefill` > 0), a long prompt
+    stays local when each prefill worker has more than `backlog_factor` times
+    the prompt's own tokens queued ahead of it (`prefill_backlog_tokens`):
+    it would wait longer for the pool than the pool takes to compute it,
+    while its decode worker computes it at once, in chunks beside its
+    streams (whose tokens ride along those chunks' weight reads).
     """
     if prefill_workers_ready == 0 or prefill_queue_depth >= max_prefill_queue:
         return "local"
     if uncached_prompt_tokens > max_local_prefill:
+        backlog_per_worker = prefill_backlog_tokens / prefill_workers_ready
+        if max_local_prefill > 0 and backlog_factor > 0 and backlog_per_worker > backlog_factor * uncached_prompt_tokens:
+            return "local"
         return "remote"
     pool_idle = prefill_queue_depth < prefill_workers_ready
     if offload_short and decode_worker_busy and pool_idle and uncached_prompt_tokens >= MIN_OFFLOADED_PREFILL:

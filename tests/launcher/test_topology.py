@@ -80,6 +80,9 @@ def test_disagg_plan():
     assert "--no-offload-short-prefills" not in plan(DISAGG)[0].args
     kept_local = plan(dataclasses.replace(DISAGG, offload_short_prefills=False))
     assert kept_local[0].args[-1] == "--no-offload-short-prefills"
+    assert "--prefill-backlog-factor" not in plan(DISAGG)[0].args  # the scheduler's default
+    backlog_off = plan(dataclasses.replace(DISAGG, prefill_backlog_factor=0.0))
+    assert backlog_off[0].args[-2:] == ("--prefill-backlog-factor", "0")
 
 
 PIPELINE = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", topology="pipeline",
@@ -181,7 +184,10 @@ def _meaning(config: UpConfig, names: tuple[str, ...], name: str, expect: dict[s
         local = config.max_local_prefill if disagg and config.max_local_prefill is not None else None
         return told | {"router": config.router,
                        "max_local_prefill": parser.get_default("max_local_prefill") if local is None else local,
-                       "offload_short_prefills": config.offload_short_prefills or not disagg}
+                       "offload_short_prefills": config.offload_short_prefills or not disagg,
+                       "prefill_backlog_factor": config.prefill_backlog_factor
+                       if disagg and config.prefill_backlog_factor is not None
+                       else parser.get_default("prefill_backlog_factor")}
     if role == "gateway":
         return told | model | {"host": config.host, "port": config.port, "expect": expect}
     if role == "kvstore":
