@@ -27,12 +27,12 @@ import time
 import services  # noqa: F401  (before torch: the process settings the workers run with, e.g. large pages)
 import torch
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "native small linear")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                  "aten::index_select", "aten::index_copy_", "native decode attention", "native prefill attention")
 NATIVE_LABELS = {"paged_decode_attention": "native decode attention", "paged_prefill_attention": "native prefill attention",
                  "add_rms_norm": "native layer ops",
-                 "rotary": "native layer ops", "silu_and_mul": "native layer ops"}
+                 "rotary": "native layer ops", "silu_and_mul": "native layer ops", "small_linear": "native small linear"}
 
 
 def label_native_kernels() -> None:
@@ -41,7 +41,7 @@ def label_native_kernels() -> None:
         from shared.engine import kernels
     except ImportError:
         return
-    for name in ("paged_decode", "paged_prefill", "layer_ops"):
+    for name in ("paged_decode", "paged_prefill", "layer_ops", "small_linear"):
         library = kernels.native_library(name)
         if library is None:
             continue

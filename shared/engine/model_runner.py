@@ -47,8 +47,8 @@ class ModelRunner:
             decoder.layers[index] = torch.nn.Module()  # its weights live in the stack now
         self.norm = decoder.norm
         self.lm_head = PackedLinear(loaded.model.lm_head.weight, loaded.model.lm_head.bias) if loaded.is_last else None
-        # Float32 on CPU: from how many rows the packed layout serves, timed here (see packed_linear).
-        self.packed_min_rows = tune_float32_layouts(self._linears())
+        # Float32 on CPU: which kernel serves how many rows, timed here (see packed_linear).
+        self.linear_layouts = tune_float32_layouts(self._linears())
         # Fresh prompt chunks (no cached prefix): SDPA on the step's own keys where that is faster here.
         self.sdpa_fresh_prefills = choose_fresh_prefill_attention(
             self.native_prefill, num_heads=self.stack.num_heads, num_kv_heads=self.stack.num_kv_heads,

@@ -134,15 +134,21 @@ def test_layer_range_holds_only_its_weights(default_model, model_zoo, name):
         assert part.parameter_bytes < whole.parameter_bytes
 
 
-@pytest.mark.parametrize("packed_min_rows", ["1", "4"])
-def test_both_float32_linear_layouts_are_exact(cases, monkeypatch, packed_min_rows):
-    """Whichever layout start-up timing picks on a CPU (packed from 1 row, or plain below 4 rows)."""
-    from shared.engine.packed_linear import PACKED_MIN_ROWS_ENV
+@pytest.mark.parametrize("packed_min_rows,native_max_rows", [("1", "0"), ("4", "0"), ("4", "3")])
+def test_every_float32_linear_kernel_is_exact(cases, monkeypatch, packed_min_rows, native_max_rows):
+    """Whichever kernels start-up timing picks on a CPU (packed from 1 row; plain below 4 rows; the native
+    kernel for 1-3 rows, which a batch-1 decode and the batch's last sequences run)."""
+    from shared.engine.kernels import native_library
+    from shared.engine.packed_linear import NATIVE_MAX_ROWS_ENV, PACKED_MIN_ROWS_ENV, LinearLayouts
 
+    if native_max_rows != "0" and native_library("small_linear") is None:
+        pytest.skip("no native kernels here")
     monkeypatch.setenv(PACKED_MIN_ROWS_ENV, packed_min_rows)
+    monkeypatch.setenv(NATIVE_MAX_ROWS_ENV, native_max_rows)
     path, prompts = cases["default"]
     engine = engine_for(path, enable_prefix_caching=False)
-    assert engine.executor.runners[0].packed_min_rows in (None, int(packed_min_rows))
+    assert engine.executor.runners[0].linear_layouts in (None, LinearLayouts(int(native_max_rows),
+                                                                             int(packed_min_rows)))
     for prompt, expected in prompts:
         assert engine.generate([prompt], GREEDY)[0].token_ids == expected
     assert [r.token_ids for r in engine.generate([p for p, _ in prompts], GREEDY)] == [e for _, e in prompts]
