@@ -7,7 +7,7 @@ import torch
 from shared.engine.decoder_stack import DecoderStack
 from shared.engine.kv_cache import KVAllocator, PagedKVCache
 from shared.engine.model_loader import LoadedModel
-from shared.engine.packed_linear import PackedLinear, tune_float32_layouts
+from shared.engine.packed_linear import PackedLinear, tune_linear_layouts
 from shared.engine.paged_attention import (DecodeGroup, PagedAttentionMetadata, PrefillGroup, PrefillSpan,
                                            group_decodes_by_length, native_decode_library, native_prefill_library)
 from shared.engine.prefill_attention_choice import choose_fresh_prefill_attention
@@ -48,7 +48,7 @@ class ModelRunner:
         self.norm = decoder.norm
         self.lm_head = PackedLinear(loaded.model.lm_head.weight, loaded.model.lm_head.bias) if loaded.is_last else None
         # Float32 on CPU: which kernel serves how many rows, timed here (see packed_linear).
-        self.linear_layouts = tune_float32_layouts(self._linears())
+        self.linear_layouts = tune_linear_layouts(self._linears())
         # Fresh prompt chunks (no cached prefix): SDPA on the step's own keys where that is faster here.
         self.sdpa_fresh_prefills = choose_fresh_prefill_attention(
             self.native_prefill, num_heads=self.stack.num_heads, num_kv_heads=self.stack.num_kv_heads,

@@ -6,7 +6,7 @@ Measured on a 135M model's 30 layers, 2 threads:
 - float32 depends on the CPU for the few rows that single-stream decode runs. On an Intel Sapphire Rapids,
   packed is faster from 4 rows (16 rows: 41 vs 51 ms a step) but slower for 1-2 rows (31 vs 21 ms); on an
   AMD EPYC (Zen 4) packed wins from 1 row (25.6 vs 47.9 ms; MKL's plain GEMM there barely uses a second
-  thread). So float32 keeps both layouts, and `tune_float32_layouts` times both on the loaded weights at
+  thread). So float32 keeps both layouts, and `tune_linear_layouts` times both on the loaded weights at
   start-up and picks the fewest rows from which packed serves; where that is one row, the plain copy (the
   linear weights held twice) is dropped.
 - float32 with one to three rows is bound by reading the weights, and both GEMMs read them at about half of
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from shared.engine.kernels import all_threads_or_one, native_library_for
+from shared.engine.kernels import all_threads_or_one, bf16_flag, native_library_for
 
 # oneDNN chooses its blocking for this many rows; the packed weight serves any number of rows.
 PACK_ROWS_HINT = 64
@@ -49,13 +49,15 @@ class PackedLinear:
         self.weight_bytes = weight.numel() * weight.element_size()
         packs = weight.device.type == "cpu" and packs_on_cpu(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT) if packs else None
-        # (in, out) view for mm/addmm straight (no linear -> t -> matmul layers); dropped when packed serves all rows.
-        keep_plain = not packs or weight.dtype == torch.float32
+        # (in, out) view for mm/addmm straight (no linear -> t -> matmul layers), and the native kernel's rows;
+        # dropped by `tune_linear_layouts` when packed serves all rows. Bfloat16 keeps it only for the native kernel.
+        native_candidate = packs and weight.dtype == torch.bfloat16 and _small_linear_kernels(weight) is not None
+        keep_plain = not packs or weight.dtype == torch.float32 or native_candidate
         self.plain = weight.contiguous().t() if keep_plain else None
-        self.packed_min_rows = FLOAT32_PACKED_MIN_ROWS if (packs and keep_plain) else 0
+        self.packed_min_rows = FLOAT32_PACKED_MIN_ROWS if (packs and weight.dtype == torch.float32) else 0
         self.bias = None if bias is None else bias.contiguous()
-        # Float32 on CPU, set by `tune_float32_layouts`: up to this many rows, the native kernel (`native`, the
-        # compiled library) on the plain layout's rows.
+        # Set by `tune_linear_layouts`: up to this many rows, the native kernel (`native`, the compiled library)
+        # on the plain layout's rows.
         self.native_max_rows = 0
         self.native = None
 
@@ -74,9 +76,15 @@ class PackedLinear:
         out_features = self.plain.shape[1]
         y = x.new_empty(x.shape[0], out_features)
         (library or self.native).small_linear(x.data_ptr(), x.shape[0], self.in_features, self.plain.data_ptr(),
-                                 None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), out_features,
-                                 all_threads_or_one(True, torch.get_num_threads()))
+                                              None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                                              out_features, bf16_flag(x),
+                                              all_threads_or_one(True, torch.get_num_threads()))
         return y
+
+
+def _small_linear_kernels(weight: torch.Tensor):
+    """The compiled small-rows kernels where they can serve `weight` (a CPU float32 or bfloat16 one), else None."""
+    return native_library_for("small_linear", weight.device, weight.dtype)
 
 
 def fuse(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> PackedLinear:
@@ -89,36 +97,42 @@ def fuse(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Pack
 
 
 PACKED_MIN_ROWS_ENV = "SPLITSERVE_FLOAT32_PACKED_MIN_ROWS"  # set: no timing, this many rows (1 drops the plain copy)
-NATIVE_MAX_ROWS_ENV = "SPLITSERVE_FLOAT32_NATIVE_MAX_ROWS"  # set: no timing, the native kernel up to this many rows
+NATIVE_MAX_ROWS_ENV = "SPLITSERVE_NATIVE_LINEAR_MAX_ROWS"  # set: no timing, the native kernel up to this many rows
 _TUNED_ROWS = (1, 2, 3)  # from FLOAT32_PACKED_MIN_ROWS rows on, packed wins everywhere measured
-_NATIVE_TUNED_ROWS = (1, 2, 3, 4)  # from 4 rows the native kernel is bound by its multiplies
+_NATIVE_TUNED_ROWS = (1, 2, 3, 4, 6, 8)  # with more rows it is bound by its multiplies (a float32 one from ~4)
 _TUNING_BYTES = 256 << 20  # time at least this much weight per try (or all of it): more than a CPU cache holds
 _PACKED_MARGIN = 0.95  # packed must be this much faster to be chosen: a tie keeps the plain layout (and its copy)
 _NATIVE_MARGIN = 0.95  # the native kernel too: a tie keeps the GEMM
 
 
 class LinearLayouts(NamedTuple):
-    """Which kernel serves a float32 linear by its number of rows: the native kernel up to `native_max_rows`
-    (0: none), the packed layout from `packed_min_rows`, the plain GEMM between."""
+    """Which kernel serves a linear by its number of rows: the native kernel up to `native_max_rows` (0: none),
+    the packed layout from `packed_min_rows`, the plain GEMM between (float32 only: in bfloat16 packed serves
+    every row the native kernel does not)."""
 
     native_max_rows: int
     packed_min_rows: int
 
 
-def tune_float32_layouts(linears: list[PackedLinear]) -> LinearLayouts | None:
-    """Choose, for `linears` (a model's float32 linears that keep both layouts), which kernel serves each
-    number of rows, by timing them on this CPU; returns the choice (None: nothing to choose)."""
+def tune_linear_layouts(linears: list[PackedLinear]) -> LinearLayouts | None:
+    """Choose, for `linears` (a model's linears that keep both layouts: float32, and bfloat16 where the native
+    kernel may serve), which kernel serves each number of rows, by timing them on this CPU; returns the choice
+    (None: nothing to choose)."""
     linears = [lin for lin in linears if lin.packed is not None and lin.plain is not None]
     if not linears:
         return None
+    dtype = linears[0].plain.dtype
     forced_packed = _forced_rows(PACKED_MIN_ROWS_ENV, minimum=1)
     forced_native = _forced_rows(NATIVE_MAX_ROWS_ENV, minimum=0)
-    native = native_library_for("small_linear", linears[0].plain.device, linears[0].plain.dtype)
+    native = _small_linear_kernels(linears[0].plain)
     timed = _timing_sample(linears)
     native_max_rows = 0
     if native is not None:
         native_max_rows = forced_native if forced_native is not None else _fastest_native_max_rows(timed, native)
-    min_rows = forced_packed if forced_packed is not None else _fastest_packed_min_rows(timed, native_max_rows)
+    if dtype != torch.float32:  # bfloat16: packed serves every other row count
+        min_rows = native_max_rows + 1
+    else:
+        min_rows = forced_packed if forced_packed is not None else _fastest_packed_min_rows(timed, native_max_rows)
     for lin in linears:
         lin.packed_min_rows = min_rows
         lin.native_max_rows, lin.native = (native_max_rows, native) if native_max_rows else (0, None)
@@ -156,7 +170,9 @@ def _fastest_native_max_rows(linears: list[PackedLinear], native) -> int:
     best = 0
     for rows in _NATIVE_TUNED_ROWS:
         inputs = _inputs(linears, rows)
-        gemm = min(_best_time(linears, inputs, "packed"), _best_time(linears, inputs, "plain"))
+        gemm = _best_time(linears, inputs, "packed")
+        if linears[0].plain.dtype == torch.float32:
+            gemm = min(gemm, _best_time(linears, inputs, "plain"))
         if _best_time(linears, inputs, "native", native=native) >= gemm * _NATIVE_MARGIN:
             break
         best = rows

@@ -42,8 +42,8 @@ _SIGNATURES = {
     "add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, c_int, c_int, c_int],
     "rotary": [ptr, ptr, ptr, i64, i64, i64, i64, c_int, c_int],
     "silu_and_mul": [ptr, ptr, i64, i64, c_int, c_int],
-    "small_linear": [ptr, i64, i64, ptr, ptr, ptr, i64, c_int],
-    "small_linear_portable": [ptr, i64, i64, ptr, ptr, ptr, i64, c_int],
+    "small_linear": [ptr, i64, i64, ptr, ptr, ptr, i64, c_int, c_int],
+    "small_linear_portable": [ptr, i64, i64, ptr, ptr, ptr, i64, c_int, c_int],
 }
 
 
