@@ -73,18 +73,22 @@ static inline __attribute__((always_inline)) void tile_avx512(const float *x, co
     }
 }
 
+/* Each tile of up to ROW_TILE input rows through `tile` (an inlined function), its row count a constant there. */
+#define FOR_EACH_TILE(type, tile)                                                                    \
+    for (int64_t m0 = 0; m0 < rows; m0 += ROW_TILE) {                                                \
+        const type *xm = x + m0 * in;                                                                \
+        type *ym = y + m0 * out;                                                                     \
+        switch (rows - m0 < ROW_TILE ? rows - m0 : ROW_TILE) {                                       \
+        case 1: tile(xm, 1, in, w, bias, ym, out, first, last); break;                               \
+        case 2: tile(xm, 2, in, w, bias, ym, out, first, last); break;                               \
+        case 3: tile(xm, 3, in, w, bias, ym, out, first, last); break;                               \
+        default: tile(xm, 4, in, w, bias, ym, out, first, last); break;                              \
+        }                                                                                            \
+    }
+
 static void outputs_avx512(const float *x, int64_t rows, int64_t in, const float *w, const float *bias, float *y,
                            int64_t out, int64_t first, int64_t last) {
-    for (int64_t m0 = 0; m0 < rows; m0 += ROW_TILE) {
-        const float *xm = x + m0 * in;
-        float *ym = y + m0 * out;
-        switch (rows - m0 < ROW_TILE ? rows - m0 : ROW_TILE) {
-        case 1: tile_avx512(xm, 1, in, w, bias, ym, out, first, last); break;
-        case 2: tile_avx512(xm, 2, in, w, bias, ym, out, first, last); break;
-        case 3: tile_avx512(xm, 3, in, w, bias, ym, out, first, last); break;
-        default: tile_avx512(xm, 4, in, w, bias, ym, out, first, last); break;
-        }
-    }
+    FOR_EACH_TILE(float, tile_avx512)
 }
 #endif
 
@@ -117,16 +121,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, c
 
 static void outputs_bf16(const uint16_t *x, int64_t rows, int64_t in, const uint16_t *w, const uint16_t *bias,
                          uint16_t *y, int64_t out, int64_t first, int64_t last) {
-    for (int64_t m0 = 0; m0 < rows; m0 += ROW_TILE) {
-        const uint16_t *xm = x + m0 * in;
-        uint16_t *ym = y + m0 * out;
-        switch (rows - m0 < ROW_TILE ? rows - m0 : ROW_TILE) {
-        case 1: tile_bf16(xm, 1, in, w, bias, ym, out, first, last); break;
-        case 2: tile_bf16(xm, 2, in, w, bias, ym, out, first, last); break;
-        case 3: tile_bf16(xm, 3, in, w, bias, ym, out, first, last); break;
-        default: tile_bf16(xm, 4, in, w, bias, ym, out, first, last); break;
-        }
-    }
+    FOR_EACH_TILE(uint16_t, tile_bf16)
 }
 #endif
 
