@@ -62,9 +62,10 @@ class PackedLinear:
         self.native = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (rows, in) -> (rows, out)
-        if x.shape[0] <= self.native_max_rows and x.dtype == self.plain.dtype:  # the kernel reads x as W's type
+        rows = x.shape[0]
+        if 0 < rows <= self.native_max_rows and x.dtype == self.plain.dtype:  # the kernel reads x as W's type
             return self._native_linear(x)
-        if self.packed is not None and x.shape[0] >= self.packed_min_rows:
+        if self.packed is not None and rows >= self.packed_min_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
             return torch.mm(x, self.plain)
