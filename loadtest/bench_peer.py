@@ -14,8 +14,8 @@ One run measures, for each dtype (--dtypes, default float32 and bfloat16), each 
 - `disagg-all-remote`: `disagg` with `--max-local-prefill 0 --no-offload-short-prefills` (every prompt is
   prefilled by the prefill worker);
 - `disagg-2d`: `splitserve up --topology disagg --prefill 1 --decode 2` (the mixed workload only);
-- `disagg-no-backlog`: `disagg` with `--prefill-backlog-factor 0` (a long prompt goes to the prefill pool however
-  deep its queue; the mixed workload only);
+- `disagg-backlog`: `disagg` with `--prefill-backlog-factor 0.5` (a long prompt is prefilled by its decode worker
+  when the prefill pool has more than half its tokens queued per worker; the mixed workload only);
 - `disagg-unpaced`: `disagg` with `--prefill-beside-decodes-ms 0` (its decode worker's prompt chunks not
   paced beside its decodes; the mixed workload only);
 - `colocated-paced`: `colocated` with `--prefill-beside-decodes-ms 200` (prompt chunks paced beside decodes
@@ -78,7 +78,7 @@ SPLITSERVE_FLAGS = {
     "disagg-all-remote": ["--topology", "disagg", "--prefill", "1", "--decode", "1", "--max-local-prefill", "0",
                           "--no-offload-short-prefills"],
     "disagg-2d": ["--topology", "disagg", "--prefill", "1", "--decode", "2"],
-    "disagg-no-backlog": ["--topology", "disagg", "--prefill", "1", "--decode", "1", "--prefill-backlog-factor", "0"],
+    "disagg-backlog": ["--topology", "disagg", "--prefill", "1", "--decode", "1", "--prefill-backlog-factor", "0.5"],
     "disagg-unpaced": ["--topology", "disagg", "--prefill", "1", "--decode", "1", "--prefill-beside-decodes-ms", "0"],
     "colocated-paced": ["--topology", "colocated", "--decode", "1", "--prefill-beside-decodes-ms", "200"],
 }
@@ -94,7 +94,7 @@ QUICK = {"steady-c1": dict(num_prompts=2, output_len=16), "steady-c16": dict(num
 WARMUP = (dict(dataset="random", num_prompts=4, input_len=128, output_len=8, max_concurrency=4, seed=100),
           dict(dataset="random", num_prompts=1, input_len=1600, output_len=8, max_concurrency=1, seed=101))
 SERVER_WORKLOADS = {"disagg-2d": ("mixed",), "disagg-unlent": ("steady-c1", "mixed"),  # the others run every workload
-                    "disagg-all-remote": ("mixed",), "disagg-unpaced": ("mixed",), "disagg-no-backlog": ("mixed",),
+                    "disagg-all-remote": ("mixed",), "disagg-unpaced": ("mixed",), "disagg-backlog": ("mixed",),
                     "colocated-paced": ("mixed",)}
 
 

@@ -82,7 +82,7 @@ def add_parser(subcommands) -> None:
                              "is busy streaming (default: on)")
     parser.add_argument("--prefill-backlog-factor", type=factor_or_off, metavar="F",
                         help="disagg: a long prompt is prefilled by its decode worker when each prefill worker has "
-                             "more than F times its tokens queued (default: the scheduler's, 0.5; 0: never)")
+                             "more than F times its tokens queued (e.g. 0.5; default 0: never)")
     parser.add_argument("--lend-idle-cpus", action=argparse.BooleanOptionalAction, default=True,
                         help="disagg: while a prefill worker has nothing to compute, its CPUs run its decode "
                              "worker's steps too, handed back before each prefill (default: on)")

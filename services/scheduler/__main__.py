@@ -17,8 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prefill locally when this many prefill jobs are already queued")
     parser.add_argument("--prefill-backlog-factor", type=factor_or_off, default=DEFAULT_PREFILL_BACKLOG_FACTOR,
                         help="prefill a prompt over --max-local-prefill locally when each prefill worker has more than "
-                             "this many times its uncached tokens queued ahead of it (default: %(default)s; 0: never "
-                             "for that reason; --max-local-prefill 0 keeps every prompt remote)")
+                             "this many times its uncached tokens queued ahead of it (e.g. 0.5; default: %(default)s, "
+                             "never; --max-local-prefill 0 keeps every prompt remote)")
     parser.add_argument("--offload-short-prefills", action=argparse.BooleanOptionalAction, default=True,
                         help="send a prompt within --max-local-prefill to an idle prefill worker too, when its "
                              "decode worker is busy streaming (computing it there stalls every stream for a step)")
