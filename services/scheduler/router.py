@@ -241,7 +241,8 @@ class Router:
             uncached, self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,
             max_prefill_queue=self.max_prefill_queue, prefill_workers_ready=len(prefill_workers),
             decode_worker_busy=worker.num_running + worker.num_waiting > 0, offload_short=self.offload_short_prefills,
-            prefill_backlog_tokens=prefill_backlog(self._queued_prefills, self.prefill_queue_depth),
+            prefill_backlog_tokens=(prefill_backlog(self._queued_prefills, self.prefill_queue_depth)
+                                    if self.prefill_backlog_factor else 0),  # summed only where it is used
             backlog_factor=self.prefill_backlog_factor,
         )
         request.prefill_instance = ""

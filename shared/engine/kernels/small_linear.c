@@ -27,8 +27,6 @@
 
 #define ROW_TILE 4
 
-static inline float bias_of(const float *bias, int64_t n) { return bias ? bias[n] : 0.0f; }
-
 /* ---- portable path: outputs [first, last) for every row (bf16 a constant at each call site) ---- */
 static inline __attribute__((always_inline)) void outputs_portable_impl(
         const void *x, int64_t rows, int64_t in, const void *w, const void *bias, void *y, int64_t out,
@@ -69,7 +67,7 @@ static inline __attribute__((always_inline)) void tile_avx512(const float *x, co
             for (int i = 0; i < R; i++)
                 acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + i * in + body), weights, acc[i]);
         }
-        for (int i = 0; i < R; i++) y[i * out + n] = _mm512_reduce_add_ps(acc[i]) + bias_of(bias, n);
+        for (int i = 0; i < R; i++) y[i * out + n] = _mm512_reduce_add_ps(acc[i]) + (bias ? bias[n] : 0.0f);
     }
 }
 
