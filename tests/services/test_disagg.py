@@ -251,14 +251,18 @@ def test_a_prefill_worker_killed_mid_job_has_it_redelivered_and_a_failed_transfe
         assert "".join(c["choices"][0]["text"] for c in [first, *rest] if c["choices"]) == tokenizer.decode(expected)
         assert rest[-1]["usage"]["completion_tokens"] == 16
         assert deployment.token_ids(first) == expected  # every chunk once, in order: the first token not twice
-        # prefill-1 ran the job again and its KV was used: no fallback of any kind on the decode worker.
+        # prefill-1 ran the job again and its KV was used: no fallback of any kind on the decode worker. Its result
+        # and its ack may trail the stream's end (the decode worker already had the first token and the KV).
+        results.wait_for(lambda r: r.prefill_instance == "prefill-1", 10, "prefill-1 never reported the job")
         assert [r.prefill_instance for r in results.messages()] == ["prefill-0", "prefill-1"]
-        assert deployment.stats("prefill-1").details["jobs"] == {"shipped": 1}
+        wait_until(lambda: deployment.stats("prefill-1").details["jobs"] == {"shipped": 1}, 10,
+                   "prefill-1 never counted the job shipped")
         decode = deployment.stats("decode-0").details
         assert decode["prefill_decisions"] == {"remote": 1}
         assert set(decode["kv_transfer"]["bytes_by_backend"]) == {"shm"} and decode["kv_transfer"]["ok_by_backend"] == {"shm": 1}
         # One job in the stream, delivered twice (to each worker), acked once.
-        consumer = prefill_queue(deployment)
+        consumer = wait_until(lambda: (c := prefill_queue(deployment)).ack_floor.stream_seq == 1 and c, 10,
+                              "the job was never acked")
         assert (consumer.delivered.stream_seq, consumer.delivered.consumer_seq, consumer.ack_floor.stream_seq) == (1, 2, 1)
         assert consumer.num_pending == consumer.num_ack_pending == 0
         assert value(samples(deployment.base_url), "splitserve_requests_total", endpoint="completions",
