@@ -101,8 +101,8 @@ def add_parser(subcommands) -> None:
                         help="every worker's token budget per step: long prompts are prefilled in chunks of at "
                              "most N tokens, mixed with decodes (default: the engine's, 2048)")
     parser.add_argument("--prefill-beside-decodes-ms", type=_milliseconds_or_off, metavar="MS",
-                        help="decode workers' stall-free chunking: a step carrying decodes takes about MS of prompt "
-                             "chunks, so a prompt prefilled on a decode worker never stalls the others' tokens "
+                        help="decode workers' stall-free chunking: a step carrying decodes lasts about MS, with the "
+                             "prompt chunks that fit beside them, so a prompt prefilled on a decode worker never stalls the others' tokens "
                              f"(default: {DISAGG_PREFILL_BESIDE_DECODES_MS:g} in disagg, off in colocated; 0: off)")
     parser.add_argument("--kv-store", action=argparse.BooleanOptionalAction, default=None,
                         help="run a kv-store: workers load cached prompt prefixes from it and write computed blocks "

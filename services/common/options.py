@@ -112,8 +112,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--prefill-beside-decodes-ms", type=_positive_ms, metavar="MS",
                         default=env_default("PREFILL_BESIDE_DECODES_MS", None),
-                        help="stall-free chunking: a step that carries decodes takes about MS of prompt chunks "
-                             "(learnt from the steps), so a long prompt never stalls running requests' tokens "
+                        help="stall-free chunking: a step that carries decodes lasts about MS, with the prompt chunks "
+                             "that fit beside them (costs learnt from the steps), so a long prompt never stalls running requests' tokens "
                              "(default: off, the whole --max-num-batched-tokens)")
     parser.add_argument("--cpus", type=_cpu_list, default=env_default("CPUS", None), metavar="LIST",
                         help="run the worker's threads on these CPUs (e.g. 0-3 or 0,2), one torch thread each "

@@ -106,9 +106,10 @@ def expect_arg(counts: dict[str, int]) -> str:
 ENGINE_ROLES = ("decode", "prefill", "stage")
 SIDE_CHANNEL_ROLES = (*ENGINE_ROLES, "kvstore")  # the services that move KV or activations outside NATS
 # In disagg a decode worker still prefills short prompts (and long ones when no prefill worker can); pacing
-# those chunks keeps its running requests' tokens flowing. On a 2-core CPU, float32, the mixed load: unpaced
-# short-request ITL p99 305 ms, 100 ms: 176 ms but 10% fewer tokens/s at concurrency 16, 200 ms: 218 ms at no cost.
-DISAGG_PREFILL_BESIDE_DECODES_MS = 200.0
+# those chunks keeps its running requests' tokens flowing. On a 2-core CPU, the mixed load (short-request ITL
+# p99, one run each): float32 200 ms: 246 ms, 130 ms: 164 ms; bfloat16 200 ms: 210 ms, 130 ms: 136 ms; no
+# cost in tokens/s at concurrency 16 nor in the mixed wall time (within this machine's drift).
+DISAGG_PREFILL_BESIDE_DECODES_MS = 130.0
 
 
 def decode_pacing_ms(config: "UpConfig") -> float | None:

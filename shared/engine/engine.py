@@ -275,16 +275,18 @@ class LLMEngine:
         outputs = []
         ran = False
         pacer = self.prefill_pacer
+        threads = torch.get_num_threads()  # a worker borrowing a CPU runs some steps on more
         for virtual_engine in range(len(self.schedulers)):
             if pacer is not None:
-                self.schedulers[virtual_engine].prefill_cap = pacer.cap()
+                self.schedulers[virtual_engine].prefill_cap = pacer.cap(threads)
             planned = self.plan_step(virtual_engine)
             if planned is not None:
                 ran = True
                 started = time.perf_counter()
                 logits = self.executor.execute(planned.batch, self._layer_streamer(planned.scheduled))
                 if pacer is not None:
-                    pacer.observe(time.perf_counter() - started, _prompt_tokens(planned.scheduled))
+                    pacer.observe(time.perf_counter() - started, _prompt_tokens(planned.scheduled),
+                                  _decodes(planned.scheduled), threads)
                 outputs += self.complete_step(planned, logits)
         self.stalled = not ran
         return outputs
@@ -571,6 +573,11 @@ class LLMEngine:
 def _prompt_tokens(scheduled: SchedulerOutput) -> int:
     """Tokens a planned step computes in chunks (a prompt's, or a preempted sequence's again), not decodes."""
     return sum(item.num_new_tokens for item in scheduled.scheduled if item.num_new_tokens > 1)
+
+
+def _decodes(scheduled: SchedulerOutput) -> int:
+    """Sequences a planned step decodes (one new token each)."""
+    return sum(1 for item in scheduled.scheduled if item.num_new_tokens == 1)
 
 
 def _eos_token_ids(model_dir: str, model_config, tokenizer) -> set[int]:

@@ -4,6 +4,7 @@ transformers' logits."""
 import os
 
 import pytest
+import torch
 
 from reference import reference_greedy, reference_sampled, safe_prompts, safe_seed
 from shared.engine.config import EngineConfig
@@ -186,7 +187,7 @@ def test_prompts_paced_beside_decodes_are_exact_and_never_stall_the_decodes(case
     paced_steps = 0
     while engine.has_unfinished_requests():
         decoding = any(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
-        computed, cap = engine.num_prompt_tokens_computed, engine.prefill_pacer.cap()
+        computed, cap = engine.num_prompt_tokens_computed, engine.prefill_pacer.cap(torch.get_num_threads())
         outputs = engine.step()
         if decoding:  # beside decodes, at most the pacer's cap of prompt tokens
             assert engine.num_prompt_tokens_computed - computed <= cap
@@ -198,4 +199,4 @@ def test_prompts_paced_beside_decodes_are_exact_and_never_stall_the_decodes(case
     assert paced_steps >= 5
     assert got["first"] == first_expected
     assert [got[f"r{i}"] for i in range(len(rest))] == [expected for _, expected in rest]
-    assert engine.prefill_pacer.seconds_per_token is not None
+    assert engine.prefill_pacer.costs[torch.get_num_threads()].token_s is not None

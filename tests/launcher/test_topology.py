@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from services.launcher.topology import UpConfig, connect_host, http_url, plan
+from services.launcher.topology import DISAGG_PREFILL_BESIDE_DECODES_MS, UpConfig, connect_host, http_url, plan
 
 CONFIG = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", decode=2,
                   host="127.0.0.1", port=8123, namespace="ns1", dtype="float32")
@@ -199,7 +199,7 @@ def _meaning(config: UpConfig, names: tuple[str, ...], name: str, expect: dict[s
     loan = f"{config.cpu_loan_dir}/prefill-0.loan" if config.cpu_loan_dir else None
     if role == "decode":
         paced = config.prefill_beside_decodes_ms
-        paced = (200.0 if disagg else None) if paced is None else paced or None
+        paced = (DISAGG_PREFILL_BESIDE_DECODES_MS if disagg else None) if paced is None else paced or None
         return told | {"mode": "disagg" if disagg else "colocated", "kv_store": kv_store,
                        "prefill_beside_decodes_ms": paced, "cpu_loan": loan,
                        "borrow_cpus": SECURED_CPUS["prefill-0"] if loan else None}
@@ -234,7 +234,7 @@ def test_decode_workers_pace_prompt_chunks_in_disagg_by_default_and_as_told_else
                 if "--prefill-beside-decodes-ms" in s.args else None
                 for s in plan(config) if s.role in ("decode", "prefill")}
 
-    assert pacing(DISAGG) == {"prefill-0": None, "prefill-1": None, "decode-0": "200"}  # prefill has no decodes
+    assert pacing(DISAGG) == {"prefill-0": None, "prefill-1": None, "decode-0": f"{DISAGG_PREFILL_BESIDE_DECODES_MS:g}"}  # prefill has no decodes
     assert pacing(dataclasses.replace(DISAGG, prefill_beside_decodes_ms=0.0))["decode-0"] is None
     colocated = dataclasses.replace(DISAGG, topology="colocated", prefill=0, decode=2)
     assert pacing(colocated) == {"decode-0": None, "decode-1": None}  # the baseline as vLLM runs it
