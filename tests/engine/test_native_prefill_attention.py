@@ -17,9 +17,10 @@ needs_kernel = pytest.mark.skipif(
 
 
 def _prefill_step(dtype, num_heads, num_kv_heads, head_dim, spans, window, native: bool, seed: int = 0,
-                  portable: bool = False, native_only: list[int] | None = None):
+                  implementation: str = "fastest", native_only: list[int] | None = None):
     """`spans`: (query_len, context_len) per sequence; context_len > query_len continues a cached prefix.
-    With `native`, the kernel attends every span, or only those of `native_only` (SDPA the rest)."""
+    With `native`, the kernel attends every span, or only those of `native_only` (SDPA the rest), with its
+    `implementation`: the fastest the build has, or the one named (`simd_float`, `portable`)."""
     gen = torch.Generator().manual_seed(seed)
     block_size = 16
     tables_needed = [-(-ctx // block_size) for _, ctx in spans]
@@ -53,8 +54,9 @@ def _prefill_step(dtype, num_heads, num_kv_heads, head_dim, spans, window, nativ
                              block_tables=torch.tensor([t + [0] * (width - len(t)) for t in kernel_tables]),
                              num_query_tokens=sum(s.query_len for s in kernel_spans))
         library = native_prefill_library(cache)
-        if portable:  # the kernel's plain C implementation, which serves where AVX-512 does not
-            library = SimpleNamespace(paged_prefill_attention=library.paged_prefill_attention_portable)
+        if implementation != "fastest":  # what serves where AVX512-BF16 (simd_float) or AVX-512 (portable) does not
+            library = SimpleNamespace(
+                paged_prefill_attention=getattr(library, f"paged_prefill_attention_{implementation}"))
     # Each chunk goes to one path: the kernel's group, or SDPA's list.
     meta = PagedAttentionMetadata(cache, torch.tensor(slots), sdpa_spans, [], prefill_group=group,
                                   native_prefill=library)
@@ -74,23 +76,41 @@ SPANS = [(1, 1), (15, 15), (16, 16), (17, 17), (63, 63), (64, 64), (65, 65), (20
 @needs_kernel
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("window", [None, 20, 70])
-@pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
+@pytest.mark.parametrize("implementation", ["fastest", "portable"])
 @pytest.mark.parametrize("torch_threads", [1, 2, 5], indirect=True)
-def test_kernel_matches_torch_in_float32(num_heads, num_kv_heads, head_dim, window, portable, torch_threads):
+def test_kernel_matches_torch_in_float32(num_heads, num_kv_heads, head_dim, window, implementation, torch_threads):
     native = _prefill_step(torch.float32, num_heads, num_kv_heads, head_dim, SPANS, window, native=True,
-                           portable=portable)
+                           implementation=implementation)
     reference = _prefill_step(torch.float32, num_heads, num_kv_heads, head_dim, SPANS, window, native=False)
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
 
 
+# bfloat16's shapes: the pair dot products serve head_dim 32, 64, 96, 128 and 256 (a multiple of 32); 80 and 48
+# take the float paths even where the pair dot products exist.
+BF16_SHAPES = [(8, 2, 64), (9, 3, 64), (4, 4, 32), (6, 3, 96), (4, 1, 128), (2, 2, 256), (6, 2, 80), (7, 1, 48)]
+
+
 @needs_kernel
-@pytest.mark.parametrize("portable", [False, True], ids=["fastest", "portable"])
-@pytest.mark.parametrize("torch_threads", [1, 2, 5], indirect=True)
-def test_kernel_matches_torch_in_bfloat16(portable, torch_threads):
-    spans = [(40, 40), (100, 170), (3, 3)]
-    native = _prefill_step(torch.bfloat16, 8, 2, 64, spans, None, native=True, portable=portable)
-    reference = _prefill_step(torch.bfloat16, 8, 2, 64, spans, None, native=False)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", BF16_SHAPES)
+@pytest.mark.parametrize("window", [None, 70])
+@pytest.mark.parametrize("implementation", ["fastest", "simd_float", "portable"])
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
+def test_kernel_matches_torch_in_bfloat16(num_heads, num_kv_heads, head_dim, window, implementation, torch_threads):
+    native = _prefill_step(torch.bfloat16, num_heads, num_kv_heads, head_dim, SPANS, window, native=True,
+                           implementation=implementation)
+    reference = _prefill_step(torch.bfloat16, num_heads, num_kv_heads, head_dim, SPANS, window, native=False)
     torch.testing.assert_close(native.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_kernel
+def test_bfloat16s_implementations_agree_closer_than_with_torch():
+    """Every implementation does the same arithmetic up to summation order: the probabilities rounded to bfloat16
+    before they weight the values (without that rounding on one side they differ by a bfloat16 step, 8e-3)."""
+    spans = [(300, 300), (17, 17), (64, 130)]
+    runs = {name: _prefill_step(torch.bfloat16, 9, 3, 64, spans, None, native=True, implementation=name).float()
+            for name in ("fastest", "simd_float", "portable")}
+    for name in ("fastest", "simd_float"):
+        torch.testing.assert_close(runs[name], runs["portable"], rtol=2e-3, atol=2e-3)
 
 
 @needs_kernel

@@ -38,6 +38,7 @@ _SIGNATURES = {
     "paged_decode_attention": _DECODE_ATTENTION,
     "paged_decode_attention_portable": _DECODE_ATTENTION,
     "paged_prefill_attention": _PREFILL_ATTENTION,
+    "paged_prefill_attention_simd_float": _PREFILL_ATTENTION,
     "paged_prefill_attention_portable": _PREFILL_ATTENTION,
     "add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, c_int, c_int, c_int],
     "rotary": [ptr, ptr, ptr, i64, i64, i64, i64, c_int, c_int],
