@@ -75,6 +75,9 @@ class GenerateRequest(Message, tag="generate_request", kw_only=True):
     created_ms: int
     prefill: str = "local"  # the scheduler's decision: "local" (the worker prefills) or "remote" (a prefill worker does)
     prefill_instance: str = ""  # with "remote": the prefill worker whose cache holds the prompt's prefix ("" any)
+    # A request moved from a worker that failed: the tokens its client already has. The new worker computes them
+    # again after the prompt and streams what follows (its chunks counted from 0 again).
+    resume_output_token_ids: list[int] = field(default_factory=list)
 
 
 class PrefillJob(Message, tag="prefill_job", kw_only=True):

@@ -6,7 +6,8 @@ The work is in `services.launcher.launcher`; this module is the flags.
 import argparse
 import os
 
-from services.common.options import checked_type, factor_or_off
+from services.common.options import checked_type, count, factor_or_off
+from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT
 from services.launcher.deployment import DEFAULT_RUN_DIR, RUN_DIR_ENV
 from services.launcher.topology import DISAGG_PREFILL_BESIDE_DECODES_MS
 
@@ -80,6 +81,10 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--offload-short-prefills", action=argparse.BooleanOptionalAction, default=True,
                         help="disagg: a shorter prompt goes to an idle prefill worker too while its decode worker "
                              "is busy streaming (default: on)")
+    parser.add_argument("--migration-limit", type=count, metavar="N",
+                        help="times a request moves to another worker, from the tokens its client has, when its "
+                             "worker fails under it (0: it fails instead; default: the gateway's, "
+                             f"{DEFAULT_MIGRATION_LIMIT})")
     parser.add_argument("--prefill-backlog-factor", type=factor_or_off, metavar="F",
                         help="disagg: a long prompt is prefilled by its decode worker when each prefill worker has "
                              "more than F times its tokens queued (e.g. 0.5; default 0: never)")
@@ -171,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         max_local_prefill=args.max_local_prefill,
         offload_short_prefills=args.offload_short_prefills,
-        prefill_backlog_factor=args.prefill_backlog_factor,
+        prefill_backlog_factor=args.prefill_backlog_factor, migration_limit=args.migration_limit,
         lend_idle_cpus=args.lend_idle_cpus,
         kv_transport=args.kv_transport,
         stages=args.stages,

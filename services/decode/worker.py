@@ -31,6 +31,7 @@ from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
 from services.common.sampling_wire import from_wire
 from services.decode.remote_prefill import RemotePrefill
+from shared.engine.continuation import Continuation
 from shared.engine.engine import RequestOutput
 from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
@@ -130,12 +131,15 @@ class DecodeRole:
             self.handoffs_taken += 1  # with no await in between: a heartbeat counting it shows the request
             # The tasks started here log with the request's ids and hang their spans under its span.
             with trace.use_span(span), structlog.contextvars.bound_contextvars(request_id=request.request_id):
-                if request.prefill == "remote" and self.remote is not None:
+                # A moved request's tokens so far are computed here, after its prompt: never remotely.
+                resumed = request.resume_output_token_ids
+                if request.prefill == "remote" and self.remote is not None and not resumed:
                     self.remote.start(request, params, active)
                 else:
                     if w.kv_store is not None:  # the engine loads the prefix the store holds when it admits it
                         w.kv_store.expect(request.request_id, request.prompt_token_ids)
-                    w.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params))
+                    w.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params,
+                                                 Continuation(output_token_ids=list(resumed)) if resumed else None))
         if msg.reply:
             if reply.accepted:
                 reply.handoffs_taken = self.handoffs_taken

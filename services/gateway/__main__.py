@@ -11,10 +11,12 @@ from services.common.options import (
     add_model_options,
     bus_credentials,
     bus_tls,
+    count,
     env_default,
     resolve_model,
 )
 from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, parse_api_keys
+from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT
 
 
 def parse_expect(text: str) -> dict[str, int]:
@@ -43,7 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-bytes", type=int, default=int(env_default("MAX_REQUEST_BYTES",
                                                                                  DEFAULT_MAX_REQUEST_BYTES)),
                         help="larger request bodies are refused with 413 (default: 4 MiB)")
+    parser.add_argument("--migration-limit", type=count, default=int(env_default("MIGRATION_LIMIT",
+                                                                                DEFAULT_MIGRATION_LIMIT)),
+                        help="times a request moves to another worker, from the tokens its client has, when its "
+                             "worker fails or stalls under it (0: it fails instead; default: "
+                             f"{DEFAULT_MIGRATION_LIMIT})")
     return parser
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                                http_port=args.port,
                                api_keys=parse_api_keys(args.api_key, os.environ.get("SPLITSERVE_API_KEY")),
                                protect_metrics=args.protect_metrics, max_request_bytes=args.max_request_bytes,
-                               nats_credentials=bus_credentials(args), nats_tls=bus_tls(args))
+                               migration_limit=args.migration_limit, nats_credentials=bus_credentials(args), nats_tls=bus_tls(args))
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal into the
     # handler that was installed before it; a no-op one lets the gateway exit 0 like every service.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -30,7 +30,7 @@ from services.gateway.errors import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_info import ModelInfo
-from services.gateway.request_bus import RequestBus
+from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT, RequestBus
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -69,6 +69,7 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()  # none: the API is open
     protect_metrics: bool = False  # /metrics needs a key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT  # times a request may move to another worker when its own fails
     nats_credentials: BusCredentials | None = None
     nats_tls: ssl.SSLContext | None = None
 
@@ -96,7 +97,8 @@ class Gateway:
         self.registry = await Registry.open(self.nc.jetstream(), self.subjects.registry_bucket)
         await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)
         self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
-                                 streams=self.streams)
+                                      streams=self.streams, migration_limit=self.settings.migration_limit,
+                                      on_move=lambda code: self.metrics.migrations.labels(failure=code).inc())
         self.heartbeat = Heartbeat(self.registry, self.info)
         self.heartbeat.start()
         await self._refresh_services()

@@ -22,6 +22,8 @@ class GatewayMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("splitserve_time_per_output_token_seconds", "Mean time per output token after the first",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.migrations = Counter("splitserve_request_migrations", "Requests moved to another worker, by the failure "
+                                  "they moved on from", ["failure"], registry=self.registry)
         self.registry.register(_RegistryCollector(services_snapshot))
 
     def observe_finished(self, arrived: float, first_token_at: float | None, completion_tokens: int) -> None:

@@ -1,6 +1,13 @@
-"""The gateway's side of a request's life on the bus: submit, follow, cancel."""
+"""The gateway's side of a request's life on the bus: submit, follow, move, cancel.
+
+A request whose worker fails under it (gone from the registry or restarted, a failure it reports, or no word
+within the idle deadline) moves to another worker, up to `migration_limit` times: it is submitted again under
+a new bus id with the tokens its client already has, the new worker computes them after the prompt and goes on,
+and the old one is told to cancel (a stalled worker that wakes up drops it). The client sees one stream.
+"""
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from contracts import Assignment, CancelRequest, GenerateRequest, Sampling, Subjects, TokenChunk
 from services.common.identity import now_ms
@@ -9,10 +16,29 @@ from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
 
+DEFAULT_MIGRATION_LIMIT = 3
+# The failures a request moves on from: its worker's, never the request's own (bad input, overload, no worker).
+MOVABLE_FAILURES = frozenset({"worker_failed", "timeout"})
+
+
+def may_move(code: str, moves: int, migration_limit: int) -> bool:
+    """Whether a request that failed with `code`, moved `moves` times already, moves to another worker."""
+    return code in MOVABLE_FAILURES and moves < migration_limit
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """What a request was submitted with: what it is submitted with again when it moves."""
+    model: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    headers: dict[str, str]
+
 
 class RequestBus:
     def __init__(self, *, nc, subjects: Subjects, gateway_id: str, streams: TokenStreams,
-                 assign_timeout_s: float = 30.0, idle_timeout_s: float = 300.0):
+                 assign_timeout_s: float = 30.0, idle_timeout_s: float = 300.0,
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, on_move=lambda failure_code: None):
         self.nc = nc
         self.js = nc.jetstream()
         self.subjects = subjects
@@ -20,6 +46,9 @@ class RequestBus:
         self.streams = streams
         self.assign_timeout_s = assign_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.migration_limit = migration_limit
+        self.on_move = on_move  # told the failure code of every move
+        self._submissions: dict[str, Submission] = {}  # by request id, while its stream is open
 
     async def submit(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: Sampling,
                      headers: dict[str, str] | None = None) -> RequestStream:
@@ -30,47 +59,75 @@ class RequestBus:
         left behind in that case.
         """
         stream = self.streams.open(request_id)
-        created_ms = now_ms()
-        request = GenerateRequest(
-            request_id=request_id,
-            model=model,
-            prompt_token_ids=prompt_token_ids,
-            sampling=sampling,
-            reply_subject=self.subjects.tokens(self.gateway_id, request_id),
-            deadline_ms=created_ms + int(self.assign_timeout_s * 1000),
-            created_ms=created_ms,
-        )
+        submission = Submission(model, prompt_token_ids, sampling, headers or {})
+        self._submissions[request_id] = submission
         try:
-            try:
-                # Nats-Msg-Id lets JetStream drop a re-sent duplicate of the same request.
-                await self.js.publish(self.subjects.submit, request.encode(), timeout=5.0,
-                                      headers={**(headers or {}), "Nats-Msg-Id": request_id})
-            except Exception as exc:  # NATS down, no stream, publish timeout
-                log.warning("submit failed", request_id=request_id, error=repr(exc))
-                raise StreamError("no_worker", "the request queue is unavailable", retry_after_s=1.0) from exc
-            event = await stream.next_event(self.assign_timeout_s)
-            if not isinstance(event, Assignment):
-                raise StreamError("internal", "the worker streamed tokens before taking the request")
+            await self._start(stream, submission)
         except BaseException:
             # Timed out, failed or the client left: make sure no worker keeps it.
             await self.release(stream)
             raise
         return stream
 
+    async def _start(self, stream: RequestStream, submission: Submission) -> None:
+        """Publish the stream's current attempt and wait until a worker owns it."""
+        created_ms = now_ms()
+        request = GenerateRequest(
+            request_id=stream.bus_id,
+            model=submission.model,
+            prompt_token_ids=submission.prompt_token_ids,
+            sampling=submission.sampling,
+            reply_subject=self.subjects.tokens(self.gateway_id, stream.bus_id),
+            deadline_ms=created_ms + int(self.assign_timeout_s * 1000),
+            created_ms=created_ms,
+            resume_output_token_ids=list(stream.streamed_token_ids),
+        )
+        try:
+            # Nats-Msg-Id lets JetStream drop a re-sent duplicate of the same attempt.
+            await self.js.publish(self.subjects.submit, request.encode(), timeout=5.0,
+                                  headers={**submission.headers, "Nats-Msg-Id": stream.bus_id})
+        except Exception as exc:  # NATS down, no stream, publish timeout
+            log.warning("submit failed", request_id=stream.request_id, error=repr(exc))
+            raise StreamError("no_worker", "the request queue is unavailable", retry_after_s=1.0) from exc
+        event = await stream.next_event(self.assign_timeout_s)
+        if not isinstance(event, Assignment):
+            raise StreamError("internal", "the worker streamed tokens before taking the request")
+
     async def chunks(self, stream: RequestStream) -> AsyncIterator[TokenChunk]:
-        """The request's token chunks in order, until the finished one."""
+        """The request's token chunks in order, until the finished one, across the workers it moves to."""
         while not stream.finished:
-            event = await stream.next_event(self.idle_timeout_s)
+            try:
+                event = await stream.next_event(self.idle_timeout_s)
+            except StreamError as exc:
+                if not may_move(exc.code, stream.moves, self.migration_limit):
+                    raise
+                await self._move(stream, exc)
+                continue
             if isinstance(event, TokenChunk):
+                stream.streamed_token_ids.extend(event.token_ids)
                 yield event
+
+    async def _move(self, stream: RequestStream, failure: StreamError) -> None:
+        """Go on with the request on another worker from the tokens its client has."""
+        old_bus_id, old_worker = stream.bus_id, stream.worker_instance
+        await self._cancel(old_bus_id, "moved")
+        self.streams.move(stream)
+        self.on_move(failure.code)
+        log.warning("request moved to another worker", request_id=stream.request_id, from_worker=old_worker,
+                    failure=failure.code, error=str(failure), tokens_streamed=len(stream.streamed_token_ids),
+                    move=stream.moves)
+        await self._start(stream, self._submissions[stream.request_id])
 
     async def release(self, stream: RequestStream) -> None:
         """Forget the request; if it is still running anywhere, cancel it there."""
-        self.streams.close(stream.request_id)
+        self.streams.close(stream.bus_id)
+        self._submissions.pop(stream.request_id, None)
         if not stream.finished:
-            cancel = CancelRequest(request_id=stream.request_id, reason="client_disconnected")
-            try:
-                await self.nc.publish(self.subjects.cancel, cancel.encode())
-            except Exception as exc:
-                log.warning("cancel publish failed", request_id=stream.request_id, error=repr(exc))
+            await self._cancel(stream.bus_id, "client_disconnected")
+
+    async def _cancel(self, bus_id: str, reason: str) -> None:
+        try:
+            await self.nc.publish(self.subjects.cancel, CancelRequest(request_id=bus_id, reason=reason).encode())
+        except Exception as exc:
+            log.warning("cancel publish failed", request_id=bus_id, error=repr(exc))
 

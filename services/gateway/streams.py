@@ -32,13 +32,22 @@ class StreamError(Exception):
 
 @dataclass(slots=True)
 class RequestStream:
+    """One client request's events. `bus_id` names its current attempt on the bus: the request id, then a new
+    one each time it moves to another worker (`TokenStreams.move`), so nothing from an earlier attempt's worker
+    reaches it."""
     request_id: str
+    bus_id: str = ""
     queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED_EVENTS))
     worker_instance: str | None = None
     worker_boot_id: str | None = None
     assigned_at: float = 0.0
     next_seq: int = 0
     finished: bool = False
+    moves: int = 0
+    streamed_token_ids: list[int] = field(default_factory=list)  # every token the client has been sent
+
+    def __post_init__(self) -> None:
+        self.bus_id = self.bus_id or self.request_id
 
     async def next_event(self, timeout_s: float) -> Assignment | TokenChunk:
         """The next event in order; raises StreamError on failure, gap, duplicate or timeout."""
@@ -73,8 +82,20 @@ class TokenStreams:
         self._streams[request_id] = stream
         return stream
 
-    def close(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def close(self, bus_id: str) -> None:
+        self._streams.pop(bus_id, None)
+
+    def move(self, stream: RequestStream) -> str:
+        """Start the stream's next attempt: a new bus id (returned), its events from chunk 0, no worker yet."""
+        self._streams.pop(stream.bus_id, None)
+        stream.moves += 1
+        stream.bus_id = f"{stream.request_id}-moved-{stream.moves}"
+        while not stream.queue.empty():
+            stream.queue.get_nowait()
+        stream.worker_instance = stream.worker_boot_id = None
+        stream.next_seq, stream.finished = 0, False
+        self._streams[stream.bus_id] = stream
+        return stream.bus_id
 
     def __len__(self) -> int:
         return len(self._streams)

@@ -30,6 +30,7 @@ class UpConfig:
     max_local_prefill: int | None = None  # disagg: the scheduler's threshold (None: its default)
     offload_short_prefills: bool = True  # disagg: shorter prompts too, to an idle prefill worker, when decode is busy
     prefill_backlog_factor: float | None = None  # disagg: long prompts local behind this deep a backlog (None: default)
+    migration_limit: int | None = None  # the gateway's --migration-limit (None: its default)
     kv_transport: str = "auto"  # disagg: how prefill workers ship KV
     stage_ranges: tuple[tuple[int, int], ...] = ()  # pipeline (or disagg's prefill pipeline): each stage's layers
     microbatches: int = 2  # pipeline: steps in flight at once
@@ -212,6 +213,8 @@ def uses_kv_store(config: UpConfig) -> bool:
 def _gateway(config: UpConfig, bus: tuple, model: tuple, counts: dict[str, int]) -> ServiceSpec:
     args = (*bus, *model, "--host", config.host, "--port", str(config.port), "--expect", expect_arg(counts),
             "--instance-id", "gateway-0")
+    if config.migration_limit is not None:
+        args += ("--migration-limit", str(config.migration_limit))
     return ServiceSpec("gateway-0", "gateway", "gateway-0", args, url=http_url(config.host, config.port))
 
 

@@ -237,6 +237,9 @@ class Router:
         """Where `worker` is to get the request's prompt computed: itself, or the prefill pool (which worker).
         Returns the prompt tokens that `worker` does not hold."""
         uncached = len(request.prompt_token_ids) - (cached.tokens(worker) if cached is not None else 0)
+        if request.resume_output_token_ids:  # a moved request: its worker computes the streamed tokens after it too
+            request.prefill, request.prefill_instance = "local", ""
+            return uncached + len(request.resume_output_token_ids)
         request.prefill = decide_prefill(
             uncached, self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,
             max_prefill_queue=self.max_prefill_queue, prefill_workers_ready=len(prefill_workers),

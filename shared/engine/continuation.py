@@ -21,7 +21,7 @@ class KVOrigin(enum.Enum):
 class Continuation:
     """`output_token_ids` generated already; `num_cached_tokens` of the prompt were a prefix-cache hit where
     its KV was computed, which came from `kv_origin`. `detokenizer` continues the text already streamed for
-    `output_token_ids` (else a new one starts after them)."""
+    `output_token_ids` (else one is replayed over them, in the state their streaming left it)."""
 
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0

@@ -186,6 +186,7 @@ class LLMEngine:
                 f"holds {self.block_manager.num_blocks} blocks of {self.config.block_size} tokens",
                 "max_tokens",
             )
+        detok = continuation.detokenizer or self._replayed_detokenizer(prompt_token_ids, output_token_ids, params)
         seq = Sequence(
             request_id=request_id,
             token_ids=list(prompt_token_ids) + list(output_token_ids),
@@ -201,7 +202,6 @@ class LLMEngine:
         )
         self._arrivals += 1
         self._sequences[request_id] = seq
-        detok = continuation.detokenizer or self.new_detokenizer(seq.token_ids, params)
         if detok is not None:
             self._detokenizers[request_id] = detok
         self.schedulers[seq.virtual_engine].add(seq)
@@ -440,6 +440,19 @@ class LLMEngine:
         if finish_reason is not None and detok is not None and detok.matched_stop is None:
             new_text += detok.finish()
         return new_text, finish_reason, stop_reason
+
+    def _replayed_detokenizer(self, prompt_token_ids: list[int], output_token_ids, params: SamplingParams
+                              ) -> IncrementalDetokenizer | None:
+        """A detokenizer in the state it reached after `output_token_ids` (their text already streamed): what it
+        held back (a character's first bytes, a possible stop string's start) is released as the request goes on."""
+        detok = self.new_detokenizer(prompt_token_ids, params)
+        if detok is None:
+            return None
+        for token_id in output_token_ids:
+            detok.add_token(token_id)
+            if detok.matched_stop is not None:
+                raise InvalidRequestError("the output tokens already end at a stop string", "resume_output_token_ids")
+        return detok
 
     def new_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:

@@ -35,6 +35,11 @@ def test_colocated_plan():
                              "--router", "kv")
 
 
+def test_the_gateway_gets_the_migration_limit_only_when_one_is_asked_for():
+    assert "--migration-limit" not in plan(CONFIG)[-1].args
+    assert plan(dataclasses.replace(CONFIG, migration_limit=0))[-1].args[-2:] == ("--migration-limit", "0")
+
+
 def test_plan_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="unknown topology 'ring'"):
         plan(UpConfig(model="m", served_model_name="m", nats_url="n", topology="ring"))

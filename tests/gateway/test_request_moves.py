@@ -1,0 +1,46 @@
+"""Which failures move a request to another worker, and what a move does to its stream on this gateway."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from contracts import TokenChunk
+from services.gateway.request_bus import may_move
+from services.gateway.streams import TokenStreams
+
+
+@pytest.mark.parametrize("code, moves, limit, moved", [
+    ("worker_failed", 0, 3, True),   # its worker died, restarted or failed it
+    ("timeout", 2, 3, True),         # its worker went quiet
+    ("worker_failed", 3, 3, False),  # moved as often as allowed: the client gets the error
+    ("worker_failed", 0, 0, False),  # moves turned off
+    ("invalid_request", 0, 3, False),  # the request's own failures stay the request's
+    ("overloaded", 0, 3, False),
+    ("no_worker", 0, 3, False),
+])
+def test_only_a_workers_failure_moves_a_request_up_to_the_limit(code, moves, limit, moved):
+    assert may_move(code, moves, limit) is moved
+
+
+def chunk(request_id: str, seq: int) -> SimpleNamespace:
+    return SimpleNamespace(subject="t", data=TokenChunk(request_id=request_id, seq=seq, token_ids=[seq], text="x").encode())
+
+
+def test_a_moved_stream_takes_its_new_attempts_chunks_from_0_and_drops_the_old_ones():
+    async def scenario():
+        streams = TokenStreams()
+        stream = streams.open("r1")
+        await streams.on_message(chunk("r1", 0))
+        assert (await stream.next_event(1)).seq == 0
+        await streams.on_message(chunk("r1", 1))  # queued, then the worker fails: nobody reads it
+        assert streams.move(stream) == "r1-moved-1" == stream.bus_id
+        assert stream.queue.empty() and stream.next_seq == 0 and stream.worker_instance is None
+        await streams.on_message(chunk("r1", 2))  # a late chunk of the first attempt: ignored
+        await streams.on_message(chunk("r1-moved-1", 0))
+        assert (await stream.next_event(1)).request_id == "r1-moved-1"
+        assert streams.move(stream) == "r1-moved-2" and len(streams) == 1
+        streams.close(stream.bus_id)
+        assert len(streams) == 0
+
+    asyncio.run(scenario())

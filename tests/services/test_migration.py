@@ -1,0 +1,95 @@
+"""A stream whose worker dies under it goes on on another worker: the client sees one stream, every token
+once, the same text as an uninterrupted run (greedy and seeded sampling), in colocated and disagg."""
+
+import json
+import os
+import signal
+
+import httpx
+import pytest
+
+from contracts import Assignment, Subjects
+from reference import safe_prompts
+from support.deployment import start_deployment
+from support.kv_workload import wait_until
+from support.metrics import samples, value
+from support.token_tap import BusTap, request_id_of
+
+MODEL = "splitserve-default-llama"
+SAMPLINGS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.8, "top_p": 0.9, "seed": 11}}
+
+
+def stream(base_url: str, body: dict, on_chunk=lambda chunks: None) -> list[dict]:
+    """Every SSE data object of a streamed completion, `on_chunk` called with them as each arrives."""
+    events = []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[len("data: "):]))
+                on_chunk(events)
+    return events
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("topology", ["colocated", "disagg"])
+def test_a_stream_whose_worker_is_killed_goes_on_on_another_worker(nats_server, default_model, tmp_path, topology):
+    disagg = topology == "disagg"
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2, prefill=int(disagg),
+                                  scheduler_args=("--max-local-prefill", "0") if disagg else ())
+    assignments = BusTap(deployment.nats_url, Subjects(deployment.namespace).tokens_wildcard("gateway-0"), Assignment)
+    (prompt, _), = safe_prompts(default_model, 2048, [80], 1, seed=5)
+    try:
+        for name, sampling in SAMPLINGS.items():
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}, **sampling}
+            reference = stream(deployment.base_url, body)
+            killed = []
+
+            def kill_the_owner(events):
+                if len(events) == 20 and not killed:
+                    rid = request_id_of(events[0])
+                    owner = assignments.wait_for(lambda a: a.request_id == rid, 10, "no assignment").worker_instance
+                    os.kill(deployment.procs[owner].pid, signal.SIGKILL)
+                    killed.append(owner)
+
+            events = stream(deployment.base_url, body, kill_the_owner)
+            assert killed, "the stream ended before its worker could be killed"
+            assert not [e for e in events if "error" in e], events[-3:]
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            assert text == "".join(e["choices"][0]["text"] for e in reference if e["choices"]), name
+            assert events[-1]["usage"]["completion_tokens"] == 200
+            assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+            # Moved once, to the other worker; the killed one comes back (as its supervisor would start it).
+            rid = request_id_of(events[0])
+            moved = assignments.wait_for(lambda a: a.request_id == f"{rid}-moved-1", 10, "never moved")
+            assert moved.worker_instance != killed[0]
+            deployment.restart(killed[0])
+            wait_until(lambda: killed[0] in deployment.registered(), 60, "the killed worker never came back")
+            deployment.wait_scheduler_sees("decode", 2)
+        metrics = samples(deployment.base_url)
+        assert value(metrics, "splitserve_request_migrations_total", failure="worker_failed") == len(SAMPLINGS)
+    finally:
+        assignments.close()
+        deployment.stop()
+
+
+@pytest.mark.timeout(180)
+def test_without_migration_a_killed_workers_stream_ends_with_an_error_event(nats_server, default_model, tmp_path):
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2,
+                                  gateway_args=("--migration-limit", "0"))
+    assignments = BusTap(deployment.nats_url, Subjects(deployment.namespace).tokens_wildcard("gateway-0"), Assignment)
+    (prompt, _), = safe_prompts(default_model, 2048, [80], 1, seed=5)
+    try:
+        def kill_the_owner(events):
+            if len(events) == 20:
+                rid = request_id_of(events[0])
+                owner = assignments.wait_for(lambda a: a.request_id == rid, 10, "no assignment").worker_instance
+                os.kill(deployment.procs[owner].pid, signal.SIGKILL)
+
+        events = stream(deployment.base_url, {"model": MODEL, "prompt": prompt, "max_tokens": 2000,
+                                              "ignore_eos": True, "temperature": 0}, kill_the_owner)
+        assert events[-1]["error"]["code"] == "worker_failed", events[-1]
+    finally:
+        assignments.close()
+        deployment.stop()
