@@ -44,6 +44,10 @@ class WorkerRole(Protocol):
     def details(self) -> dict:
         """The role's part of the registry entry's details."""
 
+    async def lapsed(self) -> None:
+        """This worker's registry entry lapsed (it stalled, or lost NATS, for longer than the registry's TTL): its
+        peers have taken what it held elsewhere. Drop what another worker now runs."""
+
     async def drain(self) -> None:
         """Stop taking work and end (or hand back) what runs; the engine still runs meanwhile."""
 
@@ -82,7 +86,7 @@ class EngineWorker:
         self.engine_loop = EngineLoop(engine, self._from_engine_thread, engine_thread, cpu_share, gather_s)
         self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
                                           engine_loop=self.engine_loop)
-        self._heartbeat = Heartbeat(registry, self.info)
+        self._heartbeat = Heartbeat(registry, self.info, on_lapse=self._on_lapse)
 
     async def subscribe(self, subject: str, message_cls, handler):
         return await subscribe_typed(self.nc, subject, message_cls, handler)
@@ -115,11 +119,17 @@ class EngineWorker:
             await part.stop()
         await self._heartbeat.stop(remove=True)
 
+    async def _on_lapse(self, gap_s: float) -> None:
+        log.warning("this worker's registry entry lapsed: dropping what its peers moved elsewhere",
+                    seconds_since_last_heartbeat=round(gap_s, 1))
+        await self.role.lapsed()
+
     def info(self) -> ServiceInfo:
         block_manager = self.engine.block_manager
         details = {"rejected_messages": dict(REJECTED), "prefix_cache": self.engine.prefix_cache_counts(),
                    "kv_store": self.kv_store.details() if self.kv_store is not None else {},
                    "kv_events": dict(self.kv_events.counts), "cpu_loan": loan_details(self.engine_loop.cpu_share),
+                   "registry_lapses": self._heartbeat.num_lapses,
                    **self.role.details()}
         for part in self.parts:
             details.update(part.details())

@@ -173,6 +173,14 @@ class DecodeRole:
             active.end("cancelled", reason=cancel.reason)
             log.info("request cancelled", request_id=cancel.request_id, reason=cancel.reason)
 
+    async def lapsed(self) -> None:
+        """Every request here was taken for lost and moved by its gateway: stop computing it, and say so to a
+        gateway that has not noticed yet (it moves the request now; one that has drops the message)."""
+        for request_id in list(self.requests):
+            await self._fail(request_id, self.requests[request_id], "worker_failed",
+                             f"worker {self.worker.instance_id} stalled: its registry entry lapsed")
+            self.worker.engine_loop.abort(request_id)
+
     async def publish_chunk(self, active: ActiveRequest, chunk: TokenChunk) -> None:
         active.next_seq += 1
         await self.worker.nc.publish(active.reply_subject, chunk.encode())

@@ -88,6 +88,10 @@ class PrefillRole:
         )
         return [asyncio.create_task(self._pull_jobs(), name="pull-jobs")]
 
+    async def lapsed(self) -> None:
+        """Nothing to drop: a job's decode worker waits for it until the job's deadline (and prefills locally
+        after), and a job past its deadline is not started; going on with one is what serves it soonest."""
+
     async def drain(self) -> None:
         if self._consumer is not None:
             # A fetch cancelled mid-wait leaves the server's timeout status in the subscription's queue, where

@@ -15,7 +15,7 @@ Readers never trust an entry blindly: one that does not decode as a
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
@@ -109,13 +109,19 @@ def entry_key(role: str, instance_id: str) -> str:
 class Heartbeat:
     """Keeps one service's entry alive: puts `make_info()` now and every `interval_s`."""
 
-    def __init__(self, registry: Registry, make_info: Callable[[], ServiceInfo], interval_s: float = 1.0):
+    def __init__(self, registry: Registry, make_info: Callable[[], ServiceInfo], interval_s: float = 1.0,
+                 on_lapse: Callable[[float], Awaitable[None]] | None = None):
+        """`on_lapse(seconds)`, before a put: the last good one was more than the TTL ago (the process stalled, or
+        NATS was away), so the entry expired meanwhile and its peers took it for gone."""
         if not 0 < interval_s < registry.ttl_s:
             raise ValueError(f"heartbeat interval {interval_s}s must be positive and below the registry TTL {registry.ttl_s}s")
         self.registry = registry
         self.make_info = make_info
         self.interval_s = interval_s
+        self.on_lapse = on_lapse
         self.num_failed = 0
+        self.num_lapses = 0
+        self._last_put: float | None = None  # time.monotonic() of the last good put
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._entry: tuple[str, str] | None = None  # (role, instance id) last put
@@ -147,10 +153,17 @@ class Heartbeat:
 
     async def _beat(self) -> None:
         try:
+            gap_s = time.monotonic() - self._last_put if self._last_put is not None else 0.0
+            if gap_s > self.registry.ttl_s:
+                self.num_lapses += 1
+                self._last_put = None  # one call per lapse
+                if self.on_lapse is not None:
+                    await self.on_lapse(gap_s)
             info = self.make_info()
             info.heartbeat_ms = int(time.time() * 1000)
             self._entry = (info.role, info.instance_id)
             await within(self.registry.ttl_s, self.registry.put(info))
+            self._last_put = time.monotonic()
         except Exception as exc:  # NATS away, a bad info: try again next tick, never end the task
             self.num_failed += 1
             log.warning("heartbeat failed", error=str(exc) or type(exc).__name__, num_failed=self.num_failed)

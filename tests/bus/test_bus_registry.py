@@ -126,6 +126,32 @@ async def test_heartbeat_stop_without_remove_lets_the_entry_expire(js, unique):
     await wait_until(lambda: _is_empty(registry), timeout_s=4.0)
 
 
+async def test_a_heartbeat_back_from_a_stall_longer_than_the_ttl_says_so_once_before_it_puts_again(js, unique):
+    """A frozen process (SIGSTOP, here a blocked event loop) finds its entry expired when it wakes: its peers took
+    it for gone. It is told, once, before the entry is back."""
+    registry = await Registry.open(js, unique("reg"), ttl_s=1.5)
+    lapses = []
+
+    async def on_lapse(gap_s: float) -> None:
+        lapses.append((gap_s, await registry.get("decode", "decode-1")))
+
+    heartbeat = Heartbeat(registry, lambda: info("decode-1"), interval_s=0.3, on_lapse=on_lapse)
+    heartbeat.start()
+    await wait_until(lambda: registry.get("decode", "decode-1"), timeout_s=1.0, interval_s=0.02)
+    await asyncio.sleep(1.0)
+    assert lapses == []  # beating inside the TTL: no lapse
+    time.sleep(2.5)  # the whole loop frozen past the TTL
+    async def back_after_the_lapse():
+        return lapses and await registry.get("decode", "decode-1")
+
+    await wait_until(back_after_the_lapse, timeout_s=2.0, interval_s=0.02)
+    (gap_s, entry_then), = lapses
+    assert gap_s > 1.5 and entry_then is None  # told while the entry was gone
+    await asyncio.sleep(1.0)
+    assert len(lapses) == 1 and heartbeat.num_lapses == 1
+    await heartbeat.stop(remove=True)
+
+
 async def test_heartbeat_interval_must_be_inside_the_ttl(js, unique):
     registry = await Registry.open(js, unique("reg"), ttl_s=1.5)
     with pytest.raises(ValueError, match="TTL"):

@@ -4,6 +4,7 @@ once, the same text as an uninterrupted run (greedy and seeded sampling), in col
 import json
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -91,5 +92,50 @@ def test_without_migration_a_killed_workers_stream_ends_with_an_error_event(nats
                                               "ignore_eos": True, "temperature": 0}, kill_the_owner)
         assert events[-1]["error"]["code"] == "worker_failed", events[-1]
     finally:
+        assignments.close()
+        deployment.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_stalled_workers_stream_moves_and_the_worker_drops_it_when_it_wakes(nats_server, default_model, tmp_path):
+    """SIGSTOP of the owning worker: its registry entry lapses (6 s), the gateway moves the stream, which ends
+    as an uninterrupted run would; on SIGCONT the worker stops computing the request. Two things drop it there:
+    the gateway's cancel, which NATS holds for the frozen connection, and the worker finding its entry lapsed
+    (which alone serves when the connection did not survive the stall; tests/bus covers the lapse)."""
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2)
+    assignments = BusTap(deployment.nats_url, Subjects(deployment.namespace).tokens_wildcard("gateway-0"), Assignment)
+    (prompt, _), = safe_prompts(default_model, 2048, [80], 1, seed=5)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    stalled = []
+    try:
+        reference = stream(deployment.base_url, body)
+
+        def stop_the_owner(events):
+            if len(events) == 20:
+                rid = request_id_of(events[0])
+                owner = assignments.wait_for(lambda a: a.request_id == rid, 10, "no assignment").worker_instance
+                os.kill(deployment.procs[owner].pid, signal.SIGSTOP)
+                stalled.append((owner, rid))
+
+        events = stream(deployment.base_url, body, stop_the_owner)
+        owner, rid = stalled[0]
+        assert not [e for e in events if "error" in e], events[-3:]
+        assert "".join(e["choices"][0]["text"] for e in events) == "".join(e["choices"][0]["text"] for e in reference)
+        def streamed_by_the_stalled_worker() -> int:
+            return sum(len(c.token_ids) for c in deployment.tap.messages() if c.request_id == rid)
+
+        before_waking = streamed_by_the_stalled_worker()
+        os.kill(deployment.procs[owner].pid, signal.SIGCONT)
+        wait_until(lambda: deployment.stats(owner).details["registry_lapses"] == 1, 20,
+                   "the woken worker never saw its entry lapse")
+        idle = wait_until(lambda: (info := deployment.stats(owner)).num_running + info.active_requests == 0 and info,
+                          10, "the woken worker still runs the moved request")
+        assert idle.state == "ready"
+        time.sleep(1.0)
+        # At most a step or two between waking and dropping it (unfenced, it would stream ~1,500 tokens more).
+        assert streamed_by_the_stalled_worker() - before_waking <= 4
+    finally:
+        for owner, _ in stalled:
+            os.kill(deployment.procs[owner].pid, signal.SIGCONT)
         assignments.close()
         deployment.stop()
