@@ -219,7 +219,9 @@ class Router:
                 # It may have taken the request after all: offering it elsewhere could run it twice.
                 await self.nc.publish(self.subjects.cancel, CancelRequest(request_id=request.request_id,
                                                                           reason="handoff_timeout").encode())
-                await self._fail(request, "worker_failed", f"worker {worker.instance_id} did not answer the handoff")
+                # The client may try again at once: a 503 with Retry-After, not a server error.
+                await self._fail(request, "no_worker", f"worker {worker.instance_id} did not answer the handoff",
+                                 retry_after_s=1.0)
                 return "handoff_timeout"
             if reply is None or not reply.accepted and reply.code in ("overloaded", "draining", "timeout"):
                 continue

@@ -139,3 +139,20 @@ def test_a_stalled_workers_stream_moves_and_the_worker_drops_it_when_it_wakes(na
             os.kill(deployment.procs[owner].pid, signal.SIGCONT)
         assignments.close()
         deployment.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_handoff_nobody_answers_is_a_503_with_retry_after(nats_server, default_model, tmp_path):
+    """A frozen worker still in the registry takes no request: the client is told to come back, not a 500."""
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, scheduler_args=("--handoff-timeout", "1"))
+    (prompt, _), = safe_prompts(default_model, 2048, [20], 1, seed=5)
+    os.kill(deployment.procs["decode-0"].pid, signal.SIGSTOP)
+    try:
+        response = httpx.post(f"{deployment.base_url}/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+        assert response.status_code == 503, response.text
+        assert "did not answer the handoff" in response.json()["error"]["message"]
+        assert float(response.headers["retry-after"]) > 0
+    finally:
+        os.kill(deployment.procs["decode-0"].pid, signal.SIGCONT)
+        deployment.stop()
