@@ -96,51 +96,6 @@ def test_without_migration_a_killed_workers_stream_ends_with_an_error_event(nats
         deployment.stop()
 
 
-@pytest.mark.timeout(240)
-def test_a_stalled_workers_stream_moves_and_the_worker_drops_it_when_it_wakes(nats_server, default_model, tmp_path):
-    """SIGSTOP of the owning worker: its registry entry lapses (6 s), the gateway moves the stream, which ends
-    as an uninterrupted run would; on SIGCONT the worker stops computing the request. Two things drop it there:
-    the gateway's cancel, which NATS holds for the frozen connection, and the worker finding its entry lapsed
-    (which alone serves when the connection did not survive the stall; tests/bus covers the lapse)."""
-    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2)
-    assignments = BusTap(deployment.nats_url, Subjects(deployment.namespace).tokens_wildcard("gateway-0"), Assignment)
-    (prompt, _), = safe_prompts(default_model, 2048, [80], 1, seed=5)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
-    stalled = []
-    try:
-        reference = stream(deployment.base_url, body)
-
-        def stop_the_owner(events):
-            if len(events) == 20:
-                rid = request_id_of(events[0])
-                owner = assignments.wait_for(lambda a: a.request_id == rid, 10, "no assignment").worker_instance
-                os.kill(deployment.procs[owner].pid, signal.SIGSTOP)
-                stalled.append((owner, rid))
-
-        events = stream(deployment.base_url, body, stop_the_owner)
-        owner, rid = stalled[0]
-        assert not [e for e in events if "error" in e], events[-3:]
-        assert "".join(e["choices"][0]["text"] for e in events) == "".join(e["choices"][0]["text"] for e in reference)
-        def streamed_by_the_stalled_worker() -> int:
-            return sum(len(c.token_ids) for c in deployment.tap.messages() if c.request_id == rid)
-
-        before_waking = streamed_by_the_stalled_worker()
-        os.kill(deployment.procs[owner].pid, signal.SIGCONT)
-        wait_until(lambda: deployment.stats(owner).details["registry_lapses"] == 1, 20,
-                   "the woken worker never saw its entry lapse")
-        idle = wait_until(lambda: (info := deployment.stats(owner)).num_running + info.active_requests == 0 and info,
-                          10, "the woken worker still runs the moved request")
-        assert idle.state == "ready"
-        time.sleep(1.0)
-        # At most a step or two between waking and dropping it (unfenced, it would stream ~1,500 tokens more).
-        assert streamed_by_the_stalled_worker() - before_waking <= 4
-    finally:
-        for owner, _ in stalled:
-            os.kill(deployment.procs[owner].pid, signal.SIGCONT)
-        assignments.close()
-        deployment.stop()
-
-
 @pytest.mark.timeout(120)
 def test_a_handoff_nobody_answers_is_a_503_with_retry_after(nats_server, default_model, tmp_path):
     """A frozen worker still in the registry takes no request: the client is told to come back, not a 500."""
@@ -155,4 +110,81 @@ def test_a_handoff_nobody_answers_is_a_503_with_retry_after(nats_server, default
         assert float(response.headers["retry-after"]) > 0
     finally:
         os.kill(deployment.procs["decode-0"].pid, signal.SIGCONT)
+        deployment.stop()
+
+
+def sigterm_and_wait(proc) -> tuple[int, float]:
+    """SIGTERM to a service: (its exit code, seconds it took)."""
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=30)
+    return code, time.monotonic() - started
+
+
+@pytest.mark.timeout(300)
+def test_a_stalled_or_stopped_workers_stream_moves_and_the_worker_lets_it_go(nats_server, default_model, tmp_path):
+    """1. Idle, a prefill worker and a decode worker stop at once on SIGTERM, exit 0.
+    2. SIGSTOP of a stream's worker: its registry entry lapses (6 s), the gateway moves the stream, which ends as
+       an uninterrupted run would; on SIGCONT the worker stops computing the request. Two things drop it there:
+       the gateway's cancel, which NATS holds for the frozen connection, and the worker finding its entry lapsed
+       (which alone serves when the connection did not survive the stall; tests/bus covers the lapse).
+    3. SIGTERM of a stream's worker: it finishes the stream for its drain time, then hands it back and exits 0;
+       the stream moves, unbroken."""
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=3, prefill=1,
+                                  scheduler_args=("--max-local-prefill", "0"))
+    assignments = BusTap(deployment.nats_url, Subjects(deployment.namespace).tokens_wildcard("gateway-0"), Assignment)
+    (prompt, _), = safe_prompts(default_model, 2048, [80], 1, seed=5)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    stalled = []
+    try:
+        for name in ("prefill-0", "decode-2"):
+            code, seconds = sigterm_and_wait(deployment.procs[name])
+            assert code == 0 and seconds < 3, (name, code, seconds)
+        deployment.wait_scheduler_sees("decode", 2)
+        reference = "".join(e["choices"][0]["text"] for e in stream(deployment.base_url, body))
+
+        def at_chunk_20(act):
+            def on_chunk(events):
+                if len(events) == 20:
+                    rid = request_id_of(events[0])
+                    owner = assignments.wait_for(lambda a: a.request_id == rid, 10, "no assignment").worker_instance
+                    act(owner, rid)
+            return on_chunk
+
+        def stop(owner, rid):
+            os.kill(deployment.procs[owner].pid, signal.SIGSTOP)
+            stalled.append((owner, rid))
+
+        events = stream(deployment.base_url, body, at_chunk_20(stop))
+        owner, rid = stalled[0]
+        assert not [e for e in events if "error" in e], events[-3:]
+        assert "".join(e["choices"][0]["text"] for e in events) == reference
+
+        def streamed_by_the_stalled_worker() -> int:
+            return sum(len(c.token_ids) for c in deployment.tap.messages() if c.request_id == rid)
+
+        before_waking = streamed_by_the_stalled_worker()
+        os.kill(deployment.procs[owner].pid, signal.SIGCONT)
+        wait_until(lambda: deployment.stats(owner).details["registry_lapses"] == 1, 20,
+                   "the woken worker never saw its entry lapse")
+        idle = wait_until(lambda: (info := deployment.stats(owner)).num_running + info.active_requests == 0 and info,
+                          10, "the woken worker still runs the moved request")
+        assert idle.state == "ready"
+        time.sleep(1.0)
+        # At most a step or two between waking and dropping it (unfenced, it would stream ~1,500 tokens more).
+        assert streamed_by_the_stalled_worker() - before_waking <= 4
+        deployment.wait_scheduler_sees("decode", 2)
+
+        terminated = []
+        events = stream(deployment.base_url, body, at_chunk_20(
+            lambda owner, rid: (terminated.append((owner, rid)), deployment.procs[owner].send_signal(signal.SIGTERM))))
+        owner, rid = terminated[0]
+        assert not [e for e in events if "error" in e], events[-3:]
+        assert "".join(e["choices"][0]["text"] for e in events) == reference
+        assert assignments.wait_for(lambda a: a.request_id == f"{rid}-moved-1", 10, "never moved").worker_instance != owner
+        assert deployment.procs[owner].wait(timeout=30) == 0
+    finally:
+        for owner, _ in stalled:
+            os.kill(deployment.procs[owner].pid, signal.SIGCONT)
+        assignments.close()
         deployment.stop()
