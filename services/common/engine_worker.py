@@ -107,10 +107,15 @@ class EngineWorker:
         return [asyncio.create_task(self._deliver_outputs(), name="engine-outputs"),
                 asyncio.create_task(self._report_load(), name="load-reports"), *role_tasks, *part_tasks, *event_tasks]
 
+    async def drain(self) -> None:
+        """Stop taking work and let the role end what runs (or hand it back), outputs still streaming."""
+        if self.state != "draining":
+            self.state = "draining"
+            await self.role.drain()
+
     async def stop(self) -> None:
-        """Stop taking work, let the role end what runs, stop the engine, close everything, leave the registry."""
-        self.state = "draining"
-        await self.role.drain()
+        """Drain (if not yet), stop the engine, close everything, leave the registry."""
+        await self.drain()
         await asyncio.to_thread(self.engine_loop.stop, 1.0)  # a step in flight may not finish: the thread is a daemon
         await self.role.close()
         if self.kv_store is not None:

@@ -14,7 +14,8 @@ from shared.telemetry.tracing import configure_tracing, shutdown_tracing
 
 
 async def run_service(args: argparse.Namespace, role: str, build: Callable[..., Awaitable]) -> int:
-    """`build(nc=, js=, registry=, subjects=)` returns an object with `async start() -> tasks` and `async stop()`.
+    """`build(nc=, js=, registry=, subjects=)` returns an object with `async start() -> tasks` and `async stop()`
+    (and maybe `async drain()`, run on a shutdown signal before its tasks are cancelled).
 
     Exit code 0 after SIGTERM/SIGINT, 70 when one of the service's tasks crashed
     (so the supervisor restarts it).
@@ -31,7 +32,8 @@ async def run_service(args: argparse.Namespace, role: str, build: Callable[..., 
     service = await build(nc=nc, js=js, registry=registry, subjects=subjects)
     tasks = await service.start()
     log.info(f"{role} ready", instance_id=args.instance_id)
-    code = await run_until_stopped(*tasks, shutdown=shutdown)
+    # A service with a `drain()` (a model worker) drains while its tasks still run.
+    code = await run_until_stopped(*tasks, shutdown=shutdown, on_shutdown=getattr(service, "drain", None))
     await service.stop()
     await drain(nc)
     shutdown_tracing()

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_cpu_loan_options(parser, borrower=True)
     parser.add_argument("--prefill-timeout", type=float, default=30.0,
                         help="seconds a remote prefill (first token and KV) may take before the worker prefills locally")
+    parser.add_argument("--drain-timeout", type=_non_negative, default=5.0,
+                        help="on SIGTERM, seconds the worker's running requests may go on before it hands them back "
+                             "to their gateways, which move them to other workers (default: 5)")
     parser.add_argument("--gather-ms", type=_non_negative, default=None,
                         help="an idle worker's first step waits this long at most for the rest of a burst of "
                              "requests (0: never; default: services.common.engine_loop.DEFAULT_GATHER_S)")
@@ -81,7 +84,8 @@ async def serve(args: argparse.Namespace) -> int:
                               served_model_name=served_name, cpu_share=cpu_share,
                               gather_s=DEFAULT_GATHER_S if args.gather_ms is None else args.gather_ms / 1000)
         worker.role = DecodeRole(worker, mode=args.mode, max_active_requests=args.max_active_requests,
-                                 receiver=receiver, prefill_timeout_s=args.prefill_timeout)
+                                 receiver=receiver, prefill_timeout_s=args.prefill_timeout,
+                                 drain_timeout_s=args.drain_timeout)
         if args.kv_store:
             from services.common.kvstore_tier import start_kv_store_tier
 

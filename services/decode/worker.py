@@ -58,11 +58,12 @@ class ActiveRequest:
 
 class DecodeRole:
     def __init__(self, worker: EngineWorker, *, mode: str, max_active_requests: int, receiver=None,
-                 prefill_timeout_s: float = 30.0):
+                 prefill_timeout_s: float = 30.0, drain_timeout_s: float = 5.0):
         """`receiver`: the KV side channel (disagg mode), on which the prefill pool sends the prompts' KV."""
         self.worker = worker
         self.mode = mode
         self.max_active_requests = max_active_requests
+        self.drain_timeout_s = drain_timeout_s
         self.remote = (RemotePrefill(worker, receiver, prefill_timeout_s, publish_chunk=self.publish_chunk,
                                      forget=self.forget) if receiver is not None else None)
         self.requests: dict[str, ActiveRequest] = {}
@@ -78,15 +79,16 @@ class DecodeRole:
             await w.subscribe(w.subjects.prefill_results(w.instance_id), PrefillResult, self.remote.on_result)
         return []
 
-    async def drain(self, drain_timeout_s: float = 5.0) -> None:
-        """Take no more requests, let the running ones finish briefly, fail the rest."""
+    async def drain(self) -> None:
+        """Take no more requests, let the running ones go on for the drain time, then hand the rest back to their
+        gateways (a worker failure: they move the requests to other workers)."""
         await self._generate_subscription.unsubscribe()
-        deadline = time.monotonic() + drain_timeout_s
+        deadline = time.monotonic() + self.drain_timeout_s
         while self.requests and time.monotonic() < deadline and not self.worker.engine_loop.crashed:
             await asyncio.sleep(0.05)
         for request_id, active in list(self.requests.items()):
             self.worker.engine_loop.abort(request_id)  # ends a remote prefill too
-            await self._fail(request_id, active, "worker_failed", "the worker is shutting down")
+            await self._fail(request_id, active, "worker_failed", f"worker {self.worker.instance_id} is shutting down")
 
     async def close(self) -> None:
         if self.remote is not None:

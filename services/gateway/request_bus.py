@@ -81,6 +81,7 @@ class RequestBus:
             deadline_ms=created_ms + int(self.assign_timeout_s * 1000),
             created_ms=created_ms,
             resume_output_token_ids=list(stream.streamed_token_ids),
+            moved_from=list(stream.failed_on),
         )
         try:
             # Nats-Msg-Id lets JetStream drop a re-sent duplicate of the same attempt.

@@ -45,6 +45,7 @@ class RequestStream:
     finished: bool = False
     moves: int = 0
     streamed_token_ids: list[int] = field(default_factory=list)  # every token the client has been sent
+    failed_on: list[str] = field(default_factory=list)  # the workers it moved away from
 
     def __post_init__(self) -> None:
         self.bus_id = self.bus_id or self.request_id
@@ -89,6 +90,8 @@ class TokenStreams:
         """Start the stream's next attempt: a new bus id (returned), its events from chunk 0, no worker yet."""
         self._streams.pop(stream.bus_id, None)
         stream.moves += 1
+        if stream.worker_instance is not None:
+            stream.failed_on.append(stream.worker_instance)
         stream.bus_id = f"{stream.request_id}-moved-{stream.moves}"
         while not stream.queue.empty():
             stream.queue.get_nowait()

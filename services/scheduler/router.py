@@ -197,7 +197,8 @@ class Router:
         if not eligible_workers(self.workers, "decode", request.model):
             await self._refresh()  # the snapshot may predate a worker that just registered
         prompt = request.prompt_token_ids
-        decode_workers = self.routed.apply(eligible_workers(self.workers, "decode", request.model))
+        decode_workers = self.routed.apply([w for w in eligible_workers(self.workers, "decode", request.model)
+                                            if w.instance_id not in request.moved_from])  # a stale entry may list it
         prefill_workers = eligible_workers(self.workers, "prefill", request.model)
         cached = None
         if self.router == "kv":

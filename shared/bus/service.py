@@ -8,7 +8,7 @@ awaitable as its own task so that its deadline holds whatever happens inside.
 """
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from shared.telemetry.logging import get_logger
@@ -24,11 +24,13 @@ EXIT_SOFTWARE = 70  # sysexits.h EX_SOFTWARE: an internal error; the supervisor 
 T = TypeVar("T")
 
 
-async def run_until_stopped(*tasks: Awaitable, shutdown: "ShutdownSignal", cancel_timeout_s: float = 5.0) -> int:
+async def run_until_stopped(*tasks: Awaitable, shutdown: "ShutdownSignal", cancel_timeout_s: float = 5.0,
+                            on_shutdown: Callable[[], Awaitable] | None = None) -> int:
     """Wait for `shutdown` or for any task to end; cancel the rest; return the process exit code.
 
-    A task ending with an exception (a crashed actor or loop) or cancelled by
-    someone else gives 70; a shutdown signal, or a task that simply returned, 0.
+    On `shutdown` with every task still running, `on_shutdown()` runs first, while they go on (a worker's drain
+    needs the loop that streams its outputs). A task ending with an exception (a crashed actor or loop) or
+    cancelled by someone else gives 70; a shutdown signal, or a task that simply returned, 0.
     """
     running = [asyncio.ensure_future(t) for t in tasks]
     stop_waiter = asyncio.ensure_future(shutdown.wait())
@@ -50,6 +52,8 @@ async def run_until_stopped(*tasks: Awaitable, shutdown: "ShutdownSignal", cance
             log.info("task finished; stopping the service", task=_name(task))
     if stop_waiter in done:
         log.info("shutting down")
+        if on_shutdown is not None and not any(task.done() for task in running):
+            await on_shutdown()
     await cancel_and_wait(*running, timeout_s=cancel_timeout_s)
     return exit_code
 

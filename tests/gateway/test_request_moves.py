@@ -34,7 +34,9 @@ def test_a_moved_stream_takes_its_new_attempts_chunks_from_0_and_drops_the_old_o
         await streams.on_message(chunk("r1", 0))
         assert (await stream.next_event(1)).seq == 0
         await streams.on_message(chunk("r1", 1))  # queued, then the worker fails: nobody reads it
+        stream.worker_instance = "decode-0"
         assert streams.move(stream) == "r1-moved-1" == stream.bus_id
+        assert stream.failed_on == ["decode-0"]
         assert stream.queue.empty() and stream.next_seq == 0 and stream.worker_instance is None
         await streams.on_message(chunk("r1", 2))  # a late chunk of the first attempt: ignored
         await streams.on_message(chunk("r1-moved-1", 0))

@@ -1,6 +1,7 @@
 """A stream whose worker dies under it goes on on another worker: the client sees one stream, every token
 once, the same text as an uninterrupted run (greedy and seeded sampling), in colocated and disagg."""
 
+import contextlib
 import json
 import os
 import signal
@@ -128,10 +129,10 @@ def test_a_stalled_or_stopped_workers_stream_moves_and_the_worker_lets_it_go(nat
        an uninterrupted run would; on SIGCONT the worker stops computing the request. Two things drop it there:
        the gateway's cancel, which NATS holds for the frozen connection, and the worker finding its entry lapsed
        (which alone serves when the connection did not survive the stall; tests/bus covers the lapse).
-    3. SIGTERM of a stream's worker: it finishes the stream for its drain time, then hands it back and exits 0;
-       the stream moves, unbroken."""
+    3. SIGTERM of a stream's worker: it goes on streaming for its drain time (`--drain-timeout 1`), then hands
+       the stream back and exits 0; the stream moves, unbroken."""
     deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=3, prefill=1,
-                                  scheduler_args=("--max-local-prefill", "0"))
+                                  scheduler_args=("--max-local-prefill", "0"), decode_args=("--drain-timeout", "1"))
     assignments = BusTap(deployment.nats_url, Subjects(deployment.namespace).tokens_wildcard("gateway-0"), Assignment)
     (prompt, _), = safe_prompts(default_model, 2048, [80], 1, seed=5)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
@@ -175,16 +176,25 @@ def test_a_stalled_or_stopped_workers_stream_moves_and_the_worker_lets_it_go(nat
         assert streamed_by_the_stalled_worker() - before_waking <= 4
         deployment.wait_scheduler_sees("decode", 2)
 
+        def chunks_of(rid: str) -> int:
+            return sum(1 for c in deployment.tap.messages() if c.request_id == rid)
+
         terminated = []
-        events = stream(deployment.base_url, body, at_chunk_20(
-            lambda owner, rid: (terminated.append((owner, rid)), deployment.procs[owner].send_signal(signal.SIGTERM))))
-        owner, rid = terminated[0]
+
+        def terminate(owner, rid):
+            deployment.procs[owner].send_signal(signal.SIGTERM)
+            terminated.append((owner, rid, chunks_of(rid)))
+
+        events = stream(deployment.base_url, body, at_chunk_20(terminate))
+        owner, rid, chunks_before = terminated[0]
+        assert chunks_of(rid) - chunks_before >= 10  # it streamed on while draining
         assert not [e for e in events if "error" in e], events[-3:]
         assert "".join(e["choices"][0]["text"] for e in events) == reference
         assert assignments.wait_for(lambda a: a.request_id == f"{rid}-moved-1", 10, "never moved").worker_instance != owner
         assert deployment.procs[owner].wait(timeout=30) == 0
     finally:
         for owner, _ in stalled:
-            os.kill(deployment.procs[owner].pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # it may have been the one stopped afterwards
+                os.kill(deployment.procs[owner].pid, signal.SIGCONT)
         assignments.close()
         deployment.stop()
