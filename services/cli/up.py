@@ -8,6 +8,7 @@ import os
 
 from services.common.options import checked_type, count, factor_or_off
 from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT
+from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS
 from services.launcher.deployment import DEFAULT_RUN_DIR, RUN_DIR_ENV
 from services.launcher.topology import DISAGG_PREFILL_BESIDE_DECODES_MS
 
@@ -85,6 +86,9 @@ def add_parser(subcommands) -> None:
                         help="times a request moves to another worker, from the tokens its client has, when its "
                              "worker fails under it (0: it fails instead; default: the gateway's, "
                              f"{DEFAULT_MIGRATION_LIMIT})")
+    parser.add_argument("--max-waiting-requests", type=count, metavar="N",
+                        help="admission control: with N requests still waiting for their first token, a new one "
+                             f"gets 429 and Retry-After (0: no bound; default: the gateway's, {DEFAULT_MAX_WAITING_REQUESTS})")
     parser.add_argument("--prefill-backlog-factor", type=factor_or_off, metavar="F",
                         help="disagg: a long prompt is prefilled by its decode worker when each prefill worker has "
                              "more than F times its tokens queued (e.g. 0.5; default 0: never)")
@@ -177,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         max_local_prefill=args.max_local_prefill,
         offload_short_prefills=args.offload_short_prefills,
         prefill_backlog_factor=args.prefill_backlog_factor, migration_limit=args.migration_limit,
+        max_waiting_requests=args.max_waiting_requests,
         lend_idle_cpus=args.lend_idle_cpus,
         kv_transport=args.kv_transport,
         stages=args.stages,

@@ -17,6 +17,7 @@ from services.common.options import (
 )
 from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, parse_api_keys
 from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT
+from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS
 
 
 def parse_expect(text: str) -> dict[str, int]:
@@ -50,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="times a request moves to another worker, from the tokens its client has, when its "
                              "worker fails or stalls under it (0: it fails instead; default: "
                              f"{DEFAULT_MIGRATION_LIMIT})")
+    parser.add_argument("--max-waiting-requests", type=count, default=int(env_default("MAX_WAITING_REQUESTS",
+                                                                                     DEFAULT_MAX_WAITING_REQUESTS)),
+                        help="admission control: with this many requests still waiting for their first token, a new "
+                             "one is refused with 429 and Retry-After before anything is queued (0: no bound; "
+                             f"default: {DEFAULT_MAX_WAITING_REQUESTS})")
     return parser
 
 
@@ -70,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                                http_port=args.port,
                                api_keys=parse_api_keys(args.api_key, os.environ.get("SPLITSERVE_API_KEY")),
                                protect_metrics=args.protect_metrics, max_request_bytes=args.max_request_bytes,
-                               migration_limit=args.migration_limit, nats_credentials=bus_credentials(args), nats_tls=bus_tls(args))
+                               migration_limit=args.migration_limit, max_waiting_requests=args.max_waiting_requests,
+                               nats_credentials=bus_credentials(args), nats_tls=bus_tls(args))
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal into the
     # handler that was installed before it; a no-op one lets the gateway exit 0 like every service.
     for sig in (signal.SIGTERM, signal.SIGINT):

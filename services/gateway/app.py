@@ -41,7 +41,7 @@ from services.gateway.protocol import (
     resolve_max_tokens,
     to_sampling_kwargs,
 )
-from services.gateway.streams import RequestStream, StreamError, TokenStreams
+from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS, RequestStream, StreamError, TokenStreams
 from shared.bus.connection import connect, drain
 from shared.bus.credentials import BusCredentials
 from shared.bus.permissions import inbox_prefix
@@ -70,6 +70,7 @@ class GatewaySettings:
     protect_metrics: bool = False  # /metrics needs a key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     migration_limit: int = DEFAULT_MIGRATION_LIMIT  # times a request may move to another worker when its own fails
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # past this many without a first token: 429 (0: no bound)
     nats_credentials: BusCredentials | None = None
     nats_tls: ssl.SSLContext | None = None
 
@@ -86,7 +87,7 @@ class Gateway:
         self.model = ModelInfo.load(settings.model_dir, settings.served_model_name)
         self.streams = TokenStreams()
         self.services: list[ServiceInfo] = []
-        self.metrics = GatewayMetrics(lambda: self.services)
+        self.metrics = GatewayMetrics(lambda: self.services, self.streams.num_waiting)
         self.identity = ServiceIdentity(settings.instance_id, "gateway")
         self._background: set[asyncio.Task] = set()
 
@@ -258,6 +259,14 @@ async def read_json(request: Request, max_bytes: int):
     return document
 
 
+def check_admission(waiting: int, max_waiting: int) -> None:
+    """StreamError("queue_full") when `max_waiting` requests (0: no bound) already wait for their first token:
+    told before anything is queued, so that the admitted ones keep their latency."""
+    if max_waiting and waiting >= max_waiting:
+        raise StreamError("queue_full", f"{waiting} requests are already waiting for their first token; try again "
+                                        "shortly", retry_after_s=1.0)
+
+
 def check_model(gateway: Gateway, name: str) -> None:
     if name != gateway.model.served_name:
         raise model_not_found(name)
@@ -286,6 +295,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     request.state.trace_id = telemetry.trace_id
     with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):
         with _failures_counted(telemetry):
+            check_admission(gateway.streams.num_waiting(), gateway.settings.max_waiting_requests)
             stream = await _unless_disconnected(request, gateway.request_bus.submit(
                 request_id, req.model, prompt_ids, to_wire(params), headers=telemetry.headers({})))
             if stream is None:  # the client left while the request waited for a worker (submit cancelled it)

@@ -23,6 +23,7 @@ INTERNAL_ERROR_MESSAGE = "The server had an error while processing your request.
 _FAILURE_STATUS = {
     "invalid_request": (400, "invalid_request_error"),
     "overloaded": (503, "service_unavailable"),
+    "queue_full": (429, "rate_limit_exceeded"),
     "no_worker": (503, "service_unavailable"),
     "timeout": (504, "server_error"),
     "worker_failed": (500, "server_error"),
@@ -84,7 +85,7 @@ def from_failure(code: str, message: str, param: str | None = None,
     status, error_type = _FAILURE_STATUS.get(code, (500, "server_error"))
     if status >= 500 and status != 503:
         retry_after_s = None  # only "try again later" errors promise a retry time
-    elif status == 503 and retry_after_s is None:
+    elif status in (429, 503) and retry_after_s is None:
         retry_after_s = 1.0
     return RequestError(message, param if status == 400 else None, status=status, code=code, type=error_type,
                         headers=retry_after_header(retry_after_s))

@@ -2,16 +2,19 @@
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class GatewayMetrics:
-    def __init__(self, services_snapshot):
-        """`services_snapshot()` returns the latest registry entries (list of ServiceInfo)."""
+    def __init__(self, services_snapshot, num_waiting=lambda: 0):
+        """`services_snapshot()` returns the latest registry entries (list of ServiceInfo); `num_waiting()` the
+        gateway's requests without a first token yet."""
         self.registry = CollectorRegistry()
+        Gauge("splitserve_gateway_requests_waiting", "Requests at this gateway without a first token yet (what "
+              "--max-waiting-requests bounds)", registry=self.registry).set_function(num_waiting)
         self.requests = Counter("splitserve_requests", "Requests by endpoint and outcome", ["endpoint", "status"],
                                 registry=self.registry)
         self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Arrival to first token",

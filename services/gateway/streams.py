@@ -18,6 +18,7 @@ from shared.telemetry.logging import get_logger
 log = get_logger(__name__)
 
 MAX_QUEUED_EVENTS = 4096  # per request; a consumer this far behind is failed, not buffered forever
+DEFAULT_MAX_WAITING_REQUESTS = 256  # admission: requests without a first token yet, past which new ones get a 429
 
 
 class StreamError(Exception):
@@ -102,6 +103,10 @@ class TokenStreams:
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    def num_waiting(self) -> int:
+        """Open requests that have had no token yet (queued, or prefilling): the queue admission bounds."""
+        return sum(1 for s in self._streams.values() if s.next_seq == 0 and not s.streamed_token_ids)
 
     async def on_message(self, msg) -> None:
         """Subscription callback for `{ns}.tokens.{gateway}.*`."""

@@ -81,6 +81,7 @@ class UpOptions:
     offload_short_prefills: bool = True  # disagg only
     prefill_backlog_factor: float | None = None  # disagg only; None: the scheduler's default
     migration_limit: int | None = None  # the gateway's --migration-limit (None: its default)
+    max_waiting_requests: int | None = None  # the gateway's --max-waiting-requests (None: its default)
     api_keys: tuple[str, ...] = ()  # the gateway's; they reach it in its environment, never on a command line
     kv_transport: str = "auto"
     stages: int | None = None  # pipeline: split the layers evenly over this many stages (default 2)
@@ -420,7 +421,7 @@ class Launcher:
             model=model_dir, served_model_name=served_name, nats_url=nats_url, topology=o.topology,
             decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill,
             offload_short_prefills=o.offload_short_prefills, prefill_backlog_factor=o.prefill_backlog_factor,
-            migration_limit=o.migration_limit,
+            migration_limit=o.migration_limit, max_waiting_requests=o.max_waiting_requests,
             kv_transport=o.kv_transport,
             stage_ranges=self._stage_ranges, microbatches=o.microbatches,
             max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,

@@ -31,6 +31,7 @@ class UpConfig:
     offload_short_prefills: bool = True  # disagg: shorter prompts too, to an idle prefill worker, when decode is busy
     prefill_backlog_factor: float | None = None  # disagg: long prompts local behind this deep a backlog (None: default)
     migration_limit: int | None = None  # the gateway's --migration-limit (None: its default)
+    max_waiting_requests: int | None = None  # the gateway's --max-waiting-requests (None: its default)
     kv_transport: str = "auto"  # disagg: how prefill workers ship KV
     stage_ranges: tuple[tuple[int, int], ...] = ()  # pipeline (or disagg's prefill pipeline): each stage's layers
     microbatches: int = 2  # pipeline: steps in flight at once
@@ -215,6 +216,8 @@ def _gateway(config: UpConfig, bus: tuple, model: tuple, counts: dict[str, int])
             "--instance-id", "gateway-0")
     if config.migration_limit is not None:
         args += ("--migration-limit", str(config.migration_limit))
+    if config.max_waiting_requests is not None:
+        args += ("--max-waiting-requests", str(config.max_waiting_requests))
     return ServiceSpec("gateway-0", "gateway", "gateway-0", args, url=http_url(config.host, config.port))
 
 

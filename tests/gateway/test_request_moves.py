@@ -46,3 +46,24 @@ def test_a_moved_stream_takes_its_new_attempts_chunks_from_0_and_drops_the_old_o
         assert len(streams) == 0
 
     asyncio.run(scenario())
+
+
+def test_admission_refuses_past_the_waiting_bound_with_a_429_and_retry_after():
+    from services.gateway.app import check_admission
+    from services.gateway.errors import from_failure
+    from services.gateway.streams import StreamError
+
+    check_admission(waiting=3, max_waiting=4)
+    check_admission(waiting=10_000, max_waiting=0)  # no bound
+    with pytest.raises(StreamError) as refused:
+        check_admission(waiting=4, max_waiting=4)
+    error = from_failure(refused.value.code, str(refused.value), retry_after_s=refused.value.retry_after_s)
+    assert error.status == 429 and float(error.headers["Retry-After"]) >= 1
+
+
+def test_only_requests_without_a_token_count_as_waiting():
+    streams = TokenStreams()
+    fresh, started, moved = streams.open("a"), streams.open("b"), streams.open("c")
+    started.next_seq = 3
+    moved.streamed_token_ids = [1, 2]  # moved: chunk numbers start again, but its client has tokens
+    assert streams.num_waiting() == 1

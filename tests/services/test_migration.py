@@ -1,11 +1,13 @@
-"""A stream whose worker dies under it goes on on another worker: the client sees one stream, every token
-once, the same text as an uninterrupted run (greedy and seeded sampling), in colocated and disagg."""
+"""No request lost. A stream whose worker dies, stalls or stops under it goes on on another worker: the client
+sees one stream, every token once, the same text as an uninterrupted run (greedy and seeded sampling), in
+colocated and disagg. A handoff nobody answers, and a full queue, tell the client when to come back."""
 
 import contextlib
 import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -197,4 +199,34 @@ def test_a_stalled_or_stopped_workers_stream_moves_and_the_worker_lets_it_go(nat
             with contextlib.suppress(ProcessLookupError):  # it may have been the one stopped afterwards
                 os.kill(deployment.procs[owner].pid, signal.SIGCONT)
         assignments.close()
+        deployment.stop()
+
+
+@pytest.mark.timeout(120)
+def test_past_the_waiting_bound_a_request_gets_429_and_the_admitted_ones_are_served(nats_server, default_model,
+                                                                                     tmp_path):
+    """With --max-waiting-requests 2 and the only worker frozen, two requests wait; the next ones are refused at
+    once with 429 and Retry-After; once the worker wakes, the two admitted ones are served."""
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, scheduler_args=("--handoff-timeout", "30"),
+                                  gateway_args=("--max-waiting-requests", "2"))
+    (prompt, _), = safe_prompts(default_model, 2048, [20], 1, seed=5)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+    os.kill(deployment.procs["decode-0"].pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            admitted = [pool.submit(httpx.post, f"{deployment.base_url}/v1/completions", json=body, timeout=90)
+                        for _ in range(2)]
+
+            wait_until(lambda: value(samples(deployment.base_url), "splitserve_gateway_requests_waiting") == 2, 20,
+                       "the two requests never waited", poll_s=0.1)
+            response = httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=5)
+            assert response.status_code == 429, response.text
+            assert float(response.headers["retry-after"]) >= 1
+            assert response.json()["error"]["code"] == "queue_full"
+            os.kill(deployment.procs["decode-0"].pid, signal.SIGCONT)
+            assert [f.result().status_code for f in admitted] == [200, 200]
+        assert value(samples(deployment.base_url), "splitserve_requests_total", endpoint="completions",
+                     status="queue_full") >= 1
+    finally:
+        os.kill(deployment.procs["decode-0"].pid, signal.SIGCONT)
         deployment.stop()
