@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from reference import safe_prompts
 from support.deployment import start_deployment, start_pipeline
+from support.metrics import samples, value
 from support.waiting import wait_until
 
 MODEL = "splitserve-default-llama"
@@ -131,9 +132,12 @@ def test_a_stage_killed_mid_request_fails_it_and_the_pipeline_serves_again(nats_
             killed = time.monotonic()
             response = pending.result(timeout=120)
         # The time is the claim: a dead stage fails its requests at once (the registry forgets it), not at the 60 s
-        # --step-timeout, nor after a hang.
+        # --step-timeout, nor after a hang. The gateway then moves the request, but this deployment's only
+        # pipeline is the one that failed it: no worker can take it now, come back shortly.
         assert time.monotonic() - killed < 20
-        assert response.status_code == 500 and "stage-1" in response.json()["error"]["message"], response.text
+        assert response.status_code == 503 and response.json()["error"]["code"] == "no_worker", response.text
+        assert float(response.headers["retry-after"]) >= 1
+        assert value(samples(deployment.base_url), "splitserve_request_migrations_total", failure="worker_failed") == 1
 
         # The stage comes back (as the supervisor would start it again): the pipeline serves again, exactly.
         deployment.restart("stage-1")
