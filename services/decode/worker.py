@@ -86,9 +86,13 @@ class DecodeRole:
         deadline = time.monotonic() + self.drain_timeout_s
         while self.requests and time.monotonic() < deadline and not self.worker.engine_loop.crashed:
             await asyncio.sleep(0.05)
+        await self._hand_back_all(f"worker {self.worker.instance_id} is shutting down")
+
+    async def _hand_back_all(self, message: str) -> None:
+        """Stop computing every request here and fail it to its gateway as a worker failure (which moves it)."""
         for request_id, active in list(self.requests.items()):
             self.worker.engine_loop.abort(request_id)  # ends a remote prefill too
-            await self._fail(request_id, active, "worker_failed", f"worker {self.worker.instance_id} is shutting down")
+            await self._fail(request_id, active, "worker_failed", message)
 
     async def close(self) -> None:
         if self.remote is not None:
@@ -178,10 +182,7 @@ class DecodeRole:
     async def lapsed(self) -> None:
         """Every request here was taken for lost and moved by its gateway: stop computing it, and say so to a
         gateway that has not noticed yet (it moves the request now; one that has drops the message)."""
-        for request_id in list(self.requests):
-            await self._fail(request_id, self.requests[request_id], "worker_failed",
-                             f"worker {self.worker.instance_id} stalled: its registry entry lapsed")
-            self.worker.engine_loop.abort(request_id)
+        await self._hand_back_all(f"worker {self.worker.instance_id} stalled: its registry entry lapsed")
 
     async def publish_chunk(self, active: ActiveRequest, chunk: TokenChunk) -> None:
         active.next_seq += 1

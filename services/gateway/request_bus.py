@@ -48,7 +48,6 @@ class RequestBus:
         self.idle_timeout_s = idle_timeout_s
         self.migration_limit = migration_limit
         self.on_move = on_move  # told the failure code of every move
-        self._submissions: dict[str, Submission] = {}  # by request id, while its stream is open
 
     async def submit(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: Sampling,
                      headers: dict[str, str] | None = None) -> RequestStream:
@@ -59,18 +58,18 @@ class RequestBus:
         left behind in that case.
         """
         stream = self.streams.open(request_id)
-        submission = Submission(model, prompt_token_ids, sampling, headers or {})
-        self._submissions[request_id] = submission
+        stream.submission = Submission(model, prompt_token_ids, sampling, headers or {})
         try:
-            await self._start(stream, submission)
+            await self._start(stream)
         except BaseException:
             # Timed out, failed or the client left: make sure no worker keeps it.
             await self.release(stream)
             raise
         return stream
 
-    async def _start(self, stream: RequestStream, submission: Submission) -> None:
+    async def _start(self, stream: RequestStream) -> None:
         """Publish the stream's current attempt and wait until a worker owns it."""
+        submission = stream.submission
         created_ms = now_ms()
         request = GenerateRequest(
             request_id=stream.bus_id,
@@ -117,12 +116,11 @@ class RequestBus:
         log.warning("request moved to another worker", request_id=stream.request_id, from_worker=old_worker,
                     failure=failure.code, error=str(failure), tokens_streamed=len(stream.streamed_token_ids),
                     move=stream.moves)
-        await self._start(stream, self._submissions[stream.request_id])
+        await self._start(stream)
 
     async def release(self, stream: RequestStream) -> None:
         """Forget the request; if it is still running anywhere, cancel it there."""
         self.streams.close(stream.bus_id)
-        self._submissions.pop(stream.request_id, None)
         if not stream.finished:
             await self._cancel(stream.bus_id, "client_disconnected")
 

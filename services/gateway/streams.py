@@ -11,6 +11,7 @@ waiting out their deadline.
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from contracts import Assignment, ContractError, RequestFailed, ServiceInfo, TokenChunk, decode_one_of
 from shared.telemetry.logging import get_logger
@@ -47,6 +48,7 @@ class RequestStream:
     moves: int = 0
     streamed_token_ids: list[int] = field(default_factory=list)  # every token the client has been sent
     failed_on: list[str] = field(default_factory=list)  # the workers it moved away from
+    submission: Any = None  # what it was submitted with (the request bus's), submitted again when it moves
 
     def __post_init__(self) -> None:
         self.bus_id = self.bus_id or self.request_id
