@@ -1,10 +1,9 @@
 """`python -m services.gateway`: the OpenAI-compatible HTTP API."""
 
 import argparse
+import os
 import signal
 import sys
-
-import os
 
 from services.common.options import (
     add_bus_options,
@@ -14,10 +13,13 @@ from services.common.options import (
     count,
     env_default,
     resolve_model,
+    seconds,
 )
 from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, parse_api_keys
 from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT
 from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS
+
+DEFAULT_DRAIN_TIMEOUT_S = 10.0
 
 
 def parse_expect(text: str) -> dict[str, int]:
@@ -56,8 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="admission control: with this many requests still waiting for their first token, a new "
                              "one is refused with 429 and Retry-After before anything is queued (0: no bound; "
                              f"default: {DEFAULT_MAX_WAITING_REQUESTS})")
+    parser.add_argument("--drain-timeout", type=seconds, default=float(env_default("DRAIN_TIMEOUT",
+                                                                                DEFAULT_DRAIN_TIMEOUT_S)),
+                        help="on SIGTERM, seconds the open requests have to finish (new ones get 503) before the "
+                             f"rest end with an error event (default: {DEFAULT_DRAIN_TIMEOUT_S:g})")
     return parser
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from services.gateway.app import GatewaySettings, create_app
+    from services.gateway.server import DrainingServer
+    from services.launcher.deployment import RUN_DIR_ENV
     from shared.telemetry.logging import configure_logging
     from shared.telemetry.tracing import configure_tracing
 
@@ -77,13 +84,16 @@ def main(argv: list[str] | None = None) -> int:
                                api_keys=parse_api_keys(args.api_key, os.environ.get("SPLITSERVE_API_KEY")),
                                protect_metrics=args.protect_metrics, max_request_bytes=args.max_request_bytes,
                                migration_limit=args.migration_limit, max_waiting_requests=args.max_waiting_requests,
-                               nats_credentials=bus_credentials(args), nats_tls=bus_tls(args))
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal into the
-    # handler that was installed before it; a no-op one lets the gateway exit 0 like every service.
+                               nats_credentials=bus_credentials(args), nats_tls=bus_tls(args),
+                               run_dir=os.environ.get(RUN_DIR_ENV))
+    # uvicorn re-raises the signal that stopped it into the handler installed before it; a no-op one lets the
+    # gateway exit 0 like every service.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, loop="uvloop", log_level="warning",
-                timeout_graceful_shutdown=5)
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", log_level="warning",
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.gateway, args.drain_timeout).run()
     return 0
 
 

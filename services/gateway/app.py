@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from contracts import ServiceInfo, Subjects
 from services.common.identity import ServiceIdentity
 from services.common.sampling_wire import to_wire
-from services.gateway import responses
+from services.gateway import readiness, responses
 from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, authorized, check_text, read_body, unauthorized
 from services.gateway.errors import (
     RequestError,
@@ -71,6 +71,7 @@ class GatewaySettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     migration_limit: int = DEFAULT_MIGRATION_LIMIT  # times a request may move to another worker when its own fails
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # past this many without a first token: 429 (0: no bound)
+    run_dir: str | None = None  # the launcher's, whose deployment.json says which services it marked failed
     nats_credentials: BusCredentials | None = None
     nats_tls: ssl.SSLContext | None = None
 
@@ -89,6 +90,7 @@ class Gateway:
         self.services: list[ServiceInfo] = []
         self.metrics = GatewayMetrics(lambda: self.services, self.streams.num_waiting)
         self.identity = ServiceIdentity(settings.instance_id, "gateway")
+        self.draining = False
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -105,9 +107,26 @@ class Gateway:
         await self._refresh_services()
         self.spawn(self._watch_services())
 
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting requests (503, and /ready says so), give the open ones `timeout_s` to finish, then
+        end the rest with a final error event."""
+        self.draining = True
+        log.info("draining", open_requests=len(self.streams), timeout_s=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while len(self.streams) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if len(self.streams):
+            log.warning("drain timed out", open_requests=len(self.streams))
+            self.streams.fail_all("shutting_down", f"the gateway shut down before the request finished (it had "
+                                                   f"{timeout_s:g} s); send it again")
+            # Their readers send the error event and release them; a reader that is gone releases at once.
+            deadline = time.monotonic() + 2.0
+            while len(self.streams) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+
     async def stop(self) -> None:
-        # Open requests end with an error now rather than at their idle timeout; their cancels still go out.
-        self.streams.fail_all("no_worker", "the gateway is shutting down")
+        # Whatever the drain left (none, unless it was cut short) ends with an error now; cancels still go out.
+        self.streams.fail_all("shutting_down", "the gateway is shutting down")
         if self._background:
             await asyncio.wait(set(self._background), timeout=2.0)
         for task in list(self._background):
@@ -122,7 +141,8 @@ class Gateway:
 
     def info(self) -> ServiceInfo:
         return self.identity.info(
-            model=self.settings.model_dir, served_model_name=self.settings.served_model_name, state="ready",
+            model=self.settings.model_dir, served_model_name=self.settings.served_model_name,
+            state="draining" if self.draining else "ready",
             http_port=self.settings.http_port,
             active_requests=len(self.streams),
         )
@@ -143,13 +163,20 @@ class Gateway:
             return False
 
     # ---- deployment state -------------------------------------------------------------
-    def readiness(self) -> tuple[bool, dict]:
-        ready_counts: dict[str, int] = {}
-        for entry in self.services:
-            if entry.state == "ready":
-                ready_counts[entry.role] = ready_counts.get(entry.role, 0) + 1
-        missing = {role: n for role, n in self.settings.expect.items() if ready_counts.get(role, 0) < n}
-        return not missing, {"ready": ready_counts, "expected": self.settings.expect, "missing": missing}
+    def liveness(self) -> tuple[int, dict]:
+        """/health: 200 unless the NATS connection is closed for good; what the deployment looks like."""
+        nats = "closed" if self.nc.is_closed else "connected" if self.nc.is_connected else "reconnecting"
+        counts = readiness.ready_counts(self.services)
+        body = {"status": "ok" if nats != "closed" else "failed", "nats": nats, "draining": self.draining,
+                "ready": counts, "expected": self.settings.expect,
+                "missing": readiness.missing(counts, self.settings.expect),
+                "failed": readiness.launcher_failures(self.settings.run_dir)}
+        return (200 if nats != "closed" else 503), body
+
+    def readiness(self) -> tuple[int, dict]:
+        """/ready: whether a request can be served now."""
+        return readiness.judge_ready(readiness.ready_counts(self.services), self.settings.expect,
+                                     connected=self.nc.is_connected, draining=self.draining)
 
     @property
     def max_model_len(self) -> int:
@@ -193,8 +220,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok, details = gateway.readiness()
-        return JSONResponse({"status": "ok" if ok else "unavailable", **details}, status_code=200 if ok else 503)
+        status, body = gateway.liveness()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        status, body = gateway.readiness()
+        return JSONResponse(body, status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -237,7 +269,7 @@ def _text_chars(content) -> int:
     return 0
 
 
-_UNTRACED_PATHS = ("/health", "/metrics")
+_UNTRACED_PATHS = ("/health", "/ready", "/metrics")
 
 
 def _http_telemetry() -> dict:
@@ -259,9 +291,12 @@ async def read_json(request: Request, max_bytes: int):
     return document
 
 
-def check_admission(waiting: int, max_waiting: int) -> None:
-    """StreamError("queue_full") when `max_waiting` requests (0: no bound) already wait for their first token:
-    told before anything is queued, so that the admitted ones keep their latency."""
+def check_admission(waiting: int, max_waiting: int, draining: bool = False) -> None:
+    """StreamError("shutting_down") while the gateway drains; StreamError("queue_full") when `max_waiting`
+    requests (0: no bound) already wait for their first token: told before anything is queued, so that the
+    admitted ones keep their latency."""
+    if draining:
+        raise StreamError("shutting_down", "the gateway is shutting down; send the request again", retry_after_s=1.0)
     if max_waiting and waiting >= max_waiting:
         raise StreamError("queue_full", f"{waiting} requests are already waiting for their first token; try again "
                                         "shortly", retry_after_s=1.0)
@@ -295,7 +330,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     request.state.trace_id = telemetry.trace_id
     with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):
         with _failures_counted(telemetry):
-            check_admission(gateway.streams.num_waiting(), gateway.settings.max_waiting_requests)
+            check_admission(gateway.streams.num_waiting(), gateway.settings.max_waiting_requests, gateway.draining)
             stream = await _unless_disconnected(request, gateway.request_bus.submit(
                 request_id, req.model, prompt_ids, to_wire(params), headers=telemetry.headers({})))
             if stream is None:  # the client left while the request waited for a worker (submit cancelled it)

@@ -25,6 +25,7 @@ _FAILURE_STATUS = {
     "overloaded": (503, "service_unavailable"),
     "queue_full": (429, "rate_limit_exceeded"),
     "no_worker": (503, "service_unavailable"),
+    "shutting_down": (503, "service_unavailable"),
     "timeout": (504, "server_error"),
     "worker_failed": (500, "server_error"),
     "internal": (500, "server_error"),

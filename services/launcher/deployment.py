@@ -35,6 +35,7 @@ DEFAULT_RUN_DIR = Path(".splitserve") / "run"
 
 # Deployment states, in order of a normal life.
 STARTING, READY, STOPPING, STOPPED, FAILED = "starting", "ready", "stopping", "stopped", "failed"
+DEGRADED = "degraded"  # ready, with a service marked failed (the rest serve)
 
 
 class DeploymentError(RuntimeError):

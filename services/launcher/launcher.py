@@ -2,7 +2,8 @@
 
 Order of things: own the run directory (lock) -> check the port -> resolve
 the model -> embedded NATS (unless a URL was given) -> scheduler, workers,
-gateway under the `Supervisor` -> poll the gateway's `/health` until 200 ->
+gateway under the `Supervisor` -> poll the gateway's `/ready` until every
+service is ready ->
 print one ready line on stdout -> supervise until SIGINT/SIGTERM/SIGHUP ->
 stop the services (SIGTERM, then SIGKILL), then NATS, within the stop
 timeout. Everything else goes to stderr.
@@ -24,9 +25,12 @@ from pathlib import Path
 from typing import TextIO
 
 from services.common.cpus import worker_cpus
+from services.gateway.readiness import fully_ready
 from services.launcher import topology, trace_viewer
 from services.launcher.deployment import (
+    DEGRADED,
     FAILED,
+    RUN_DIR_ENV,
     READY,
     STARTING,
     STOPPED,
@@ -138,10 +142,10 @@ def probe_health(url: str, timeout_s: float = 2.0) -> tuple[int | None, str]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
     try:
         with opener.open(url, timeout=timeout_s) as resp:
-            return resp.status, resp.read(300).decode(errors="replace")
+            return resp.status, resp.read(4096).decode(errors="replace")
     except urllib.error.HTTPError as exc:
         try:
-            body = exc.read(300).decode(errors="replace")
+            body = exc.read(4096).decode(errors="replace")
         except OSError:
             body = ""
         return exc.code, body
@@ -373,6 +377,8 @@ class Launcher:
             "PYTHONUNBUFFERED": "1",
             # Services import from the same tree as the launcher, installed or not.
             "PYTHONPATH": str(PROJECT_ROOT) + (os.pathsep + path if path else ""),
+            # The gateway's /health names the services this launcher marked failed, from deployment.json.
+            RUN_DIR_ENV: str(self.run_dir.absolute()),
         }
 
     def _start(self, model_dir: str, served_name: str) -> None:
@@ -422,7 +428,7 @@ class Launcher:
             decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill,
             offload_short_prefills=o.offload_short_prefills, prefill_backlog_factor=o.prefill_backlog_factor,
             migration_limit=o.migration_limit, max_waiting_requests=o.max_waiting_requests,
-            kv_transport=o.kv_transport,
+            drain_timeout_s=stop_budgets(o.stop_timeout_s)[2], kv_transport=o.kv_transport,
             stage_ranges=self._stage_ranges, microbatches=o.microbatches,
             max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,
             prefill_beside_decodes_ms=o.prefill_beside_decodes_ms,
@@ -479,31 +485,39 @@ class Launcher:
             except OSError as exc:  # a full disk must not take the deployment down
                 self._say(f"warning: cannot write {self.run_dir / 'deployment.json'}: {exc}")
 
-    def _step(self) -> None:
-        """One round of supervision: services, then the embedded NATS."""
+    def _step(self, starting: bool = False) -> None:
+        """One round of supervision: services, then the embedded NATS. While `starting`, a service that keeps
+        failing fails the launch (most likely a wrong flag); once serving, it is marked failed, tried again now
+        and then, and the rest keep serving."""
         assert self.supervisor is not None
         for event in self.supervisor.poll():
+            if event.kind == "gave_up" and starting:
+                raise LaunchError(self._failing_message(self.supervisor.child(event.name)), 1)
             self._report(event)
-        failed = self.supervisor.failed()
-        if failed:
-            child = failed[0]
-            lines = [f"{child.name} keeps failing ({describe_exit(child.exit_code)} after {child.restarts} restarts); "
-                     f"see {child.log_path}"]
-            tail = _tail(child.log_path)
-            if tail:
-                lines.append(f"last lines of {child.log_path.name}:")
-                lines += ["    " + line for line in tail]
-            raise LaunchError("\n".join(lines), 1)
+        if self.deployment is not None and self.deployment.state in (READY, DEGRADED):
+            self.deployment.state = DEGRADED if self.supervisor.failed() else READY
         if self.nats is not None and self.nats.poll() is not None:
             self._restart_nats()
         self._record()
 
+    def _failing_message(self, child) -> str:
+        lines = [f"{child.name} keeps failing ({describe_exit(child.exit_code)} after {child.restarts} restarts); "
+                 f"see {child.log_path}"]
+        tail = _tail(child.log_path)
+        if tail:
+            lines.append(f"last lines of {child.log_path.name}:")
+            lines += ["    " + line for line in tail]
+        return "\n".join(lines)
+
     def _report(self, event: SupervisorEvent) -> None:
+        assert self.supervisor is not None
+        child = self.supervisor.child(event.name)
         if event.kind == "exited":
-            assert self.supervisor is not None
-            self._say(f"{event.message} (log: {self.supervisor.child(event.name).log_path})")
+            self._say(f"{event.message} (log: {child.log_path})")
         elif event.kind == "restarted":
             self._say(event.message)
+        elif event.kind == "gave_up":
+            self._say(f"{event.message}; the other services keep serving\n" + self._failing_message(child))
 
     def _restart_nats(self) -> None:
         assert self.nats is not None
@@ -516,19 +530,21 @@ class Launcher:
         self.nats.start()
 
     def _wait_ready(self) -> bool:
-        """Poll /health (and the trace viewer) until 200; False if asked to stop first."""
+        """Poll the gateway's /ready until every service is (and the trace viewer answers); False if asked to stop
+        first."""
         o = self.options
         assert self.deployment is not None and self.deployment.gateway_url
-        url = self.deployment.gateway_url + "/health"
+        url = self.deployment.gateway_url + "/ready"
         viewer = f"http://127.0.0.1:{o.trace_viewer_port}/" if o.trace_viewer else None
         deadline = time.monotonic() + o.ready_timeout_s
         status, said = None, "no answer yet"
         while not self._stop_requested:
-            self._step()
+            self._step(starting=True)
             status, said = probe_health(url, timeout_s=min(2.0, max(o.ready_timeout_s, 0.1)))
-            if status == 200 and viewer is not None and probe_health(viewer, timeout_s=2.0)[0] != 200:
-                status, said = None, f"the trace viewer ({viewer}) is not up yet"
-            if status == 200:
+            ready = fully_ready(status, said)
+            if ready and viewer is not None and probe_health(viewer, timeout_s=2.0)[0] != 200:
+                ready, status, said = False, None, f"the trace viewer ({viewer}) is not up yet"
+            if ready:
                 return True
             if time.monotonic() >= deadline:
                 raise LaunchError(self._not_ready_message(url, status, said), 1)
@@ -586,10 +602,7 @@ class Launcher:
         if dep is not None:
             dep.state = STOPPING
             self._record(force=True)
-        # Services, then NATS (they drain through it); the supervisor may take
-        # up to a second more to see orphaned grandchildren gone.
-        nats_budget = min(2.0, o.stop_timeout_s / 4)
-        children_budget = max(o.stop_timeout_s - nats_budget - 1.5, 0.5)
+        children_budget, nats_budget, _ = stop_budgets(o.stop_timeout_s)
         if self.supervisor is not None:
             self.supervisor.stop(children_budget)
             for child in self.supervisor.children:
@@ -601,6 +614,17 @@ class Launcher:
             dep.state = FAILED if failure is not None else STOPPED
             dep.message = str(failure).splitlines()[0] if failure is not None else None
             self._record(force=True)
+
+
+def stop_budgets(stop_timeout_s: float) -> tuple[float, float, float]:
+    """How `--stop-timeout` is spent: (services, NATS, the drain the services are told to take).
+
+    Services stop first, then NATS (they drain through it); the supervisor may take up to a second more to see
+    orphaned grandchildren gone. A service's drain ends 1.5 s before it would be killed, so it has time to exit.
+    """
+    nats = min(2.0, stop_timeout_s / 4)
+    services = max(stop_timeout_s - nats - 1.5, 0.5)
+    return services, nats, max(services - 1.5, 0.0)
 
 
 def install_signal_handlers(launcher: Launcher) -> dict[int, object]:

@@ -50,7 +50,9 @@ class RestartPolicy:
     `min(max_delay_s, base_delay_s * factor ** (n - 1))`. A run that lasted at
     least `stable_after_s` resets the count. A child that already had
     `max_restarts` restarts within the last `window_s` seconds and dies again
-    is given up on.
+    is marked failed (the rest keep running); it is tried again every
+    `failed_retry_s` seconds (None: never), and stays failed until one of those
+    runs lasts `stable_after_s`.
     """
 
     base_delay_s: float = 0.5
@@ -59,6 +61,7 @@ class RestartPolicy:
     max_restarts: int = 5
     window_s: float = 60.0
     stable_after_s: float = 30.0
+    failed_retry_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         if self.base_delay_s < 0 or self.max_delay_s < 0:
@@ -69,6 +72,8 @@ class RestartPolicy:
             raise ValueError("max_restarts must be >= 0")
         if self.window_s <= 0:
             raise ValueError("window_s must be > 0")
+        if self.failed_retry_s is not None and self.failed_retry_s < 0:
+            raise ValueError("failed_retry_s must be >= 0")
 
 
 def backoff_delay(failures: int, policy: RestartPolicy) -> float:
@@ -100,7 +105,7 @@ class ChildState(str, enum.Enum):
     PENDING = "pending"  # added, not started yet
     RUNNING = "running"
     RESTARTING = "restarting"  # died; waiting out its backoff
-    FAILED = "failed"  # died too often; given up
+    FAILED = "failed"  # died too often; tried again only every `failed_retry_s`
     STOPPING = "stopping"
     STOPPED = "stopped"
 
@@ -111,7 +116,7 @@ class SupervisorError(RuntimeError):
 
 @dataclass
 class SupervisorEvent:
-    """Something the owner may want to report: `exited`, `restarted`, `gave_up`."""
+    """Something the owner may want to report: `exited`, `restarted`, `gave_up` (marked failed)."""
 
     kind: str
     name: str
@@ -142,6 +147,7 @@ class Child:
     started_at: float | None = None  # supervisor clock
     next_start_at: float | None = None
     killed: bool = False  # stop() had to SIGKILL it
+    gave_up: bool = False  # marked failed, and no run has lasted `stable_after_s` since
 
     @property
     def running(self) -> bool:
@@ -296,7 +302,8 @@ class Supervisor:
                 if code is None:
                     continue
                 events.append(self._on_exit(child, code, now))
-            if child.state == ChildState.RESTARTING and child.next_start_at is not None and now >= child.next_start_at:
+            waiting = child.state in (ChildState.RESTARTING, ChildState.FAILED)
+            if waiting and child.next_start_at is not None and now >= child.next_start_at:
                 events.append(self._restart(child, now))
         return events
 
@@ -306,17 +313,24 @@ class Supervisor:
         self._flush_log(child)
         child.exit_code = code
         uptime = now - (child.started_at if child.started_at is not None else now)
+        if uptime >= self.policy.stable_after_s:
+            child.gave_up = False
         child.failures = consecutive_failures(child.failures, uptime, self.policy)
         child.restart_times = recent_restarts(child.restart_times, now, self.policy)
         how = describe_exit(code)
-        if should_give_up(child.restart_times, now, self.policy):
+        if child.gave_up or should_give_up(child.restart_times, now, self.policy):
+            child.gave_up = True
             child.state = ChildState.FAILED
+            retry = self.policy.failed_retry_s
+            child.next_start_at = now + retry if retry is not None else None
             message = (
                 f"{child.name} {how}; it was restarted {len(child.restart_times)} times in the last "
-                f"{self.policy.window_s:g} s, giving up"
+                f"{self.policy.window_s:g} s, so it is marked failed"
+                + (f" and tried again in {retry:g} s" if retry is not None else " and not restarted")
             )
             self._log_note(child, message)
-            return SupervisorEvent("gave_up", child.name, message, exit_code=code)
+            return SupervisorEvent("gave_up", child.name, message, exit_code=code,
+                                   delay_s=retry)
         delay = backoff_delay(child.failures, self.policy)
         child.state = ChildState.RESTARTING
         child.next_start_at = now + delay

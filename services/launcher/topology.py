@@ -32,6 +32,7 @@ class UpConfig:
     prefill_backlog_factor: float | None = None  # disagg: long prompts local behind this deep a backlog (None: default)
     migration_limit: int | None = None  # the gateway's --migration-limit (None: its default)
     max_waiting_requests: int | None = None  # the gateway's --max-waiting-requests (None: its default)
+    drain_timeout_s: float | None = None  # the gateway's and decode workers' --drain-timeout (None: theirs)
     kv_transport: str = "auto"  # disagg: how prefill workers ship KV
     stage_ranges: tuple[tuple[int, int], ...] = ()  # pipeline (or disagg's prefill pipeline): each stage's layers
     microbatches: int = 2  # pipeline: steps in flight at once
@@ -199,7 +200,7 @@ def _plan(config: UpConfig) -> list[ServiceSpec]:
             ServiceSpec(
                 iid, "decode", iid,
                 (*bus, *model, "--mode", "disagg" if disagg else "colocated", "--instance-id", iid,
-                 *_engine_flags(config), *store_flag, *_pacing_flags(config)),
+                 *_engine_flags(config), *store_flag, *_pacing_flags(config), *_drain_flags(config)),
             )
         )
     specs.append(_gateway(config, bus, model, counts))
@@ -218,7 +219,12 @@ def _gateway(config: UpConfig, bus: tuple, model: tuple, counts: dict[str, int])
         args += ("--migration-limit", str(config.migration_limit))
     if config.max_waiting_requests is not None:
         args += ("--max-waiting-requests", str(config.max_waiting_requests))
+    args += _drain_flags(config)
     return ServiceSpec("gateway-0", "gateway", "gateway-0", args, url=http_url(config.host, config.port))
+
+
+def _drain_flags(config: UpConfig) -> tuple[str, ...]:
+    return () if config.drain_timeout_s is None else ("--drain-timeout", f"{config.drain_timeout_s:g}")
 
 
 def _plan_pipeline(config: UpConfig, bus: tuple, model: tuple) -> list[ServiceSpec]:

@@ -1,7 +1,9 @@
 """Stands in for `python -m services.ROLE FLAGS...` in the launcher tests.
 
-The gateway fake answers GET /health with $FAKE_HEALTH (default 200). A role
-named in $FAKE_CRASH exits 1 at once. Every fake exits 0 on SIGTERM.
+The gateway fake answers GET /ready with $FAKE_HEALTH (default 200), saying
+every service is ready, and GET /health with 200. A role named in $FAKE_CRASH,
+or in the file $FAKE_CRASH_FILE names, exits 1 at once. Every fake exits 0 on
+SIGTERM.
 """
 
 import argparse
@@ -22,7 +24,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--instance-id")
     args, _ = parser.parse_known_args(argv[2:])
     print(f"fake {role} {args.instance_id}: {' '.join(argv)}", flush=True)
-    if role in os.environ.get("FAKE_CRASH", "").split(","):
+    crash_file = os.environ.get("FAKE_CRASH_FILE")
+    crashing = os.environ.get("FAKE_CRASH", "").split(",")
+    if crash_file and os.path.exists(crash_file):
+        with open(crash_file) as f:
+            crashing += f.read().split(",")
+    if role in crashing:
         print("fake crash", flush=True)
         return 1
 
@@ -34,10 +41,11 @@ def main(argv: list[str]) -> int:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
-                self.send_response(status if self.path == "/health" else 404)
-                self.send_header("content-length", "2")
+                body = b'{"status": "ready"}' if self.path == "/ready" else b"{}"
+                self.send_response({"/ready": status, "/health": 200}.get(self.path, 404))
+                self.send_header("content-length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(b"{}")
+                self.wfile.write(body)
 
             def log_message(self, *a):
                 pass

@@ -48,7 +48,7 @@ def test_the_compose_file_is_sane_compose_yaml(compose):
     for name, svc in services.items():
         assert isinstance(svc, dict), name
         assert set(svc) <= {"image", "build", "command", "ports", "volumes", "environment", "depends_on",
-                            "restart", "healthcheck", "env_file"}, name
+                            "restart", "healthcheck", "env_file", "stop_grace_period"}, name
         assert isinstance(svc.get("command"), list) and all(isinstance(a, str) for a in svc["command"]), name
         for volume in svc.get("volumes", []):
             source = volume.split(":")[0]

@@ -139,10 +139,12 @@ def test_not_ready_in_time_stops_everything_and_points_at_the_logs(tmp_path, fak
     assert not [pid for pid in _pids(state) if proc_alive(pid)]
 
 
-def test_a_service_that_keeps_crashing_fails_the_deployment(tmp_path, fakes):
+def test_a_service_that_keeps_crashing_while_starting_fails_the_deployment(tmp_path, fakes):
     python, model = fakes
     run_dir = tmp_path / "run"
-    up = start_fake_up(run_dir, free_port(), python, model, env={"FAKE_CRASH": "decode", "FAKE_MAX_RESTARTS": "2"})
+    # (Without its decode worker a gateway is never ready.)
+    up = start_fake_up(run_dir, free_port(), python, model,
+                       env={"FAKE_CRASH": "decode", "FAKE_MAX_RESTARTS": "2", "FAKE_HEALTH": "503"})
     code = up.wait(timeout=20)
     stderr = up.stderr.read()
     assert code == 1
@@ -151,6 +153,38 @@ def test_a_service_that_keeps_crashing_fails_the_deployment(tmp_path, fakes):
     state = read_state(run_dir)
     assert state["state"] == "failed"
     assert not [pid for pid in _pids(state) if proc_alive(pid)]
+
+
+def test_a_service_that_keeps_crashing_once_serving_is_marked_failed_while_the_rest_serve(tmp_path, fakes):
+    python, model = fakes
+    run_dir, crash_file = tmp_path / "run", tmp_path / "crash"
+    up = start_fake_up(run_dir, free_port(), python, model, decode=2,
+                       env={"FAKE_CRASH_FILE": str(crash_file), "FAKE_MAX_RESTARTS": "2", "FAKE_FAILED_RETRY_S": "1"})
+    try:
+        assert read_line(up.stdout, 20).startswith("splitserve ready:")
+        crash_file.write_text("decode")
+        decode_0 = next(s for s in _ps(run_dir)["services"] if s["name"] == "decode-0")
+        os.kill(decode_0["pid"], signal.SIGKILL)
+
+        # Marked failed, with backoff; the deployment is degraded, the launcher and the other services go on.
+        seen = []
+        assert wait_until(lambda: seen.append(_ps(run_dir)) or seen[-1]["state"] == "degraded", 20)
+        state = seen[-1]  # one snapshot: a retry may start it again any moment
+        by_name = {s["name"]: s for s in state["services"]}
+        assert by_name["decode-0"]["state"] == "failed" and by_name["decode-0"]["restarts"] >= 2
+        assert all(by_name[n]["state"] == "running" for n in ("scheduler-0", "decode-1", "gateway-0"))
+        assert up.poll() is None and proc_alive(by_name["decode-1"]["pid"])
+
+        # Tried again after its backoff: once it starts cleanly the deployment is whole again.
+        crash_file.unlink()
+        assert wait_until(lambda: (s := _ps(run_dir))["state"] == "ready"
+                          and {x["name"]: x["state"] for x in s["services"]}["decode-0"] == "running", 20)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=20)
+    stderr = up.stderr.read()
+    assert code == 0, stderr
+    assert "decode-0" in stderr and "marked failed" in stderr and "fake crash" in stderr  # with its log's tail
 
 
 def test_a_launcher_killed_outright_takes_its_services_along(tmp_path, fakes):

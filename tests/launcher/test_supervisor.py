@@ -51,8 +51,9 @@ def test_a_crashed_child_is_restarted_and_what_it_left_behind_is_killed(tmp_path
     assert not proc_alive(child.pid)
 
 
-def test_a_child_that_keeps_crashing_is_given_up_on(tmp_path):
-    sup = Supervisor(tmp_path / "logs", RestartPolicy(base_delay_s=0.01, max_delay_s=0.02, max_restarts=2, window_s=60))
+def test_a_child_that_keeps_crashing_is_marked_failed(tmp_path):
+    sup = Supervisor(tmp_path / "logs", RestartPolicy(base_delay_s=0.01, max_delay_s=0.02, max_restarts=2, window_s=60,
+                                                      failed_retry_s=None))
     try:
         child = sup.add("broken", [PY, "-c", "import sys; sys.exit(1)"])
         sup.add("fine", SLEEPER)
@@ -61,11 +62,31 @@ def test_a_child_that_keeps_crashing_is_given_up_on(tmp_path):
         assert wait_until(lambda: events.extend(sup.poll()) or child.state == ChildState.FAILED, 10)
         assert child.restarts == 2
         gave_up = [e for e in events if e.kind == "gave_up"]
-        assert len(gave_up) == 1 and gave_up[0].name == "broken" and "giving up" in gave_up[0].message
+        assert len(gave_up) == 1 and gave_up[0].name == "broken" and "marked failed" in gave_up[0].message
         assert [c.name for c in sup.failed()] == ["broken"]
         assert sup.child("fine").running  # the others are not affected
         sup.run_for(0.2)
         assert child.restarts == 2  # no more attempts
+    finally:
+        sup.stop(2)
+
+
+def test_a_failed_child_is_tried_again_after_its_backoff_and_fails_again_at_once(tmp_path):
+    policy = RestartPolicy(base_delay_s=0.01, max_delay_s=0.02, max_restarts=2, window_s=60, failed_retry_s=0.5)
+    sup = Supervisor(tmp_path / "logs", policy)
+    try:
+        child = sup.add("broken", [PY, "-c", "import sys; sys.exit(1)"])
+        sup.start()
+        events = []
+        assert wait_until(lambda: events.extend(sup.poll()) or child.state == ChildState.FAILED, 10)
+        assert child.restarts == 2
+        sup.run_for(0.2)
+        assert child.restarts == 2 and child.state == ChildState.FAILED  # not before its backoff
+        # Tried again once; dying at once it is failed again, without a new round of quick restarts.
+        assert wait_until(lambda: events.extend(sup.poll()) or child.restarts == 3, 10)
+        assert wait_until(lambda: events.extend(sup.poll()) or child.state == ChildState.FAILED, 10)
+        sup.run_for(0.2)
+        assert child.restarts == 3 and [e.kind for e in events].count("gave_up") == 2
     finally:
         sup.stop(2)
 

@@ -223,7 +223,7 @@ def test_a_prefill_worker_killed_mid_job_has_it_redelivered_and_a_failed_transfe
     1. prefill-0 takes a job, reports the first token and is killed (SIGKILL) shipping the KV: the decode worker
        streams the first token at once, before any KV can arrive; the job, never acked, is redelivered to
        prefill-1, whose KV is adopted (over shm: auto, one host). The request completes once, token for token.
-    2. /health says which service is missing.
+    2. /ready says the deployment is degraded and which service is missing.
     3. prefill-1 dies the same way on the next job, with no one to redeliver it to: the transfer fails at its
        deadline and the decode worker prefills locally after the streamed first token, still exactly.
     """
@@ -268,11 +268,14 @@ def test_a_prefill_worker_killed_mid_job_has_it_redelivered_and_a_failed_transfe
         assert value(samples(deployment.base_url), "splitserve_requests_total", endpoint="completions",
                      status="ok") == 1
 
-        # /health: 503 once the dead worker's registry entry lapses, saying what is missing.
-        health = wait_until(lambda: (lambda r: r if r.status_code != 200 else None)(
-            httpx.get(f"{deployment.base_url}/health", timeout=5)), 20, "/health stayed 200 with a prefill worker gone")
-        assert health.status_code == 503 and health.json()["missing"] == {"prefill": 2}
-        assert health.json()["ready"]["prefill"] == 1
+        # /ready stays 200 once the dead worker's registry entry lapses (a decode worker prefills when no prefill
+        # worker can), but says the deployment is degraded and what is missing; /health says so too.
+        ready = wait_until(lambda: (lambda r: r if r.json()["status"] != "ready" else None)(
+            httpx.get(f"{deployment.base_url}/ready", timeout=5)), 20, "/ready stayed 'ready' with a prefill worker gone")
+        assert ready.status_code == 200 and ready.json()["status"] == "degraded"
+        assert ready.json()["missing"] == {"prefill": 1} and ready.json()["ready"]["prefill"] == 1
+        health = httpx.get(f"{deployment.base_url}/health", timeout=5)
+        assert health.status_code == 200 and health.json()["missing"] == {"prefill": 1}
 
         prompt, expected = cases[-2]
         stop_without_a_pull(deployment, "prefill-1")

@@ -70,8 +70,8 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
         entry = next(s for s in ps(run_dir)["services"] if s["role"] == "decode")
         return entry["pid"] != decode["pid"] and pid_alive(entry["pid"]) and entry
     new_decode = wait_until(restarted, 60, "the decode worker was not restarted", poll_s=0.2)
-    wait_until(lambda: httpx.get(f"{base_url}/health", timeout=5).status_code == 200, 60, "/health never said 200",
-               poll_s=0.2)
+    wait_until(lambda: httpx.get(f"{base_url}/ready", timeout=5).json()["status"] == "ready", 60,
+               "/ready never said ready", poll_s=0.2)
     wait_until(lambda: httpx.post(f"{base_url}/v1/completions", timeout=30,
                                   json={"model": MODEL, "prompt": "again", "max_tokens": 4}).status_code == 200,
                60, "no completion after the restart", poll_s=0.2)

@@ -9,6 +9,7 @@ from pathlib import Path
 import nats
 
 from contracts import ServiceInfo, StatsRequest, Subjects
+from services.gateway.readiness import fully_ready
 from shared.bus.registry import Registry
 
 from support.processes import free_port, start_service, stop_process, wait_for_http
@@ -84,9 +85,10 @@ class Deployment:
 
 
 def _ready(deployment: Deployment) -> Deployment:
-    """Once /health says every service is ready, with the token tap listening; stopped if not."""
+    """Once /ready says every service is ready, with the token tap listening; stopped if not."""
     try:
-        wait_for_http(f"{deployment.base_url}/health", 120, list(deployment.procs.values()))
+        wait_for_http(f"{deployment.base_url}/ready", 120, list(deployment.procs.values()),
+                      ok=lambda response: fully_ready(response.status_code, response.text))
         deployment.tap = TokenTap(deployment.nats_url, deployment.namespace)
     except BaseException:
         deployment.stop()
@@ -137,10 +139,10 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
               + (f",stage={len(stages)}" if stages else "") + (f",kvstore={kvstores}" if kvstore_args is not None else ""))
     deployment.procs["gateway"] = start_service(
         "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts,
-                    *gateway_args], log_dir, **(gateway_env or {}))
+                    "--drain-timeout", "2", *gateway_args], log_dir, **(gateway_env or {}))
     _ready(deployment)
     if expect is None:
-        # /health is the gateway's view of the registry; the scheduler refreshes its own: until it sees the
+        # /ready is the gateway's view of the registry; the scheduler refreshes its own: until it sees the
         # workers too, it routes as if they were not there (a prefill pool not seen yet means "local").
         try:
             deployment.wait_scheduler_sees("decode", workers)

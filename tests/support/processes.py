@@ -109,16 +109,18 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
         proc.wait(timeout=5)
 
 
-def wait_for_http(url: str, timeout_s: float, procs: list[subprocess.Popen] = ()) -> None:
+def wait_for_http(url: str, timeout_s: float, procs: list[subprocess.Popen] = (), ok=None) -> None:
+    """Until GET `url` answers 200 (or what `ok(response)` accepts); raises if one of `procs` exits first."""
     import httpx
 
+    ok = ok or (lambda response: response.status_code == 200)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for proc in procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"{proc.args} exited with {proc.returncode} before {url} was ready")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
+            if ok(httpx.get(url, timeout=1.0)):
                 return
         except httpx.HTTPError:
             pass
