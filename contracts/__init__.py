@@ -26,6 +26,7 @@ from contracts.messages import (
     StageTicketRequest,
     StatsRequest,
     StepTrace,
+    StreamAlive,
     TokenChunk,
     TransferEndpoint,
     TransferTicket,
@@ -38,5 +39,5 @@ __all__ = [
     "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply",
     "LogprobEntry", "Message", "PrefillJob", "PrefillResult", "RequestFailed", "Sampling", "ServiceInfo",
     "StageActivation", "StageShipment", "StageTicketReply", "StageTicketRequest", "StatsRequest", "StepTrace",
-    "Subjects", "TokenChunk", "TransferEndpoint", "TransferTicket", "WorkerLoad", "check_token", "decode_one_of",
+    "StreamAlive", "Subjects", "TokenChunk", "TransferEndpoint", "TransferTicket", "WorkerLoad", "check_token", "decode_one_of",
 ]

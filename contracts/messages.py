@@ -147,11 +147,19 @@ class TokenChunk(Message, tag="token_chunk", kw_only=True):
     cached_tokens: int = 0
 
 
+class StreamAlive(Message, tag="stream_alive", kw_only=True):
+    """worker -> gateway, on the reply subject: the worker still holds the request, though it sent nothing for a
+    while (queued, or a long prompt): the gateway's idle deadline starts again."""
+
+    request_id: str
+
+
 class RequestFailed(Message, tag="request_failed", kw_only=True):
     """any service -> gateway: the request ended with an error."""
 
     request_id: str
-    code: str  # "no_worker" | "invalid_request" | "overloaded" | "worker_failed" | "timeout" | "internal"
+    code: str  # "no_worker" | "invalid_request" | "overloaded" | "worker_failed" | "timeout" | "cancelled" |
+    # "internal"
     message: str
     param: str | None = None
     retry_after_s: float | None = None

@@ -138,6 +138,7 @@ def checked_type(convert, ok, kind: str):
 factor_or_off = checked_type(float, lambda v: 0 <= v < float("inf"), "a number of at least 0 (0: off)")
 count = checked_type(int, lambda v: v >= 0, "a whole number of at least 0")
 seconds = checked_type(float, lambda v: 0 <= v < float("inf"), "a number of seconds, at least 0")
+positive_seconds = checked_type(float, lambda v: 0 < v < float("inf"), "a number of seconds, more than 0")
 
 
 def _positive_ms(text: str) -> float:

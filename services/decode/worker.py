@@ -5,12 +5,18 @@ in its engine's continuous batch; in `disagg` mode a request the scheduler
 marked remote gets its prompt computed by the prefill pool (`RemotePrefill`).
 Per request it first publishes an `Assignment` on the request's reply subject,
 then `TokenChunk`s numbered from 0, so the gateway can tell a gap or a
-duplicate from a healthy stream.
+duplicate from a healthy stream. A request that has had nothing sent for
+`STREAM_ALIVE_EVERY_S` (queued here, or a long prompt) gets a `StreamAlive`,
+so the gateway's idle deadline can be seconds. A cancel ends a request with a
+`cancelled` failure on its reply subject (a gateway that asked has forgotten
+the request and drops it; one that did not is told at once), and a request
+cancelled before it is offered here is refused.
 """
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import structlog
 from opentelemetry import trace
@@ -24,6 +30,7 @@ from contracts import (
     LogprobEntry,
     PrefillResult,
     RequestFailed,
+    StreamAlive,
     TokenChunk,
 )
 from services.common.engine_loop import AddRequest, RequestRejected
@@ -40,12 +47,16 @@ from shared.telemetry.tracing import extract, inject, tracer
 
 log = get_logger(__name__)
 
+STREAM_ALIVE_EVERY_S = 1.0  # a request with nothing sent for this long gets a StreamAlive
+REMEMBERED_CANCELS = 4096  # ids cancelled before they reached this worker, refused if they come
+
 
 @dataclass(slots=True)
 class ActiveRequest:
     reply_subject: str
     span: trace.Span = trace.INVALID_SPAN  # the request's life on this worker, in its trace
     next_seq: int = 0
+    sent_at: float = field(default_factory=time.monotonic)  # when its gateway last heard of it from here
 
     def end(self, status: str, message: str = "", **attributes) -> None:
         if not self.span.is_recording():
@@ -69,6 +80,7 @@ class DecodeRole:
         self.requests: dict[str, ActiveRequest] = {}
         self.handoffs_taken = 0  # requests taken since start; a heartbeat with this count shows them all
         self._generate_subscription = None
+        self._cancelled_elsewhere: OrderedDict[str, None] = OrderedDict()  # oldest first
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> list[asyncio.Task]:
@@ -77,7 +89,20 @@ class DecodeRole:
                                                         self._on_generate)
         if self.remote is not None:
             await w.subscribe(w.subjects.prefill_results(w.instance_id), PrefillResult, self.remote.on_result)
-        return []
+        return [asyncio.create_task(self._keep_streams_alive(), name="stream-alive")]
+
+    async def _keep_streams_alive(self) -> None:
+        while True:
+            await asyncio.sleep(STREAM_ALIVE_EVERY_S / 2)
+            now = time.monotonic()
+            for request_id, active in list(self.requests.items()):
+                if now - active.sent_at >= STREAM_ALIVE_EVERY_S:
+                    active.sent_at = now
+                    try:
+                        await self.worker.nc.publish(active.reply_subject, StreamAlive(request_id=request_id).encode())
+                    except Exception as exc:  # NATS away: the gateway's deadline does what it should then
+                        log.warning("stream-alive publish failed", request_id=request_id, error=repr(exc))
+                        break
 
     async def drain(self) -> None:
         """Take no more requests, let the running ones go on for the drain time, then hand the rest back to their
@@ -160,6 +185,8 @@ class DecodeRole:
         w = self.worker
         if request.request_id in self.requests:
             return HandoffReply(request_id=request.request_id, accepted=True), None  # a redelivery: already ours
+        if request.request_id in self._cancelled_elsewhere:
+            return refuse("cancelled", "the request was cancelled before it reached a worker")
         if w.state != "ready":
             return refuse("draining", f"worker {w.instance_id} is {w.state}")
         if request.deadline_ms and request.deadline_ms < now_ms():
@@ -174,10 +201,18 @@ class DecodeRole:
 
     async def on_cancel(self, cancel: CancelRequest) -> None:
         active = self.requests.pop(cancel.request_id, None)
-        if active is not None:
-            self.worker.engine_loop.abort(cancel.request_id)  # ends a remote prefill or kv-store load too
-            active.end("cancelled", reason=cancel.reason)
-            log.info("request cancelled", request_id=cancel.request_id, reason=cancel.reason)
+        if active is None:
+            # Not here (yet): the scheduler may still offer it (the client left while it was queued).
+            self._cancelled_elsewhere[cancel.request_id] = None
+            while len(self._cancelled_elsewhere) > REMEMBERED_CANCELS:
+                self._cancelled_elsewhere.popitem(last=False)
+            return
+        self.worker.engine_loop.abort(cancel.request_id)  # ends a remote prefill or kv-store load too
+        active.end("cancelled", reason=cancel.reason)
+        log.info("request cancelled", request_id=cancel.request_id, reason=cancel.reason)
+        await self.worker.nc.publish(active.reply_subject, RequestFailed(
+            request_id=cancel.request_id, code="cancelled",
+            message=f"the request was cancelled on worker {self.worker.instance_id} ({cancel.reason})").encode())
 
     async def lapsed(self) -> None:
         """Every request here was taken for lost and moved by its gateway: stop computing it, and say so to a
@@ -186,6 +221,7 @@ class DecodeRole:
 
     async def publish_chunk(self, active: ActiveRequest, chunk: TokenChunk) -> None:
         active.next_seq += 1
+        active.sent_at = time.monotonic()
         await self.worker.nc.publish(active.reply_subject, chunk.encode())
 
     def forget(self, request_id: str) -> None:
@@ -218,6 +254,7 @@ class DecodeRole:
                 cached_tokens=item.num_cached_tokens,
             )
             active.next_seq += 1
+            active.sent_at = time.monotonic()
             if item.finished:
                 del self.requests[item.request_id]
                 active.end("ok", **{"splitserve.completion_tokens": item.num_output_tokens,

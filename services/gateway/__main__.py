@@ -12,11 +12,12 @@ from services.common.options import (
     bus_tls,
     count,
     env_default,
+    positive_seconds,
     resolve_model,
     seconds,
 )
 from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, parse_api_keys
-from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT
+from services.gateway.request_bus import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
 from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS
 
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="admission control: with this many requests still waiting for their first token, a new "
                              "one is refused with 429 and Retry-After before anything is queued (0: no bound; "
                              f"default: {DEFAULT_MAX_WAITING_REQUESTS})")
+    parser.add_argument("--stream-idle-timeout", type=positive_seconds,
+                        default=float(env_default("STREAM_IDLE_TIMEOUT", DEFAULT_IDLE_TIMEOUT_S)),
+                        help="seconds a taken request may go without word from its worker (a token, or the keepalive "
+                             "it sends every second) before the worker is taken for stalled and the request moves "
+                             f"(default: {DEFAULT_IDLE_TIMEOUT_S:g})")
     parser.add_argument("--drain-timeout", type=seconds, default=float(env_default("DRAIN_TIMEOUT",
                                                                                 DEFAULT_DRAIN_TIMEOUT_S)),
                         help="on SIGTERM, seconds the open requests have to finish (new ones get 503) before the "
@@ -84,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                                api_keys=parse_api_keys(args.api_key, os.environ.get("SPLITSERVE_API_KEY")),
                                protect_metrics=args.protect_metrics, max_request_bytes=args.max_request_bytes,
                                migration_limit=args.migration_limit, max_waiting_requests=args.max_waiting_requests,
+                               stream_idle_timeout_s=args.stream_idle_timeout,
                                nats_credentials=bus_credentials(args), nats_tls=bus_tls(args),
                                run_dir=os.environ.get(RUN_DIR_ENV))
     # uvicorn re-raises the signal that stopped it into the handler installed before it; a no-op one lets the

@@ -30,7 +30,7 @@ from services.gateway.errors import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_info import ModelInfo
-from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT, RequestBus
+from services.gateway.request_bus import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT, RequestBus
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -70,6 +70,7 @@ class GatewaySettings:
     protect_metrics: bool = False  # /metrics needs a key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     migration_limit: int = DEFAULT_MIGRATION_LIMIT  # times a request may move to another worker when its own fails
+    stream_idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # this long without word from its worker, a stream moves
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # past this many without a first token: 429 (0: no bound)
     run_dir: str | None = None  # the launcher's, whose deployment.json says which services it marked failed
     nats_credentials: BusCredentials | None = None
@@ -101,6 +102,7 @@ class Gateway:
         await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)
         self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
                                       streams=self.streams, migration_limit=self.settings.migration_limit,
+                                      idle_timeout_s=self.settings.stream_idle_timeout_s,
                                       on_move=lambda code: self.metrics.migrations.labels(failure=code).inc())
         self.heartbeat = Heartbeat(self.registry, self.info)
         self.heartbeat.start()
@@ -388,19 +390,28 @@ class _EventStream(StreamingResponse):
             self._gateway.spawn(self._gateway.request_bus.release(self._stream))
 
 
-async def _unless_disconnected(request: Request, coro, poll_s: float = 0.25):
+async def _unless_disconnected(request: Request, coro):
     """Await `coro`, or cancel it and return None if the client disconnects first."""
     task = asyncio.create_task(coro)
+    watch = asyncio.create_task(_client_gone(request))
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=poll_s)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return None
-        return task.result()
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
     finally:
         task.cancel()
+        watch.cancel()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has closed the connection (its body already read). Waits on the ASGI receive
+    channel: `Request.is_disconnected` polls it under a cancelled scope, which the HTTP middleware's wrapped
+    receive never answers."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # nothing else is due once the body is read; never spin on it
 
 
 class _Renderer:

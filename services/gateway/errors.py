@@ -28,6 +28,7 @@ _FAILURE_STATUS = {
     "shutting_down": (503, "service_unavailable"),
     "timeout": (504, "server_error"),
     "worker_failed": (500, "server_error"),
+    "cancelled": (500, "server_error"),
     "internal": (500, "server_error"),
 }
 

@@ -17,6 +17,9 @@ from shared.telemetry.logging import get_logger
 log = get_logger(__name__)
 
 DEFAULT_MIGRATION_LIMIT = 3
+# A taken request's worker sends a token or a StreamAlive at least every second (services.decode.worker); this
+# long without either, the worker is taken for stalled or gone and the request moves.
+DEFAULT_IDLE_TIMEOUT_S = 5.0
 # The failures a request moves on from: its worker's, never the request's own (bad input, overload, no worker).
 MOVABLE_FAILURES = frozenset({"worker_failed", "timeout"})
 
@@ -37,7 +40,7 @@ class Submission:
 
 class RequestBus:
     def __init__(self, *, nc, subjects: Subjects, gateway_id: str, streams: TokenStreams,
-                 assign_timeout_s: float = 30.0, idle_timeout_s: float = 300.0,
+                 assign_timeout_s: float = 30.0, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT, on_move=lambda failure_code: None):
         self.nc = nc
         self.js = nc.jetstream()
@@ -110,8 +113,8 @@ class RequestBus:
     async def _move(self, stream: RequestStream, failure: StreamError) -> None:
         """Go on with the request on another worker from the tokens its client has."""
         old_bus_id, old_worker = stream.bus_id, stream.worker_instance
+        self.streams.move(stream)  # first: what the old worker says to the cancel is no longer read
         await self._cancel(old_bus_id, "moved")
-        self.streams.move(stream)
         self.on_move(failure.code)
         log.warning("request moved to another worker", request_id=stream.request_id, from_worker=old_worker,
                     failure=failure.code, error=str(failure), tokens_streamed=len(stream.streamed_token_ids),

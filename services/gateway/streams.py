@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts import Assignment, ContractError, RequestFailed, ServiceInfo, TokenChunk, decode_one_of
+from contracts import Assignment, ContractError, RequestFailed, ServiceInfo, StreamAlive, TokenChunk, decode_one_of
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -49,17 +49,28 @@ class RequestStream:
     streamed_token_ids: list[int] = field(default_factory=list)  # every token the client has been sent
     failed_on: list[str] = field(default_factory=list)  # the workers it moved away from
     submission: Any = None  # what it was submitted with (the request bus's), submitted again when it moves
+    heard_at: float = field(default_factory=time.monotonic)  # the last word for this attempt (sent, or from its worker)
 
     def __post_init__(self) -> None:
         self.bus_id = self.bus_id or self.request_id
 
     async def next_event(self, timeout_s: float) -> Assignment | TokenChunk:
-        """The next event in order; raises StreamError on failure, gap, duplicate or timeout."""
-        try:
-            async with asyncio.timeout(timeout_s):  # unlike 3.11's wait_for, never swallows a cancel
-                event = await self.queue.get()
-        except TimeoutError:
-            raise StreamError("timeout", f"no progress from the worker within {timeout_s:.0f} s") from None
+        """The next event in order; raises StreamError on failure, gap, duplicate, or `timeout_s` without a word
+        for the request (an event, or its worker's `StreamAlive`)."""
+        while True:
+            left = self.heard_at + timeout_s - time.monotonic()
+            if left <= 0:
+                if self.worker_instance is None:
+                    raise StreamError("timeout", f"no worker took the request within {timeout_s:g} s")
+                # A taken request hears from its worker every second: this one is stalled or gone.
+                raise StreamError("worker_failed", f"worker {self.worker_instance} went silent: no word from it "
+                                                   f"for {timeout_s:g} s")
+            try:
+                async with asyncio.timeout(left):  # unlike 3.11's wait_for, never swallows a cancel
+                    event = await self.queue.get()
+                break
+            except TimeoutError:
+                continue  # maybe its worker said it is still at it meanwhile
         if isinstance(event, RequestFailed):
             self.finished = True
             raise StreamError(event.code, event.message, event.param, event.retry_after_s)
@@ -100,6 +111,7 @@ class TokenStreams:
             stream.queue.get_nowait()
         stream.worker_instance = stream.worker_boot_id = None
         stream.next_seq, stream.finished = 0, False
+        stream.heard_at = time.monotonic()
         self._streams[stream.bus_id] = stream
         return stream.bus_id
 
@@ -113,7 +125,7 @@ class TokenStreams:
     async def on_message(self, msg) -> None:
         """Subscription callback for `{ns}.tokens.{gateway}.*`."""
         try:
-            event = decode_one_of(msg.data, Assignment, TokenChunk, RequestFailed)
+            event = decode_one_of(msg.data, Assignment, TokenChunk, RequestFailed, StreamAlive)
         except ContractError as exc:
             self.num_rejected += 1
             log.warning("rejected token stream message", subject=msg.subject, reason=exc.reason, error=str(exc))
@@ -121,6 +133,9 @@ class TokenStreams:
         stream = self._streams.get(event.request_id)
         if stream is None:
             return  # the request is gone (finished or client left)
+        stream.heard_at = time.monotonic()
+        if isinstance(event, StreamAlive):
+            return
         try:
             stream.queue.put_nowait(event)
         except asyncio.QueueFull:

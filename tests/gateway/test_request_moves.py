@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from contracts import TokenChunk
+from contracts import StreamAlive, TokenChunk
 from services.gateway.request_bus import may_move
-from services.gateway.streams import TokenStreams
+from services.gateway.streams import StreamError, TokenStreams
 
 
 @pytest.mark.parametrize("code, moves, limit, moved", [
@@ -67,3 +67,30 @@ def test_only_requests_without_a_token_count_as_waiting():
     started.next_seq = 3
     moved.streamed_token_ids = [1, 2]  # moved: chunk numbers start again, but its client has tokens
     assert streams.num_waiting() == 1
+
+
+def test_the_idle_deadline_counts_from_the_last_word_and_a_stream_alive_is_one():
+    async def scenario():
+        streams = TokenStreams()
+        stream = streams.open("r1")
+
+        async def keep_alive(times: int):
+            for _ in range(times):
+                await asyncio.sleep(0.1)
+                await streams.on_message(SimpleNamespace(subject="t", data=StreamAlive(request_id="r1").encode()))
+
+        stream.worker_instance = "decode-0"  # taken
+        alive = asyncio.create_task(keep_alive(6))  # 0.6 s of word, twice the deadline
+        with pytest.raises(StreamError) as failure:
+            await stream.next_event(0.3)
+        assert alive.done()  # it failed only once the word stopped, as its worker's failure
+        assert failure.value.code == "worker_failed" and "went silent" in str(failure.value)
+        assert stream.queue.empty()  # a StreamAlive is no event for the reader
+        await streams.on_message(chunk("r1", 0))
+        assert (await stream.next_event(0.3)).seq == 0
+        waiting = streams.open("r2")  # not taken yet: the request's own deadline
+        with pytest.raises(StreamError) as failure:
+            await waiting.next_event(0.1)
+        assert failure.value.code == "timeout"
+
+    asyncio.run(scenario())

@@ -46,6 +46,17 @@ class Deployment:
                 await nc.close()
         return asyncio.run(ask())
 
+    def publish(self, subject: str, message) -> None:
+        """Publish `message` (a contract) on the deployment's bus, as any process that reaches NATS could."""
+        async def send():
+            nc = await nats.connect(self.nats_url)
+            try:
+                await nc.publish(subject, message.encode())
+                await nc.flush()
+            finally:
+                await nc.close()
+        asyncio.run(send())
+
     def registered(self) -> set[str]:
         """The instance ids in the deployment's registry now."""
         return set(self.registry_entries())
