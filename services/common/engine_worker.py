@@ -21,6 +21,7 @@ from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
 from shared.engine.engine import LLMEngine, RequestOutput
 from shared.telemetry.logging import get_logger
+from shared.transfer.shm import segments_held
 
 log = get_logger(__name__)
 
@@ -134,7 +135,7 @@ class EngineWorker:
         details = {"rejected_messages": dict(REJECTED), "prefix_cache": self.engine.prefix_cache_counts(),
                    "kv_store": self.kv_store.details() if self.kv_store is not None else {},
                    "kv_events": dict(self.kv_events.counts), "cpu_loan": loan_details(self.engine_loop.cpu_share),
-                   "registry_lapses": self._heartbeat.num_lapses,
+                   "registry_lapses": self._heartbeat.num_lapses, "shm_segments": segments_held(),
                    **self.role.details()}
         for part in self.parts:
             details.update(part.details())

@@ -3,13 +3,18 @@
 from contracts import Subjects
 from shared.bus.provision import ensure_pull_consumer, ensure_stream
 
+# A request a scheduler pulled and did not ack (it died or froze) goes to another scheduler after this; a live
+# scheduler renews it while it routes (services.scheduler.lease).
+REQUEST_ACK_WAIT_S = 10.0
+
 
 async def provision_request_queue(js, subjects: Subjects) -> None:
     """gateway -> scheduler: bounded, de-duplicated by request id."""
     await ensure_stream(js, name=subjects.requests_stream, subjects=[subjects.submit], retention="workqueue",
                         max_msgs=100_000, max_bytes=1 << 30, max_age_s=600, duplicate_window_s=120)
     await ensure_pull_consumer(js, stream=subjects.requests_stream, durable=subjects.scheduler_consumer,
-                               filter_subject=subjects.submit, ack_wait_s=30, max_deliver=5, max_ack_pending=10_000)
+                               filter_subject=subjects.submit, ack_wait_s=REQUEST_ACK_WAIT_S, max_deliver=5,
+                               max_ack_pending=10_000)
 
 
 async def provision_prefill_queue(js, subjects: Subjects) -> None:

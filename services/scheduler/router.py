@@ -3,6 +3,7 @@
 A request is acked only once a worker has taken it (or it has failed for
 good), so a scheduler that dies mid-handoff leaves it to be redelivered; the
 same request id is recognised (here and by the worker) and never run twice.
+One that was frozen past the ack wait leaves it to its redelivery (`lease`).
 """
 
 import asyncio
@@ -28,6 +29,8 @@ from contracts import (
     WorkerLoad,
 )
 from services.common.identity import ServiceIdentity, now_ms
+from services.common.queues import REQUEST_ACK_WAIT_S
+from services.scheduler.lease import Lease
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.routed import RoutedTally
 from services.scheduler.routing import (
@@ -165,32 +168,41 @@ class Router:
     # ---- one request --------------------------------------------------------------------
     async def on_request(self, request: GenerateRequest, msg) -> None:
         """Called by the fetch loop; routes concurrently, bounded by the handoff slots."""
+        lease = Lease(msg, REQUEST_ACK_WAIT_S)  # from now: waiting for a slot counts too
         await self._slots.acquire()
-        task = asyncio.create_task(self._route(request, msg))
+        task = asyncio.create_task(self._route(request, msg, lease))
         task.add_done_callback(lambda _: self._slots.release())
 
-    async def _route(self, request: GenerateRequest, msg) -> None:
+    async def _route(self, request: GenerateRequest, msg, lease: Lease) -> None:
         with tracer().start_as_current_span(
             "scheduler.route", context=extract(msg.headers), kind=SpanKind.CONSUMER,
             attributes={"splitserve.request_id": request.request_id, "splitserve.router": self.router,
                         "splitserve.prompt_tokens": len(request.prompt_token_ids),
                         "splitserve.queue_wait_s": max(0.0, (now_ms() - request.created_ms) / 1000)},
         ) as span, structlog.contextvars.bound_contextvars(request_id=request.request_id):
+            keeper = asyncio.create_task(lease.keep())
             try:
-                outcome = await self._hand_over(request)
+                outcome = await self._hand_over(request, lease)
             except Exception:
                 log.exception("routing failed")
                 outcome = "internal"
                 await self._fail(request, "internal", "the scheduler failed to route the request")
+            finally:
+                keeper.cancel()
             span.set_attribute("splitserve.outcome", outcome)
             if outcome != "assigned":
                 span.set_status(Status(StatusCode.ERROR, outcome))
             self.counts[outcome] = self.counts.get(outcome, 0) + 1
+            if outcome == "lapsed":
+                log.warning("request left to its redelivery: this scheduler held it past its ack wait")
+                return  # unacked: whoever it was redelivered to routes it
             await msg.ack()
 
-    async def _hand_over(self, request: GenerateRequest) -> str:
+    async def _hand_over(self, request: GenerateRequest, lease: Lease) -> str:
         if request.request_id in self._recent:
             return "duplicate"
+        if lease.lapsed():
+            return "lapsed"
         if request.deadline_ms and request.deadline_ms < now_ms():
             await self._fail(request, "timeout", "the request expired before a worker could take it")
             return "expired"
@@ -207,6 +219,8 @@ class Router:
         else:
             candidates = rank_by_load(decode_workers)
         for worker in candidates:
+            if lease.lapsed():  # frozen while routing: it may be another scheduler's now
+                return "lapsed"
             uncached = self._plan_prefill(request, worker, prefill_workers, cached)
             # Counted on the worker before the handoff, so that the requests routed meanwhile see it.
             self.routed.offered(request.request_id, worker, now_ms=now_ms(), num_blocks=blocks_to_take(

@@ -38,6 +38,7 @@ import re
 import secrets
 import socket
 import stat
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -286,6 +287,7 @@ def _size_class(nbytes: int) -> int:
 
 
 _created_here: set[str] = set()  # names of segments this process created and has not unlinked
+_pools: "weakref.WeakSet[SegmentPool]" = weakref.WeakSet()  # this process's senders' pools
 
 
 @atexit.register
@@ -303,6 +305,16 @@ def _unlink_created_here() -> None:
     _created_here.clear()
 
 
+def segments_held() -> dict:
+    """The segments this process made and has not unlinked (`made`), by what holds them: its long-lived regions
+    (`regions`: a KV cache, a lease table) and its senders' pools, carrying a part now (`in_use`) or kept for
+    reuse (`idle`). Any other is a leak."""
+    pools = list(_pools)
+    in_use, idle = sum(len(p._in_use) for p in pools), sum(len(p._idle) for p in pools)
+    return {"made": len(_created_here), "regions": len(_regions), "in_use": in_use, "idle": idle,
+            "leaked": len(_created_here) - len(_regions) - in_use - idle}
+
+
 class SegmentPool:
     """A sender's segments: `acquire` one for a part, `release` it when acked (kept) or failed (unlinked)."""
 
@@ -311,6 +323,7 @@ class SegmentPool:
         self.prefix = _process_prefix()
         self._idle: list[Segment] = []  # least recently used first
         self._in_use: dict[str, Segment] = {}
+        _pools.add(self)
 
     @property
     def idle_bytes(self) -> int:
@@ -322,6 +335,7 @@ class SegmentPool:
 
     def names(self) -> list[str]:
         return [seg.name for seg in self._idle] + list(self._in_use)
+
 
     def acquire(self, nbytes: int) -> Segment:
         """The smallest idle segment that holds `nbytes`, else a new one (raises OSError if it cannot be made)."""

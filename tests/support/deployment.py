@@ -111,8 +111,10 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
                      expect: str | None = None, prefill: int = 0, scheduler_args: tuple = (),
                      decode_args: tuple = (), prefill_args: tuple = (),
                      prefill_split: list[tuple[int, int]] | None = None, kvstore_args: tuple | None = None,
-                     kvstores: int = 1, gateway_args: tuple = (), gateway_env: dict[str, str] | None = None) -> Deployment:
-    """scheduler-0, `prefill` prefill workers, `workers` decode workers and gateway-0 on a fresh namespace.
+                     kvstores: int = 1, gateway_args: tuple = (), gateway_env: dict[str, str] | None = None,
+                     schedulers: int = 1) -> Deployment:
+    """`schedulers` schedulers (scheduler-0, ...), `prefill` prefill workers, `workers` decode workers and
+    gateway-0 on a fresh namespace.
 
     With prefill workers, the decode workers run in disagg mode. With `prefill_split`, the prefill pool is
     one pipeline (prefill-0 its head, prefill-stage-1.. the rest), each stage shipping its own layers' KV.
@@ -124,8 +126,9 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
     bus = ["--nats", nats_url, "--namespace", namespace]
     model = ["--model", model_dir, "--served-model-name", "splitserve-default-llama"]
     deployment = Deployment(nats_url, namespace, f"http://127.0.0.1:{port}", log_dir)
-    deployment.procs["scheduler"] = start_service(
-        "scheduler", [*bus, "--instance-id", "scheduler-0", *scheduler_args], log_dir)
+    for i in range(schedulers):  # the first is procs["scheduler"], the others "scheduler-1", ...
+        deployment.start("scheduler" if i == 0 else f"scheduler-{i}", "scheduler",
+                         [*bus, "--instance-id", f"scheduler-{i}", *scheduler_args])
     for i in range(prefill if not prefill_split else 0):
         deployment.start(f"prefill-{i}", "prefill", [*bus, "--instance-id", f"prefill-{i}", *model,
                                                      "--kv-cache-bytes", str(64 << 20), *prefill_args])
@@ -146,7 +149,7 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
     for i in range(workers):
         deployment.start(f"decode-{i}", "decode", [*bus, "--instance-id", f"decode-{i}", *model, *mode,
                                                    "--kv-cache-bytes", str(64 << 20), *decode_args])
-    counts = (f"scheduler=1,decode={workers}" + (f",prefill={prefill}" if prefill else "")
+    counts = (f"scheduler={schedulers},decode={workers}" + (f",prefill={prefill}" if prefill else "")
               + (f",stage={len(stages)}" if stages else "") + (f",kvstore={kvstores}" if kvstore_args is not None else ""))
     deployment.procs["gateway"] = start_service(
         "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts,
