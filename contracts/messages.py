@@ -78,7 +78,8 @@ class GenerateRequest(Message, tag="generate_request", kw_only=True):
     # A request moved from a worker that failed: the tokens its client already has. The new worker computes them
     # again after the prompt and streams what follows (its chunks counted from 0 again).
     resume_output_token_ids: list[int] = field(default_factory=list)
-    moved_from: list[str] = field(default_factory=list)  # the workers it failed on: never offered to them again
+    moved_from: list[str] = field(default_factory=list)  # the worker processes (boot ids) it failed on: never
+    # offered to them again (the same worker restarted is another process, and may take it)
 
 
 class PrefillJob(Message, tag="prefill_job", kw_only=True):

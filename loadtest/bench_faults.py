@@ -12,7 +12,7 @@ after `--fault-after-s`:
 Per fault: streams lost (ended with an error), streams moved (their text identical to the reference is
 checked too), the fault-to-next-token time of the streams it hit (their longest gap), and the inter-token
 latency of those streams outside that gap against the untouched ones'. Between faults the deployment is
-let back to health (`/health` 200).
+let back to health (`/ready` says every service is ready).
 
     python -m loadtest.bench_faults --model smollm2-135m-instruct --out loadtest/results/faults.json \\
         --table loadtest/results/faults.md
@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.up_process import UpProcess
+from services.gateway.readiness import fully_ready
 
 FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 HIT_GAP_S = 1.0  # a stream whose longest gap is this long was hit by the fault
@@ -77,11 +78,13 @@ def worker_pid(deployment: UpProcess, name: str) -> int:
 
 
 async def wait_healthy(base: str, timeout_s: float = 120.0) -> None:
+    """Until the gateway's /ready says every service of the deployment is ready again."""
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient() as client:
         while time.monotonic() < deadline:
             try:
-                if (await client.get(base.removesuffix("/v1") + "/health", timeout=5)).status_code == 200:
+                response = await client.get(base.removesuffix("/v1") + "/ready", timeout=5)
+                if fully_ready(response.status_code, response.text):
                     return
             except httpx.HTTPError:
                 pass

@@ -29,6 +29,7 @@ _FAILURE_STATUS = {
     "timeout": (504, "server_error"),
     "worker_failed": (500, "server_error"),
     "cancelled": (500, "server_error"),
+    "stream_broken": (500, "server_error"),
     "internal": (500, "server_error"),
 }
 

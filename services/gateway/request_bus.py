@@ -20,8 +20,9 @@ DEFAULT_MIGRATION_LIMIT = 3
 # A taken request's worker sends a token or a StreamAlive at least every second (services.decode.worker); this
 # long without either, the worker is taken for stalled or gone and the request moves.
 DEFAULT_IDLE_TIMEOUT_S = 5.0
-# The failures a request moves on from: its worker's, never the request's own (bad input, overload, no worker).
-MOVABLE_FAILURES = frozenset({"worker_failed", "timeout"})
+# The failures a request moves on from: its worker's or its stream's, never the request's own (bad input,
+# overload, no worker).
+MOVABLE_FAILURES = frozenset({"worker_failed", "timeout", "stream_broken"})
 
 
 def may_move(code: str, moves: int, migration_limit: int) -> bool:

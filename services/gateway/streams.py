@@ -47,7 +47,7 @@ class RequestStream:
     finished: bool = False
     moves: int = 0
     streamed_token_ids: list[int] = field(default_factory=list)  # every token the client has been sent
-    failed_on: list[str] = field(default_factory=list)  # the workers it moved away from
+    failed_on: list[str] = field(default_factory=list)  # the worker processes (boot ids) it moved away from
     submission: Any = None  # what it was submitted with (the request bus's), submitted again when it moves
     heard_at: float = field(default_factory=time.monotonic)  # the last word for this attempt (sent, or from its worker)
 
@@ -81,7 +81,9 @@ class RequestStream:
         if event.seq != self.next_seq:
             self.finished = True
             kind = "duplicate" if event.seq < self.next_seq else "gap"
-            raise StreamError("internal", f"token stream {kind}: expected chunk {self.next_seq}, got {event.seq}")
+            # Lost in transit (NATS restarting under it), or two workers on one attempt: movable, from what the
+            # client has.
+            raise StreamError("stream_broken", f"token stream {kind}: expected chunk {self.next_seq}, got {event.seq}")
         self.next_seq += 1
         self.finished = event.finished
         return event
@@ -104,8 +106,8 @@ class TokenStreams:
         """Start the stream's next attempt: a new bus id (returned), its events from chunk 0, no worker yet."""
         self._streams.pop(stream.bus_id, None)
         stream.moves += 1
-        if stream.worker_instance is not None:
-            stream.failed_on.append(stream.worker_instance)
+        if stream.worker_boot_id is not None:
+            stream.failed_on.append(stream.worker_boot_id)
         stream.bus_id = f"{stream.request_id}-moved-{stream.moves}"
         while not stream.queue.empty():
             stream.queue.get_nowait()

@@ -40,6 +40,7 @@ from services.scheduler.routing import (
     cached_prefixes,
     decide_prefill,
     eligible_workers,
+    num_seqs,
     prefill_backlog,
     pick_prefill_worker,
     rank_by_kv,
@@ -104,6 +105,9 @@ class Router:
                      "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth,
                      "queue_depths": {"requests": self.request_queue_depth, "prefill": self.prefill_queue_depth},
                      "workers_seen": dict(Counter(w.role for w in self.workers if w.state == "ready")),
+                     # What it routes by: each engine worker's requests and KV blocks in use, as it last heard.
+                     "loads_seen": {w.instance_id: {"requests": num_seqs(w), "blocks_in_use": w.kv_blocks_total
+                                                    - w.kv_blocks_free} for w in self.workers if w.kv_blocks_total},
                      "router": self.router, "routed_unconfirmed": self.routed.counts(),
                      "prefix_index": {"blocks": len(self.index), **self.index.counts,
                                       "by_instance": {i: self.index.blocks_of(i) for i in self.index.instances()}},
@@ -210,7 +214,7 @@ class Router:
             await self._refresh()  # the snapshot may predate a worker that just registered
         prompt = request.prompt_token_ids
         decode_workers = self.routed.apply([w for w in eligible_workers(self.workers, "decode", request.model)
-                                            if w.instance_id not in request.moved_from])  # a stale entry may list it
+                                            if w.boot_id not in request.moved_from])  # a stale entry may list it
         prefill_workers = eligible_workers(self.workers, "prefill", request.model)
         cached = None
         if self.router == "kv":

@@ -13,6 +13,7 @@ from services.gateway.streams import StreamError, TokenStreams
 @pytest.mark.parametrize("code, moves, limit, moved", [
     ("worker_failed", 0, 3, True),   # its worker died, restarted or failed it
     ("timeout", 2, 3, True),         # its worker went quiet
+    ("stream_broken", 0, 3, True),   # chunks lost in transit (a NATS restart)
     ("worker_failed", 3, 3, False),  # moved as often as allowed: the client gets the error
     ("worker_failed", 0, 0, False),  # moves turned off
     ("invalid_request", 0, 3, False),  # the request's own failures stay the request's
@@ -34,9 +35,9 @@ def test_a_moved_stream_takes_its_new_attempts_chunks_from_0_and_drops_the_old_o
         await streams.on_message(chunk("r1", 0))
         assert (await stream.next_event(1)).seq == 0
         await streams.on_message(chunk("r1", 1))  # queued, then the worker fails: nobody reads it
-        stream.worker_instance = "decode-0"
+        stream.worker_instance, stream.worker_boot_id = "decode-0", "boot-a"
         assert streams.move(stream) == "r1-moved-1" == stream.bus_id
-        assert stream.failed_on == ["decode-0"]
+        assert stream.failed_on == ["boot-a"]
         assert stream.queue.empty() and stream.next_seq == 0 and stream.worker_instance is None
         await streams.on_message(chunk("r1", 2))  # a late chunk of the first attempt: ignored
         await streams.on_message(chunk("r1-moved-1", 0))
@@ -92,5 +93,20 @@ def test_the_idle_deadline_counts_from_the_last_word_and_a_stream_alive_is_one()
         with pytest.raises(StreamError) as failure:
             await waiting.next_event(0.1)
         assert failure.value.code == "timeout"
+
+    asyncio.run(scenario())
+
+
+def test_a_gap_or_a_duplicate_breaks_the_stream_as_a_movable_failure():
+    async def scenario():
+        streams = TokenStreams()
+        stream = streams.open("r1")
+        await streams.on_message(chunk("r1", 0))
+        await streams.on_message(chunk("r1", 2))  # chunk 1 lost in transit
+        assert (await stream.next_event(1)).seq == 0
+        with pytest.raises(StreamError) as failure:
+            await stream.next_event(1)
+        assert failure.value.code == "stream_broken" and "gap" in str(failure.value)
+        assert may_move(failure.value.code, moves=0, migration_limit=3)
 
     asyncio.run(scenario())

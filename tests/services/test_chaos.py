@@ -72,6 +72,7 @@ class Load:
     fault: str = "warm-up"
     outcomes: list[tuple[str, str]] = field(default_factory=list)  # (fault, "ok" | what went wrong)
     retried: Counter = field(default_factory=Counter)  # fault -> requests served after a 429/503 with Retry-After
+    in_flight: set = field(default_factory=set)  # the requests under way now (by number)
     stopping: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -80,6 +81,9 @@ class Load:
         while not self.stopping.is_set():
             k = i % len(self.bodies)
             fault = self.fault
+            number = (n, i)
+            with self.lock:
+                self.in_flight.add(number)
             try:
                 text, failure, retries = stream_text(self.base_url, self.bodies[k])
             except httpx.HTTPError as exc:
@@ -89,11 +93,16 @@ class Load:
             with self.lock:
                 self.outcomes.append((fault, failure or "ok"))
                 self.retried[fault] += bool(retries)
+                self.in_flight.discard(number)
             i += 1
 
     def completed(self) -> int:
         with self.lock:
             return len(self.outcomes)
+
+    def under_way(self) -> set:
+        with self.lock:
+            return set(self.in_flight)
 
 
 def wait_whole(deployment, timeout_s: float = 60.0) -> None:
@@ -128,12 +137,15 @@ def test_no_request_is_lost_to_kills_freezes_a_nats_restart_or_a_rolling_restart
         for client in clients:
             client.start()
 
-        def under(fault: str, act, settle_s: float = 2.0) -> None:
-            before = load.completed()
+        def under(fault: str, act, settle_s: float = 1.0) -> None:
+            """One fault at a time: the next comes once the deployment is whole again, every request under way
+            by then has ended (a dead worker's go on elsewhere: they may still be moving), and some more ran."""
             load.fault = fault
             act()
             wait_whole(deployment)
-            # Some requests complete on the whole deployment before the next fault.
+            hit = load.under_way()
+            wait_until(lambda: not hit & load.under_way(), 90, f"requests under way after {fault} never ended")
+            before = load.completed()
             wait_until(lambda: load.completed() >= before + CLIENTS, 60, f"no request completed after {fault}")
             time.sleep(settle_s)
 
@@ -142,6 +154,10 @@ def test_no_request_is_lost_to_kills_freezes_a_nats_restart_or_a_rolling_restart
                 os.kill(deployment.procs[name].pid, signal.SIGKILL)
                 time.sleep(1.0)
                 deployment.restart(name)
+                # Whole again means the new process registered, not the dead one's entry still there.
+                wait_until(lambda: (entry := deployment.registry_entries().get(f"{name}-0" if name == "scheduler"
+                                                                              else name))
+                           and entry.pid == deployment.procs[name].pid, 60, f"{name} never came back")
             return act
 
         def freeze(name: str):

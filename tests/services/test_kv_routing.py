@@ -14,10 +14,17 @@ def test_kv_routing_sends_a_conversation_to_the_worker_holding_it(nats_server, d
     deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2,
                                   scheduler_args=("--router", "kv"))
 
-    def indexed(i):  # the scheduler has heard (KV events) what the worker holds before the next request
+    def indexed(i):
+        """Before the next request, the scheduler has heard (KV events) what the worker holds, and (load reports)
+        that the previous turn ended: a turn it still counted as running would weigh against its holder."""
         need = [0, 25, 25][i]
-        wait_until(lambda: deployment.stats("scheduler-0").details["prefix_index"]["blocks"] >= need, 15,
-                   "the scheduler's prefix index did not get the blocks")
+
+        def settled():
+            details = deployment.stats("scheduler-0").details
+            loads = details["loads_seen"].values()
+            return (details["prefix_index"]["blocks"] >= need and not any(details["routed_unconfirmed"].values())
+                    and all(load["requests"] == 0 for load in loads))
+        wait_until(settled, 15, "the scheduler never saw the previous turn indexed and ended")
 
     try:
         cached = run_conversation(deployment, requests, tokenizer, indexed)

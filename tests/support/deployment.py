@@ -93,6 +93,24 @@ class Deployment:
             self.tap = None
         for proc in self.procs.values():
             stop_process(proc)
+        self.delete_streams()
+
+    def delete_streams(self) -> None:
+        """Delete the namespace's JetStream streams (its queues, its registry bucket): each reserves its byte
+        bound on the server, which a session's worth of deployments would otherwise run out of."""
+        async def delete():
+            nc = await nats.connect(self.nats_url)
+            try:
+                js = nc.jetstream()
+                for name in await js.streams_info():
+                    if self.namespace in name.config.name:
+                        await js.delete_stream(name.config.name)
+            finally:
+                await nc.close()
+        try:
+            asyncio.run(delete())
+        except Exception as exc:  # a server stopped already (a test's own) has nothing left to free
+            print(f"could not delete the streams of {self.namespace}: {exc!r}")
 
 
 def _ready(deployment: Deployment) -> Deployment:
