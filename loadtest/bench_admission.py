@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.up_process import UpProcess
+from loadtest.up_process import serving
 
 
 async def one_request(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int) -> dict:
@@ -104,17 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     with tempfile.TemporaryDirectory(prefix="splitserve-admission-") as tmp:
         for bound in [int(x) for x in args.bounds.split(",")]:
-            deployment = UpProcess(f"bound{bound}", [*shlex.split(args.up_args), "--max-waiting-requests", str(bound)],
-                                   model_dir=model_dir, served_name="bench", run_dir=Path(tmp) / f"bound{bound}",
-                                   dtype=args.dtype, worker_threads=1, ready_timeout_s=600, stop_timeout_s=30)
-            print(f"\n== bound {bound}: splitserve up {' '.join(deployment.cmd[4:])}", flush=True)
-            try:
-                deployment.start()
-                deployment.wait_ready(600)
+            with serving(f"bound{bound}", [*shlex.split(args.up_args), "--max-waiting-requests", str(bound)],
+                         model_dir=model_dir, run_dir=Path(tmp) / f"bound{bound}", dtype=args.dtype) as deployment:
                 runs[str(bound)] = summarize(asyncio.run(burst(deployment.base_url, args.burst, args.max_tokens)))
                 print(f"   {runs[str(bound)]}", flush=True)
-            finally:
-                print(f"   stopped: {deployment.stop()}", flush=True)
     rendered = table(runs)
     print(rendered)
     if args.out:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.up_process import UpProcess
+from loadtest.up_process import UpProcess, serving
 from services.gateway.readiness import fully_ready
 
 FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
@@ -181,16 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     with tempfile.TemporaryDirectory(prefix="splitserve-faults-") as tmp:
         for limit in [int(x) for x in args.migration_limits.split(",")]:
-            deployment = UpProcess(f"limit{limit}", [*shlex.split(args.up_args), "--migration-limit", str(limit)],
-                                   model_dir=model_dir, served_name="bench", run_dir=Path(tmp) / f"limit{limit}",
-                                   dtype=args.dtype, worker_threads=1, ready_timeout_s=600, stop_timeout_s=30)
-            print(f"\n== migration limit {limit}: splitserve up {' '.join(deployment.cmd[4:])}", flush=True)
-            try:
-                deployment.start()
-                deployment.wait_ready(600)
+            with serving(f"limit{limit}", [*shlex.split(args.up_args), "--migration-limit", str(limit)],
+                         model_dir=model_dir, run_dir=Path(tmp) / f"limit{limit}", dtype=args.dtype) as deployment:
                 runs[str(limit)] = asyncio.run(measure(deployment, args, prompts))
-            finally:
-                print(f"   stopped: {deployment.stop()}", flush=True)
     rendered = table(runs)
     print(rendered)
     if args.out:

@@ -226,3 +226,18 @@ def write_deployment_results(args, model_dir: str, config: dict, runs: list[dict
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2, default=str))
         print(f"wrote {args.output}")
+
+
+@contextlib.contextmanager
+def serving(label: str, up_args: list[str], *, model_dir: str, run_dir: Path, dtype: str):
+    """A ready `splitserve up` deployment (served as "bench", its workers on one thread each) for the block; it
+    says what it runs and is stopped however the block ends."""
+    deployment = UpProcess(label, up_args, model_dir=model_dir, served_name="bench", run_dir=run_dir, dtype=dtype,
+                           worker_threads=1, ready_timeout_s=600, stop_timeout_s=30)
+    print(f"\n== {label}: splitserve up {' '.join(deployment.cmd[4:])}", flush=True)
+    try:
+        deployment.start()
+        deployment.wait_ready(600)
+        yield deployment
+    finally:
+        print(f"   stopped: {deployment.stop()}", flush=True)
