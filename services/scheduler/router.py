@@ -138,7 +138,10 @@ class Router:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(_REFRESH_S)
-            await self._refresh()
+            try:
+                await self._refresh()
+            except Exception as exc:  # NATS restarting, JetStream not back yet: route by the last view meanwhile
+                log.warning("registry read failed; routing by the last view", error=repr(exc))
 
     async def _refresh(self) -> None:
         entries = await self.registry.list()
