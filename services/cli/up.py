@@ -58,8 +58,8 @@ def add_parser(subcommands) -> None:
         description=(
             "Start an embedded NATS server with JetStream (unless --nats is given), then the scheduler, "
             "the decode workers and the gateway as supervised child processes (a service that crashes is "
-            "restarted). Prints one line with the API URL once the gateway's /health is ready, then keeps "
-            "running; Ctrl-C or SIGTERM stops everything. `splitserve ps` shows what runs."
+            "restarted). Prints one line with the API URL once the gateway's /ready says every service is ready, "
+            "then keeps running; Ctrl-C or SIGTERM stops everything. `splitserve ps` shows what runs."
         ),
     )
     parser.add_argument("--model", metavar="NAME|DIR|FILE.gguf",
