@@ -80,6 +80,9 @@ class GenerateRequest(Message, tag="generate_request", kw_only=True):
     resume_output_token_ids: list[int] = field(default_factory=list)
     moved_from: list[str] = field(default_factory=list)  # the worker processes (boot ids) it failed on: never
     # offered to them again (the same worker restarted is another process, and may take it)
+    # Times it has moved. A moved request whose client has a stream open waits (until its deadline) for a worker
+    # to come back, where a new one is refused at once with a Retry-After.
+    moves: int = 0
 
 
 class PrefillJob(Message, tag="prefill_job", kw_only=True):
@@ -164,6 +167,9 @@ class RequestFailed(Message, tag="request_failed", kw_only=True):
     message: str
     param: str | None = None
     retry_after_s: float | None = None
+    # The worker that reports it is whole: what failed was behind it (a pipeline stage that restarted, taking
+    # the request's KV), so a moved request may come back to it once it serves again.
+    worker_intact: bool = False
 
 
 class CancelRequest(Message, tag="cancel_request", kw_only=True):

@@ -2,8 +2,8 @@
 
 For each `--migration-limits` value, one `splitserve up` deployment (`--up-args`, by default colocated with two
 decode workers) serves `--streams` concurrent greedy streams of `--max-tokens` tokens, first with nothing
-happening (the reference texts), then once per `--faults` entry, injected with a real signal into decode-0
-after `--fault-after-s`:
+happening (the reference texts), then once per `--faults` entry, injected with a real signal into `--target`
+(decode-0; stage-1 with `--up-args "--topology pipeline --stages 2"`) after `--fault-after-s`:
 
 - `kill`: SIGKILL (the launcher starts it again);
 - `stop`: SIGSTOP, SIGCONT `--stop-s` later (the worker is frozen, its registry entry lapses);
@@ -123,7 +123,7 @@ async def measure(deployment: UpProcess, args, prompts: list[str]) -> dict:
     texts = [s["text"] for s in reference]
     for name in args.faults:
         await wait_healthy(base)
-        pid = worker_pid(deployment, "decode-0")
+        pid = worker_pid(deployment, args.target)
         fault_at: list[float] = []
 
         async def fault(name=name, pid=pid):
@@ -160,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a model name, directory or .gguf")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--up-args", default="--topology colocated --decode 2",
-                        help="the deployment's `splitserve up` flags (at least two decode workers)")
+                        help="the deployment's `splitserve up` flags (by default two colocated decode workers)")
     parser.add_argument("--migration-limits", default="0,3", help="comma-separated: each gets a deployment")
     parser.add_argument("--faults", default="kill,stop,term", help=f"comma-separated, of {', '.join(FAULTS)}")
+    parser.add_argument("--target", default="decode-0", help="the service the faults hit, by name (`splitserve ps`)")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--fault-after-s", type=float, default=2.0)

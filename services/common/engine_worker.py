@@ -65,6 +65,9 @@ class WorkerPart(Protocol):
 
     def details(self) -> dict: ...
 
+    def waiting_for(self) -> str | None:
+        """What the worker cannot serve without now (a pipeline stage that is gone); None when nothing."""
+
 
 class EngineWorker:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, engine: LLMEngine, engine_thread: EngineThread,
@@ -78,7 +81,7 @@ class EngineWorker:
         self.model = model
         self.served_model_name = served_model_name
         self.identity = ServiceIdentity(instance_id, role)
-        self.state = "starting"
+        self.lifecycle = "starting"  # then "ready", then "draining"
         self.role: WorkerRole | None = None
         self.parts: list[WorkerPart] = []
         self.kv_store = None  # services.common.kvstore_tier.KVStoreTier, with --kv-store
@@ -88,6 +91,14 @@ class EngineWorker:
         self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
                                           engine_loop=self.engine_loop)
         self._heartbeat = Heartbeat(registry, self.info, on_lapse=self._on_lapse)
+
+    @property
+    def state(self) -> str:
+        """What the registry shows and handoffs go by: "waiting" while a part lacks what it serves with (a
+        pipeline head whose stage is gone), so that nothing is routed to it until that is back."""
+        if self.lifecycle == "ready" and any(part.waiting_for() for part in self.parts):
+            return "waiting"
+        return self.lifecycle
 
     async def subscribe(self, subject: str, message_cls, handler):
         return await subscribe_typed(self.nc, subject, message_cls, handler)
@@ -103,15 +114,15 @@ class EngineWorker:
         role_tasks = await self.role.start()
         event_tasks = await self.kv_events.start()
         await self.nc.flush()
-        self.state = "ready"
+        self.lifecycle = "ready"
         self._heartbeat.start()
         return [asyncio.create_task(self._deliver_outputs(), name="engine-outputs"),
                 asyncio.create_task(self._report_load(), name="load-reports"), *role_tasks, *part_tasks, *event_tasks]
 
     async def drain(self) -> None:
         """Stop taking work and let the role end what runs (or hand it back), outputs still streaming."""
-        if self.state != "draining":
-            self.state = "draining"
+        if self.lifecycle != "draining":
+            self.lifecycle = "draining"
             await self.role.drain()
 
     async def stop(self) -> None:

@@ -239,7 +239,7 @@ class DecodeRole:
                 await self._fail(item.request_id, active, "invalid_request", str(item.error), param)
                 continue
             if item.error is not None:  # the engine could not go on with it (a pipeline stage failed)
-                await self._fail(item.request_id, active, "worker_failed", item.error)
+                await self._fail(item.request_id, active, "worker_failed", item.error, worker_intact=True)
                 continue
             chunk = TokenChunk(
                 request_id=item.request_id,
@@ -262,9 +262,9 @@ class DecodeRole:
                                     "splitserve.finish_reason": item.finish_reason or ""})
             await self.worker.nc.publish(active.reply_subject, chunk.encode())
 
-    async def _fail(self, request_id: str, active: ActiveRequest, code: str, message: str, param: str | None = None) -> None:
+    async def _fail(self, request_id: str, active: ActiveRequest, code: str, message: str, param: str | None = None,
+                    worker_intact: bool = False) -> None:
         self.requests.pop(request_id, None)
         active.end(code, message)
-        await self.worker.nc.publish(
-            active.reply_subject, RequestFailed(request_id=request_id, code=code, message=message, param=param).encode()
-        )
+        await self.worker.nc.publish(active.reply_subject, RequestFailed(
+            request_id=request_id, code=code, message=message, param=param, worker_intact=worker_intact).encode())

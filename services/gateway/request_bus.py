@@ -85,6 +85,7 @@ class RequestBus:
             created_ms=created_ms,
             resume_output_token_ids=list(stream.streamed_token_ids),
             moved_from=list(stream.failed_on),
+            moves=stream.moves,
         )
         try:
             # Nats-Msg-Id lets JetStream drop a re-sent duplicate of the same attempt.
@@ -114,7 +115,8 @@ class RequestBus:
     async def _move(self, stream: RequestStream, failure: StreamError) -> None:
         """Go on with the request on another worker from the tokens its client has."""
         old_bus_id, old_worker = stream.bus_id, stream.worker_instance
-        self.streams.move(stream)  # first: what the old worker says to the cancel is no longer read
+        # First: what the old worker says to the cancel is no longer read.
+        self.streams.move(stream, exclude_worker=not failure.worker_intact)
         await self._cancel(old_bus_id, "moved")
         self.on_move(failure.code)
         log.warning("request moved to another worker", request_id=stream.request_id, from_worker=old_worker,

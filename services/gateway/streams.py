@@ -25,11 +25,13 @@ DEFAULT_MAX_WAITING_REQUESTS = 256  # admission: requests without a first token 
 class StreamError(Exception):
     """The request ended badly; `code` is a RequestFailed code."""
 
-    def __init__(self, code: str, message: str, param: str | None = None, retry_after_s: float | None = None):
+    def __init__(self, code: str, message: str, param: str | None = None, retry_after_s: float | None = None,
+                 worker_intact: bool = False):
         super().__init__(message)
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
+        self.worker_intact = worker_intact  # the worker said it can serve again (RequestFailed.worker_intact)
 
 
 @dataclass(slots=True)
@@ -73,7 +75,7 @@ class RequestStream:
                 continue  # maybe its worker said it is still at it meanwhile
         if isinstance(event, RequestFailed):
             self.finished = True
-            raise StreamError(event.code, event.message, event.param, event.retry_after_s)
+            raise StreamError(event.code, event.message, event.param, event.retry_after_s, event.worker_intact)
         if isinstance(event, Assignment):
             self.worker_instance, self.worker_boot_id = event.worker_instance, event.worker_boot_id
             self.assigned_at = time.monotonic()
@@ -102,11 +104,12 @@ class TokenStreams:
     def close(self, bus_id: str) -> None:
         self._streams.pop(bus_id, None)
 
-    def move(self, stream: RequestStream) -> str:
-        """Start the stream's next attempt: a new bus id (returned), its events from chunk 0, no worker yet."""
+    def move(self, stream: RequestStream, exclude_worker: bool = True) -> str:
+        """Start the stream's next attempt: a new bus id (returned), its events from chunk 0, no worker yet.
+        `exclude_worker`: the attempt may not go to the failed one's worker process again."""
         self._streams.pop(stream.bus_id, None)
         stream.moves += 1
-        if stream.worker_boot_id is not None:
+        if exclude_worker and stream.worker_boot_id is not None:
             stream.failed_on.append(stream.worker_boot_id)
         stream.bus_id = f"{stream.request_id}-moved-{stream.moves}"
         while not stream.queue.empty():

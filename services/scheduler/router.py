@@ -56,6 +56,7 @@ log = get_logger(__name__)
 
 _RECENT_REQUESTS = 10_000  # request ids remembered for de-duplication
 _REFRESH_S = 0.5
+_MOVED_WAIT_MARGIN_MS = 2_000  # a moved request waiting for a worker gives up this long before its deadline
 _SNAPSHOT_RETRY_S = 2.0  # ask one publisher of KV events for a snapshot at most this often
 _MAX_PUBLISHERS = 4096  # publishers remembered for the snapshot retry interval
 ROUTERS = ("load", "kv")
@@ -215,6 +216,23 @@ class Router:
             return "expired"
         if not eligible_workers(self.workers, "decode", request.model):
             await self._refresh()  # the snapshot may predate a worker that just registered
+        outcome = await self._offer_to_workers(request, lease)
+        # A moved request's client holds an open stream and cannot retry it: wait for a worker to come back (one
+        # restarting, a pipeline whose stage restarts), short of its deadline so its gateway hears why.
+        while outcome is None and request.moves and now_ms() + _MOVED_WAIT_MARGIN_MS < request.deadline_ms:
+            await asyncio.sleep(_REFRESH_S)
+            if lease.lapsed():
+                return "lapsed"
+            outcome = await self._offer_to_workers(request, lease)  # on the view `_refresh_forever` keeps
+        if outcome is not None:
+            return outcome
+        await self._fail(request, "no_worker", f"no {request.model!r} worker can take the request now",
+                         retry_after_s=1.0)
+        return "no_worker"
+
+    async def _offer_to_workers(self, request: GenerateRequest, lease: Lease) -> str | None:
+        """Offer the request to the eligible workers, best first; the outcome, or None when none would take it
+        now (none ready, or each full or draining)."""
         prompt = request.prompt_token_ids
         decode_workers = self.routed.apply([w for w in eligible_workers(self.workers, "decode", request.model)
                                             if w.boot_id not in request.moved_from])  # a stale entry may list it
@@ -252,9 +270,7 @@ class Router:
                 return "rejected"
             self._assigned(request, worker, cached, uncached)
             return "assigned"
-        await self._fail(request, "no_worker", f"no {request.model!r} worker can take the request now",
-                         retry_after_s=1.0)
-        return "no_worker"
+        return None
 
     def _plan_prefill(self, request: GenerateRequest, worker: ServiceInfo, prefill_workers: list[ServiceInfo],
                       cached: CachedPrefixes | None) -> int:

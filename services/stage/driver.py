@@ -99,6 +99,9 @@ class PipelineDriver:
         await self.link.receiver.stop()
         self.link.sender.close()
 
+    def waiting_for(self) -> str | None:
+        return f"pipeline stage {self.stages_missing[0]}" if self.stages_missing else None
+
     def details(self) -> dict:
         engine = self.engine
         return {

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from contracts import StreamAlive, TokenChunk
+from contracts import RequestFailed, StreamAlive, TokenChunk
 from services.gateway.request_bus import may_move
 from services.gateway.streams import StreamError, TokenStreams
 
@@ -108,5 +108,23 @@ def test_a_gap_or_a_duplicate_breaks_the_stream_as_a_movable_failure():
             await stream.next_event(1)
         assert failure.value.code == "stream_broken" and "gap" in str(failure.value)
         assert may_move(failure.value.code, moves=0, migration_limit=3)
+
+    asyncio.run(scenario())
+
+
+def test_a_failure_its_worker_survived_moves_without_ruling_that_worker_out():
+    async def scenario():
+        streams = TokenStreams()
+        for intact, failed_on in ((True, []), (False, ["boot-a"])):
+            stream = streams.open(f"r-{intact}")
+            stream.worker_instance, stream.worker_boot_id = "stage-0", "boot-a"
+            failed = RequestFailed(request_id=stream.bus_id, code="worker_failed", message="stage-1 restarted",
+                                   worker_intact=intact)
+            await streams.on_message(SimpleNamespace(subject="t", data=failed.encode()))
+            with pytest.raises(StreamError) as failure:
+                await stream.next_event(1)
+            assert failure.value.worker_intact is intact
+            streams.move(stream, exclude_worker=not failure.value.worker_intact)
+            assert stream.failed_on == failed_on  # what the moved request's `moved_from` lists
 
     asyncio.run(scenario())

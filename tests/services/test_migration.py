@@ -3,7 +3,6 @@ sees one stream, every token once, the same text as an uninterrupted run (greedy
 colocated and disagg. A handoff nobody answers, and a full queue, tell the client when to come back."""
 
 import contextlib
-import json
 import os
 import signal
 import time
@@ -17,22 +16,11 @@ from reference import safe_prompts
 from support.deployment import start_deployment
 from support.kv_workload import wait_until
 from support.metrics import matching, samples, value
+from support.sse import stream
 from support.token_tap import BusTap, request_id_of
 
 MODEL = "splitserve-default-llama"
 SAMPLINGS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.8, "top_p": 0.9, "seed": 11}}
-
-
-def stream(base_url: str, body: dict, on_chunk=lambda chunks: None) -> list[dict]:
-    """Every SSE data object of a streamed completion, `on_chunk` called with them as each arrives."""
-    events = []
-    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=120) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                events.append(json.loads(line[len("data: "):]))
-                on_chunk(events)
-    return events
 
 
 @pytest.mark.timeout(300)
