@@ -58,6 +58,9 @@ def snapshot(dep) -> dict:
             data["nats"]["state"] = "running" if alive else "exited"
         else:
             data["nats"]["state"] = "external"
+        for node, out in zip(dep.nats.nodes, data["nats"]["nodes"]):
+            out["alive"] = node.alive()
+            out["state"] = "running" if out["alive"] else "exited"
     return data
 
 
@@ -73,8 +76,13 @@ def format_table(data: dict) -> str:
     rows = [("NAME", "ROLE", "INSTANCE", "PID", "STATE", "RESTARTS", "URL")]
     nats = data.get("nats")
     if nats:
-        rows.append(("nats", "nats", "-", str(nats.get("pid") or "-") if nats["embedded"] else "-",
-                     nats["state"], str(nats.get("restarts", 0)), nats.get("url") or "-"))
+        nodes = nats.get("nodes") or []
+        first_url = (nats.get("url") or "-").split(",")[0] if nodes else nats.get("url") or "-"
+        rows.append(("nats-0" if nodes else "nats", "nats", "-", str(nats.get("pid") or "-") if nats["embedded"] else "-",
+                     nats["state"], str(nats.get("restarts", 0)), first_url))
+        for node in nodes:
+            rows.append((node["name"], "nats", "-", str(node.get("pid") or "-"), node["state"],
+                         str(node.get("restarts", 0)), node["url"]))
     for s in data["services"]:
         rows.append((s["name"], s["role"], s["instance_id"], str(s.get("pid") or "-"), s["state"],
                      str(s.get("restarts", 0)), s.get("url") or "-"))

@@ -134,7 +134,15 @@ def add_parser(subcommands) -> None:
                              "SPLITSERVE_API_KEY, comma-separated, which other local users cannot read)")
     parser.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000, help="port the gateway listens on (default: 8000)")
-    parser.add_argument("--nats", metavar="URL", help="use this NATS server (with JetStream) instead of starting one")
+    parser.add_argument("--nats", metavar="URL",
+                        help="use this NATS server (with JetStream) instead of starting one; a cluster's as "
+                             "URL,URL,...")
+    parser.add_argument("--nats-cluster", type=_positive_int, default=1, metavar="N",
+                        help="start N embedded NATS servers clustered on loopback (JetStream replicated; 3 rides "
+                             "out the loss of one) instead of one (default: 1)")
+    parser.add_argument("--nats-replicas", type=_positive_int, metavar="N",
+                        help="copies of each JetStream stream and bucket (default: 3 on a cluster of 3 nodes or "
+                             "more, else 1)")
     parser.add_argument("--nats-creds-dir", metavar="DIR",
                         help="with --nats: each service's credentials, DIR/ROLE.nk (`splitserve nats-auth DIR` "
                              "writes them and the server's authorization config)")
@@ -198,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
         kv_store_disk_bytes=args.kv_store_disk_bytes,
         api_keys=take_gateway_api_keys(args.api_key),
         host=args.host,
+        nats_cluster=args.nats_cluster,
+        nats_replicas=args.nats_replicas,
         port=args.port,
         nats=args.nats,
         nats_auth=args.nats_auth,

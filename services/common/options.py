@@ -10,7 +10,12 @@ def env_default(name: str, default):
 
 
 def add_bus_options(parser: argparse.ArgumentParser, role: str) -> None:
-    parser.add_argument("--nats", default=env_default("NATS_URL", "nats://127.0.0.1:4222"), help="NATS server URL")
+    parser.add_argument("--nats", default=env_default("NATS_URL", "nats://127.0.0.1:4222"),
+                        help="NATS server URL; a cluster's as URL,URL,... (the client fails over between them)")
+    replicas = env_default("NATS_REPLICAS", None)
+    parser.add_argument("--nats-replicas", type=int, default=int(replicas) if replicas else None, metavar="N",
+                        help="copies of each JetStream stream and bucket this service creates or updates (also "
+                             "SPLITSERVE_NATS_REPLICAS; default: 3 on a cluster of 3 nodes or more, else 1)")
     parser.add_argument("--nats-creds", metavar="FILE",
                         help="this service's NATS credentials: an NKey seed file or a .creds file (also "
                              "SPLITSERVE_NATS_CREDS; or the seed itself in SPLITSERVE_NATS_NKEY_SEED)")

@@ -8,20 +8,22 @@ from shared.bus.provision import ensure_pull_consumer, ensure_stream
 REQUEST_ACK_WAIT_S = 10.0
 
 
-async def provision_request_queue(js, subjects: Subjects) -> None:
+async def provision_request_queue(js, subjects: Subjects, replicas: int = 1) -> None:
     """gateway -> scheduler: bounded, de-duplicated by request id."""
     await ensure_stream(js, name=subjects.requests_stream, subjects=[subjects.submit], retention="workqueue",
-                        max_msgs=100_000, max_bytes=1 << 30, max_age_s=600, duplicate_window_s=120)
+                        max_msgs=100_000, max_bytes=1 << 30, max_age_s=600, duplicate_window_s=120,
+                        replicas=replicas)
     await ensure_pull_consumer(js, stream=subjects.requests_stream, durable=subjects.scheduler_consumer,
                                filter_subject=subjects.submit, ack_wait_s=REQUEST_ACK_WAIT_S, max_deliver=5,
                                max_ack_pending=10_000)
 
 
-async def provision_prefill_queue(js, subjects: Subjects) -> None:
+async def provision_prefill_queue(js, subjects: Subjects, replicas: int = 1) -> None:
     """decode -> prefill pool. A short ack wait (kept alive by in-progress acks) gets a dead worker's job
     redelivered within seconds; a few deliveries at most, after which the decode worker prefills locally."""
     await ensure_stream(js, name=subjects.prefill_stream, subjects=[subjects.prefill_jobs], retention="workqueue",
-                        max_msgs=100_000, max_bytes=1 << 30, max_age_s=300, duplicate_window_s=120)
+                        max_msgs=100_000, max_bytes=1 << 30, max_age_s=300, duplicate_window_s=120,
+                        replicas=replicas)
     await ensure_pull_consumer(js, stream=subjects.prefill_stream, durable=subjects.prefill_consumer,
                                filter_subject=subjects.prefill_jobs, ack_wait_s=4, max_deliver=3,
                                max_ack_pending=10_000)

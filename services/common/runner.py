@@ -7,6 +7,7 @@ from contracts import Subjects
 from services.common.options import bus_credentials, bus_tls
 from shared.bus.connection import ShutdownSignal, connect, drain
 from shared.bus.permissions import inbox_prefix
+from shared.bus.provision import ProvisionError, cluster_size, replicas_for
 from shared.bus.registry import Registry
 from shared.bus.service import run_until_stopped
 from shared.telemetry.logging import configure_logging, get_logger
@@ -14,7 +15,8 @@ from shared.telemetry.tracing import configure_tracing, shutdown_tracing
 
 
 async def run_service(args: argparse.Namespace, role: str, build: Callable[..., Awaitable]) -> int:
-    """`build(nc=, js=, registry=, subjects=)` returns an object with `async start() -> tasks` and `async stop()`
+    """`build(nc=, js=, registry=, subjects=, replicas=)` (`replicas`: for the JetStream streams it provisions)
+    returns an object with `async start() -> tasks` and `async stop()`
     (and maybe `async drain()`, run on a shutdown signal before its tasks are cancelled).
 
     Exit code 0 after SIGTERM/SIGINT, 70 when one of the service's tasks crashed
@@ -28,8 +30,13 @@ async def run_service(args: argparse.Namespace, role: str, build: Callable[..., 
     nc = await connect(args.nats, name=args.instance_id, credentials=bus_credentials(args), tls=bus_tls(args),
                        inbox_prefix=inbox_prefix(args.namespace, role))
     js = nc.jetstream()
-    registry = await Registry.open(js, subjects.registry_bucket)
-    service = await build(nc=nc, js=js, registry=registry, subjects=subjects)
+    try:
+        replicas = replicas_for(args.nats_replicas, cluster_size(nc))
+    except ProvisionError as exc:
+        await nc.close()
+        raise SystemExit(f"error: {exc}") from None
+    registry = await Registry.open(js, subjects.registry_bucket, replicas=replicas)
+    service = await build(nc=nc, js=js, registry=registry, subjects=subjects, replicas=replicas)
     tasks = await service.start()
     log.info(f"{role} ready", instance_id=args.instance_id)
     # A service with a `drain()` (a model worker) drains while its tasks still run.

@@ -66,7 +66,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     tls = transfer_tls_of(args)
 
-    async def build(nc, js, registry, subjects):
+    async def build(nc, js, registry, subjects, replicas):
         cpu_share = cpu_share_from_args(args)
         engine_thread = EngineThread()
         engine = await engine_thread.run(LLMEngine, engine_config(args, model_dir))
@@ -75,7 +75,7 @@ async def serve(args: argparse.Namespace) -> int:
             from services.common.queues import provision_prefill_queue
             from shared.transfer import KVReceiver
 
-            await provision_prefill_queue(js, subjects)
+            await provision_prefill_queue(js, subjects, replicas)
             receiver = KVReceiver(tls=tls)
             await receiver.start(args.kv_receiver_host, args.kv_receiver_port,
                                  advertise_host=args.kv_receiver_advertise)

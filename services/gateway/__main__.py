@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                                migration_limit=args.migration_limit, max_waiting_requests=args.max_waiting_requests,
                                stream_idle_timeout_s=args.stream_idle_timeout,
                                nats_credentials=bus_credentials(args), nats_tls=bus_tls(args),
+                               nats_replicas=args.nats_replicas,
                                run_dir=os.environ.get(RUN_DIR_ENV))
     # uvicorn re-raises the signal that stopped it into the handler installed before it; a no-op one lets the
     # gateway exit 0 like every service.

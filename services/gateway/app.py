@@ -45,6 +45,7 @@ from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS, RequestStream
 from shared.bus.connection import connect, drain
 from shared.bus.credentials import BusCredentials
 from shared.bus.permissions import inbox_prefix
+from shared.bus.provision import cluster_size, replicas_for
 from shared.bus.registry import Heartbeat, Registry
 from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
@@ -75,6 +76,7 @@ class GatewaySettings:
     run_dir: str | None = None  # the launcher's, whose deployment.json says which services it marked failed
     nats_credentials: BusCredentials | None = None
     nats_tls: ssl.SSLContext | None = None
+    nats_replicas: int | None = None  # the registry bucket's copies on a cluster (None: by its size)
 
     def __repr__(self) -> str:  # never print the keys
         return f"GatewaySettings({self.instance_id!r}, {len(self.api_keys)} API key(s))"
@@ -98,7 +100,8 @@ class Gateway:
         self.nc = await connect(self.settings.nats_url, name=self.settings.instance_id,
                                 credentials=self.settings.nats_credentials, tls=self.settings.nats_tls,
                                 inbox_prefix=inbox_prefix(self.settings.namespace, "gateway"))
-        self.registry = await Registry.open(self.nc.jetstream(), self.subjects.registry_bucket)
+        replicas = replicas_for(self.settings.nats_replicas, cluster_size(self.nc))
+        self.registry = await Registry.open(self.nc.jetstream(), self.subjects.registry_bucket, replicas=replicas)
         await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)
         self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
                                       streams=self.streams, migration_limit=self.settings.migration_limit,

@@ -6,6 +6,8 @@ a new bus id with the tokens its client already has, the new worker computes the
 and the old one is told to cancel (a stalled worker that wakes up drops it). The client sees one stream.
 """
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,6 +25,10 @@ DEFAULT_IDLE_TIMEOUT_S = 5.0
 # The failures a request moves on from: its worker's or its stream's, never the request's own (bad input,
 # overload, no worker).
 MOVABLE_FAILURES = frozenset({"worker_failed", "timeout", "stream_broken"})
+# The request queue may be without a leader for a few seconds when a cluster node goes: submits are sent again
+# for this long before the client gets a 503.
+SUBMIT_RETRY_S = 10.0
+SUBMIT_RETRY_PAUSE_S = 0.25
 
 
 def may_move(code: str, moves: int, migration_limit: int) -> bool:
@@ -87,13 +93,21 @@ class RequestBus:
             moved_from=list(stream.failed_on),
             moves=stream.moves,
         )
-        try:
-            # Nats-Msg-Id lets JetStream drop a re-sent duplicate of the same attempt.
-            await self.js.publish(self.subjects.submit, request.encode(), timeout=5.0,
-                                  headers={**submission.headers, "Nats-Msg-Id": stream.bus_id})
-        except Exception as exc:  # NATS down, no stream, publish timeout
-            log.warning("submit failed", request_id=stream.request_id, error=repr(exc))
-            raise StreamError("no_worker", "the request queue is unavailable", retry_after_s=1.0) from exc
+        # Nats-Msg-Id lets JetStream drop a re-sent duplicate of the same attempt: sent again while the queue has
+        # no leader (a cluster node lost, a new one being elected), it is queued once.
+        headers = {**submission.headers, "Nats-Msg-Id": stream.bus_id}
+        deadline = time.monotonic() + SUBMIT_RETRY_S
+        while True:
+            try:
+                await self.js.publish(self.subjects.submit, request.encode(), headers=headers,
+                                      timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+                break
+            except Exception as exc:  # NATS down, no stream or no leader for it, publish timeout
+                if time.monotonic() + SUBMIT_RETRY_PAUSE_S >= deadline:
+                    log.warning("submit failed", request_id=stream.request_id, error=repr(exc))
+                    raise StreamError("no_worker", "the request queue is unavailable", retry_after_s=1.0) from exc
+                log.info("submit failed; trying again", request_id=stream.request_id, error=repr(exc))
+                await asyncio.sleep(SUBMIT_RETRY_PAUSE_S)
         event = await stream.next_event(self.assign_timeout_s)
         if not isinstance(event, Assignment):
             raise StreamError("internal", "the worker streamed tokens before taking the request")

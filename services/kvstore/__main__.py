@@ -41,7 +41,7 @@ async def serve(args: argparse.Namespace) -> int:
     # a second OpenMP thread waits for a core at every op: one 737 KB block's checksum took 7.8 ms instead of 0.03.
     torch.set_num_threads(1)
 
-    async def build(nc, js, registry, subjects):
+    async def build(nc, js, registry, subjects, replicas):
         store = TieredBlockStore(args.kv_store_ram_bytes, args.kv_store_disk_bytes, args.kv_store_dir)
         receiver = KVReceiver(tls=tls)
         await receiver.start(args.transfer_host, 0, advertise_host=args.transfer_advertise)

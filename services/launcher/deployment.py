@@ -84,17 +84,39 @@ class ServiceRecord:
 
 
 @dataclass
-class NatsRecord:
+class NatsNode:
+    """One more node of an embedded cluster (`up --nats-cluster N`)."""
+    name: str
     url: str
-    embedded: bool
     pid: int | None = None
     start_time: int | None = None
     restarts: int = 0
     log: str | None = None
+
+    def alive(self) -> bool:
+        return pid_alive(self.pid, self.start_time)
+
+
+@dataclass
+class NatsRecord:
+    url: str  # every server's, comma-separated on a cluster
+    embedded: bool
+    pid: int | None = None  # the embedded server's (the first node's on a cluster)
+    start_time: int | None = None
+    restarts: int = 0
+    log: str | None = None
     creds_dir: str | None = None  # each role's NATS credentials (ROLE.nk; admin.nk for the operator)
+    nodes: list[NatsNode] = field(default_factory=list)  # an embedded cluster's other nodes
 
     def alive(self) -> bool:
         return self.embedded and pid_alive(self.pid, self.start_time)
+
+    def processes(self) -> list[tuple[str, int | None, bool]]:
+        """(name, pid, alive) of every embedded server."""
+        if not self.embedded:
+            return []
+        first = "nats" if not self.nodes else "nats-0"
+        return [(first, self.pid, self.alive()), *((n.name, n.pid, n.alive()) for n in self.nodes)]
 
 
 @dataclass
@@ -131,7 +153,9 @@ class Deployment:
         nats = data.pop("nats", None)
         services = data.pop("services", None) or []
         dep = cls(**_pick(cls, data))
-        dep.nats = NatsRecord(**_pick(NatsRecord, nats)) if nats else None
+        if nats:
+            nodes = [NatsNode(**_pick(NatsNode, n)) for n in nats.pop("nodes", None) or []]
+            dep.nats = NatsRecord(**_pick(NatsRecord, nats), nodes=nodes)
         dep.services = [ServiceRecord(**_pick(ServiceRecord, s)) for s in services]
         return dep
 
@@ -171,8 +195,8 @@ def read_deployment(run_dir: str | os.PathLike) -> Deployment | None:
 def leftover_processes(deployment: Deployment) -> list[tuple[str, int]]:
     """(name, pid) of processes of a dead launcher's deployment still running."""
     left = [(s.name, s.pid) for s in deployment.services if s.alive()]
-    if deployment.nats is not None and deployment.nats.alive():
-        left.append(("nats", deployment.nats.pid))
+    if deployment.nats is not None:
+        left += [(name, pid) for name, pid, alive in deployment.nats.processes() if alive]
     return left
 
 

@@ -37,6 +37,7 @@ from services.launcher.deployment import (
     STOPPING,
     Deployment,
     DeploymentError,
+    NatsNode,
     NatsRecord,
     RunDirBusy,
     RunDirLock,
@@ -48,7 +49,14 @@ from services.launcher.deployment import (
 )
 from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, RotatingLog
 from services.launcher.nats_auth import creds_path, ensure_credentials, write_server_config
-from services.launcher.nats_server import EmbeddedNats, NatsServerError, nats_endpoints, wait_for_nats
+from services.launcher.nats_server import (
+    EmbeddedNats,
+    EmbeddedNatsCluster,
+    NatsServerError,
+    jetstream_answers,
+    nats_endpoints,
+    wait_for_nats,
+)
 from services.launcher.procs import describe_exit, process_start_time
 from services.launcher.supervisor import (
     RestartPolicy,
@@ -59,6 +67,7 @@ from services.launcher.supervisor import (
 )
 from services.launcher.tls_files import TLSFiles, make_deployment_tls
 from shared.bus.permissions import ROLES
+from shared.bus.provision import ProvisionError, replicas_for
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,6 +112,8 @@ class UpOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     nats: str | None = None
+    nats_cluster: int = 1  # embedded NATS servers, clustered on loopback when more than one
+    nats_replicas: int | None = None  # copies of each stream and bucket (None: 3 on 3 nodes or more, else 1)
     nats_auth: bool = True  # the embedded server: per-role NKey users with least-privilege permissions
     nats_creds_dir: str | None = None  # --nats: a directory of ROLE.nk seeds (from `splitserve nats-auth`)
     tls: bool = False  # the embedded server speaks only TLS, with a certificate from a CA made for the deployment
@@ -207,10 +218,10 @@ class Launcher:
         self._stop_requested = False
         self._stage_ranges: tuple[tuple[int, int], ...] = ()
         self._phoenix: str | None = None  # the trace viewer's command, with --trace-viewer
-        self.nats: EmbeddedNats | None = None
+        self.nats: EmbeddedNatsCluster | None = None
         self.supervisor: Supervisor | None = None
         self.deployment: Deployment | None = None
-        self._nats_restart_times: list[float] = []
+        self._nats_restart_times: dict[str, list[float]] = {}  # per node
         self._snapshot: object = None
 
     # -- control ----------------------------------------------------------------
@@ -280,6 +291,14 @@ class Launcher:
         if o.tls and o.nats is not None:
             raise LaunchError("--tls makes the embedded server's certificate; for a --nats server give its CA "
                               "with --nats-tls-ca", 2)
+        if o.nats is not None and o.nats_cluster != 1:
+            raise LaunchError("--nats-cluster starts embedded servers; with --nats give every server's URL "
+                              "(URL,URL,...)", 2)
+        if o.nats is None:
+            try:
+                replicas_for(o.nats_replicas, o.nats_cluster)
+            except (ProvisionError, ValueError) as exc:
+                raise LaunchError(str(exc) + " (--nats-cluster N starts N)", 2) from None
         if o.nats_tls_ca is not None and o.nats is None:
             raise LaunchError("--nats-tls-ca is for a --nats server; the embedded one gets --tls", 2)
         if o.nats_creds_dir is not None:
@@ -415,9 +434,11 @@ class Launcher:
             tls_ca = str(tls.ca_cert) if tls is not None else None
             transfer_tls = (str(tls.ca_cert), str(tls.transfer_cert), str(tls.transfer_key)) if tls else None
             creds_dir, server_config = self._bus_config(tls) if o.nats_auth or tls is not None else (None, None)
-            self.nats = EmbeddedNats(self.run_dir, config_file=server_config,
-                                     log=RotatingLog(self.log_dir / "nats.log", o.log_max_bytes, o.log_backups))
-            nats_url = self.nats.start()
+            self.nats = EmbeddedNatsCluster(
+                self.run_dir, o.nats_cluster, config_file=server_config,
+                log_for=lambda name: RotatingLog(self.log_dir / f"{name}.log", o.log_max_bytes, o.log_backups))
+            admin = creds_path(creds_dir, "admin") if creds_dir is not None else None
+            nats_url = self.nats.start(jetstream_ready=lambda url: jetstream_answers(url, admin, tls_ca))
         else:
             nats_url, creds_dir, tls_ca, transfer_tls = o.nats, o.nats_creds_dir, o.nats_tls_ca, None
         self.deployment.nats = NatsRecord(url=nats_url, embedded=self.nats is not None,
@@ -435,6 +456,7 @@ class Launcher:
             kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
             kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
             cpus=worker_cpus(o.cpus), nats_creds_dir=str(creds_dir) if creds_dir else None, nats_tls_ca=tls_ca,
+            nats_replicas=o.nats_replicas,
             transfer_tls=transfer_tls, cpu_loan_dir=str(self.run_dir / "cpu-loans") if o.lend_idle_cpus else None,
         )
         specs = topology.plan(config)
@@ -475,8 +497,11 @@ class Launcher:
                 rec.pid, rec.start_time = child.pid, child.start_time
                 rec.restarts, rec.state, rec.exit_code = child.restarts, child.state.value, child.exit_code
         if self.nats is not None and dep.nats is not None:
-            dep.nats.pid, dep.nats.start_time = self.nats.pid, self.nats.start_time
-            dep.nats.restarts, dep.nats.log = self.nats.restarts, str(self.nats.log_path)
+            first, *others = self.nats.nodes
+            dep.nats.pid, dep.nats.start_time = first.pid, first.start_time
+            dep.nats.restarts, dep.nats.log = first.restarts, str(first.log_path)
+            dep.nats.nodes = [NatsNode(name=n.server_name, url=n.url, pid=n.pid, start_time=n.start_time,
+                                       restarts=n.restarts, log=str(n.log_path)) for n in others]
         snapshot = (dep.state, dep.message, repr(dep.nats), [repr(s) for s in dep.services])
         if force or snapshot != self._snapshot:
             self._snapshot = snapshot
@@ -496,8 +521,9 @@ class Launcher:
             self._report(event)
         if self.deployment is not None and self.deployment.state in (READY, DEGRADED):
             self.deployment.state = DEGRADED if self.supervisor.failed() else READY
-        if self.nats is not None and self.nats.poll() is not None:
-            self._restart_nats()
+        if self.nats is not None:
+            for node in self.nats.exited():
+                self._restart_nats(node)
         self._record()
 
     def _failing_message(self, child) -> str:
@@ -519,15 +545,16 @@ class Launcher:
         elif event.kind == "gave_up":
             self._say(f"{event.message}; the other services keep serving\n" + self._failing_message(child))
 
-    def _restart_nats(self) -> None:
-        assert self.nats is not None
+    def _restart_nats(self, node: EmbeddedNats) -> None:
         now = time.monotonic()
-        how = describe_exit(self.nats.poll())
-        if should_give_up(self._nats_restart_times, now, self.policy):
-            raise LaunchError(f"the embedded NATS server {how} and keeps failing; see {self.nats.log_path}", 1)
-        self._nats_restart_times.append(now)
-        self._say(f"the embedded NATS server {how}; restarting it on the same port")
-        self.nats.start()
+        how = describe_exit(node.poll())
+        times = self._nats_restart_times.setdefault(node.server_name, [])
+        server = "the embedded NATS server" + (f" {node.server_name}" if node.cluster is not None else "")
+        if should_give_up(times, now, self.policy):
+            raise LaunchError(f"{server} {how} and keeps failing; see {node.log_path}", 1)
+        times.append(now)
+        self._say(f"{server} {how}; restarting it on the same port")
+        node.start()
 
     def _wait_ready(self) -> bool:
         """Poll the gateway's /ready until every service is (and the trace viewer answers); False if asked to stop
@@ -561,8 +588,9 @@ class Launcher:
             if child.restarts:
                 note += f", {child.restarts} restarts, last {describe_exit(child.exit_code)}"
             lines.append(f"  {child.name:<14} {note:<40} {child.log_path}")
-        if self.nats is not None:
-            lines.append(f"  {'nats':<14} {'running' if self.nats.running else 'exited':<40} {self.nats.log_path}")
+        for node in self.nats.nodes if self.nats is not None else ():
+            name = "nats" if len(self.nats.nodes) == 1 else node.server_name
+            lines.append(f"  {name:<14} {'running' if node.running else 'exited':<40} {node.log_path}")
         return "\n".join(lines)
 
     def _print_ready(self, served_name: str) -> None:

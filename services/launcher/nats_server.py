@@ -9,6 +9,7 @@ loopback only, keeps its JetStream data in `RUN_DIR/nats` and logs to
 from __future__ import annotations
 
 import json
+import secrets
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -140,6 +142,27 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+@dataclass(frozen=True)
+class ClusterRoutes:
+    """One node's place in an embedded cluster: the cluster's name, this node's route port, every node's route
+    port (its own included: a server skips itself), and the credentials routes authenticate with."""
+    name: str
+    port: int
+    ports: tuple[int, ...]
+    user: str
+    password: str
+
+    def config(self, host: str) -> str:
+        routes = ", ".join(f'"nats-route://{self.user}:{self.password}@{_host_for_url(host)}:{p}"' for p in self.ports)
+        return (f'cluster {{\n  name: "{self.name}"\n  listen: "{_host_for_url(host)}:{self.port}"\n'
+                f'  authorization {{ user: "{self.user}", password: "{self.password}" }}\n'
+                f'  routes: [{routes}]\n}}\n')
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 class EmbeddedNats:
     """A private nats-server with JetStream, on loopback.
 
@@ -162,8 +185,12 @@ class EmbeddedNats:
         log: RotatingLog | None = None,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
+        server_name: str = "splitserve-embedded",
+        cluster: ClusterRoutes | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.server_name = server_name
+        self.cluster = cluster  # a node of an embedded cluster (`EmbeddedNatsCluster`)
         self.host = host
         self.requested_port = port
         self.port: int | None = port
@@ -171,8 +198,9 @@ class EmbeddedNats:
         self.config_file = config_file  # e.g. the deployment's authorization (see `nats_auth`)
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        self.store_dir = self.run_dir / "nats"
-        self.log_path = self.run_dir / "logs" / "nats.log"
+        # A cluster's nodes each keep their own JetStream data and log.
+        self.store_dir = self.run_dir / "nats" / (server_name if cluster else "")
+        self.log_path = self.run_dir / "logs" / (f"{server_name}.log" if cluster else "nats.log")
         self._log = log  # where its output goes (made on first start if not given)
         self.process: subprocess.Popen | None = None
         self.start_time: int | None = None
@@ -197,7 +225,8 @@ class EmbeddedNats:
         return self.process.poll() if self.process is not None else None
 
     def argv(self, binary: Path, port: int) -> list[str]:
-        config = ["--config", str(self.config_file)] if self.config_file is not None else []
+        config_file = self._node_config() if self.cluster is not None else self.config_file
+        config = ["--config", str(config_file)] if config_file is not None else []
         return [
             str(binary),
             *config,
@@ -205,8 +234,20 @@ class EmbeddedNats:
             "--port", str(port),
             "--jetstream",
             "--store_dir", str(self.store_dir),
-            "--server_name", "splitserve-embedded",
+            "--server_name", self.server_name,
         ]
+
+    def _node_config(self) -> Path:
+        """A cluster node's config: its routes (their password readable by the owner only), and the shared
+        config (authorization, TLS) included."""
+        path = self.run_dir / f"{self.server_name}.conf"
+        text = self.cluster.config(self.host)
+        if self.config_file is not None:  # nats-server resolves an include against the including file's folder
+            text = f'include "{os.path.relpath(Path(self.config_file).resolve(), path.parent.resolve())}"\n' + text
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return path
 
     def start(self) -> str:
         """Start the server (again, after it died) and return its URL."""
@@ -286,3 +327,107 @@ class EmbeddedNats:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class EmbeddedNatsCluster:
+    """`size` embedded nats-servers clustered on loopback (routes authenticated with a password made here), each
+    with JetStream: a local cluster to try replication and a node's loss on. `size=1` is one plain server.
+
+    `start()` returns the URL list (URL,URL,...) once every node answers and JetStream has a meta leader.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, size: int = 1, *, host: str = "127.0.0.1",
+                 config_file: str | os.PathLike | None = None, log_for=None, start_timeout_s: float = 30.0,
+                 binary: str | os.PathLike | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"a NATS cluster has 1 node or more, not {size}")
+        self.run_dir = Path(run_dir)
+        self.size = size
+        self.start_timeout_s = start_timeout_s
+        log_for = log_for or (lambda name: None)
+        if size == 1:
+            self.nodes = [EmbeddedNats(run_dir, host=host, config_file=config_file, log=log_for("nats"), binary=binary)]
+            return
+        ports = _distinct_free_ports(host, 2 * size)
+        client_ports, route_ports = ports[:size], ports[size:]
+        password = secrets.token_urlsafe(24)
+        self.nodes = [
+            EmbeddedNats(run_dir, host=host, port=client_ports[i], config_file=config_file, binary=binary,
+                         server_name=f"nats-{i}", log=log_for(f"nats-{i}"),
+                         cluster=ClusterRoutes("splitserve", route_ports[i], tuple(route_ports), "route", password))
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    def start(self, jetstream_ready=None) -> str:
+        """Start every node; then, on a cluster, wait until `jetstream_ready(url)` (a JetStream API call answered)
+        is true."""
+        for node in self.nodes:
+            node.start()
+        if self.size > 1 and jetstream_ready is not None:
+            deadline = time.monotonic() + self.start_timeout_s
+            while not jetstream_ready(self.url):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise NatsServerError(f"the {self.size}-node NATS cluster had no JetStream leader within "
+                                          f"{self.start_timeout_s:g} s; see {self.nodes[0].log_path}")
+                time.sleep(0.2)
+        return self.url
+
+    def exited(self) -> list[EmbeddedNats]:
+        return [node for node in self.nodes if node.poll() is not None]
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        for node in self.nodes:  # SIGTERM to all first: the nodes stop together, not one timeout after another
+            if node.running:
+                signal_group(node.process.pid, signal.SIGTERM)
+        for node in self.nodes:
+            node.stop(timeout_s)
+
+    def __enter__(self) -> EmbeddedNatsCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _distinct_free_ports(host: str, count: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def jetstream_answers(url: str, creds_file: str | os.PathLike | None = None,
+                      tls_ca: str | os.PathLike | None = None) -> bool:
+    """Whether JetStream at `url` answers an API call now (on a cluster: it has a meta leader)."""
+    import asyncio
+
+    import nats
+
+    from shared.bus.credentials import credentials_from
+    from shared.bus.tls import client_tls_context
+
+    async def ask() -> bool:
+        options = credentials_from(str(creds_file), environ={}).connect_options() if creds_file is not None else {}
+        try:
+            nc = await nats.connect(servers=url.split(","), connect_timeout=1, max_reconnect_attempts=0,
+                                    allow_reconnect=False, tls=client_tls_context(tls_ca, None, None, environ={}),
+                                    **options)
+        except Exception:
+            return False
+        try:
+            await nc.jetstream(timeout=1.0).account_info()
+            return True
+        except Exception:
+            return False
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())

@@ -52,6 +52,7 @@ class UpConfig:
     cpus: tuple[int, ...] = ()  # shared out among the model workers (decode, prefill, stage); () leaves it to the OS
     nats_creds_dir: str | None = None  # each service gets `--nats-creds DIR/ROLE.nk` (None: no credentials)
     nats_tls_ca: str | None = None  # each service talks TLS to NATS, trusting this CA
+    nats_replicas: int | None = None  # each service's `--nats-replicas` (None: theirs, by the cluster's size)
     transfer_tls: tuple[str, str, str] | None = None  # (CA, cert, key): every side channel speaks TLS only
     cpu_loan_dir: str | None = None  # disagg: idle prefill workers lend their CPUs to decode workers (loan files here)
 
@@ -134,6 +135,8 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
         specs = _with_cpu_loans(specs, shares, config.cpu_loan_dir)
     if config.nats_tls_ca is not None:
         specs = [dataclasses.replace(s, args=(*s.args, "--nats-tls-ca", config.nats_tls_ca)) for s in specs]
+    if config.nats_replicas is not None:
+        specs = [dataclasses.replace(s, args=(*s.args, "--nats-replicas", str(config.nats_replicas))) for s in specs]
     if config.transfer_tls is not None:
         ca, cert, key = config.transfer_tls
         specs = [dataclasses.replace(s, args=(*s.args, "--transfer-tls-ca", ca, "--transfer-tls-cert", cert,

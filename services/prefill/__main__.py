@@ -45,12 +45,12 @@ async def serve(args: argparse.Namespace) -> int:
     model_dir, served_name = resolve_model(args)
     tls = transfer_tls_of(args)
 
-    async def build(nc, js, registry, subjects):
+    async def build(nc, js, registry, subjects, replicas):
         cpu_share = cpu_share_from_args(args)  # before loading: its CPUs are not lent while it loads
         engine_thread = EngineThread()
         engine = await engine_thread.run(LLMEngine, engine_config(args, model_dir),
                                          kv_allocator=kv_cache_allocator(args.kv_transport, args.device))
-        await provision_prefill_queue(js, subjects)
+        await provision_prefill_queue(js, subjects, replicas)
         worker = EngineWorker(nc=nc, registry=registry, subjects=subjects, engine=engine, engine_thread=engine_thread,
                               instance_id=args.instance_id, role="prefill", model=model_dir,
                               served_model_name=served_name, cpu_share=cpu_share)

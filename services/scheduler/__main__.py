@@ -38,8 +38,8 @@ async def serve(args: argparse.Namespace) -> int:
     from services.common.runner import run_service
     from services.scheduler.router import Router
 
-    async def build(nc, js, registry, subjects):
-        await provision_request_queue(js, subjects)
+    async def build(nc, js, registry, subjects, replicas):
+        await provision_request_queue(js, subjects, replicas)
         return Router(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id,
                       handoff_timeout_s=args.handoff_timeout, max_local_prefill=args.max_local_prefill,
                       max_prefill_queue=args.max_prefill_queue, offload_short_prefills=args.offload_short_prefills,

@@ -139,7 +139,7 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit("--microbatches must be at least 1")
     tls = transfer_tls_of(args)
 
-    async def build(nc, js, registry, subjects):
+    async def build(nc, js, registry, subjects, replicas):
         engine_thread = EngineThread()
         # An activation travels as one part: a prefill chunk of 8k tokens of a 8192-wide float32 model is 256 MiB.
         receiver = KVReceiver(max_part_bytes=1 << 30, max_buffer_bytes=2 << 30, tls=tls)
@@ -170,7 +170,7 @@ async def serve(args: argparse.Namespace) -> int:
             from services.common.queues import provision_prefill_queue
             from services.stage.prefill_head import prefill_pipeline_head
 
-            await provision_prefill_queue(js, subjects)
+            await provision_prefill_queue(js, subjects, replicas)
             return prefill_pipeline_head(worker, driver, max_concurrent_jobs=args.max_concurrent_jobs,
                                          kv_transport=args.kv_transport, transfer_tls=tls)
         from services.stage.head import decode_pipeline_head

@@ -22,6 +22,9 @@ from shared.telemetry.logging import get_logger
 log = get_logger(__name__)
 
 
+PING_INTERVAL_S = 5.0
+
+
 class BusConnectionError(ConnectionError):
     """The first connection to NATS could not be made."""
 
@@ -75,6 +78,10 @@ async def connect(
                 connect_timeout=min(2.0, connect_timeout_s),
                 reconnect_time_wait=reconnect_wait_s,
                 max_reconnect_attempts=-1,  # forever: a NATS restart must not end the service
+                # A server that goes silent (frozen, or its host cut off) is left for another of the cluster's
+                # within ~10 s, not the client's default 4 minutes.
+                ping_interval=PING_INTERVAL_S,
+                max_outstanding_pings=2,
                 disconnected_cb=on_disconnected,
                 reconnected_cb=on_reconnected,
                 error_cb=on_error,

@@ -33,6 +33,29 @@ class ProvisionError(RuntimeError):
     """A stream or consumer could not be brought to the declared configuration."""
 
 
+MAX_REPLICAS = 5  # JetStream's bound on a stream's replicas
+
+
+def replicas_for(requested: int | None, cluster_size: int) -> int:
+    """How many copies of each stream and bucket to keep: `requested` (`--nats-replicas`), else 3 on a cluster of
+    3 nodes or more (one node may go and the rest keep a quorum), else 1."""
+    if requested is None:
+        return 3 if cluster_size >= 3 else 1
+    if not 1 <= requested <= MAX_REPLICAS:
+        raise ProvisionError(f"--nats-replicas must be 1 to {MAX_REPLICAS}, not {requested}")
+    if requested > cluster_size:
+        raise ProvisionError(f"--nats-replicas {requested} needs a NATS cluster of {requested} nodes or more; "
+                             f"this one has {cluster_size}")
+    return requested
+
+
+def cluster_size(nc) -> int:
+    """The nodes of the NATS cluster `nc` is connected to, as its server tells clients (1 when not clustered, or
+    when the cluster does not advertise its members)."""
+    info = getattr(nc, "_server_info", None) or {}
+    return max(1, len(set(info.get("connect_urls") or [])))
+
+
 async def ensure_stream(
     js: JetStreamContext,
     *,
@@ -44,8 +67,9 @@ async def ensure_stream(
     max_bytes: int,
     max_age_s: float,
     duplicate_window_s: float = 120.0,
+    replicas: int = 1,
 ) -> StreamInfo:
-    """Create stream `name`, or update it to this configuration.
+    """Create stream `name` (kept on `replicas` nodes of a cluster), or update it to this configuration.
 
     Limits are required so that every stream is bounded; -1 (or `max_age_s=0`) lifts one explicitly.
     """
@@ -60,6 +84,7 @@ async def ensure_stream(
         max_bytes=max_bytes,
         max_age=max_age_s,
         duplicate_window=duplicate_window_s,
+        num_replicas=replicas,
     )
     try:
         have = await js.stream_info(name)
@@ -123,7 +148,7 @@ def _stream_changes(have: StreamConfig, want: StreamConfig) -> list[str]:
     changes = []
     if sorted(have.subjects or []) != sorted(want.subjects):
         changes.append("subjects")
-    for field in ("retention", "storage", "max_msgs", "max_bytes"):
+    for field in ("retention", "storage", "max_msgs", "max_bytes", "num_replicas"):
         if getattr(have, field) != getattr(want, field):
             changes.append(field)
     for field in ("max_age", "duplicate_window"):

@@ -40,8 +40,9 @@ class Registry:
         self.num_malformed = 0  # entries skipped because they did not decode, counted on every read
 
     @classmethod
-    async def open(cls, js: JetStreamContext, bucket: str, ttl_s: float = 6.0) -> "Registry":
-        """Create the bucket, or bind to it (setting its TTL to `ttl_s` if it differs)."""
+    async def open(cls, js: JetStreamContext, bucket: str, ttl_s: float = 6.0, replicas: int = 1) -> "Registry":
+        """Create the bucket (kept on `replicas` nodes of a cluster), or bind to it (setting its TTL and replicas
+        if they differ)."""
         if ttl_s <= 0:
             raise ValueError(f"registry ttl_s must be positive, got {ttl_s}")
         try:
@@ -49,14 +50,15 @@ class Registry:
         except BucketNotFoundError:
             try:
                 # Two services creating it at once with the same TTL both succeed.
-                kv = await js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1, storage=StorageType.FILE))
-                log.info("registry bucket created", bucket=bucket, ttl_s=ttl_s)
+                kv = await js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1,
+                                                              storage=StorageType.FILE, replicas=replicas))
+                log.info("registry bucket created", bucket=bucket, ttl_s=ttl_s, replicas=replicas)
                 return cls(js, kv, bucket, ttl_s)
             except APIError as exc:
                 if exc.err_code != STREAM_NAME_IN_USE:
                     raise
                 kv = await js.key_value(bucket)  # created meanwhile with another TTL
-        await _set_ttl(js, bucket, kv, ttl_s)
+        await _configure(js, bucket, kv, ttl_s, replicas)
         return cls(js, kv, bucket, ttl_s)
 
     async def put(self, info: ServiceInfo) -> None:
@@ -169,14 +171,16 @@ class Heartbeat:
             log.warning("heartbeat failed", error=str(exc) or type(exc).__name__, num_failed=self.num_failed)
 
 
-async def _set_ttl(js: JetStreamContext, bucket: str, kv: KeyValue, ttl_s: float) -> None:
+async def _configure(js: JetStreamContext, bucket: str, kv: KeyValue, ttl_s: float, replicas: int) -> None:
     config = (await kv.status()).stream_info.config
-    if round((config.max_age or 0) * 1e9) == round(ttl_s * 1e9):
+    if round((config.max_age or 0) * 1e9) == round(ttl_s * 1e9) and (config.num_replicas or 1) == replicas:
         return
     config.max_age = ttl_s
     config.duplicate_window = min(config.duplicate_window or ttl_s, ttl_s)
+    config.num_replicas = replicas
     try:
         await js.update_stream(config)
     except APIError as exc:
-        raise RuntimeError(f"cannot set the TTL of registry bucket {bucket!r} to {ttl_s}s: {exc.description}") from exc
-    log.info("registry bucket ttl updated", bucket=bucket, ttl_s=ttl_s)
+        raise RuntimeError(f"cannot set registry bucket {bucket!r} to a TTL of {ttl_s}s and {replicas} replicas: "
+                           f"{exc.description}") from exc
+    log.info("registry bucket updated", bucket=bucket, ttl_s=ttl_s, replicas=replicas)
