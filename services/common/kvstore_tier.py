@@ -286,12 +286,13 @@ class KVStoreTier(KVConnector):
 async def start_kv_store_tier(args: argparse.Namespace, *, nc, subjects, registry: Registry, engine,
                                engine_loop) -> KVStoreTier:
     """The worker's use of the kv-store, from `add_kv_store_options`' arguments (with `--kv-store`)."""
-    from services.common.options import transfer_tls_of
+    from services.common.options import side_channel_address, transfer_tls_of
     from shared.transfer import KVReceiver, KVSender
 
     tls = transfer_tls_of(args)
     receiver = KVReceiver(tls=tls)
-    await receiver.start(args.kv_store_receiver_host, 0, advertise_host=args.kv_store_receiver_advertise)
+    host, advertise = side_channel_address(args, args.kv_store_receiver_host, args.kv_store_receiver_advertise)
+    await receiver.start(host, 0, advertise_host=advertise)
     client = KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=KVSender(tls=tls),
                            model_fingerprint=engine.fingerprint, timeout_s=args.kv_store_timeout)
     return KVStoreTier(client=client, registry=registry, engine=engine, engine_loop=engine_loop)

@@ -54,8 +54,12 @@ def bus_tls(args: argparse.Namespace):
         raise SystemExit(f"error: {exc}") from None
 
 
-def add_transfer_tls_options(parser: argparse.ArgumentParser) -> None:
-    """For services with a side channel (model workers, the kv-store): TLS on its TCP connections."""
+def add_side_channel_options(parser: argparse.ArgumentParser) -> None:
+    """For services with a side channel (model workers, the kv-store): where it is reached, TLS on it."""
+    parser.add_argument("--advertise-host", default=env_default("ADVERTISE_HOST", None), metavar="ADDR",
+                        help="the address other hosts reach this service's side channel at, which it listens on "
+                             "(also SPLITSERVE_ADVERTISE_HOST; default: the address of the interface that routes "
+                             "to NATS, 127.0.0.1 beside a local NATS)")
     parser.add_argument("--transfer-tls-ca", metavar="FILE",
                         help="side channel over TLS only: trust receivers whose certificate chains to this CA "
                              "(also SPLITSERVE_TRANSFER_TLS_CA; needs the two below)")
@@ -220,7 +224,15 @@ def add_kv_store_options(parser: argparse.ArgumentParser) -> None:
                              "blocks back to it")
     parser.add_argument("--kv-store-timeout", type=float, default=5.0,
                         help="seconds a kv-store lookup or transfer may take before the worker computes instead")
-    parser.add_argument("--kv-store-receiver-host", default=env_default("KV_RECEIVER_HOST", "127.0.0.1"),
-                        help="address the side channel that takes blocks from the kv-store listens on")
+    parser.add_argument("--kv-store-receiver-host", default=env_default("KV_RECEIVER_HOST", None),
+                        help="address the side channel that takes blocks from the kv-store listens on "
+                             "(default: --advertise-host's)")
     parser.add_argument("--kv-store-receiver-advertise", default=env_default("KV_RECEIVER_ADVERTISE", None),
                         help="the address the kv-store dials (needed when listening on 0.0.0.0)")
+
+
+def side_channel_address(args: argparse.Namespace, listen: str | None, advertise: str | None) -> tuple[str, str | None]:
+    """(listen on, advertise) for one of the service's receivers (see `services.common.advertise`)."""
+    from services.common.advertise import route_address, side_channel_addresses
+
+    return side_channel_addresses(listen, advertise, args.advertise_host, lambda: route_address(args.nats))

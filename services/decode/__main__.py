@@ -5,7 +5,8 @@ import sys
 
 from services.common.options import (
     add_bus_options,
-    add_transfer_tls_options,
+    add_side_channel_options,
+    side_channel_address,
     transfer_tls_of,
     add_cpu_loan_options,
     apply_engine_placement,
@@ -22,14 +23,14 @@ from services.common.options import (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve decode", description="A decode worker.")
     add_bus_options(parser, "decode")
-    add_transfer_tls_options(parser)
+    add_side_channel_options(parser)
     add_model_options(parser)
     add_engine_options(parser)
     parser.add_argument("--mode", default="colocated", choices=["colocated", "disagg"],
                         help="colocated: prefills every request itself; disagg: long prompts are prefilled remotely")
     parser.add_argument("--max-active-requests", type=int, default=512, help="running plus queued requests taken at most")
-    parser.add_argument("--kv-receiver-host", default=env_default("KV_RECEIVER_HOST", "127.0.0.1"),
-                        help="address the KV side channel listens on (disagg mode)")
+    parser.add_argument("--kv-receiver-host", default=env_default("KV_RECEIVER_HOST", None),
+                        help="address the KV side channel listens on (disagg mode; default: --advertise-host's)")
     parser.add_argument("--kv-receiver-port", type=int, default=0, help="0: any free port")
     parser.add_argument("--kv-receiver-advertise", default=env_default("KV_RECEIVER_ADVERTISE", None),
                         help="the address prefill workers dial (needed when listening on 0.0.0.0)")
@@ -77,8 +78,8 @@ async def serve(args: argparse.Namespace) -> int:
 
             await provision_prefill_queue(js, subjects, replicas)
             receiver = KVReceiver(tls=tls)
-            await receiver.start(args.kv_receiver_host, args.kv_receiver_port,
-                                 advertise_host=args.kv_receiver_advertise)
+            host, advertise = side_channel_address(args, args.kv_receiver_host, args.kv_receiver_advertise)
+            await receiver.start(host, args.kv_receiver_port, advertise_host=advertise)
         worker = EngineWorker(nc=nc, registry=registry, subjects=subjects, engine=engine, engine_thread=engine_thread,
                               instance_id=args.instance_id, role="decode", model=model_dir,
                               served_model_name=served_name, cpu_share=cpu_share,

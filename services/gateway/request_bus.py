@@ -27,8 +27,9 @@ DEFAULT_IDLE_TIMEOUT_S = 5.0
 MOVABLE_FAILURES = frozenset({"worker_failed", "timeout", "stream_broken"})
 # The request queue may be without a leader for a few seconds when a cluster node goes: submits are sent again
 # for this long before the client gets a 503.
-SUBMIT_RETRY_S = 10.0
+SUBMIT_RETRY_S = 15.0
 SUBMIT_RETRY_PAUSE_S = 0.25
+SUBMIT_ATTEMPT_S = 2.0  # one attempt's wait for the stream's ack (a stuck one gives way to the next)
 
 
 def may_move(code: str, moves: int, migration_limit: int) -> bool:
@@ -100,7 +101,7 @@ class RequestBus:
         while True:
             try:
                 await self.js.publish(self.subjects.submit, request.encode(), headers=headers,
-                                      timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+                                      timeout=max(0.5, min(SUBMIT_ATTEMPT_S, deadline - time.monotonic())))
                 break
             except Exception as exc:  # NATS down, no stream or no leader for it, publish timeout
                 if time.monotonic() + SUBMIT_RETRY_PAUSE_S >= deadline:

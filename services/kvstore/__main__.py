@@ -3,22 +3,30 @@
 import argparse
 import sys
 
-from services.common.options import add_bus_options, add_transfer_tls_options, env_default, run_async, transfer_tls_of
+from services.common.options import (
+    add_bus_options,
+    add_side_channel_options,
+    env_default,
+    run_async,
+    side_channel_address,
+    transfer_tls_of,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve kvstore",
                                      description="A kv-store: prefix KV blocks in RAM, spilling to disk.")
     add_bus_options(parser, "kvstore")
-    add_transfer_tls_options(parser)
+    add_side_channel_options(parser)
     parser.add_argument("--kv-store-ram-bytes", type=int, default=int(env_default("KV_STORE_RAM_BYTES", 1 << 30)),
                         help="RAM tier size; least recently used blocks beyond it spill to disk")
     parser.add_argument("--kv-store-disk-bytes", type=int, default=int(env_default("KV_STORE_DISK_BYTES", 0)),
                         help="disk tier size (0: no disk tier); least recently used blocks beyond it are dropped")
     parser.add_argument("--kv-store-dir", default=env_default("KV_STORE_DIR", None),
                         help="the disk tier's directory (needed with --kv-store-disk-bytes); a restart finds it again")
-    parser.add_argument("--transfer-host", default=env_default("TRANSFER_HOST", "127.0.0.1"),
-                        help="address the side channel listens on; keep it on the deployment's network only")
+    parser.add_argument("--transfer-host", default=env_default("TRANSFER_HOST", None),
+                        help="address the side channel listens on; keep it on the deployment's network only "
+                             "(default: --advertise-host's)")
     parser.add_argument("--transfer-advertise", default=env_default("TRANSFER_ADVERTISE", None),
                         help="the address workers dial (needed when listening on 0.0.0.0)")
     return parser
@@ -44,7 +52,8 @@ async def serve(args: argparse.Namespace) -> int:
     async def build(nc, js, registry, subjects, replicas):
         store = TieredBlockStore(args.kv_store_ram_bytes, args.kv_store_disk_bytes, args.kv_store_dir)
         receiver = KVReceiver(tls=tls)
-        await receiver.start(args.transfer_host, 0, advertise_host=args.transfer_advertise)
+        host, advertise = side_channel_address(args, args.transfer_host, args.transfer_advertise)
+        await receiver.start(host, 0, advertise_host=advertise)
         return KVStoreService(nc=nc, registry=registry, subjects=subjects, instance_id=args.instance_id, store=store,
                               receiver=receiver, sender=KVSender(tls=tls))
 

@@ -144,23 +144,24 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 @dataclass(frozen=True)
 class ClusterRoutes:
-    """One node's place in an embedded cluster: the cluster's name, this node's route port, every node's route
-    port (its own included: a server skips itself), and the credentials routes authenticate with."""
+    """One node's place in a NATS cluster: the cluster's name, the address its routes listen on (HOST:PORT),
+    every node's (its own included: a server skips itself), and the credentials routes authenticate with."""
     name: str
-    port: int
-    ports: tuple[int, ...]
+    listen: str
+    routes: tuple[str, ...]
     user: str
     password: str
 
-    def config(self, host: str) -> str:
-        routes = ", ".join(f'"nats-route://{self.user}:{self.password}@{_host_for_url(host)}:{p}"' for p in self.ports)
-        return (f'cluster {{\n  name: "{self.name}"\n  listen: "{_host_for_url(host)}:{self.port}"\n'
+    def config(self) -> str:
+        """The server config's `cluster` block."""
+        routes = ", ".join(f'"nats-route://{self.user}:{self.password}@{route}"' for route in self.routes)
+        return (f'cluster {{\n  name: "{self.name}"\n  listen: "{self.listen}"\n'
                 f'  authorization {{ user: "{self.user}", password: "{self.password}" }}\n'
                 f'  routes: [{routes}]\n}}\n')
 
 
-def _host_for_url(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class EmbeddedNats:
@@ -241,7 +242,7 @@ class EmbeddedNats:
         """A cluster node's config: its routes (their password readable by the owner only), and the shared
         config (authorization, TLS) included."""
         path = self.run_dir / f"{self.server_name}.conf"
-        text = self.cluster.config(self.host)
+        text = self.cluster.config()
         if self.config_file is not None:  # nats-server resolves an include against the including file's folder
             text = f'include "{os.path.relpath(Path(self.config_file).resolve(), path.parent.resolve())}"\n' + text
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -354,7 +355,8 @@ class EmbeddedNatsCluster:
         self.nodes = [
             EmbeddedNats(run_dir, host=host, port=client_ports[i], config_file=config_file, binary=binary,
                          server_name=f"nats-{i}", log=log_for(f"nats-{i}"),
-                         cluster=ClusterRoutes("splitserve", route_ports[i], tuple(route_ports), "route", password))
+                         cluster=ClusterRoutes("splitserve", host_port(host, route_ports[i]),
+                                               tuple(host_port(host, p) for p in route_ports), "route", password))
             for i in range(size)
         ]
 

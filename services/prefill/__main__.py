@@ -5,7 +5,7 @@ import sys
 
 from services.common.options import (
     add_bus_options,
-    add_transfer_tls_options,
+    add_side_channel_options,
     transfer_tls_of,
     add_cpu_loan_options,
     apply_engine_placement,
@@ -21,7 +21,7 @@ from services.common.options import (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve prefill", description="A prefill worker.")
     add_bus_options(parser, "prefill")
-    add_transfer_tls_options(parser)
+    add_side_channel_options(parser)
     add_model_options(parser)
     add_engine_options(parser)
     parser.add_argument("--max-concurrent-jobs", type=int, default=8, help="prefill jobs taken at once")

@@ -56,7 +56,7 @@ log = get_logger(__name__)
 
 _RECENT_REQUESTS = 10_000  # request ids remembered for de-duplication
 _REFRESH_S = 0.5
-_MOVED_WAIT_MARGIN_MS = 2_000  # a moved request waiting for a worker gives up this long before its deadline
+_WAIT_MARGIN_MS = 2_000  # a request waiting for a worker gives up this long before its deadline
 _SNAPSHOT_RETRY_S = 2.0  # ask one publisher of KV events for a snapshot at most this often
 _MAX_PUBLISHERS = 4096  # publishers remembered for the snapshot retry interval
 ROUTERS = ("load", "kv")
@@ -216,23 +216,26 @@ class Router:
             return "expired"
         if not eligible_workers(self.workers, "decode", request.model):
             await self._refresh()  # the snapshot may predate a worker that just registered
-        outcome = await self._offer_to_workers(request, lease)
-        # A moved request's client holds an open stream and cannot retry it: wait for a worker to come back (one
-        # restarting, a pipeline whose stage restarts), short of its deadline so its gateway hears why.
-        while outcome is None and request.moves and now_ms() + _MOVED_WAIT_MARGIN_MS < request.deadline_ms:
+        outcome, unreached = await self._offer_to_workers(request, lease)
+        # Wait for a worker, short of the request's deadline (so that its gateway hears why), where a 503 would be
+        # wrong: a moved request's client holds an open stream and cannot retry it (wait for a worker to come
+        # back: one restarting, a pipeline whose stage restarts); and no worker was reached at all (this
+        # scheduler's NATS connection is failing over, or theirs is), which says nothing of their capacity.
+        while (outcome is None and (request.moves or unreached)
+               and now_ms() + _WAIT_MARGIN_MS < request.deadline_ms):
             await asyncio.sleep(_REFRESH_S)
             if lease.lapsed():
                 return "lapsed"
-            outcome = await self._offer_to_workers(request, lease)  # on the view `_refresh_forever` keeps
+            outcome, unreached = await self._offer_to_workers(request, lease)  # on `_refresh_forever`'s view
         if outcome is not None:
             return outcome
         await self._fail(request, "no_worker", f"no {request.model!r} worker can take the request now",
                          retry_after_s=1.0)
         return "no_worker"
 
-    async def _offer_to_workers(self, request: GenerateRequest, lease: Lease) -> str | None:
-        """Offer the request to the eligible workers, best first; the outcome, or None when none would take it
-        now (none ready, or each full or draining)."""
+    async def _offer_to_workers(self, request: GenerateRequest, lease: Lease) -> tuple[str | None, bool]:
+        """Offer the request to the eligible workers, best first: (the outcome, or None when none would take it
+        now; whether none was reached at all, by a bus that is not connected or no answer from any)."""
         prompt = request.prompt_token_ids
         decode_workers = self.routed.apply([w for w in eligible_workers(self.workers, "decode", request.model)
                                             if w.boot_id not in request.moved_from])  # a stale entry may list it
@@ -243,14 +246,18 @@ class Router:
             candidates = rank_by_kv(decode_workers, cached.prompt_blocks, cached.blocks, self.overlap_weight)
         else:
             candidates = rank_by_load(decode_workers)
+        unreached = not self.nc.is_connected or bool(candidates)
         for worker in candidates:
             if lease.lapsed():  # frozen while routing: it may be another scheduler's now
-                return "lapsed"
+                return "lapsed", False
             uncached = self._plan_prefill(request, worker, prefill_workers, cached)
             # Counted on the worker before the handoff, so that the requests routed meanwhile see it.
             self.routed.offered(request.request_id, worker, now_ms=now_ms(), num_blocks=blocks_to_take(
                 worker, len(prompt), cached.blocks.get(worker.instance_id, 0) if cached is not None else 0))
             reply = await self._offer(worker, request)
+            if reply == "timeout":
+                reply = await self._offer_again(worker, request, lease)
+            unreached = unreached and reply is None
             if isinstance(reply, HandoffReply) and reply.accepted:
                 self.routed.accepted(request.request_id, reply.handoffs_taken)
             else:
@@ -262,15 +269,15 @@ class Router:
                 # The client may try again at once: a 503 with Retry-After, not a server error.
                 await self._fail(request, "no_worker", f"worker {worker.instance_id} did not answer the handoff",
                                  retry_after_s=1.0)
-                return "handoff_timeout"
+                return "handoff_timeout", False
             if reply is None or not reply.accepted and reply.code in ("overloaded", "draining", "timeout"):
                 continue
             if not reply.accepted:
                 await self._fail(request, reply.code or "invalid_request", reply.message, reply.param)
-                return "rejected"
+                return "rejected", False
             self._assigned(request, worker, cached, uncached)
-            return "assigned"
-        return None
+            return "assigned", False
+        return None, unreached
 
     def _plan_prefill(self, request: GenerateRequest, worker: ServiceInfo, prefill_workers: list[ServiceInfo],
                       cached: CachedPrefixes | None) -> int:
@@ -338,6 +345,20 @@ class Router:
             await self.nc.publish(self.subjects.kv_snapshot(instance_id), KVSnapshotRequest(reason=reason).encode())
         except Exception as exc:
             log.warning("could not ask for a KV snapshot", instance=instance_id, error=repr(exc))
+
+    async def _offer_again(self, worker: ServiceInfo, request: GenerateRequest, lease: Lease) -> HandoffReply | str | None:
+        """After a handoff that timed out: the same offer to the same worker while it stays registered (as the
+        same process), short of the request's deadline. It may have taken the request (it then answers that it
+        has it: workers know a request by its id) or never seen it (its connection failing over); offering it
+        elsewhere instead could run it twice. "timeout" if it never answers."""
+        reply: HandoffReply | str | None = "timeout"
+        while reply in ("timeout", None) and now_ms() + _WAIT_MARGIN_MS < request.deadline_ms and not lease.lapsed():
+            if not any(w.instance_id == worker.instance_id and w.boot_id == worker.boot_id for w in self.workers):
+                break
+            if reply is None:  # not subscribed now (reconnecting): it answers at once, so pause
+                await asyncio.sleep(_REFRESH_S)
+            reply = await self._offer(worker, request)
+        return "timeout" if reply is None else reply
 
     async def _offer(self, worker: ServiceInfo, request: GenerateRequest) -> HandoffReply | str | None:
         """The worker's reply; None when it is not there (try the next); "timeout" when it did not answer."""

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from services.common.options import (
     add_bus_options,
-    add_transfer_tls_options,
+    add_side_channel_options,
+    side_channel_address,
     transfer_tls_of,
     apply_engine_placement,
     add_engine_options,
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve stage",
                                      description="A pipeline stage: a contiguous range of the model's layers.")
     add_bus_options(parser, "stage")
-    add_transfer_tls_options(parser)
+    add_side_channel_options(parser)
     add_model_options(parser)
     add_engine_options(parser)
     parser.add_argument("--layers", type=layer_range, required=True,
@@ -71,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="activations up to this size ride NATS; bigger ones go over the side channel")
     parser.add_argument("--activation-transport", default="auto", choices=["auto", "shm", "tcp"],
                         help="the side channel's backend for big activations")
-    parser.add_argument("--transfer-host", default=env_default("TRANSFER_HOST", "127.0.0.1"),
-                        help="address this stage's side channel listens on")
+    parser.add_argument("--transfer-host", default=env_default("TRANSFER_HOST", None),
+                        help="address this stage's side channel listens on (default: --advertise-host's)")
     parser.add_argument("--transfer-advertise", default=env_default("TRANSFER_ADVERTISE", None),
                         help="the address other stages dial (needed when listening on 0.0.0.0)")
     return parser
@@ -143,7 +144,8 @@ async def serve(args: argparse.Namespace) -> int:
         engine_thread = EngineThread()
         # An activation travels as one part: a prefill chunk of 8k tokens of a 8192-wide float32 model is 256 MiB.
         receiver = KVReceiver(max_part_bytes=1 << 30, max_buffer_bytes=2 << 30, tls=tls)
-        await receiver.start(args.transfer_host, 0, advertise_host=args.transfer_advertise)
+        host, advertise = side_channel_address(args, args.transfer_host, args.transfer_advertise)
+        await receiver.start(host, 0, advertise_host=advertise)
         link = ActivationLink(nc=nc, subjects=subjects, instance_id=args.instance_id, receiver=receiver,
                               sender=KVSender(tls=tls), inline_bytes=args.inline_activation_bytes,
                               transport=args.activation_transport, hop_timeout_s=args.step_timeout)

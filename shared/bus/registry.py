@@ -164,7 +164,9 @@ class Heartbeat:
             info = self.make_info()
             info.heartbeat_ms = int(time.time() * 1000)
             self._entry = (info.role, info.instance_id)
-            await within(self.registry.ttl_s, self.registry.put(info))
+            # Bounded well inside the TTL: a put stuck on a connection failing over gives way to the next beat,
+            # which goes out on the new one.
+            await within(min(self.registry.ttl_s, 2 * self.interval_s), self.registry.put(info))
             self._last_put = time.monotonic()
         except Exception as exc:  # NATS away, a bad info: try again next tick, never end the task
             self.num_failed += 1

@@ -1,7 +1,6 @@
 """`splitserve up --nats-cluster 3`: three NATS servers clustered, every stream and bucket on all three, and the
 loss of any one of them under streaming load costs no request."""
 
-import asyncio
 import json
 import os
 import signal
@@ -9,11 +8,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import nats
-import nats.errors
 import pytest
 
-from shared.bus.credentials import credentials_from
+from support.jetstream import all_current, stream_replicas
 from support.processes import ROOT, service_env
 from support.sse import stream, streamed_text
 from support.up import MODEL, start_up
@@ -27,25 +24,8 @@ def ps(run_dir) -> dict:
     return json.loads(result.stdout)
 
 
-def stream_replicas(nats_state: dict) -> dict[str, tuple[int, int]]:
-    """Each JetStream stream of the deployment: (replicas, peers current), read as the operator (admin)."""
-    async def read():
-        options = credentials_from(os.path.join(nats_state["creds_dir"], "admin.nk"), environ={}).connect_options()
-        nc = await nats.connect(servers=nats_state["url"].split(","), **options)
-        try:
-            return {info.config.name: (info.config.num_replicas,
-                                       1 + sum(1 for peer in info.cluster.replicas or [] if peer.current))
-                    for info in await nc.jetstream().streams_info()}
-        finally:
-            await nc.close()
-    return asyncio.run(read())
-
-
-def all_current(nats_state: dict) -> bool:
-    try:
-        return all(r == current for r, current in stream_replicas(nats_state).values())
-    except nats.errors.Error:  # the JetStream API itself may not answer while the cluster recovers
-        return False
+def admin_creds(nats_state: dict) -> str:
+    return os.path.join(nats_state["creds_dir"], "admin.nk")
 
 
 @pytest.mark.timeout(300)
@@ -59,7 +39,7 @@ def test_a_three_node_cluster_keeps_three_copies_and_a_nodes_loss_costs_no_reque
         gateway = next(s for s in state["services"] if s["role"] == "gateway")
         assert gateway["argv"][gateway["argv"].index("--nats") + 1] == state["nats"]["url"]
         # The request and prefill queues and the registry's bucket: each on all three nodes.
-        replicas = stream_replicas(state["nats"])
+        replicas = stream_replicas(state["nats"]["url"], admin_creds(state["nats"]))
         assert {name.removeprefix(run.namespace + "-").removeprefix("KV_" + run.namespace + "-")
                 for name in replicas} >= {"requests", "prefill", "registry"}, replicas
         assert {r for r, _ in replicas.values()} == {3}, replicas
@@ -93,7 +73,7 @@ def test_a_three_node_cluster_keeps_three_copies_and_a_nodes_loss_costs_no_reque
             state = wait_until(lambda: (lambda s: s if all(n["state"] == "running" for n in s["nats"]["nodes"])
                                         and s["nats"]["state"] == "running" else None)(ps(run.run_dir)),
                                60, f"{name} was not started again", poll_s=0.5)
-            wait_until(lambda: all_current(state["nats"]), 60,
+            wait_until(lambda: all_current(state["nats"]["url"], admin_creds(state["nats"])), 60,
                        f"the streams did not get {name} back as a current replica", poll_s=0.5)
         assert run.stop() == 0
         assert "did not stop" not in run.proc.stdout.read()
