@@ -20,13 +20,16 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 # The project, then the built-in random model built once into the image
 # (`--model splitserve-default-llama`, what compose/ runs, so containers start
-# at once and offline), then an unprivileged user to run as.
+# at once and offline), then an unprivileged user to run as, owning /data (a
+# named volume mounted there, e.g. the kv-store's disk tier, takes its owner
+# from the image's directory when first created).
 WORKDIR /opt/splitserve/src
 COPY . .
 RUN pip install . \
  && python -c "from shared.engine.default_model import default_model_dir; print(default_model_dir())" \
  && python -c "from shared.engine.kernels import native_library; print([native_library(n) for n in ('paged_decode', 'layer_ops')])" \
  && useradd --system --uid 1000 --home-dir /opt/splitserve splitserve \
+ && mkdir -p /data && chown splitserve:splitserve /data \
  && chmod -R a+rX /opt/splitserve \
  && chown -R splitserve /opt/splitserve/cache/kernels
 

@@ -41,6 +41,13 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--server-dir", metavar="PATH",
                         help="where the NATS server sees DIR (e.g. /etc/nats/secrets in its container); the config "
                              "names its certificate there (default: DIR)")
+    parser.add_argument("--cluster-route", action="append", metavar="HOST:PORT",
+                        help="the servers form a cluster: every server's route address (repeatable). Writes "
+                             "DIR/nats-cluster.conf (its routes authenticated with a password made here and kept "
+                             "until --rotate) and DIR/nats-server.conf, which includes it and nats-auth.conf: run "
+                             "each server with `--config DIR/nats-server.conf --server_name NAME`")
+    parser.add_argument("--cluster-listen", default="0.0.0.0:6222", metavar="HOST:PORT",
+                        help="with --cluster-route: where each server listens for routes (default: 0.0.0.0:6222)")
     parser.add_argument("--client-ca-path", metavar="PATH",
                         help="where services see DIR/public/ca.pem, written into ROLE.env (default: its path here)")
     parser.set_defaults(run=run)
@@ -79,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         write_private(creds_dir / f"{role}.env", f"{SEED_ENV}={seed}\n{ca_env}".encode())
     config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace, tls)
     print(f"wrote ROLE.nk and ROLE.env for {', '.join(public_keys)}, and {config.name}, in {creds_dir}")
+    if args.cluster_route:
+        cluster = write_cluster_config(creds_dir, args.cluster_route, args.cluster_listen, args.rotate)
+        print(f"cluster: each server `nats-server --jetstream --config {cluster.resolve()} --server_name NAME`")
     print(f"server: `nats-server --jetstream --config {config.resolve()}`, or `include` it (a path relative to "
           "your config file) in your own config")
     if args.transfer_tls_name:
@@ -87,3 +97,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"services: `splitserve serve ROLE --nats-creds {creds_dir.resolve()}/ROLE.nk ...`, or "
           f"`splitserve up --nats URL --nats-creds-dir {creds_dir.resolve()}`")
     return 0
+
+
+def write_cluster_config(creds_dir: Path, routes: list[str], listen: str, rotate: bool) -> Path:
+    """DIR/nats-cluster.conf (the cluster block, 0600) and DIR/nats-server.conf (it and nats-auth.conf)."""
+    import secrets
+
+    from services.launcher.nats_server import ClusterRoutes
+    from shared.private_files import write_private
+
+    password_file = creds_dir / "route.password"
+    if rotate or not password_file.exists():
+        write_private(password_file, secrets.token_urlsafe(24).encode())
+    password = password_file.read_text().strip()
+    block = ClusterRoutes("splitserve", listen, tuple(routes), "route", password).config()
+    write_private(creds_dir / "nats-cluster.conf", block.encode())
+    server = creds_dir / "nats-server.conf"
+    write_private(server, b'include "nats-auth.conf"\ninclude "nats-cluster.conf"\n')
+    return server

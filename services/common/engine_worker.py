@@ -90,7 +90,7 @@ class EngineWorker:
         self.engine_loop = EngineLoop(engine, self._from_engine_thread, engine_thread, cpu_share, gather_s)
         self.kv_events = engine_kv_events(nc=nc, subjects=subjects, identity=self.identity, engine=engine,
                                           engine_loop=self.engine_loop)
-        self._heartbeat = Heartbeat(registry, self.info, on_lapse=self._on_lapse)
+        self.heartbeat = Heartbeat(registry, self.info, on_lapse=self._on_lapse)
 
     @property
     def state(self) -> str:
@@ -115,7 +115,7 @@ class EngineWorker:
         event_tasks = await self.kv_events.start()
         await self.nc.flush()
         self.lifecycle = "ready"
-        self._heartbeat.start()
+        self.heartbeat.start()
         return [asyncio.create_task(self._deliver_outputs(), name="engine-outputs"),
                 asyncio.create_task(self._report_load(), name="load-reports"), *role_tasks, *part_tasks, *event_tasks]
 
@@ -134,7 +134,7 @@ class EngineWorker:
             await self.kv_store.stop()
         for part in self.parts:
             await part.stop()
-        await self._heartbeat.stop(remove=True)
+        await self.heartbeat.stop(remove=True)
 
     async def _on_lapse(self, gap_s: float) -> None:
         log.warning("this worker's registry entry lapsed: dropping what its peers moved elsewhere",
@@ -146,7 +146,7 @@ class EngineWorker:
         details = {"rejected_messages": dict(REJECTED), "prefix_cache": self.engine.prefix_cache_counts(),
                    "kv_store": self.kv_store.details() if self.kv_store is not None else {},
                    "kv_events": dict(self.kv_events.counts), "cpu_loan": loan_details(self.engine_loop.cpu_share),
-                   "registry_lapses": self._heartbeat.num_lapses, "shm_segments": segments_held(),
+                   "registry_lapses": self.heartbeat.num_lapses, "shm_segments": segments_held(),
                    **self.role.details()}
         for part in self.parts:
             details.update(part.details())

@@ -30,6 +30,14 @@ def add_bus_options(parser: argparse.ArgumentParser, role: str) -> None:
         help="unique name of this service instance (letters, digits, '_' and '-')",
     )
     parser.add_argument("--log-level", default=env_default("LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"])
+    if role != "gateway":  # the gateway's own HTTP server has /health and /ready
+        port = env_default("STATUS_PORT", None)
+        parser.add_argument("--status-port", type=int, default=int(port) if port else None, metavar="PORT",
+                            help="serve GET /health (liveness) and GET /ready (readiness) for probes on this port "
+                                 "(also SPLITSERVE_STATUS_PORT; default: none)")
+        parser.add_argument("--status-host", default=env_default("STATUS_HOST", "127.0.0.1"), metavar="ADDR",
+                            help="the address the status endpoint listens on (default: 127.0.0.1; 0.0.0.0 for a "
+                                 "kubelet's probes)")
 
 
 def bus_credentials(args: argparse.Namespace):

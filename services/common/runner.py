@@ -5,6 +5,7 @@ from collections.abc import Awaitable, Callable
 
 from contracts import Subjects
 from services.common.options import bus_credentials, bus_tls
+from services.common.status_server import start_status_server
 from shared.bus.connection import ShutdownSignal, connect, drain
 from shared.bus.permissions import inbox_prefix
 from shared.bus.provision import ProvisionError, cluster_size, replicas_for
@@ -38,6 +39,8 @@ async def run_service(args: argparse.Namespace, role: str, build: Callable[..., 
     registry = await Registry.open(js, subjects.registry_bucket, replicas=replicas)
     service = await build(nc=nc, js=js, registry=registry, subjects=subjects, replicas=replicas)
     tasks = await service.start()
+    if args.status_port is not None:
+        tasks.append(await start_status_server(args.status_host, args.status_port, nc, service))
     log.info(f"{role} ready", instance_id=args.instance_id)
     # A service with a `drain()` (a model worker) drains while its tasks still run.
     code = await run_until_stopped(*tasks, shutdown=shutdown, on_shutdown=getattr(service, "drain", None))

@@ -55,7 +55,7 @@ class KVStoreService:
         self.counts: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._puts_in_flight = 0
-        self._heartbeat = Heartbeat(registry, self.info)
+        self.heartbeat = Heartbeat(registry, self.info)
         self.kv_events = KVEventPublisher(nc=nc, subjects=subjects, instance_id=instance_id, role="kvstore",
                                           boot_id=self.identity.boot_id, events=store.kv_events,
                                           held_hashes=lambda: asyncio.to_thread(store.held_hashes))
@@ -68,7 +68,7 @@ class KVStoreService:
         await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
         await self.nc.flush()
         self.state = "ready"
-        self._heartbeat.start()
+        self.heartbeat.start()
         return event_tasks
 
     async def stop(self) -> None:
@@ -78,7 +78,7 @@ class KVStoreService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.receiver.stop()
         self.sender.close()
-        await self._heartbeat.stop(remove=True)
+        await self.heartbeat.stop(remove=True)
 
     def info(self) -> ServiceInfo:
         return self.identity.info(state=self.state, publishes_kv_events=True, details={

@@ -78,7 +78,7 @@ class Router:
         self.workers: list[ServiceInfo] = []
         self._recent: OrderedDict[str, str] = OrderedDict()
         self._slots = asyncio.Semaphore(max_concurrent_handoffs)
-        self._heartbeat = Heartbeat(registry, self.info)
+        self.heartbeat = Heartbeat(registry, self.info)
         self.identity = ServiceIdentity(instance_id, "scheduler")
         self.counts: dict[str, int] = {}
         self.decisions: dict[str, int] = {}
@@ -122,7 +122,7 @@ class Router:
         await subscribe_typed(self.nc, self.subjects.worker_load, WorkerLoad, self._on_load)
         await self.nc.flush()
         await self._refresh()
-        self._heartbeat.start()
+        self.heartbeat.start()
         consumer = await self.nc.jetstream().pull_subscribe(
             self.subjects.submit, durable=self.subjects.scheduler_consumer, stream=self.subjects.requests_stream
         )
@@ -134,7 +134,7 @@ class Router:
             await msg.respond(self.info().encode())
 
     async def stop(self) -> None:
-        await self._heartbeat.stop(remove=True)
+        await self.heartbeat.stop(remove=True)
 
     async def _refresh_forever(self) -> None:
         while True:

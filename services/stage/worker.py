@@ -53,13 +53,13 @@ class StageWorker:
         self.state = "starting"
         self.utilization = Utilization()
         self.counts: dict[str, int] = {}
-        self._heartbeat = Heartbeat(registry, self.info)
+        self.heartbeat = Heartbeat(registry, self.info)
 
     async def start(self) -> list[asyncio.Task]:
         await self.link.start()
         await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
         self.state = "ready"
-        self._heartbeat.start()
+        self.heartbeat.start()
         return [asyncio.create_task(self._run(), name="stage-steps")]
 
     async def stop(self) -> None:
@@ -70,7 +70,7 @@ class StageWorker:
         await self.link.stop()
         await self.link.receiver.stop()
         self.link.sender.close()
-        await self._heartbeat.stop(remove=True)
+        await self.heartbeat.stop(remove=True)
 
     def info(self) -> ServiceInfo:
         layers = self.runner.layer_range

@@ -128,6 +128,10 @@ class Heartbeat:
         self._stopping = False
         self._entry: tuple[str, str] | None = None  # (role, instance id) last put
 
+    def fresh(self) -> bool:
+        """Whether the entry is being kept: a put went through within the registry's TTL."""
+        return self._last_put is not None and time.monotonic() - self._last_put <= self.registry.ttl_s
+
     def start(self) -> asyncio.Task:
         if self._task is None:
             self._stopping = False

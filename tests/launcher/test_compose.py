@@ -22,6 +22,7 @@ from shared.engine.default_model import DEFAULT_MODEL_NAME
 
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
 PROJECT_SERVICES = ("scheduler", "kvstore", "prefill", "decode", "gateway")
+NATS_NODES = ("nats-0", "nats-1", "nats-2")
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,11 @@ def _flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
+def environment_of(svc: dict) -> dict:
+    environment = svc.get("environment") or {}
+    return environment if isinstance(environment, dict) else dict(item.split("=", 1) for item in environment)
+
+
 def _service_main(role: str):
     """services.ROLE.__main__: every project service has one, and an import that breaks fails the test."""
     return importlib.import_module(f"services.{role}.__main__")
@@ -44,7 +50,7 @@ def _service_main(role: str):
 def test_the_compose_file_is_sane_compose_yaml(compose):
     assert set(compose) <= {"name", "services", "volumes", "networks"} | {k for k in compose if k.startswith("x-")}
     services = compose["services"]
-    assert set(services) == {"nats", "jaeger", *PROJECT_SERVICES}
+    assert set(services) == {*NATS_NODES, "jaeger", *PROJECT_SERVICES}
     for name, svc in services.items():
         assert isinstance(svc, dict), name
         assert set(svc) <= {"image", "build", "command", "ports", "volumes", "environment", "depends_on",
@@ -55,12 +61,15 @@ def test_the_compose_file_is_sane_compose_yaml(compose):
             if not source.startswith((".", "/", "~")):
                 assert source in (compose.get("volumes") or {}), f"{name}: undeclared volume {source}"
 
-    nats = services["nats"]
-    assert nats["image"].startswith("nats:") and "build" not in nats
+    for node in NATS_NODES:  # a cluster of three, each its own name and store, checked by its /healthz
+        nats = services[node]
+        assert nats["image"].startswith("nats:") and "build" not in nats
+        assert "--jetstream" in nats["command"] and _flag(nats["command"], "--server_name") == node
+        assert f"{node}-data:/data" in nats["volumes"]
+        assert "http://127.0.0.1:8222/healthz" in nats["healthcheck"]["test"]
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/jaeger:") and jaeger["ports"] == ["127.0.0.1:16686:16686"]
     assert "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318" in jaeger["command"]
-    assert "--jetstream" in nats["command"] or "-js" in nats["command"]
 
     images = set()
     for name in PROJECT_SERVICES:
@@ -70,7 +79,10 @@ def test_the_compose_file_is_sane_compose_yaml(compose):
         assert (ROOT / build.get("dockerfile", "Dockerfile")).is_file(), name
         images.add(svc["image"])
         depends = svc["depends_on"]
-        assert "nats" in (depends if isinstance(depends, list) else list(depends)), name
+        assert set(NATS_NODES) <= set(depends if isinstance(depends, list) else list(depends)), name
+        # Every service has a health check on /ready: the gateway's own port, the others' status endpoint.
+        port = "8000" if name == "gateway" else environment_of(svc)["SPLITSERVE_STATUS_PORT"]
+        assert f"http://127.0.0.1:{port}/ready" in " ".join(svc["healthcheck"]["test"]), name
         assert "ports" in svc if name == "gateway" else "ports" not in svc, name
         # Each traces into the jaeger service, with the standard OpenTelemetry variables.
         environment = svc["environment"]
@@ -88,8 +100,8 @@ def test_the_commands_describe_one_consistent_deployment(compose):
         assert command[:2] == ["serve", name]
         roles[command[1]] += 1
         instance_ids.append(_flag(command, "--instance-id"))
-        nats = re.fullmatch(r"nats://([\w-]+):(\d+)", _flag(command, "--nats"))
-        assert nats and nats.group(1) in services and nats.group(2) == "4222"
+        urls = _flag(command, "--nats").split(",")  # every server of the cluster
+        assert [re.fullmatch(r"nats://([\w-]+):4222", url).group(1) for url in urls] == list(NATS_NODES)
         assert _flag(command, "--namespace") == "splitserve"
     assert len(set(instance_ids)) == len(instance_ids)
 
@@ -124,14 +136,24 @@ def test_the_commands_describe_one_consistent_deployment(compose):
 def test_nats_admits_each_service_with_its_roles_key_from_nats_auth(compose_file, tls, tmp_path):
     services = yaml.safe_load((COMPOSE.parent / compose_file).read_text())["services"]
     secrets = tmp_path / "secrets"
-    nats = services["nats"]
+    nodes = [name for name in services if name.startswith("nats")]
+    nats = services[nodes[0]]
     mount = next(v for v in nats["volumes"] if v.startswith("./secrets:"))
     server_dir = mount.split(":")[1]
     client_ca = next(v for v in services["gateway"]["volumes"] if v.startswith("./secrets/public:")).split(":")[1]
     # (the server's view of the directory is this one here, so that nats-server can check the config below)
     tls_args = ["--tls-name", "nats", "--server-dir", str(secrets), "--client-ca-path", f"{client_ca}/ca.pem"]
-    assert cli_main.main(["nats-auth", str(secrets), "--namespace", "splitserve", *(tls_args if tls else [])]) == 0
-    assert _flag(nats["command"], "--config") == f"{server_dir}/nats-auth.conf"
+    # A cluster's servers take the file that adds their routes (the header's command names them).
+    routes = [arg for node in nodes if len(nodes) > 1 for arg in ("--cluster-route", f"{node}:6222")]
+    assert cli_main.main(["nats-auth", str(secrets), "--namespace", "splitserve", *(tls_args if tls else []),
+                          *routes]) == 0
+    config = "nats-server.conf" if len(nodes) > 1 else "nats-auth.conf"
+    assert all(_flag(services[node]["command"], "--config") == f"{server_dir}/{config}" for node in nodes)
+    if routes:
+        header = (COMPOSE.parent / compose_file).read_text().split("\nname:")[0]
+        assert all(f"--cluster-route {node}:6222" in header for node in nodes)
+        cluster = (secrets / "nats-cluster.conf").read_text()
+        assert all(f"@{node}:6222" in cluster for node in nodes) and (secrets / "nats-cluster.conf").stat().st_mode & 0o077 == 0
     assert (json.loads((secrets / "nats-auth.conf").read_text()).get("tls") is not None) == tls
     for name, svc in services.items():  # every service sees the CA directory (empty without TLS)
         if "command" in svc and svc["command"][:1] == ["serve"]:
@@ -139,7 +161,7 @@ def test_nats_admits_each_service_with_its_roles_key_from_nats_auth(compose_file
     assert (secrets / "public").is_dir() and ((secrets / "public" / "ca.pem").exists() == tls)
     from support.processes import find_nats_server
 
-    checked = subprocess.run([find_nats_server(), "-t", "--config", str(secrets / "nats-auth.conf")],
+    checked = subprocess.run([find_nats_server(), "-t", "--config", str(secrets / config), "--server_name", "nats-0"],
                              capture_output=True, text=True, timeout=30)
     assert checked.returncode == 0, checked.stderr
     for name, svc in services.items():
@@ -165,6 +187,7 @@ def test_the_dockerfile_builds_the_splitserve_entrypoint():
     assert f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu" in dockerfile
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert {".git", ".venv"} <= ignored
+    assert "mkdir -p /data && chown splitserve:splitserve /data" in dockerfile  # the kv-store's volume is writable
     for needed in ("pyproject.toml", "README.md", "services", "shared", "contracts"):
         assert needed not in ignored and (ROOT / needed).exists()
 
