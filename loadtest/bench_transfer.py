@@ -204,14 +204,17 @@ async def run_transfers(args: argparse.Namespace, sizes: list[int]) -> list[dict
         from services.launcher.tls_files import make_deployment_tls
 
         tls_dir = tempfile.TemporaryDirectory(prefix="bench-transfer-tls-")
-        files = make_deployment_tls(Path(tls_dir.name) / "tls", ["127.0.0.1"], ["127.0.0.1"])
+        files = make_deployment_tls(Path(tls_dir.name) / "tls", [args.host], [args.host])
         paths = (str(files.ca_cert), str(files.transfer_cert), str(files.transfer_key))
         receivers["tls"] = KVReceiver(**limits, tls=transfer_tls(*paths, environ={}))
         worker_args += ["--tls-files", ",".join(paths)]
     for receiver in receivers.values():
-        await receiver.start()
+        await receiver.start(args.host)
+    if args.hosts is not None:  # the sender on the other "host", its own shared-memory domain
+        worker_args = args.hosts.command("send", worker_args)
     proc = await asyncio.create_subprocess_exec(*worker_args, stdin=asyncio.subprocess.PIPE,
-                                                stdout=asyncio.subprocess.PIPE, cwd=ROOT)
+                                                stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+                                                env={**os.environ, "SPLITSERVE_HOST_ID": "bench-sender"})
     worker = Worker(proc)
     rows = []
     try:
@@ -335,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--deadline-s", type=float, default=60.0)
     parser.add_argument("--checksum-bytes", type=parse_size, default=64 << 20,
                         help="payload of the checksum speed measurement (0: skip it)")
+    parser.add_argument("--netns", action="store_true",
+                        help="the sender on another \"host\": a network namespace joined to the receiver's by a "
+                             "veth pair and a bridge (loadtest/netns.py; needs root; tcp and tcp-tls only)")
     parser.add_argument("--output", help="write the results as JSON here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tls-files", help=argparse.SUPPRESS)  # the worker's CA,cert,key for tcp-tls
@@ -354,6 +360,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown backend in {args.backends}")
     if args.repeats < 1 or args.warmup < 0:
         raise SystemExit("--repeats must be >= 1 and --warmup >= 0")
+    args.host, args.hosts = "127.0.0.1", None
+    if args.netns:
+        if not set(args.backends) <= {"tcp", "tcp-tls"}:
+            raise SystemExit("--netns: the hosts share no memory; give --backends tcp,tcp-tls")
+        from loadtest.netns import Hosts
+
+        args.hosts = Hosts(["recv", "send"])
+        args.hosts.thread_in("recv")  # this thread (the receiver's event loop) lives on the receiving host
+        args.host = args.hosts.address["recv"]
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -366,13 +381,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(run_transfers(args, sizes))
     finally:
         torch.set_num_threads(threads_before)
+        if args.hosts is not None:
+            args.hosts.close()
     results = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch_version": torch.__version__, "cpu_count": os.cpu_count(), "torch_threads": args.threads,
                     "host_id": host_id()},
         "settings": {"sizes": sizes, "backends": args.backends, "repeats": args.repeats, "warmup": args.warmup,
                      "parts": args.parts, "checksum": args.checksum, "split_bytes": args.split_bytes,
-                     "inflight_bytes": args.inflight_bytes, "command": " ".join(sys.argv)},
+                     "inflight_bytes": args.inflight_bytes, "netns": args.netns, "command": " ".join(sys.argv)},
         "checksums": {"bytes": args.checksum_bytes, "gbps": checksum_speeds},
         "results": rows,
     }

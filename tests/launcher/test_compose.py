@@ -50,12 +50,13 @@ def _service_main(role: str):
 def test_the_compose_file_is_sane_compose_yaml(compose):
     assert set(compose) <= {"name", "services", "volumes", "networks"} | {k for k in compose if k.startswith("x-")}
     services = compose["services"]
-    assert set(services) == {*NATS_NODES, "jaeger", *PROJECT_SERVICES}
+    assert set(services) == {*NATS_NODES, "jaeger", "prometheus", "grafana", *PROJECT_SERVICES}
     for name, svc in services.items():
         assert isinstance(svc, dict), name
         assert set(svc) <= {"image", "build", "command", "ports", "volumes", "environment", "depends_on",
                             "restart", "healthcheck", "env_file", "stop_grace_period"}, name
-        assert isinstance(svc.get("command"), list) and all(isinstance(a, str) for a in svc["command"]), name
+        if name != "grafana":  # (its image's own command)
+            assert isinstance(svc.get("command"), list) and all(isinstance(a, str) for a in svc["command"]), name
         for volume in svc.get("volumes", []):
             source = volume.split(":")[0]
             if not source.startswith((".", "/", "~")):
@@ -209,3 +210,32 @@ def test_each_compose_command_is_a_real_cli_invocation(compose, name):
     assert parsed.nats == _flag(command, "--nats")
     assert parsed.namespace == _flag(command, "--namespace")
     assert parsed.instance_id == _flag(command, "--instance-id")
+
+
+def test_prometheus_scrapes_the_gateway_and_the_dashboard_reads_metrics_it_serves(compose):
+    services = compose["services"]
+    config = yaml.safe_load((COMPOSE.parent / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    gateway_port = _flag(services["gateway"]["command"], "--port")
+    assert job["static_configs"][0]["targets"] == [f"gateway:{gateway_port}"] and job["metrics_path"] == "/metrics"
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
+    assert all(port.startswith("127.0.0.1:") for name in ("prometheus", "grafana") for port in services[name]["ports"])
+    for name in ("prometheus", "grafana", *NATS_NODES, *PROJECT_SERVICES):  # every service but jaeger checks itself
+        assert services[name].get("healthcheck") or compose["x-splitserve"].get("healthcheck"), name
+    # The dashboard: provisioned from the repo, every query on a metric the gateway exports.
+    dashboard = json.loads((COMPOSE.parent / "grafana" / "dashboards" / "splitserve.json").read_text())
+    source = (ROOT / "services" / "gateway" / "metrics.py").read_text()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for metric in re.findall(r"splitserve_\w+", target["expr"]):
+                # A counter's or histogram's series carries a suffix its name does not (a gauge may end in _total).
+                base = re.sub(r"_(bucket|total|sum|count)$", "", metric)
+                assert f'"{metric}"' in source or f'"{base}"' in source, (panel["title"], metric)
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for shown in ("first token", "inter-token", "queue", "kv cache", "transfer", "hit rate"):
+        assert shown in titles
+    datasource = yaml.safe_load((COMPOSE.parent / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((COMPOSE.parent / "grafana/provisioning/dashboards/splitserve.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert "./grafana/dashboards:/var/lib/grafana/dashboards:ro" in services["grafana"]["volumes"]

@@ -27,7 +27,7 @@ from services.launcher.nats_server import ClusterRoutes, host_port, jetstream_an
 from shared.bus.credentials import credentials_from
 from support.jetstream import all_current
 from support.metrics import matching, samples
-from support.netns import Hosts, netns_unavailable
+from loadtest.netns import Hosts, netns_unavailable
 from support.processes import ROOT, find_nats_server, service_env, stop_process
 from support.sse import stream, streamed_text
 from support.waiting import wait_until

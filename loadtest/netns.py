@@ -1,4 +1,4 @@
-"""Several "hosts" on this machine: network namespaces on one bridge, each with its own address.
+"""Several "hosts" on this machine, for tests and benchmarks across a network: network namespaces on one bridge.
 
 `Hosts(["a", "b", "c"])` makes a switch namespace holding a bridge, and per host a namespace whose `eth0` (a veth
 whose other end is on the bridge) has an address in a private test range; loopback is up in each. Nothing is
