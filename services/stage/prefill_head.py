@@ -53,6 +53,9 @@ class PipelineShipments:
     def details(self) -> dict:
         return {}
 
+    def waiting_for(self) -> str | None:
+        return None  # the driver beside it says when a stage is gone
+
     def shipment_of(self, request_id: str) -> Shipping | None:
         """How the stages ship a request's KV (its ticket and attempt), for the steps the driver sends."""
         return self._shipments.get(request_id)
