@@ -71,7 +71,7 @@ class RequestBus:
         stream = self.streams.open(request_id)
         stream.submission = Submission(model, prompt_token_ids, sampling, headers or {})
         try:
-            await self._start(stream)
+            await self._start_moving_on(stream)
         except BaseException:
             # Timed out, failed or the client left: make sure no worker keeps it.
             await self.release(stream)
@@ -110,8 +110,19 @@ class RequestBus:
                 log.info("submit failed; trying again", request_id=stream.request_id, error=repr(exc))
                 await asyncio.sleep(SUBMIT_RETRY_PAUSE_S)
         event = await stream.next_event(self.assign_timeout_s)
-        if not isinstance(event, Assignment):
-            raise StreamError("internal", "the worker streamed tokens before taking the request")
+        if not isinstance(event, Assignment):  # sent first on the worker's connection: it was lost on the way
+            raise StreamError("stream_broken", "the worker's assignment was lost in transit")
+
+    async def _start_moving_on(self, stream: RequestStream) -> None:
+        """`_start`, moving the request on where its worker failed it before its first token. Not when nobody took
+        it within the assignment deadline: another attempt would wait for the same workers."""
+        while True:
+            try:
+                return await self._start(stream)
+            except StreamError as exc:
+                if exc.code == "timeout" or not may_move(exc.code, stream.moves, self.migration_limit):
+                    raise
+                await self._cancel(self._reroute(stream, exc), "moved")
 
     async def chunks(self, stream: RequestStream) -> AsyncIterator[TokenChunk]:
         """The request's token chunks in order, until the finished one, across the workers it moves to."""
@@ -129,15 +140,19 @@ class RequestBus:
 
     async def _move(self, stream: RequestStream, failure: StreamError) -> None:
         """Go on with the request on another worker from the tokens its client has."""
+        await self._cancel(self._reroute(stream, failure), "moved")
+        await self._start_moving_on(stream)
+
+    def _reroute(self, stream: RequestStream, failure: StreamError) -> str:
+        """Make the stream's next attempt, the failed one's events no longer read; the failed one's bus id (for
+        its cancel)."""
         old_bus_id, old_worker = stream.bus_id, stream.worker_instance
-        # First: what the old worker says to the cancel is no longer read.
         self.streams.move(stream, exclude_worker=not failure.worker_intact)
-        await self._cancel(old_bus_id, "moved")
         self.on_move(failure.code)
         log.warning("request moved to another worker", request_id=stream.request_id, from_worker=old_worker,
                     failure=failure.code, error=str(failure), tokens_streamed=len(stream.streamed_token_ids),
                     move=stream.moves)
-        await self._start(stream)
+        return old_bus_id
 
     async def release(self, stream: RequestStream) -> None:
         """Forget the request; if it is still running anywhere, cancel it there."""

@@ -65,9 +65,9 @@ def test_a_three_node_cluster_keeps_three_copies_and_a_nodes_loss_costs_no_reque
                 results = [s.result(timeout=240) for s in streams]
                 assert killed, f"the streams ended before {name} could be killed"
                 results.append(killed[0].result(timeout=60))
-                assert streamed_text(results[-1]), name
             errors = [e for events in results for e in events if "error" in e]
             assert not errors, (name, errors[:3])
+            assert streamed_text(results[-1]), name
             assert [streamed_text(events) for events in results[:6]] == [reference] * 6, name
             # Back, and current again in every stream, before the next node goes.
             state = wait_until(lambda: (lambda s: s if all(n["state"] == "running" for n in s["nats"]["nodes"])
