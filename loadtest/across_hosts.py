@@ -1,0 +1,113 @@
+"""A splitserve deployment across network-namespace "hosts" (`loadtest.netns.Hosts`), each service started as an
+operator would on its own machine: `splitserve serve ROLE --nats URL,URL,URL` with its role's key.
+
+Every host runs a NATS server; the three form one cluster (routes between the hosts, JetStream replicated). Each
+host is its own shared-memory domain (`SPLITSERVE_HOST_ID`), so KV between hosts goes over TCP. `on(host, fn)`
+runs `fn` in a thread living in that host's network (an HTTP client, a NATS client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import nats
+
+from contracts import ServiceInfo, StatsRequest, Subjects
+from loadtest.netns import Hosts
+from services.launcher.nats_server import ClusterRoutes, find_nats_server, host_port, jetstream_answers
+from services.launcher.procs import signal_group
+from shared.bus.credentials import credentials_from
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class HostsDeployment:
+    def __init__(self, hosts: Hosts, run_dir: Path, namespace: str = "hosts", client_host: str = "a"):
+        self.hosts, self.dir, self.namespace = hosts, Path(run_dir), namespace
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, tuple[str, list[str]]] = {}
+        self.clients = {name: ThreadPoolExecutor(8, initializer=hosts.thread_in, initargs=(name,))
+                        for name in hosts.netns}
+        self.client_host = client_host
+        self.creds = self.dir / "creds"
+        subprocess.run([sys.executable, "-m", "services.cli.main", "nats-auth", str(self.creds), "--namespace",
+                        namespace], check=True, capture_output=True, cwd=ROOT, timeout=60)
+        self.nats_url = ",".join(f"nats://{hosts.address[h]}:4222" for h in hosts.netns)
+
+    def start(self, host: str, name: str, argv: list[str]) -> None:
+        self.commands[name] = (host, argv)
+        log = open(self.dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(
+            self.hosts.command(host, argv), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            env={**_env(), "SPLITSERVE_HOST_ID": f"host-{host}"})
+
+    def stop_one(self, name: str, timeout_s: float = 10.0) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+
+    def restart(self, name: str) -> None:
+        self.stop_one(name)
+        host, argv = self.commands[name]
+        self.start(host, name, argv)
+
+    def start_nats(self, timeout_s: float = 30.0) -> None:
+        """A NATS server on every host, clustered, each admitting only the deployment's roles."""
+        routes = tuple(host_port(address, 6222) for address in self.hosts.address.values())
+        for h, address in self.hosts.address.items():
+            config = self.creds / f"nats-{h}.conf"  # beside nats-auth.conf, which it includes
+            config.write_text(
+                f'server_name: "nats-{h}"\nlisten: "{host_port(address, 4222)}"\n'
+                f'jetstream {{ store_dir: "{self.dir / ("store-" + h)}" }}\ninclude "nats-auth.conf"\n'
+                + ClusterRoutes("splitserve", host_port(address, 6222), routes, "route", "route-secret").config())
+            self.start(h, f"nats-{h}", [str(find_nats_server()), "-c", str(config)])
+        deadline = time.monotonic() + timeout_s
+        while not self.on(self.client_host, jetstream_answers, self.nats_url, self.creds / "admin.nk"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the NATS cluster had no JetStream leader within {timeout_s:g} s")
+            time.sleep(0.3)
+
+    def serve(self, host: str, role: str, instance: str, *args: str) -> None:
+        self.start(host, instance, [sys.executable, "-m", "services.cli.main", "serve", role, "--nats", self.nats_url,
+                                    "--namespace", self.namespace, "--nats-creds", str(self.creds / f"{role}.nk"),
+                                    "--instance-id", instance, *args])
+
+    def on(self, host: str, fn, *args, **kwargs):
+        return self.clients[host].submit(fn, *args, **kwargs).result(timeout=3600)
+
+    def workers_seen(self, scheduler: str = "scheduler-0") -> dict[str, int]:
+        """The roles the scheduler sees ready (asked over NATS as the operator)."""
+        async def ask():
+            options = credentials_from(str(self.creds / "admin.nk"), environ={}).connect_options()
+            nc = await nats.connect(servers=self.nats_url.split(","), **options)
+            try:
+                reply = await nc.request(Subjects(self.namespace).stats(scheduler), StatsRequest().encode(), timeout=5)
+                return ServiceInfo.decode(reply.data).details["workers_seen"]
+            finally:
+                await nc.close()
+        return self.on(self.client_host, asyncio.run, ask())
+
+    def stop(self) -> None:
+        for name in reversed(list(self.procs)):  # the services, then NATS
+            self.stop_one(name)
+        for pool in self.clients.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _env() -> dict:
+    import os
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
