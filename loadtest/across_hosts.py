@@ -86,6 +86,16 @@ class HostsDeployment:
     def on(self, host: str, fn, *args, **kwargs):
         return self.clients[host].submit(fn, *args, **kwargs).result(timeout=3600)
 
+    def gateway_ready(self, url: str = "http://127.0.0.1:8000") -> bool:
+        """Whether the gateway at `url` (on the client host) says every expected service is ready."""
+        import httpx
+
+        try:
+            response = self.on(self.client_host, httpx.get, url + "/ready", timeout=5)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200 and response.json()["status"] == "ready"
+
     def workers_seen(self, scheduler: str = "scheduler-0") -> dict[str, int]:
         """The roles the scheduler sees ready (asked over NATS as the operator)."""
         async def ask():

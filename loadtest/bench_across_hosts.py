@@ -21,8 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from loadtest.across_hosts import HostsDeployment
 from loadtest.bench_serve import add_workload_options, format_report, measure, resolve_tokenizer
 from loadtest.datasets import build_dataset
@@ -48,7 +46,7 @@ def deploy(deployment: HostsDeployment, topology: str, model_dir: str, dtype: st
     deployment.serve("a", "gateway", "gateway-0", *model, "--port", "8000",
                      "--expect", ",".join(f"{role}={n}" for role, n in counts.items()))
     deadline = time.monotonic() + 600
-    while not _ready(deployment):
+    while not deployment.gateway_ready(GATEWAY):
         if time.monotonic() > deadline:
             raise RuntimeError(f"the {topology} deployment across hosts was not ready in 600 s; logs in "
                                f"{deployment.dir}")
@@ -56,14 +54,6 @@ def deploy(deployment: HostsDeployment, topology: str, model_dir: str, dtype: st
     if topology == "disagg":  # the scheduler routes by its own view: wait until it sees the prefill worker
         while not deployment.workers_seen().get("prefill"):
             time.sleep(0.2)
-
-
-def _ready(deployment: HostsDeployment) -> bool:
-    try:
-        response = deployment.on("a", httpx.get, GATEWAY + "/ready", timeout=5)
-    except httpx.HTTPError:
-        return False
-    return response.status_code == 200 and json.loads(response.text)["status"] == "ready"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,7 @@ log = get_logger(__name__)
 
 _RECENT_REQUESTS = 10_000  # request ids remembered for de-duplication
 _REFRESH_S = 0.5
+_RECENT_POOL_MS = 15_000  # a model's decode workers all gone for less than this: a request waits for them
 _WAIT_MARGIN_MS = 2_000  # a request waiting for a worker gives up this long before its deadline
 _SNAPSHOT_RETRY_S = 2.0  # ask one publisher of KV events for a snapshot at most this often
 _MAX_PUBLISHERS = 4096  # publishers remembered for the snapshot retry interval
@@ -76,6 +77,7 @@ class Router:
         self.instance_id = instance_id
         self.handoff_timeout_s = handoff_timeout_s
         self.workers: list[ServiceInfo] = []
+        self._decode_seen_ms: dict[str, int] = {}  # model -> when a decode worker serving it was last in view
         self._recent: OrderedDict[str, str] = OrderedDict()
         self._slots = asyncio.Semaphore(max_concurrent_handoffs)
         self.heartbeat = Heartbeat(registry, self.info)
@@ -139,15 +141,20 @@ class Router:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(_REFRESH_S)
-            try:
-                await self._refresh()
-            except Exception as exc:  # NATS restarting, JetStream not back yet: route by the last view meanwhile
-                log.warning("registry read failed; routing by the last view", error=repr(exc))
+            await self._refresh_or_keep()
+
+    async def _refresh_or_keep(self) -> None:
+        try:
+            await self._refresh()
+        except Exception as exc:  # NATS restarting, JetStream not back yet: route by the last view meanwhile
+            log.warning("registry read failed; routing by the last view", error=repr(exc))
 
     async def _refresh(self) -> None:
         entries = await self.registry.list()
         self._loads = {e.instance_id: self._loads[e.instance_id] for e in entries if e.instance_id in self._loads}
         self.workers = [with_load(entry, self._loads.get(entry.instance_id)) for entry in entries]
+        for model in {w.served_model_name for w in self.workers if w.role == "decode" and w.state == "ready"}:
+            self._decode_seen_ms[model] = now_ms()
         self.routed.settle(self.workers, now_ms())
         if self.router == "kv":
             present = {w.instance_id for w in self.workers}
@@ -215,13 +222,15 @@ class Router:
             await self._fail(request, "timeout", "the request expired before a worker could take it")
             return "expired"
         if not eligible_workers(self.workers, "decode", request.model):
-            await self._refresh()  # the snapshot may predate a worker that just registered
+            await self._refresh_or_keep()  # the snapshot may predate a worker that just registered
         outcome, unreached = await self._offer_to_workers(request, lease)
         # Wait for a worker, short of the request's deadline (so that its gateway hears why), where a 503 would be
         # wrong: a moved request's client holds an open stream and cannot retry it (wait for a worker to come
-        # back: one restarting, a pipeline whose stage restarts); and no worker was reached at all (this
-        # scheduler's NATS connection is failing over, or theirs is), which says nothing of their capacity.
-        while (outcome is None and (request.moves or unreached)
+        # back: one restarting, a pipeline whose stage restarts); no worker was reached at all (this
+        # scheduler's NATS connection is failing over, or theirs is), which says nothing of their capacity; and
+        # the model's workers were all there moments ago (restarting, or their registry entries lapsing while
+        # NATS fails over). A model nobody has served for a while is a 503 at once.
+        while (outcome is None and (request.moves or unreached or self._pool_just_emptied(request.model))
                and now_ms() + _WAIT_MARGIN_MS < request.deadline_ms):
             await asyncio.sleep(_REFRESH_S)
             if lease.lapsed():
@@ -232,6 +241,12 @@ class Router:
         await self._fail(request, "no_worker", f"no {request.model!r} worker can take the request now",
                          retry_after_s=1.0)
         return "no_worker"
+
+    def _pool_just_emptied(self, model: str) -> bool:
+        """No `model` decode worker in view now, though one was within `_RECENT_POOL_MS`."""
+        seen = self._decode_seen_ms.get(model)
+        return (seen is not None and now_ms() - seen < _RECENT_POOL_MS
+                and not eligible_workers(self.workers, "decode", model))
 
     async def _offer_to_workers(self, request: GenerateRequest, lease: Lease) -> tuple[str | None, bool]:
         """Offer the request to the eligible workers, best first: (the outcome, or None when none would take it
