@@ -8,6 +8,10 @@ server cannot make in place (storage type, retention to or from work-queue)
 raises `ProvisionError` naming the stream and the fields.
 """
 
+import asyncio
+import time
+
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -19,7 +23,7 @@ from nats.js.api import (
     StreamConfig,
     StreamInfo,
 )
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from shared.telemetry.logging import get_logger
 
@@ -56,7 +60,34 @@ def cluster_size(nc) -> int:
     return max(1, len(set(info.get("connect_urls") or [])))
 
 
-async def ensure_stream(
+async def ensure_stream(*args, **kwargs) -> StreamInfo:
+    """`_ensure_stream`, tried again while JetStream is not answering (a cluster still settling)."""
+    return await while_settling(_ensure_stream, *args, **kwargs)
+
+
+async def ensure_pull_consumer(*args, **kwargs) -> ConsumerInfo:
+    """`_ensure_pull_consumer`, tried again while JetStream is not answering (a cluster still settling)."""
+    return await while_settling(_ensure_pull_consumer, *args, **kwargs)
+
+
+SETTLE_S = 30.0  # how long provisioning waits for a JetStream that times out or has no leader yet
+
+
+async def while_settling(provision, *args, **kwargs):
+    """`await provision(*args, **kwargs)`, again every half second while JetStream times out or has no leader,
+    for up to `SETTLE_S`."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        try:
+            return await provision(*args, **kwargs)
+        except (nats.errors.TimeoutError, ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.info("JetStream not answering yet; provisioning again", error=repr(exc))
+            await asyncio.sleep(0.5)
+
+
+async def _ensure_stream(
     js: JetStreamContext,
     *,
     name: str,
@@ -108,7 +139,7 @@ async def ensure_stream(
     return info
 
 
-async def ensure_pull_consumer(
+async def _ensure_pull_consumer(
     js: JetStreamContext,
     *,
     stream: str,

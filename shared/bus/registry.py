@@ -23,7 +23,7 @@ from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from contracts import ContractError, ServiceInfo, check_token
-from shared.bus.provision import STREAM_NAME_IN_USE
+from shared.bus.provision import STREAM_NAME_IN_USE, while_settling
 from shared.bus.service import cancel_and_wait, within
 from shared.telemetry.logging import get_logger
 
@@ -42,7 +42,11 @@ class Registry:
     @classmethod
     async def open(cls, js: JetStreamContext, bucket: str, ttl_s: float = 6.0, replicas: int = 1) -> "Registry":
         """Create the bucket (kept on `replicas` nodes of a cluster), or bind to it (setting its TTL and replicas
-        if they differ)."""
+        if they differ); tried again while JetStream is settling."""
+        return await while_settling(cls._open, js, bucket, ttl_s, replicas)
+
+    @classmethod
+    async def _open(cls, js: JetStreamContext, bucket: str, ttl_s: float, replicas: int) -> "Registry":
         if ttl_s <= 0:
             raise ValueError(f"registry ttl_s must be positive, got {ttl_s}")
         try:
