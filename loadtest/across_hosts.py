@@ -80,8 +80,17 @@ class HostsDeployment:
 
     def serve(self, host: str, role: str, instance: str, *args: str) -> None:
         self.start(host, instance, [sys.executable, "-m", "services.cli.main", "serve", role, "--nats", self.nats_url,
-                                    "--namespace", self.namespace, "--nats-creds", str(self.creds / f"{role}.nk"),
-                                    "--instance-id", instance, *args])
+                                    "--nats-replicas", str(len(self.hosts.netns)), "--namespace", self.namespace,
+                                    "--nats-creds", str(self.creds / f"{role}.nk"), "--instance-id", instance, *args])
+
+    def report(self, lines: int = 12) -> str:
+        """Each process that has exited, with its code and the end of its log: why a deployment is not ready."""
+        parts = []
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.dir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:]
+                parts.append(f"{name} exited with {proc.returncode}:\n" + "\n".join(tail))
+        return "\n".join(parts) or "every process is running"
 
     def on(self, host: str, fn, *args, **kwargs):
         return self.clients[host].submit(fn, *args, **kwargs).result(timeout=3600)

@@ -146,7 +146,8 @@ class EngineWorker:
         details = {"rejected_messages": dict(REJECTED), "prefix_cache": self.engine.prefix_cache_counts(),
                    "kv_store": self.kv_store.details() if self.kv_store is not None else {},
                    "kv_events": dict(self.kv_events.counts), "cpu_loan": loan_details(self.engine_loop.cpu_share),
-                   "registry_lapses": self.heartbeat.num_lapses, "shm_segments": segments_held(),
+                   "registry_lapses": self.heartbeat.num_lapses,
+                   "registry_outages": self.heartbeat.num_outages, "shm_segments": segments_held(),
                    **self.role.details()}
         for part in self.parts:
             details.update(part.details())

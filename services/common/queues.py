@@ -1,14 +1,14 @@
 """The deployment's JetStream work queues, provisioned idempotently by whoever uses them."""
 
 from contracts import Subjects
-from shared.bus.provision import ensure_pull_consumer, ensure_stream
+from shared.bus.provision import Replicas, ensure_pull_consumer, ensure_stream
 
 # A request a scheduler pulled and did not ack (it died or froze) goes to another scheduler after this; a live
 # scheduler renews it while it routes (services.scheduler.lease).
 REQUEST_ACK_WAIT_S = 10.0
 
 
-async def provision_request_queue(js, subjects: Subjects, replicas: int = 1) -> None:
+async def provision_request_queue(js, subjects: Subjects, replicas: Replicas = Replicas()) -> None:
     """gateway -> scheduler: bounded, de-duplicated by request id."""
     await ensure_stream(js, name=subjects.requests_stream, subjects=[subjects.submit], retention="workqueue",
                         max_msgs=100_000, max_bytes=1 << 30, max_age_s=600, duplicate_window_s=120,
@@ -18,7 +18,7 @@ async def provision_request_queue(js, subjects: Subjects, replicas: int = 1) -> 
                                max_ack_pending=10_000)
 
 
-async def provision_prefill_queue(js, subjects: Subjects, replicas: int = 1) -> None:
+async def provision_prefill_queue(js, subjects: Subjects, replicas: Replicas = Replicas()) -> None:
     """decode -> prefill pool. A short ack wait (kept alive by in-progress acks) gets a dead worker's job
     redelivered within seconds; a few deliveries at most, after which the decode worker prefills locally."""
     await ensure_stream(js, name=subjects.prefill_stream, subjects=[subjects.prefill_jobs], retention="workqueue",

@@ -8,7 +8,7 @@ from services.common.options import bus_credentials, bus_tls
 from services.common.status_server import start_status_server
 from shared.bus.connection import ShutdownSignal, connect, drain
 from shared.bus.permissions import inbox_prefix
-from shared.bus.provision import ProvisionError, cluster_size, replicas_for
+from shared.bus.provision import ProvisionError, replicas_asked
 from shared.bus.registry import Registry
 from shared.bus.service import run_until_stopped
 from shared.telemetry.logging import configure_logging, get_logger
@@ -32,7 +32,7 @@ async def run_service(args: argparse.Namespace, role: str, build: Callable[..., 
                        inbox_prefix=inbox_prefix(args.namespace, role))
     js = nc.jetstream()
     try:
-        replicas = replicas_for(args.nats_replicas, cluster_size(nc))
+        replicas = replicas_asked(args.nats_replicas, nc)
     except ProvisionError as exc:
         await nc.close()
         raise SystemExit(f"error: {exc}") from None

@@ -45,8 +45,8 @@ from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS, RequestStream
 from shared.bus.connection import connect, drain
 from shared.bus.credentials import BusCredentials
 from shared.bus.permissions import inbox_prefix
-from shared.bus.provision import cluster_size, replicas_for
-from shared.bus.registry import Heartbeat, Registry
+from shared.bus.provision import replicas_asked
+from shared.bus.registry import Heartbeat, Readings, Registry
 from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
@@ -100,7 +100,7 @@ class Gateway:
         self.nc = await connect(self.settings.nats_url, name=self.settings.instance_id,
                                 credentials=self.settings.nats_credentials, tls=self.settings.nats_tls,
                                 inbox_prefix=inbox_prefix(self.settings.namespace, "gateway"))
-        replicas = replicas_for(self.settings.nats_replicas, cluster_size(self.nc))
+        replicas = replicas_asked(self.settings.nats_replicas, self.nc)
         self.registry = await Registry.open(self.nc.jetstream(), self.subjects.registry_bucket, replicas=replicas)
         await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)
         self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
@@ -153,10 +153,13 @@ class Gateway:
         )
 
     async def _watch_services(self) -> None:
+        readings = Readings(self.registry.ttl_s)  # a worker missing just after an outage is not taken for gone
         while True:
             await asyncio.sleep(_REGISTRY_REFRESH_S)
             listed_at = time.monotonic()
-            if await self._refresh_services():
+            if not await self._refresh_services():
+                readings.failed()
+            elif readings.absences_count(listed_at):
                 self.streams.fail_orphans(self.services, listed_at)
 
     async def _refresh_services(self) -> bool:

@@ -456,7 +456,10 @@ class Launcher:
             kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
             kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
             cpus=worker_cpus(o.cpus), nats_creds_dir=str(creds_dir) if creds_dir else None, nats_tls_ca=tls_ca,
-            nats_replicas=o.nats_replicas,
+            # The cluster started here has a known size: every service is told the copies, rather than each going by
+            # the nodes it saw on connecting (fewer, while the routes were forming).
+            nats_replicas=replicas_for(o.nats_replicas, o.nats_cluster) if o.nats is None and o.nats_cluster > 1
+            else o.nats_replicas,
             transfer_tls=transfer_tls, cpu_loan_dir=str(self.run_dir / "cpu-loans") if o.lend_idle_cpus else None,
         )
         specs = topology.plan(config)

@@ -9,6 +9,7 @@ while a stage is gone fail at once rather than wait for their deadline.
 """
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -16,7 +17,7 @@ from contracts import ForwardBatch, StageActivation, StageShipment, StepTrace, T
 from services.common.engine_loop import EngineLoop
 from services.common.identity import now_ms
 from services.stage.link import ActivationLink
-from shared.bus.registry import Registry
+from shared.bus.registry import Readings, Registry
 from shared.engine.engine import RequestOutput
 from shared.engine.pipeline import PipelineHeadEngine, ShipKV, StepResult
 from shared.engine.step_batch import StepBatch
@@ -171,15 +172,18 @@ class PipelineDriver:
 
     # ---- stage health ---------------------------------------------------------------------------
     async def _watch_stages(self) -> None:
+        readings = Readings(self.registry.ttl_s)  # a stage missing just after an outage is not taken for gone
         while True:
             await asyncio.sleep(_WATCH_INTERVAL_S)
             try:
                 entries = {info.instance_id: info for info in await self.registry.list()}
             except Exception as exc:  # NATS hiccup: look again next time
+                readings.failed()
                 log.warning("could not read the registry", error=repr(exc))
                 continue
             was_missing = set(self.stages_missing)
-            missing = [iid for iid in self.stages if iid not in entries]
+            counted = readings.absences_count(time.monotonic())
+            missing = [iid for iid in self.stages if iid not in entries and (counted or iid in was_missing)]
             new_boots = {iid: entries[iid].boot_id for iid in self.stages
                          if iid in entries and entries[iid].boot_id != self.stage_boot_ids.get(iid)}
             self.stages_missing = missing

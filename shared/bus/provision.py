@@ -10,6 +10,7 @@ raises `ProvisionError` naming the stream and the fields.
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -31,6 +32,9 @@ log = get_logger(__name__)
 
 _NS_PER_S = 1_000_000_000
 STREAM_NAME_IN_USE = 10058  # JetStream error code: a stream of that name exists with another config
+# JetStream error codes of a cluster still forming or electing (tried again while settling): no peers to place the
+# copies on yet (the meta leader has not heard of every node), no leader to handle the request.
+SETTLING_CODES = frozenset({10005, 10008, 10009})
 
 
 class ProvisionError(RuntimeError):
@@ -51,6 +55,27 @@ def replicas_for(requested: int | None, cluster_size: int) -> int:
         raise ProvisionError(f"--nats-replicas {requested} needs a NATS cluster of {requested} nodes or more; "
                              f"this one has {cluster_size}")
     return requested
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The copies of each stream and bucket a service provisions. `chosen`: the operator's (`--nats-replicas`),
+    which existing ones are changed to; otherwise a default from the cluster as this client saw it on connecting,
+    given only to what it creates: clients that connected while the cluster's routes were forming would see
+    different sizes and undo each other's choice."""
+
+    count: int = 1
+    chosen: bool = False
+
+
+def replicas_asked(requested: int | None, nc) -> Replicas:
+    """A service's `Replicas`: `requested` as asked (the servers refuse what the cluster cannot hold), else 3 on a
+    cluster of 3 nodes or more as `nc` sees it, else 1."""
+    if requested is None:
+        return Replicas(3 if cluster_size(nc) >= 3 else 1)
+    if not 1 <= requested <= MAX_REPLICAS:
+        raise ProvisionError(f"--nats-replicas must be 1 to {MAX_REPLICAS}, not {requested}")
+    return Replicas(requested, chosen=True)
 
 
 def cluster_size(nc) -> int:
@@ -74,14 +99,14 @@ SETTLE_S = 30.0  # how long provisioning waits for a JetStream that times out or
 
 
 async def while_settling(provision, *args, **kwargs):
-    """`await provision(*args, **kwargs)`, again every half second while JetStream times out or has no leader,
-    for up to `SETTLE_S`."""
+    """`await provision(*args, **kwargs)`, again every half second while JetStream times out, has no leader or
+    cannot place copies yet, for up to `SETTLE_S`."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         try:
             return await provision(*args, **kwargs)
-        except (nats.errors.TimeoutError, ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
-            if time.monotonic() > deadline:
+        except (nats.errors.TimeoutError, ServiceUnavailableError, nats.errors.NoRespondersError, APIError) as exc:
+            if time.monotonic() > deadline or isinstance(exc, APIError) and not settling(exc):
                 raise
             log.info("JetStream not answering yet; provisioning again", error=repr(exc))
             await asyncio.sleep(0.5)
@@ -98,7 +123,7 @@ async def _ensure_stream(
     max_bytes: int,
     max_age_s: float,
     duplicate_window_s: float = 120.0,
-    replicas: int = 1,
+    replicas: Replicas = Replicas(),
 ) -> StreamInfo:
     """Create stream `name` (kept on `replicas` nodes of a cluster), or update it to this configuration.
 
@@ -115,7 +140,7 @@ async def _ensure_stream(
         max_bytes=max_bytes,
         max_age=max_age_s,
         duplicate_window=duplicate_window_s,
-        num_replicas=replicas,
+        num_replicas=replicas.count,
     )
     try:
         have = await js.stream_info(name)
@@ -125,15 +150,21 @@ async def _ensure_stream(
             log.info("stream created", stream=name, subjects=subjects, retention=retention, storage=storage)
             return info
         except APIError as exc:
+            if settling(exc):
+                raise
             if exc.err_code != STREAM_NAME_IN_USE:
                 raise ProvisionError(f"cannot create stream {name!r}: {exc.description}") from exc
             have = await js.stream_info(name)  # another process created it meanwhile, differently
+    if not replicas.chosen:
+        want.num_replicas = have.config.num_replicas  # a default: for what it creates, not to change
     changed = _stream_changes(have.config, want)
     if not changed:
         return have
     try:
         info = await js.update_stream(want)
     except APIError as exc:
+        if settling(exc):
+            raise
         raise ProvisionError(f"cannot update stream {name!r} ({', '.join(changed)}): {exc.description}") from exc
     log.info("stream updated", stream=name, changed=changed)
     return info
@@ -170,9 +201,16 @@ async def _ensure_pull_consumer(
         # Creating a durable that exists with another config updates it, so create and update are one call.
         info = await js.add_consumer(stream, want)
     except APIError as exc:
+        if settling(exc):
+            raise
         raise ProvisionError(f"cannot provision consumer {durable!r} on stream {stream!r}: {exc.description}") from exc
     log.info("consumer created" if have is None else "consumer updated", stream=stream, consumer=durable, changed=changed)
     return info
+
+
+def settling(exc: APIError) -> bool:
+    """Whether JetStream refused for now only: its cluster is forming or electing a leader."""
+    return isinstance(exc, ServiceUnavailableError) or exc.err_code in SETTLING_CODES
 
 
 def _stream_changes(have: StreamConfig, want: StreamConfig) -> list[str]:

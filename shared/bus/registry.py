@@ -19,11 +19,17 @@ from collections.abc import Awaitable, Callable
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import (
+    APIError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 
 from contracts import ContractError, ServiceInfo, check_token
-from shared.bus.provision import STREAM_NAME_IN_USE, while_settling
+from shared.bus.provision import STREAM_NAME_IN_USE, Replicas, settling, while_settling
 from shared.bus.service import cancel_and_wait, within
 from shared.telemetry.logging import get_logger
 
@@ -40,13 +46,14 @@ class Registry:
         self.num_malformed = 0  # entries skipped because they did not decode, counted on every read
 
     @classmethod
-    async def open(cls, js: JetStreamContext, bucket: str, ttl_s: float = 6.0, replicas: int = 1) -> "Registry":
-        """Create the bucket (kept on `replicas` nodes of a cluster), or bind to it (setting its TTL and replicas
-        if they differ); tried again while JetStream is settling."""
+    async def open(cls, js: JetStreamContext, bucket: str, ttl_s: float = 6.0,
+                   replicas: Replicas = Replicas()) -> "Registry":
+        """Create the bucket (kept on `replicas.count` nodes of a cluster), or bind to it (setting its TTL, and its
+        replicas if chosen, where they differ); tried again while JetStream is settling."""
         return await while_settling(cls._open, js, bucket, ttl_s, replicas)
 
     @classmethod
-    async def _open(cls, js: JetStreamContext, bucket: str, ttl_s: float, replicas: int) -> "Registry":
+    async def _open(cls, js: JetStreamContext, bucket: str, ttl_s: float, replicas: Replicas) -> "Registry":
         if ttl_s <= 0:
             raise ValueError(f"registry ttl_s must be positive, got {ttl_s}")
         try:
@@ -55,15 +62,20 @@ class Registry:
             try:
                 # Two services creating it at once with the same TTL both succeed.
                 kv = await js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1,
-                                                              storage=StorageType.FILE, replicas=replicas))
-                log.info("registry bucket created", bucket=bucket, ttl_s=ttl_s, replicas=replicas)
+                                                              storage=StorageType.FILE, replicas=replicas.count))
+                log.info("registry bucket created", bucket=bucket, ttl_s=ttl_s, replicas=replicas.count)
                 return cls(js, kv, bucket, ttl_s)
             except APIError as exc:
-                if exc.err_code != STREAM_NAME_IN_USE:
+                if settling(exc) or exc.err_code != STREAM_NAME_IN_USE:
                     raise
                 kv = await js.key_value(bucket)  # created meanwhile with another TTL
         await _configure(js, bucket, kv, ttl_s, replicas)
         return cls(js, kv, bucket, ttl_s)
+
+    def unavailable(self, exc: BaseException) -> bool:
+        """Whether `exc` (from a put or read) says the registry itself is unavailable to everyone now: its stream
+        answered nobody (no leader, while the cluster elects one) with this client connected."""
+        return self.js._nc.is_connected and isinstance(exc, (NoStreamResponseError, ServiceUnavailableError))
 
     async def put(self, info: ServiceInfo) -> None:
         await self.kv.put(entry_key(info.role, info.instance_id), info.encode())
@@ -108,6 +120,25 @@ class Registry:
         return info
 
 
+class Readings:
+    """Whether an entry missing from a registry read says its service is gone: only once the registry has been
+    readable for a TTL. While its stream had no leader (a NATS node lost, a new leader being elected) nobody's
+    heartbeat got in, and the entries that expired meanwhile are back with the next beats."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._readable_since: float | None = float("-inf")  # none failed yet
+
+    def failed(self) -> None:
+        self._readable_since = None
+
+    def absences_count(self, read_at: float) -> bool:
+        """Record a good read at `read_at` (time.monotonic); whether what it lacks is news."""
+        if self._readable_since is None:
+            self._readable_since = read_at
+        return read_at - self._readable_since > self.ttl_s
+
+
 def entry_key(role: str, instance_id: str) -> str:
     return f"{check_token(role, 'role')}.{check_token(instance_id, 'instance id')}"
 
@@ -118,7 +149,10 @@ class Heartbeat:
     def __init__(self, registry: Registry, make_info: Callable[[], ServiceInfo], interval_s: float = 1.0,
                  on_lapse: Callable[[float], Awaitable[None]] | None = None):
         """`on_lapse(seconds)`, before a put: the last good one was more than the TTL ago (the process stalled, or
-        NATS was away), so the entry expired meanwhile and its peers took it for gone."""
+        lost NATS), so the entry expired meanwhile and its peers took it for gone. Not called when every put in
+        between failed for the registry itself (its stream had no leader, with this client connected): nobody's
+        heartbeat or read got through then, so no peer took the entry's absence for news (`Gateway` waits a TTL
+        after the registry is readable again before it does)."""
         if not 0 < interval_s < registry.ttl_s:
             raise ValueError(f"heartbeat interval {interval_s}s must be positive and below the registry TTL {registry.ttl_s}s")
         self.registry = registry
@@ -127,6 +161,12 @@ class Heartbeat:
         self.on_lapse = on_lapse
         self.num_failed = 0
         self.num_lapses = 0
+        self.num_outages = 0  # lapses that were the registry's, not this service's
+        # Since the last good put: whether every put failed for the registry itself (None: none failed), and the
+        # widest spacing of the tries (a process that froze made none meanwhile).
+        self._registry_failed: bool | None = None
+        self._last_try: float | None = None
+        self._widest_try_gap = 0.0
         self._last_put: float | None = None  # time.monotonic() of the last good put
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -163,12 +203,21 @@ class Heartbeat:
 
     async def _beat(self) -> None:
         try:
-            gap_s = time.monotonic() - self._last_put if self._last_put is not None else 0.0
+            now = time.monotonic()
+            if self._last_try is not None:
+                self._widest_try_gap = max(self._widest_try_gap, now - self._last_try)
+            self._last_try = now
+            gap_s = now - self._last_put if self._last_put is not None else 0.0
             if gap_s > self.registry.ttl_s:
-                self.num_lapses += 1
                 self._last_put = None  # one call per lapse
-                if self.on_lapse is not None:
-                    await self.on_lapse(gap_s)
+                if self._registry_failed and self._widest_try_gap <= self.registry.ttl_s / 2:
+                    self.num_outages += 1
+                    log.warning("the registry was unavailable longer than its TTL; putting the entry again",
+                                seconds_since_last_heartbeat=round(gap_s, 1))
+                else:
+                    self.num_lapses += 1
+                    if self.on_lapse is not None:
+                        await self.on_lapse(gap_s)
             info = self.make_info()
             info.heartbeat_ms = int(time.time() * 1000)
             self._entry = (info.role, info.instance_id)
@@ -176,21 +225,26 @@ class Heartbeat:
             # which goes out on the new one.
             await within(min(self.registry.ttl_s, 2 * self.interval_s), self.registry.put(info))
             self._last_put = time.monotonic()
+            self._registry_failed, self._widest_try_gap = None, 0.0
         except Exception as exc:  # NATS away, a bad info: try again next tick, never end the task
+            self._registry_failed = self._registry_failed is not False and self.registry.unavailable(exc)
             self.num_failed += 1
             log.warning("heartbeat failed", error=str(exc) or type(exc).__name__, num_failed=self.num_failed)
 
 
-async def _configure(js: JetStreamContext, bucket: str, kv: KeyValue, ttl_s: float, replicas: int) -> None:
+async def _configure(js: JetStreamContext, bucket: str, kv: KeyValue, ttl_s: float, replicas: Replicas) -> None:
     config = (await kv.status()).stream_info.config
-    if round((config.max_age or 0) * 1e9) == round(ttl_s * 1e9) and (config.num_replicas or 1) == replicas:
+    count = replicas.count if replicas.chosen else (config.num_replicas or 1)  # a default does not change it
+    if round((config.max_age or 0) * 1e9) == round(ttl_s * 1e9) and (config.num_replicas or 1) == count:
         return
     config.max_age = ttl_s
     config.duplicate_window = min(config.duplicate_window or ttl_s, ttl_s)
-    config.num_replicas = replicas
+    config.num_replicas = count
     try:
         await js.update_stream(config)
     except APIError as exc:
-        raise RuntimeError(f"cannot set registry bucket {bucket!r} to a TTL of {ttl_s}s and {replicas} replicas: "
+        if settling(exc):
+            raise
+        raise RuntimeError(f"cannot set registry bucket {bucket!r} to a TTL of {ttl_s}s and {count} replicas: "
                            f"{exc.description}") from exc
-    log.info("registry bucket updated", bucket=bucket, ttl_s=ttl_s, replicas=replicas)
+    log.info("registry bucket updated", bucket=bucket, ttl_s=ttl_s, replicas=count)

@@ -5,7 +5,7 @@ import msgpack
 import pytest
 
 from contracts import ServiceInfo
-from shared.bus.registry import Heartbeat, Registry
+from shared.bus.registry import Heartbeat, Readings, Registry
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -150,6 +150,40 @@ async def test_a_heartbeat_back_from_a_stall_longer_than_the_ttl_says_so_once_be
     await asyncio.sleep(1.0)
     assert len(lapses) == 1 and heartbeat.num_lapses == 1
     await heartbeat.stop(remove=True)
+
+
+async def test_a_registry_that_answered_nobody_is_no_lapse_of_the_services_beating_into_it(js, unique):
+    """While the registry's stream answers nobody with the client connected (on a cluster: its leader lost and a new
+    one being elected; here: the stream gone), every service's puts fail alike and no reader learns anything. Once
+    it is back the entry is put again, and no lapse is reported: no peer could have taken it for gone."""
+    bucket = unique("reg")
+    registry = await Registry.open(js, bucket, ttl_s=1.5)
+    lapses = []
+
+    async def on_lapse(gap_s: float) -> None:
+        lapses.append(gap_s)
+
+    heartbeat = Heartbeat(registry, lambda: info("decode-1"), interval_s=0.3, on_lapse=on_lapse)
+    heartbeat.start()
+    await wait_until(lambda: registry.get("decode", "decode-1"), timeout_s=1.0, interval_s=0.02)
+    await js.delete_key_value(bucket)
+    await asyncio.sleep(2.5)  # past the TTL, the beats failing on schedule
+    await Registry.open(js, bucket, ttl_s=1.5)
+    await wait_until(lambda: registry.get("decode", "decode-1"), timeout_s=3.0, interval_s=0.05)
+    assert heartbeat.num_failed >= 3
+    assert (lapses, heartbeat.num_lapses, heartbeat.num_outages) == ([], 0, 1)
+    await heartbeat.stop(remove=True)
+
+
+async def test_absences_count_once_the_registry_has_been_readable_for_a_ttl():
+    readings = Readings(ttl_s=6.0)
+    assert readings.absences_count(100.0)  # none failed: every read counts
+    readings.failed()  # the registry unreadable (its stream electing a leader)
+    assert not readings.absences_count(101.0)  # the first good read after: entries may still be coming back
+    assert not readings.absences_count(107.0)
+    assert readings.absences_count(107.5)  # readable for a TTL: what is missing has stopped beating
+    readings.failed()
+    assert not readings.absences_count(108.0)
 
 
 async def test_heartbeat_interval_must_be_inside_the_ttl(js, unique):

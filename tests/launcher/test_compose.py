@@ -103,6 +103,8 @@ def test_the_commands_describe_one_consistent_deployment(compose):
         instance_ids.append(_flag(command, "--instance-id"))
         urls = _flag(command, "--nats").split(",")  # every server of the cluster
         assert [re.fullmatch(r"nats://([\w-]+):4222", url).group(1) for url in urls] == list(NATS_NODES)
+        # Told the copies (one per node), rather than each going by the nodes it saw on connecting.
+        assert environment_of(services[name])["SPLITSERVE_NATS_REPLICAS"] == str(len(NATS_NODES))
         assert _flag(command, "--namespace") == "splitserve"
     assert len(set(instance_ids)) == len(instance_ids)
 

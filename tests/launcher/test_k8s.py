@@ -76,6 +76,7 @@ def test_each_container_is_its_service_run_as_the_image_runs_it(resources):
         env = env_of(container)
         # Its bus settings from the environment the services read (SPLITSERVE_*), its own role's key only.
         assert env["SPLITSERVE_NATS_URL"]["value"] == "nats://nats:4222"
+        assert env["SPLITSERVE_NATS_REPLICAS"]["value"] == "3"  # the chart's cluster of three: one copy on each
         assert env["SPLITSERVE_INSTANCE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
         secret = env["SPLITSERVE_NATS_NKEY_SEED"]["valueFrom"]["secretKeyRef"]
         assert secret == {"name": f"splitserve-nats-{name}", "key": "SPLITSERVE_NATS_NKEY_SEED"}

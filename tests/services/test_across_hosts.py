@@ -68,8 +68,11 @@ def test_a_deployment_across_three_hosts_serves_exactly_and_rides_out_a_cut_host
         across.serve("c", "decode", "decode-0", *engine, "--mode", "disagg", "--kv-store", "--prefill-timeout", "5")
         across.serve("a", "gateway", "gateway-0", *model, "--port", "8000",
                      "--expect", "scheduler=1,decode=1,prefill=1,kvstore=1")
-        wait_until(lambda: across.gateway_ready(GATEWAY), 180, "the deployment across hosts never said ready",
-                   poll_s=1.0)
+        try:
+            wait_until(lambda: across.gateway_ready(GATEWAY), 180, "the deployment across hosts never said ready",
+                       poll_s=1.0)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{across.report()}") from None
         wait_until(lambda: across.workers_seen().get("prefill"), 30, "the scheduler never saw prefill-0")
 
         # Exact, prefilled on b, its KV over TCP to c (no shared memory between hosts).
