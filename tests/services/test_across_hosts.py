@@ -5,8 +5,8 @@ started as an operator would on its own machine (`splitserve serve ROLE --nats U
 
 The three NATS servers are one cluster (routes between the hosts, every stream on all three, each role with
 its own NKey). A prompt is prefilled on b and its KV crosses to c over the TCP side channel, to the address
-decode-0 found routes to NATS. Greedy output is transformers'; host b cut off: requests are prefilled on c within
-the job deadline, and on b again once it is back. (A NATS node killed under streaming load: test_nats_cluster.)
+decode-0 found routes to NATS. Greedy output is transformers'; a NATS node killed under streaming load costs no
+request; host b cut off: requests are prefilled on c within the job deadline, and on b again once it is back.
 """
 
 import time
@@ -18,7 +18,9 @@ from transformers import AutoTokenizer
 from loadtest.across_hosts import HostsDeployment
 from loadtest.netns import Hosts, netns_unavailable
 from reference import safe_prompts
+from support.jetstream import all_current
 from support.metrics import matching, samples
+from support.sse import stream, streamed_text
 from support.waiting import wait_until
 
 MODEL = "splitserve-default-llama"
@@ -53,7 +55,7 @@ def metric(across: HostsDeployment, name: str, **labels) -> float:
 
 
 @pytest.mark.timeout(600)
-def test_a_deployment_across_three_hosts_serves_exactly_and_rides_out_a_cut_host(
+def test_a_deployment_across_three_hosts_serves_exactly_and_rides_out_a_nats_node_and_a_cut_host(
         hosts, tmp_path, default_model):
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     cases = safe_prompts(default_model, 2048, [20, 150, 400], 16, seed=3)
@@ -89,7 +91,30 @@ def test_a_deployment_across_three_hosts_serves_exactly_and_rides_out_a_cut_host
         decode_log = (tmp_path / "decode-0.log").read_text()
         assert f'"advertise_host": "{hosts.address["c"]}"' in decode_log
 
-        # Host b cut off: prompts are prefilled on c (at worst after the 5 s job deadline), none fails.
+        # (a) A NATS node killed under six streams (and started again, as its supervisor would): none lost.
+        body = {"model": MODEL, "prompt": "A story about the sea", "max_tokens": 400, "ignore_eos": True,
+                "temperature": 0}
+        reference = streamed_text(across.on("a", stream, GATEWAY, body))
+        killed = []
+
+        def kill_a_node(events):
+            if len(events) == 30 and not killed:
+                across.procs["nats-c"].kill()
+                killed.append(time.monotonic())
+
+        runs = [across.clients["a"].submit(stream, GATEWAY, body, kill_a_node if i == 0 else lambda events: None)
+                for i in range(6)]
+        results = [run.result(timeout=300) for run in runs]
+        assert killed, "the streams ended before the node could be killed"
+        assert not [e for events in results for e in events if "error" in e]
+        assert [streamed_text(events) for events in results] == [reference] * 6
+        across.restart("nats-c")
+        wait_until(lambda: across.gateway_ready(GATEWAY), 60, "not ready again after nats-c came back", poll_s=1.0)
+        # Every stream's copy on c caught up: another node's loss now keeps a quorum.
+        wait_until(lambda: across.on("a", all_current, across.nats_url, str(across.creds / "admin.nk")), 60,
+                   "nats-c's copies never caught up", poll_s=1.0)
+
+        # (b) Host b cut off: prompts are prefilled on c (at worst after the 5 s job deadline), none fails.
         prompt, expected = cases[1]
         time.sleep(2.5)  # decode-0's last figures in (with its next heartbeat)
         remote_before = metric(across, "splitserve_prefill_outcomes_total", instance="decode-0", outcome="remote")
