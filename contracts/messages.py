@@ -61,6 +61,10 @@ class Sampling(Part, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 class GenerateRequest(Message, tag="generate_request", kw_only=True):

@@ -374,3 +374,35 @@ def test_logprobs_larger_than_vocab():
     logits = torch.tensor([[0.0, 1.0, 2.0]])
     out = sample(logits, [row(logprobs=20, temperature=0.0)])
     assert [t for t, _ in out.logprobs[0].top] == [2, 1, 0]
+
+
+def test_logit_bias_is_added_before_greedy_and_sampled_choices_and_logprobs_stay_the_models():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    assert sample(logits, [row(temperature=0.0)]).token_ids == [0]
+    assert sample(logits, [row(temperature=0.0, logit_bias={1: 1.5})]).token_ids == [1]
+    assert sample(logits, [row(temperature=0.0, logit_bias={0: -100.0, 1: -100.0})]).token_ids == [2]
+    draws = sample(logits.expand(200, -1), [row(seed=i, temperature=1.0, logit_bias={3: -100.0}) for i in range(200)])
+    assert 3 not in draws.token_ids and len(set(draws.token_ids)) == 3
+    out = sample(logits, [row(temperature=0.0, logit_bias={1: 1.5}, logprobs=1)])
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+
+
+def test_suppressed_tokens_are_never_drawn_and_a_row_leaves_the_others_alone():
+    logits = rand_logits(3, 50, seed=4)
+    favourite = int(logits[1].argmax())
+    rows = [row(temperature=0.0), row(temperature=0.0), row(seed=9, temperature=1.0)]
+    rows[1].suppressed = (favourite,)
+    rows[2].suppressed = tuple(range(49))  # everything but the last token
+    out = sample(logits, rows)
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.token_ids[1] != favourite and out.token_ids[1] == int(logits[1].clone().index_fill_(0, torch.tensor(
+        [favourite]), float("-inf")).argmax())
+    assert out.token_ids[2] == 49
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens_until_enough_are_out():
+    params = SamplingParams(min_tokens=3, stop_token_ids=[7])
+    assert params.suppressed_token_ids(0, {2}) == (2, 7)
+    assert params.suppressed_token_ids(2, {2}) == (2, 7)
+    assert params.suppressed_token_ids(3, {2}) == ()
+    assert SamplingParams(min_tokens=3, ignore_eos=True).suppressed_token_ids(0, {2}) == ()

@@ -89,6 +89,9 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--max-waiting-requests", type=count, metavar="N",
                         help="admission control: with N requests still waiting for their first token, a new one "
                              f"gets 429 and Retry-After (0: no bound; default: the gateway's, {DEFAULT_MAX_WAITING_REQUESTS})")
+    parser.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                        help="the gateway's chat template instead of the tokenizer's: a Jinja file, or the template "
+                             "itself")
     parser.add_argument("--prefill-backlog-factor", type=factor_or_off, metavar="F",
                         help="disagg: a long prompt is prefilled by its decode worker when each prefill worker has "
                              "more than F times its tokens queued (e.g. 0.5; default 0: never)")
@@ -189,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         max_local_prefill=args.max_local_prefill,
         offload_short_prefills=args.offload_short_prefills,
         prefill_backlog_factor=args.prefill_backlog_factor, migration_limit=args.migration_limit,
-        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_requests=args.max_waiting_requests, chat_template=args.chat_template,
         lend_idle_cpus=args.lend_idle_cpus,
         kv_transport=args.kv_transport,
         stages=args.stages,

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                 DEFAULT_DRAIN_TIMEOUT_S)),
                         help="on SIGTERM, seconds the open requests have to finish (new ones get 503) before the "
                              f"rest end with an error event (default: {DEFAULT_DRAIN_TIMEOUT_S:g})")
+    parser.add_argument("--chat-template", default=env_default("CHAT_TEMPLATE", None), metavar="FILE|TEMPLATE",
+                        help="the chat template to render /v1/chat/completions with instead of the tokenizer's: a "
+                             "Jinja file, or the template itself")
     return parser
 
 
@@ -84,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("gateway", args.instance_id, args.log_level)
     configure_tracing("gateway", args.instance_id)
     model_dir, served_name = resolve_model(args)
+    from services.gateway.model_info import read_chat_template
+
+    try:
+        chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
     settings = GatewaySettings(nats_url=args.nats, namespace=args.namespace, instance_id=args.instance_id,
                                model_dir=model_dir, served_model_name=served_name, expect=args.expect,
                                http_port=args.port,
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                migration_limit=args.migration_limit, max_waiting_requests=args.max_waiting_requests,
                                stream_idle_timeout_s=args.stream_idle_timeout,
                                nats_credentials=bus_credentials(args), nats_tls=bus_tls(args),
-                               nats_replicas=args.nats_replicas,
+                               nats_replicas=args.nats_replicas, chat_template=chat_template,
                                run_dir=os.environ.get(RUN_DIR_ENV))
     # uvicorn re-raises the signal that stopped it into the handler installed before it; a no-op one lets the
     # gateway exit 0 like every service.

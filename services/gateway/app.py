@@ -77,6 +77,7 @@ class GatewaySettings:
     nats_credentials: BusCredentials | None = None
     nats_tls: ssl.SSLContext | None = None
     nats_replicas: int | None = None  # the registry bucket's copies on a cluster (None: by its size)
+    chat_template: str | None = None  # overrides the tokenizer's (the template's text)
 
     def __repr__(self) -> str:  # never print the keys
         return f"GatewaySettings({self.instance_id!r}, {len(self.api_keys)} API key(s))"
@@ -88,7 +89,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
         self.subjects = Subjects(settings.namespace)
-        self.model = ModelInfo.load(settings.model_dir, settings.served_model_name)
+        self.model = ModelInfo.load(settings.model_dir, settings.served_model_name, settings.chat_template)
         self.streams = TokenStreams()
         self.services: list[ServiceInfo] = []
         self.metrics = GatewayMetrics(lambda: self.services, self.streams.num_waiting)
@@ -262,7 +263,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         messages = req.template_messages()
         check_prompt_chars(sum(_text_chars(m.get("content")) for m in messages), gateway.max_model_len,
                            gateway.model.max_chars_per_token, "messages")
-        prompt_ids = await run_in_threadpool(gateway.model.encode_chat, messages)
+        # Tools offered with tool_choice "none" are rendered (the model sees them) but never called.
+        prompt_ids = await run_in_threadpool(gateway.model.encode_chat, messages, req.tools,
+                                             req.chat_template_kwargs)
         return await generate(gateway, request, req, prompt_ids, chat=True)
 
     return app
@@ -310,6 +313,17 @@ def check_admission(waiting: int, max_waiting: int, draining: bool = False) -> N
                                         "shortly", retry_after_s=1.0)
 
 
+_IGNORED_NOTED: set[str] = set()
+
+
+def _note_ignored(fields: list[str]) -> None:
+    """Fields accepted and ignored (`user`): said once per process, at debug level."""
+    for name in fields:
+        if name not in _IGNORED_NOTED:
+            _IGNORED_NOTED.add(name)
+            log.debug("request field accepted and ignored", field=name)
+
+
 def check_model(gateway: Gateway, name: str) -> None:
     if name != gateway.model.served_name:
         raise model_not_found(name)
@@ -318,6 +332,8 @@ def check_model(gateway: Gateway, name: str) -> None:
 async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int], chat: bool):
     endpoint = "chat" if chat else "completions"
     check_token_ids(req.stop_token_ids or [], gateway.model.vocab_size, "stop_token_ids")
+    check_token_ids(list(req.logit_bias_ids), gateway.model.vocab_size, "logit_bias")
+    _note_ignored(req.ignored_fields)
     sampling = to_sampling_kwargs(req)
     requested = sampling["max_tokens"]
     if requested is None and not chat:
@@ -346,7 +362,9 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
                 return Response(status_code=499)
         telemetry.assigned(stream.worker_instance or "")
         try:
-            renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage)
+            echo = "" if chat or not req.echo else (
+                req.prompt if isinstance(req.prompt, str) else gateway.model.tokenizer.decode(prompt_ids))
+            renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage, echo)
             if req.stream:
                 events = _sse_events(gateway, stream, renderer, telemetry)
                 return _EventStream(events, gateway, stream, telemetry, media_type="text/event-stream",
@@ -423,8 +441,10 @@ async def _client_gone(request: Request) -> None:
 class _Renderer:
     """Turns token chunks into OpenAI responses (whole or as SSE chunks)."""
 
-    def __init__(self, gateway: Gateway, response_id: str, model: str, chat: bool, include_usage: bool):
+    def __init__(self, gateway: Gateway, response_id: str, model: str, chat: bool, include_usage: bool,
+                 echo: str = ""):
         self.gateway, self.chat, self.include_usage = gateway, chat, include_usage
+        self.echo = echo  # the prompt's text, ahead of the completion's (a completion's echo=true)
         self.common = {"request_id": response_id, "created": int(time.time()), "model": model}
         self.text_sent = 0
         self.usage = (0, 0, 0)
@@ -448,7 +468,8 @@ class _Renderer:
         if self.chat:
             return responses.chat_chunk(**self.common, content=chunk.text, finish_reason=chunk.finish_reason,
                                         logprobs=logprobs, include_usage=self.include_usage)
-        return responses.completion_chunk(**self.common, text=chunk.text, finish_reason=chunk.finish_reason,
+        text, self.echo = self.echo + chunk.text, ""  # the echoed prompt goes out with the first chunk
+        return responses.completion_chunk(**self.common, text=text, finish_reason=chunk.finish_reason,
                                           logprobs=logprobs, include_usage=self.include_usage)
 
     def usage_chunk(self) -> dict:
@@ -465,7 +486,7 @@ class _Renderer:
             return responses.chat_completion_response(**self.common, content=text, finish_reason=self.finish_reason,
                                                       logprobs=logprobs, **usage)
         logprobs = responses.completion_logprobs(logprob_entries, token_text) if logprob_entries else None
-        return responses.completion_response(**self.common, text=text, finish_reason=self.finish_reason,
+        return responses.completion_response(**self.common, text=self.echo + text, finish_reason=self.finish_reason,
                                              logprobs=logprobs, **usage)
 
 

@@ -135,6 +135,8 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> RequestError:
     message = error.get("msg", "invalid value")
     if kind == "missing":
         return RequestError(f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
+    if kind == "extra_forbidden":  # a field the API does not know: refused rather than run as if never sent
+        return RequestError(f"Unrecognized request argument supplied: {param}", param, code="unknown_parameter")
     if kind.endswith("_type") or kind.endswith("_parsing"):
         return RequestError(f"Invalid type for '{param}': {message}.", param, code="invalid_type")
     return RequestError(f"Invalid value for '{param}': {message}.", param, code="invalid_value")

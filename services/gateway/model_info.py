@@ -1,6 +1,7 @@
-"""What the gateway knows of the served model: its tokenizer and context length."""
+"""What the gateway knows of the served model: its tokenizer, chat template and context length."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -17,14 +18,16 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     max_chars_per_token: int  # the longest text one token stands for (its vocabulary string bounds it)
+    chat_template: str | None = None  # the operator's override (--chat-template); None: the tokenizer's own
 
     @classmethod
-    def load(cls, model_dir: str, served_name: str) -> "ModelInfo":
+    def load(cls, model_dir: str, served_name: str, chat_template: str | None = None) -> "ModelInfo":
         config = read_config(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         longest = max((len(t) for t in tokens if isinstance(t, str)), default=1)
-        return cls(model_dir, served_name, tokenizer, config.vocab_size, config.max_position_embeddings, max(longest, 1))
+        return cls(model_dir, served_name, tokenizer, config.vocab_size, config.max_position_embeddings, max(longest, 1),
+                   chat_template)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -32,12 +35,27 @@ class ModelInfo:
         check_token_ids(prompt, self.vocab_size, "prompt")
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None
+                    ) -> list[int]:
+        """The prompt's token ids: `messages` (and the `tools` offered, if any) through the chat template, given
+        `template_kwargs` as extra variables."""
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as exc:  # a template that rejects the conversation (roles, order)
+            ids = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, chat_template=self.chat_template, add_generation_prompt=True,
+                tokenize=True, return_dict=False, **(template_kwargs or {}))
+        except Exception as exc:  # a template that rejects the conversation (roles, order) or a variable
             raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
         return list(ids)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file holding a Jinja chat template, or the template itself (as vLLM takes it)."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")

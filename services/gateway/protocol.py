@@ -2,14 +2,20 @@
 
 Fields and defaults follow the OpenAI API reference; extensions that vLLM also
 accepts (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos,
-skip_special_tokens) sit beside them. Values are checked strictly (no "0.5"
-strings for numbers, no 0/1 for booleans, no NaN or infinity) and every bad
-value becomes a `RequestError` 400 naming its field: pydantic's type errors
-through `from_validation_errors`, range and support checks raised directly by
-the validators below. Features splitserve does not have (n > 1, best_of, echo,
-suffix, logit_bias, tools, structured output) are refused, not silently
-dropped. Unknown fields are ignored, as vLLM does; they are kept in
-`model_extra` so the gateway can log them.
+min_tokens, include_stop_str_in_output, skip_special_tokens,
+spaces_between_special_tokens, chat_template_kwargs) sit beside them. Values are
+checked strictly (no "0.5" strings for numbers, no 0/1 for booleans, no NaN or
+infinity) and every bad value becomes a `RequestError` 400 naming its field:
+pydantic's type errors through `from_validation_errors`, range and support
+checks raised directly by the validators below.
+
+Every parameter is honoured or refused. Features splitserve does not have
+(n > 1, best_of, suffix, tools, structured output, prompt logprobs) are refused
+with a 400 naming them, and so is any field this API does not know: a
+misspelled or unsupported parameter is never run with default behaviour.
+`user` is accepted and ignored, as OpenAI and vLLM do (`IGNORED_FIELDS`).
+A chat message's unknown keys are ignored: clients send back the assistant
+messages they were given, with fields such as `refusal` and `annotations`.
 """
 
 from typing import Any, Literal, TypeVar
@@ -18,8 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from services.gateway.errors import RequestError, from_validation_errors
-from shared.engine.sampling_params import MAX_TOP_LOGPROBS
+from shared.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
+IGNORED_FIELDS = ("user",)  # accepted and ignored (logged once, at debug level)
+# Keys of chat_template_kwargs that would change how the template is called rather than what it renders.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                      "return_dict", "return_tensors", "padding", "truncation", "max_length",
+                                      "tokenizer_kwargs", "return_assistant_tokens_mask"})
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 1024  # per stop sequence: each is matched against the tail of the text every step
 MAX_STOP_TOKEN_IDS = 1024
@@ -29,7 +40,10 @@ RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    """Strict types; a field this API does not know is refused, naming it (the request's own, or one inside a
+    part, as stream_options.x)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -59,12 +73,15 @@ class _SamplingRequest(_Strict):
     stop: list[str] = Field(default_factory=list)  # also a single str, or null
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
+    min_tokens: int = 0  # extension: EOS, stop_token_ids and stop strings wait for this many tokens
+    include_stop_str_in_output: bool = False  # extension
     skip_special_tokens: bool = True  # extension
+    spaces_between_special_tokens: bool = True  # extension (honoured by slow tokenizers; fast ones add none)
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -110,8 +127,24 @@ class _SamplingRequest(_Strict):
             raise RequestError(f"Only n=1 is supported, got n={self.n}.", "n", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options", "stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            raise _unsupported("logit_bias", "logit_bias is not supported")
+        if self.min_tokens < 0:
+            raise _invalid("min_tokens", f"min_tokens must be at least 0, got {self.min_tokens}")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise _invalid("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        for key, value in bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise _invalid("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            if type(value) not in (int, float) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                raise _invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {value!r} for "
+                                             f"token {key}")
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(key): float(value) for key, value in (self.logit_bias or {}).items()}
 
     def _check_max_tokens(self, param: str, value: int | None) -> None:
         if value is not None and value < 1:
@@ -123,8 +156,9 @@ class _SamplingRequest(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @property
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+    def ignored_fields(self) -> list[str]:
+        """The fields given that are accepted and ignored."""
+        return [name for name in IGNORED_FIELDS if getattr(self, name, None) is not None]
 
 
 def _token_ids(value: list) -> list[int]:
@@ -168,8 +202,9 @@ class CompletionRequest(_SamplingRequest):
         self._check_sampling()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise _invalid("logprobs", f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
-        if self.echo:
-            raise RequestError("echo=true is not supported.", "echo", code="unsupported_value")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo=true with logprobs needs the prompt's logprobs, which are not supported; ask "
+                               "for one or the other.", "echo", code="unsupported_value")
         if self.suffix:
             raise _unsupported("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != 1:
@@ -191,6 +226,10 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(_Strict):
+    """One message; keys it does not know are ignored (see the module's docstring)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     # str | list of text parts, joined into one str; None only for assistant messages (e.g. tool calls)
     content: Any = Field(default=None, validate_default=True)
@@ -245,6 +284,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension: extra variables for the chat template
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
@@ -270,6 +310,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _unsupported("functions", "function calling is not supported")
         if self.function_call not in (None, "none"):
             raise _unsupported("function_call", "function calling is not supported")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise _invalid("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r}")
         return self
 
     @property
@@ -317,6 +360,10 @@ def to_sampling_kwargs(req: CompletionRequest | ChatCompletionRequest) -> dict[s
         "ignore_eos": req.ignore_eos,
         "logprobs": req.sampling_logprobs,
         "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "min_tokens": req.min_tokens,
+        "logit_bias": req.logit_bias_ids,
     }
 
 

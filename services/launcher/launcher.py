@@ -95,6 +95,7 @@ class UpOptions:
     prefill_backlog_factor: float | None = None  # disagg only; None: the scheduler's default
     migration_limit: int | None = None  # the gateway's --migration-limit (None: its default)
     max_waiting_requests: int | None = None  # the gateway's --max-waiting-requests (None: its default)
+    chat_template: str | None = None  # the gateway's --chat-template: a file, or the template itself
     api_keys: tuple[str, ...] = ()  # the gateway's; they reach it in its environment, never on a command line
     kv_transport: str = "auto"
     stages: int | None = None  # pipeline: split the layers evenly over this many stages (default 2)
@@ -449,6 +450,9 @@ class Launcher:
             decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill,
             offload_short_prefills=o.offload_short_prefills, prefill_backlog_factor=o.prefill_backlog_factor,
             migration_limit=o.migration_limit, max_waiting_requests=o.max_waiting_requests,
+            # A file is named by its absolute path: the gateway need not share this process's working directory.
+            chat_template=os.path.abspath(o.chat_template) if o.chat_template and os.path.isfile(o.chat_template)
+            else o.chat_template,
             drain_timeout_s=stop_budgets(o.stop_timeout_s)[2], kv_transport=o.kv_transport,
             stage_ranges=self._stage_ranges, microbatches=o.microbatches,
             max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,

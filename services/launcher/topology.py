@@ -32,6 +32,7 @@ class UpConfig:
     prefill_backlog_factor: float | None = None  # disagg: long prompts local behind this deep a backlog (None: default)
     migration_limit: int | None = None  # the gateway's --migration-limit (None: its default)
     max_waiting_requests: int | None = None  # the gateway's --max-waiting-requests (None: its default)
+    chat_template: str | None = None  # the gateway's --chat-template (a file's absolute path, or the text)
     drain_timeout_s: float | None = None  # the gateway's and decode workers' --drain-timeout (None: theirs)
     kv_transport: str = "auto"  # disagg: how prefill workers ship KV
     stage_ranges: tuple[tuple[int, int], ...] = ()  # pipeline (or disagg's prefill pipeline): each stage's layers
@@ -222,6 +223,8 @@ def _gateway(config: UpConfig, bus: tuple, model: tuple, counts: dict[str, int])
         args += ("--migration-limit", str(config.migration_limit))
     if config.max_waiting_requests is not None:
         args += ("--max-waiting-requests", str(config.max_waiting_requests))
+    if config.chat_template is not None:
+        args += ("--chat-template", config.chat_template)
     args += _drain_flags(config)
     return ServiceSpec("gateway-0", "gateway", "gateway-0", args, url=http_url(config.host, config.port))
 

@@ -59,9 +59,15 @@ class IncrementalDetokenizer:
         stop: Iterable[str] = (),
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        *,
+        min_tokens: int = 0,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # Passed to decode: slow tokenizers honour it; fast ones place no spaces around special tokens either way.
+        self._spaces_between_special_tokens = spaces_between_special_tokens
+        self._min_tokens = min_tokens  # stop strings ending in the text of the first min_tokens tokens do not count
         self._include_stop_str = include_stop_str_in_output
         if isinstance(stop, str):
             stop = [stop]
@@ -132,11 +138,11 @@ class IncrementalDetokenizer:
     # -- detokenization -----------------------------------------------------
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            ids,
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        if self._spaces_between_special_tokens:
+            return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens,
+                                          clean_up_tokenization_spaces=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens,
+                                      clean_up_tokenization_spaces=False, spaces_between_special_tokens=False)
 
     def _next_text(self) -> str:
         """Decode the window; return the new characters that are complete."""
@@ -159,10 +165,10 @@ class IncrementalDetokenizer:
     # -- stop strings -------------------------------------------------------
 
     def _handle_text(self, new_text: str, final: bool) -> str:
-        if not self._stops:
+        if not self._stops or self._num_tokens < self._min_tokens:
             if final:
                 self._finished = True
-            return self._release(new_text)
+            return self._release(new_text)  # (under min_tokens: held is empty, as no stop was looked for yet)
 
         buffer = self._held + new_text
         hit = self._find_stop(buffer)

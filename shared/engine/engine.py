@@ -355,7 +355,9 @@ class LLMEngine:
         if not to_sample:
             return []
         logits = logits[[position for position, _ in to_sample]] if len(to_sample) != len(batch.sample_indices) else logits
-        rows = [SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_token_ids) for _, s in to_sample]
+        rows = [SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_token_ids,
+                            s.params.suppressed_token_ids(len(s.output_token_ids), self.eos_token_ids))
+                for _, s in to_sample]
         sampled = sample(logits, rows)
         outputs = []
         for (_, seq), token_id, logprobs in zip(to_sample, sampled.token_ids, sampled.logprobs):
@@ -457,7 +459,9 @@ class LLMEngine:
     def new_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
+                                      params.include_stop_str_in_output, min_tokens=params.min_tokens,
+                                      spaces_between_special_tokens=params.spaces_between_special_tokens)
 
     def max_total_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         if params.max_tokens is None:

@@ -1,10 +1,10 @@
 """Turn a batch of logits into next tokens, one SamplingParams per row.
 
-Per row, in order: repetition penalty (transformers semantics, over prompt and
-generated ids), frequency/presence penalties (OpenAI semantics, over generated
-ids), temperature, then the top-k, top-p and min-p filters on the resulting
+Per row, in order: logit bias and the tokens suppressed (EOS before min_tokens),
+repetition penalty (transformers semantics, over prompt and generated ids),
+frequency/presence penalties (OpenAI semantics, over generated ids), temperature, then the top-k, top-p and min-p filters on the resulting
 probabilities, then a draw. Temperature 0 is greedy: the argmax of the
-penalised logits (of the raw logits when the row has no penalties).
+adjusted logits (of the raw logits when the row has no bias or penalties).
 
 Draws are stateless and reproducible. Each row's noise comes from its own
 torch.Generator, seeded from (row seed, len(output_token_ids)) through a 64-bit
@@ -44,6 +44,7 @@ class SamplingRow:
     seed: int  # always set: the engine draws a random one for unseeded requests
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far; len() is the index of the token being sampled
+    suppressed: tuple[int, ...] = ()  # token ids that must not be drawn now (params.suppressed_token_ids)
 
 
 @dataclass(slots=True)
@@ -76,8 +77,31 @@ def row_seed(seed: int, step: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
 
 
-def _has_penalties(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+def _adjusts_logits(row: SamplingRow) -> bool:
+    params = row.params
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+            or bool(params.logit_bias) or bool(row.suppressed))
+
+
+def _apply_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logit_bias added, then the suppressed tokens set to -inf, on float32 logits x (one row per entry of rows)."""
+    vocab = x.shape[1]
+    biased = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    suppressed = [(i, row.suppressed) for i, row in enumerate(rows) if row.suppressed]
+    if not biased and not suppressed:
+        return x
+    x = x.clone()
+    if biased:
+        row_ids = [i for i, bias in biased for token in bias if 0 <= token < vocab]
+        token_ids = [token for _, bias in biased for token in bias if 0 <= token < vocab]
+        values = [value for _, bias in biased for token, value in bias.items() if 0 <= token < vocab]
+        x.index_put_((torch.tensor(row_ids, dtype=torch.long, device=x.device),
+                      torch.tensor(token_ids, dtype=torch.long, device=x.device)),
+                     torch.tensor(values, dtype=torch.float32, device=x.device), accumulate=True)
+    if suppressed:
+        row_ids, token_ids = _ids_tensor([row.suppressed if row.suppressed else () for row in rows], vocab, x.device)
+        x[row_ids, token_ids] = float("-inf")
+    return x
 
 
 def _ids_tensor(
@@ -198,7 +222,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return SamplerOutput(token_ids=[], logprobs=[])
     device = logits.device
     greedy = [r.params.temperature == 0.0 for r in rows]
-    penalised = [_has_penalties(r.params) for r in rows]
+    penalised = [_adjusts_logits(r) for r in rows]
     want_logprobs = [r.params.logprobs is not None for r in rows]
 
     if all(greedy) and not any(penalised) and not any(want_logprobs):
@@ -216,7 +240,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     if pen_idx:
         pen_t = torch.tensor(pen_idx, dtype=torch.long, device=device)
         x = raw.clone()
-        x[pen_t] = _apply_penalties(raw[pen_t], [rows[i] for i in pen_idx])
+        pen_rows = [rows[i] for i in pen_idx]
+        x[pen_t] = _apply_penalties(_apply_bias(raw[pen_t], pen_rows), pen_rows)
         greedy_pen_idx = [i for i in pen_idx if greedy[i]]
         if greedy_pen_idx:
             gp_t = torch.tensor(greedy_pen_idx, dtype=torch.long, device=device)

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from shared.engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+LOGIT_BIAS_RANGE = 100.0  # each bias is within [-100, 100], as OpenAI's
 
 
 @dataclass(slots=True)
@@ -15,7 +17,10 @@ class SamplingParams:
     those filters off. presence/frequency penalties follow OpenAI (over the
     generated tokens); repetition_penalty follows transformers (over prompt and
     generated tokens). logprobs=None returns none; logprobs=N returns the
-    sampled token's logprob and the top N.
+    sampled token's logprob and the top N (of the model's own distribution).
+    logit_bias adds to a token's logit before anything else; min_tokens keeps
+    EOS and stop_token_ids from being drawn, and stop strings from matching,
+    until that many tokens are out.
     """
 
     max_tokens: int | None = 16
@@ -32,6 +37,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,15 +73,37 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                                      "min_tokens")
+        self.logit_bias = dict(self.logit_bias)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
+                                      "logit_bias")
+        for token_id, bias in self.logit_bias.items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {token_id!r}", "logit_bias")
+            if not isinstance(bias, (int, float)) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r}", "logit_bias")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """Reject stop token ids the model cannot produce."""
-        for token_id in self.stop_token_ids:
-            if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
-                raise InvalidRequestError(
-                    f"stop token id {token_id!r} is outside the vocabulary [0, {vocab_size})", "stop_token_ids"
-                )
+        """Reject stop token ids and logit_bias keys the model cannot produce."""
+        for param, token_ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            for token_id in token_ids:
+                if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+                    raise InvalidRequestError(
+                        f"token id {token_id!r} in {param} is outside the vocabulary [0, {vocab_size})", param
+                    )
+
+    def suppressed_token_ids(self, num_output_tokens: int, eos_token_ids) -> tuple[int, ...]:
+        """The tokens not to be drawn as output token number `num_output_tokens` (0-based): EOS (unless ignored)
+        and the stop token ids while fewer than min_tokens are out."""
+        if num_output_tokens >= self.min_tokens:
+            return ()
+        return tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))))

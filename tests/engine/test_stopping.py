@@ -71,3 +71,61 @@ def test_logprobs_are_returned_per_token(engine, prompt):
         assert lp.token_id == token_id and len(lp.top) == 3
         assert lp.top[0][0] == token_id  # greedy picks the most likely token
         assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+
+
+def _transformers_greedy(model_dir: str, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    import torch
+
+    from reference import reference_model
+
+    model = reference_model(model_dir)
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=model.generation_config.pad_token_id or 0, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def test_min_tokens_holds_back_a_stop_token_as_transformers_min_new_tokens_does(engine, prompt, default_model):
+    full = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    stop_id = full.token_ids[2]
+    held = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop_id],
+                                                    ignore_eos=True, min_tokens=8))[0]
+    # transformers: the same token as EOS, min_new_tokens=8 (it is suppressed for the first 8 steps, then stops).
+    expected = _transformers_greedy(default_model, prompt, 30, eos_token_id=stop_id, min_new_tokens=8)
+    assert held.token_ids == expected
+    assert stop_id not in held.token_ids[:8]
+    assert len(held.token_ids) > 8 or held.finish_reason == "length"
+
+
+def test_min_tokens_lets_no_stop_string_end_the_text_early(engine, prompt):
+    full = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    stop = engine.tokenizer.decode(full.token_ids[1:2])
+    assert stop.strip(), "the second token's text is a usable stop string"
+    early = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert len(early.token_ids) == 2 and early.finish_reason == "stop"
+    later = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop],
+                                                     min_tokens=10))[0]
+    assert len(later.token_ids) > 10 or later.finish_reason == "length"
+    assert later.token_ids == full.token_ids[:len(later.token_ids)]  # min_tokens changes no greedy choice here
+
+
+def test_logit_bias_moves_greedy_choices_as_transformers_sequence_bias_does(engine, prompt, default_model):
+    full = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    banned, favoured = full.token_ids[0], full.token_ids[5]
+    bias = {banned: -100.0, favoured: 3.5}
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                   logit_bias=bias))[0]
+    expected = _transformers_greedy(default_model, prompt, 12, min_new_tokens=12,
+                                    sequence_bias={(banned,): -100.0, (favoured,): 3.5})
+    assert out.token_ids == expected and banned not in out.token_ids
+    forced = engine.generate([prompt], SamplingParams(temperature=0.7, seed=1, max_tokens=6, ignore_eos=True,
+                                                      logit_bias={favoured: 100.0}))[0]
+    assert forced.token_ids == [favoured] * 6  # sampled too: +100 leaves nothing else a chance
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(engine, prompt):
+    full = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                                   include_stop_str_in_output=True))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop) + len(stop)]

@@ -86,8 +86,14 @@ COMMON_BAD = [
     ("n", 2), ("n", 0), ("n", "1"),
     ("stream", "true"), ("stream", 1),
     ("stream_options", {"include_usage": True}),  # without stream
-    ("logit_bias", {"50256": -100}),
+    ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"5": "1"}), ("logit_bias", {"-5": 1}),
+    ("logit_bias", {str(i): 1 for i in range(1025)}), ("logit_bias", [1]),
+    ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", "2"),
+    ("include_stop_str_in_output", "yes"), ("spaces_between_special_tokens", 1),
     ("user", 5),
+    # Fields this API does not know are refused, never run as if unsent: a misspelling, or vLLM-only options.
+    ("max_token", 5), ("guided_json", {"type": "object"}), ("prompt_logprobs", 1), ("structured_outputs", {}),
+    ("metadata", {"x": "y"}),
     ("model", 5), ("model", None),
     ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "10"),
 ]
@@ -104,7 +110,7 @@ def test_bad_sampling_values_name_their_field(param, value):
 
 @pytest.mark.parametrize("param,value", [
     ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("logprobs", 2.0),
-    ("echo", True), ("echo", "no"),
+    ("echo", "no"),
     ("suffix", "tail"),
     ("best_of", 2), ("best_of", 0),
 ])
@@ -179,10 +185,10 @@ def test_accepted_edges_and_defaults():
     req = parse_request(CompletionRequest, completion(
         temperature=0, top_p=1, min_p=1, presence_penalty=-2, frequency_penalty=2, n=1, best_of=1, echo=False,
         suffix="", logit_bias={}, logprobs=20, user="someone", seed=-(2**63), stop="\n",
-        stream_options=None, extra_thing={"a": 1}, metadata={"x": "y"}))
+        stream_options=None, min_tokens=0, include_stop_str_in_output=True, spaces_between_special_tokens=False))
     assert req.temperature == 0.0 and isinstance(req.temperature, float)
     assert req.stop == ["\n"]
-    assert req.unknown_fields == ["extra_thing", "metadata"]  # ignored, as vLLM does
+    assert req.ignored_fields == ["user"]  # accepted and ignored, as OpenAI and vLLM do
     assert parse_request(CompletionRequest, completion(logprobs=0)).logprobs == 0
     assert parse_request(CompletionRequest, completion(stop=None)).stop == []
     assert parse_request(CompletionRequest, completion(stop=["a", "b", "c", "d"])).stop == ["a", "b", "c", "d"]
@@ -268,7 +274,8 @@ def test_sampling_kwargs_build_sampling_params():
     assert kwargs == {
         "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.1,
         "frequency_penalty": 0.2, "repetition_penalty": 1.1, "seed": 3, "stop": ["x", "y"], "stop_token_ids": [2],
-        "ignore_eos": True, "logprobs": 3, "skip_special_tokens": False,
+        "ignore_eos": True, "logprobs": 3, "skip_special_tokens": False, "spaces_between_special_tokens": True,
+        "include_stop_str_in_output": False, "min_tokens": 0, "logit_bias": {},
     }
     SamplingParams(**kwargs)
     defaults = to_sampling_kwargs(parse_request(CompletionRequest, completion(top_k=-1)))
@@ -507,3 +514,41 @@ def test_openai_client_sees_our_errors(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="nope", prompt="Hi")
     assert info.value.code == "model_not_found" and info.value.param == "model"
+
+
+def test_an_unknown_field_is_refused_by_name_wherever_it_is():
+    error = rejected(CompletionRequest, completion(max_token=5))
+    assert (error.param, error.code) == ("max_token", "unknown_parameter")
+    assert error.message == "Unrecognized request argument supplied: max_token"
+    nested = rejected(CompletionRequest, completion(stream=True, stream_options={"include_usage": True, "x": 1}))
+    assert nested.param == "stream_options.x"
+
+
+def test_a_chat_message_keeps_working_with_the_keys_clients_send_back():
+    # The openai client's own assistant message, as `messages.append(reply.choices[0].message)` sends it.
+    reply = {"role": "assistant", "content": "4", "refusal": None, "annotations": [], "audio": None,
+             "function_call": None, "tool_calls": None}
+    req = parse_request(ChatCompletionRequest, chat(messages=[{"role": "user", "content": "2+2?"}, reply]))
+    assert req.template_messages()[1] == {"role": "assistant", "content": "4"}
+
+
+def test_the_vllm_extensions_reach_the_sampling_parameters():
+    req = parse_request(CompletionRequest, completion(
+        min_tokens=3, include_stop_str_in_output=True, spaces_between_special_tokens=False,
+        logit_bias={"7": -100, "12": 5.5}))
+    sampling = to_sampling_kwargs(req)
+    assert (sampling["min_tokens"], sampling["include_stop_str_in_output"],
+            sampling["spaces_between_special_tokens"]) == (3, True, False)
+    assert sampling["logit_bias"] == {7: -100.0, 12: 5.5}
+
+
+def test_echo_is_honoured_but_not_with_logprobs():
+    assert parse_request(CompletionRequest, completion(echo=True)).echo
+    error = rejected(CompletionRequest, completion(echo=True, logprobs=1))
+    assert error.param == "echo" and "prompt's logprobs" in error.message
+
+
+@pytest.mark.parametrize("kwargs", [{"tokenize": False}, {"messages": []}, {"chat_template": "{{ 1 }}"}])
+def test_chat_template_kwargs_cannot_change_how_the_template_is_called(kwargs):
+    assert rejected(ChatCompletionRequest, chat(chat_template_kwargs=kwargs)).param == "chat_template_kwargs"
+    assert parse_request(ChatCompletionRequest, chat(chat_template_kwargs={"enable_thinking": False}))

@@ -40,6 +40,14 @@ def test_the_gateway_gets_the_migration_limit_only_when_one_is_asked_for():
     assert plan(dataclasses.replace(CONFIG, migration_limit=0))[-1].args[-2:] == ("--migration-limit", "0")
 
 
+def test_the_gateway_gets_the_chat_template_only_when_one_is_given():
+    assert "--chat-template" not in plan(CONFIG)[-1].args
+    gateway = plan(dataclasses.replace(CONFIG, chat_template="/etc/t.jinja"))[-1]
+    assert gateway.args[-2:] == ("--chat-template", "/etc/t.jinja")
+    parsed = importlib.import_module("services.gateway.__main__").build_parser().parse_args(gateway.args)
+    assert parsed.chat_template == "/etc/t.jinja"
+
+
 def test_plan_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="unknown topology 'ring'"):
         plan(UpConfig(model="m", served_model_name="m", nats_url="n", topology="ring"))

@@ -109,3 +109,37 @@ def test_seeded_sampling_draws_what_temperature_top_p_and_seed_say(client, coloc
 
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_every_parameter_is_honoured_or_refused_by_name(client, colocated, tokenizer):
+    # A misspelled or unsupported parameter is a 400 naming it, never a run with default behaviour.
+    for extra in ({"max_token": 4}, {"guided_json": {"type": "object"}}, {"prompt_logprobs": 1}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=extra)
+        assert info.value.param == next(iter(extra)) and info.value.code == "unknown_parameter"
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, user="someone",
+                                      extra_body={"ignore_eos": True})
+    tokens = colocated.token_ids(plain.model_dump())
+    # logit_bias: the first greedy token banned, another one's never drawn either.
+    biased = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                       logit_bias={str(tokens[0]): -100}, extra_body={"ignore_eos": True})
+    assert tokens[0] not in colocated.token_ids(biased.model_dump())
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logit_bias={"99999999": 1})
+    assert info.value.param == "logit_bias"
+    # min_tokens: a stop token id that greedy decoding reaches second waits for the fifth token.
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True, "stop_token_ids": [tokens[1]]})
+    assert stopped.usage.completion_tokens == 2 and stopped.choices[0].finish_reason == "stop"
+    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [tokens[1]], "min_tokens": 5})
+    assert held.usage.completion_tokens >= 5 and tokens[1] not in colocated.token_ids(held.model_dump())[:5]
+
+
+def test_echo_puts_the_prompt_ahead_of_the_completion_streamed_and_not(client):
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
