@@ -35,6 +35,8 @@ from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     check_prompt_chars,
     check_token_ids,
     parse_request,
@@ -48,6 +50,7 @@ from shared.bus.permissions import inbox_prefix
 from shared.bus.provision import replicas_asked
 from shared.bus.registry import Heartbeat, Readings, Registry
 from shared.engine.errors import InvalidRequestError
+from shared.version import VERSION
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import shutdown_tracing
@@ -212,7 +215,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.middleware("http")
     async def api_key(request: Request, call_next):
         path = request.url.path
-        guarded = path.startswith("/v1/") or (path == "/metrics" and settings.protect_metrics)
+        guarded = (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+                   or (path == "/metrics" and settings.protect_metrics))
         if settings.api_keys and guarded and not authorized(request.headers.get("authorization"), settings.api_keys):
             return unauthorized().response()
         return await call_next(request)
@@ -242,6 +246,42 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         card = {"id": gateway.model.served_name, "object": "model", "created": gateway.identity.started_ms // 1000,
                 "owned_by": "splitserve", "max_model_len": gateway.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req = parse_request(TokenizeRequest, await read_json(request, settings.max_request_bytes))
+        if req.model is not None:
+            check_model(gateway, req.model)
+        model = gateway.model
+        if req.prompt is not None:
+            check_prompt_chars(len(req.prompt), gateway.max_model_len, model.max_chars_per_token, "prompt")
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await run_in_threadpool(model.encode_prompt, req.prompt, add_special)
+        else:
+            messages = [m.template_dict() for m in req.messages]
+            check_prompt_chars(sum(_text_chars(m.get("content")) for m in messages), gateway.max_model_len,
+                               model.max_chars_per_token, "messages")
+            ids = await run_in_threadpool(model.encode_chat, messages, req.tools, req.chat_template_kwargs,
+                                          req.add_generation_prompt)
+            if req.add_special_tokens and model.tokenizer.bos_token_id is not None:
+                ids = [model.tokenizer.bos_token_id, *ids]
+        strs = model.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = parse_request(DetokenizeRequest, await read_json(request, settings.max_request_bytes))
+        if req.model is not None:
+            check_model(gateway, req.model)
+        if len(req.tokens) > gateway.max_model_len:
+            raise RequestError(f"tokens holds {len(req.tokens)} ids, more than the model's context of "
+                               f"{gateway.max_model_len}", "tokens", code="invalid_value")
+        check_token_ids(req.tokens, gateway.model.vocab_size, "tokens")
+        return {"prompt": await run_in_threadpool(gateway.model.tokenizer.decode, req.tokens)}
 
     @app.get("/metrics")
     async def metrics() -> Response:

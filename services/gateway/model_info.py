@@ -29,20 +29,21 @@ class ModelInfo:
         return cls(model_dir, served_name, tokenizer, config.vocab_size, config.max_position_embeddings, max(longest, 1),
                    chat_template)
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt).input_ids)
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
         check_token_ids(prompt, self.vocab_size, "prompt")
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None
-                    ) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
         """The prompt's token ids: `messages` (and the `tools` offered, if any) through the chat template, given
         `template_kwargs` as extra variables."""
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, chat_template=self.chat_template, add_generation_prompt=True,
-                tokenize=True, return_dict=False, **(template_kwargs or {}))
+                messages, tools=tools or None, chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+                **(template_kwargs or {}))
         except Exception as exc:  # a template that rejects the conversation (roles, order) or a variable
             raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
         return list(ids)

@@ -332,6 +332,40 @@ class ChatCompletionRequest(_SamplingRequest):
         return [m.template_dict() for m in self.messages]
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize, as vLLM takes it: a prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Default: true for a prompt (as a completion encodes it), false for messages (the template has its own).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise _invalid("prompt", "give either prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise _invalid("messages", "messages must contain at least one message")
+        if self.prompt is not None and (self.tools or self.chat_template_kwargs):
+            raise _invalid("tools" if self.tools else "chat_template_kwargs", "only with messages")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise _invalid("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r}")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize, as vLLM takes it."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_request(model_cls: type[RequestT], body: Any) -> RequestT:
     """Validate a decoded JSON body; any problem is a RequestError 400 naming the field."""
     try:
