@@ -16,6 +16,7 @@ colocated vs disaggregated on the same hardware.
 import argparse
 import json
 import os
+import shutil
 import shlex
 import sys
 import tempfile
@@ -129,7 +130,12 @@ def main(args: argparse.Namespace) -> int:
     if args.plot and done:
         bench_serve.plot_cdfs(done, args.plot)
         print(f"wrote {args.plot}")
-    return 0 if len(done) == len(results) and all(r["completed"] for r in done.values()) else 1
+    ok = len(done) == len(results) and all(r["completed"] for r in done.values())
+    if args.run_dir_root or not ok:
+        print(f"the deployments' run directories (their logs) are in {run_root}")
+    else:  # a temporary directory of its own, nothing failed: nothing to look at, nothing left behind
+        shutil.rmtree(run_root, ignore_errors=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Set up everything from nothing (a virtualenv with the project and its test
 # dependencies) and run the whole test suite. Extra arguments go to pytest.
+# The install runs again only when pyproject.toml changed since the last one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3.11 -m venv .venv 2>/dev/null || python3 -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e ".[test]"
+stamp=.venv/.splitserve-installed
+wanted="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet -e ".[test]"
+  echo "$wanted" > "$stamp"
+fi
 exec .venv/bin/python -m pytest "$@"

@@ -139,6 +139,7 @@ def test_bench_compare_runs_each_topology_in_turn(default_model, tmp_path):
          "--out", str(out), "--plot", str(plot)], cwd=ROOT, capture_output=True, text=True, timeout=560)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "| metric | colocated | disagg |" in done.stdout and "| TTFT p50 ms |" in done.stdout
+    assert f"run directories (their logs) are in {tmp_path / 'runs'}" in done.stdout  # kept where asked, and said
     report = json.loads(out.read_text())
     assert list(report["results"]) == ["colocated", "disagg"]
     assert report["configs"]["colocated"] == ["--topology", "colocated", "--decode", "1"]

@@ -72,3 +72,26 @@ def test_doctor_fails_on_what_would_stop_a_deployment(tmp_path):
     assert code == 1 and not report["ok"]
     assert checks["api port"]["status"] == "fail" and checks["nats"]["status"] == "fail"
     assert checks["model"]["status"] == "fail" and "config.json" in checks["model"]["detail"]
+
+
+def test_the_port_of_the_run_directorys_own_deployment_is_no_failure(tmp_path):
+    import os
+
+    from services.doctor.checks import api_port
+    from services.launcher.deployment import Deployment, ServiceRecord, write_deployment
+    from services.launcher.procs import process_start_time
+
+    me, started = os.getpid(), process_start_time(os.getpid())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert api_port("127.0.0.1", port, tmp_path)[0].status == "fail"  # no deployment there: taken is taken
+        write_deployment(tmp_path, Deployment(
+            run_dir=str(tmp_path), namespace="ns", topology="colocated", gateway_url=f"http://127.0.0.1:{port}",
+            launcher_pid=me, launcher_start_time=started, state="ready",
+            services=[ServiceRecord("gateway-0", "gateway", "gateway-0", pid=me, start_time=started)]))
+        (check,) = api_port("127.0.0.1", port, tmp_path)
+        assert check.status == "ok" and "this run directory's deployment's gateway" in check.detail
+        (other,) = api_port("127.0.0.1", port, tmp_path / "elsewhere")
+        assert other.status == "fail"

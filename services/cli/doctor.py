@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         places["kv-store"] = Path(args.kv_store_dir)
     results = [
         *checks.gpus(), *checks.cpu(), *checks.disk(places, int(args.min_free_gib * 2**30)),
-        *checks.nats_server(args.nats, creds_file=args.nats_creds), *checks.api_port(args.host, args.port), *checks.model(args.model),
+        *checks.nats_server(args.nats, creds_file=args.nats_creds), *checks.api_port(args.host, args.port, run_dir), *checks.model(args.model),
         *checks.libraries(),
     ]
     if args.json:

@@ -1,6 +1,7 @@
 """The `splitserve` command: one entry point, one module per subcommand."""
 
 import argparse
+import os
 import sys
 
 from services.cli import bench, doctor, generate, models, nats_auth, ps, serve, up
@@ -22,7 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:
+        # The reader left (`splitserve ps | head`): not an error. Python's last flush of stdout at exit would
+        # raise again, so stdout goes to /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -139,12 +139,22 @@ def _nats_binary() -> str | None:
         return None
 
 
-def api_port(host: str, port: int) -> list[Check]:
+def api_port(host: str, port: int, run_dir: Path | None = None) -> list[Check]:
+    """Whether `splitserve up` could listen on host:port: free, or already served by the running deployment of
+    `run_dir` (its own gateway: nothing to fix)."""
+    from services.launcher.deployment import read_deployment
     from services.launcher.launcher import LaunchError, check_port_free
+    from services.launcher.topology import http_url
 
     try:
         check_port_free(host, port)  # the very check `splitserve up` makes
     except LaunchError as exc:
+        deployment = read_deployment(run_dir) if run_dir is not None else None
+        gateway = deployment.service("gateway-0") if deployment is not None else None
+        if (deployment is not None and deployment.launcher_alive() and gateway is not None and gateway.alive()
+                and deployment.gateway_url == http_url(host, port)):
+            return [Check("api port", OK, f"{host}:{port} is this run directory's deployment's gateway "
+                                          f"(pid {gateway.pid}, launcher pid {deployment.launcher_pid})")]
         return [Check("api port", FAIL, str(exc))]
     return [Check("api port", OK, f"{host}:{port} is free")]
 

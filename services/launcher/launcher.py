@@ -280,6 +280,10 @@ class Launcher:
         if o.prefill_stages is not None and (o.topology != "disagg" or o.prefill != 1):
             raise LaunchError("--prefill-stages makes disagg's prefill pool one pipeline: it needs --topology disagg "
                               "and --prefill 1", 2)
+        if (o.stages is not None or o.layer_split is not None) and o.topology != "pipeline" and o.prefill_stages is None:
+            flag = "--stages" if o.stages is not None else "--layer-split"
+            raise LaunchError(f"{flag} splits a pipeline's layers: it needs --topology pipeline (or, in disagg, "
+                              f"--prefill-stages); this is --topology {o.topology}", 2)
         if o.microbatches < 1:
             raise LaunchError("--microbatches must be at least 1", 2)
         if not 0 < o.port < 65536:

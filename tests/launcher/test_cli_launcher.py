@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launcher_helpers import cli, free_port
+from launcher_helpers import ROOT, cli, free_port
 
 from services.cli import serve
 from services.launcher.deployment import Deployment, NatsRecord, ServiceRecord, write_deployment
@@ -62,6 +62,13 @@ def test_up_flag_values_are_checked_by_the_parser(tmp_path):
                  ["--stages", "0"], ["--microbatches", "0"]):
         result = cli("up", "--run-dir", str(tmp_path), *args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, args
+
+
+@pytest.mark.parametrize("args", [["--stages", "2"], ["--layer-split", "0:2,2:4"], ["--topology", "disagg", "--stages", "2"]])
+def test_a_pipeline_split_without_a_pipeline_is_refused_not_ignored(tmp_path, args):
+    result = cli("up", "--run-dir", str(tmp_path / "run"), "--port", str(free_port()), *args)
+    assert result.returncode == 2 and "needs --topology pipeline" in result.stderr, result.stderr
+    assert not (tmp_path / "run" / "logs").exists()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -157,6 +164,19 @@ def test_ps_shows_each_service_with_its_live_state(tmp_path):
     assert data["launcher_alive"] is True and data["state"] == "ready"
     states = {s["name"]: (s["state"], s["alive"]) for s in data["services"]}
     assert states == {"scheduler-0": ("running", True), "decode-0": ("restarting", False), "gateway-0": ("exited", False)}
+
+
+def test_ps_into_a_reader_that_left_is_no_error(tmp_path):
+    """`splitserve ps | head`: the reader gone before the table is written is not a traceback."""
+    _written_deployment(tmp_path, os.getpid())
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left
+    try:
+        result = subprocess.run([sys.executable, "-m", "services.cli.main", "ps", "--run-dir", str(tmp_path)],
+                                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=30, cwd=ROOT)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 0 and "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
 
 
 def test_ps_without_a_deployment(tmp_path):
