@@ -185,3 +185,30 @@ def test_models_list_and_pull_through_the_cli(tmp_path, tiny):
     assert "converting tiny-llama.F32.gguf once" in pulled.stderr
     rows = {line.split()[0]: line.split()[1] for line in models_cli("list", cache=tmp_path).stdout.splitlines()[1:3]}
     assert rows["splitserve-default-llama"] == "yes"
+
+
+def test_a_hub_id_is_served_from_the_local_hugging_face_cache_and_never_fetched(tmp_path, default_model):
+    """`--model org/name` finds the model where `huggingface-cli download` left it (the hub's cache layout, under
+    HF_HUB_CACHE); a model the cache lacks is a clear error, not a download."""
+    import shutil
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someorg--tiny-llama"
+    shutil.copytree(default_model, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    probe = ("import sys; from shared.engine.model_registry import resolve_model\n"
+             "from shared.engine.errors import ModelLoadError\n"
+             "try:\n    r = resolve_model(sys.argv[1], fetch=False); print(r.model_dir, r.served_model_name)\n"
+             "except ModelLoadError as e:\n    print('error:', e)\n")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "0"}
+
+    def resolve(value: str) -> str:
+        result = subprocess.run([sys.executable, "-c", probe, value], capture_output=True, text=True, env=env,
+                                cwd=Path(__file__).resolve().parents[1], timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    assert resolve("someorg/tiny-llama") == f"{repo / 'snapshots' / revision} someorg/tiny-llama"
+    missing = resolve("someorg/absent-model")
+    assert missing.startswith("error:") and "does not download from the hub" in missing

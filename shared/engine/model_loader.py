@@ -103,6 +103,13 @@ def read_config(model_dir: str | os.PathLike) -> PretrainedConfig:
             f"unsupported architecture in {path}: model_type {config.model_type!r} "
             f"({', '.join(config.architectures or [])}) is not a causal language model known to transformers"
         )
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else \
+            getattr(quantization, "quant_method", "unknown")
+        # Its weights would load by shape with their scales ignored: wrong numbers, not an error. Refused instead.
+        raise ModelLoadError(f"model directory {path} is quantized ({method}); splitserve runs unquantized "
+                             f"float weights only (a .gguf file is dequantized on conversion)")
     return config
 
 

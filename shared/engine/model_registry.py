@@ -19,6 +19,7 @@ the name clients ask for:
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,24 @@ def _gguf_dir(path: Path, fetch: bool, say: Say) -> Path:
     return build_once(final, lambda tmp: convert_gguf(path, tmp))
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    """A Hugging Face hub model, as the local Hugging Face cache holds it (`HF_HOME`/`HF_HUB_CACHE`): its main
+    revision's snapshot. Nothing is downloaded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as exc:
+        raise ModelLoadError(
+            f"{repo_id!r} is no directory here, and the local Hugging Face cache does not hold it ({exc}); "
+            f"splitserve does not download from the hub: fetch it with `huggingface-cli download {repo_id}` "
+            f"where the hub is reachable, or give its directory") from None
+
+
 def _looks_like_a_path(value: str) -> bool:
     return os.sep in value or value.startswith((".", "~")) or value.endswith(".gguf")
 
@@ -148,6 +167,8 @@ def resolve_model(value: str | None, *, fetch: bool = True, say: Say = say_on_st
         if not cached_dir(value).is_dir():
             raise ModelLoadError(f"model {value} is not in the cache yet (`splitserve models pull {value}` fetches it)")
         return ResolvedModel(cached_dir(value), served)
+    if _HUB_ID.fullmatch(value) and not value.endswith(".gguf"):
+        return ResolvedModel(_from_hf_cache(value), value)  # served under its hub id, as vLLM does
     if _looks_like_a_path(value):
         kind = ".gguf file" if value.endswith(".gguf") else "model directory"
         raise ModelLoadError(f"{kind} {path.absolute()} does not exist")

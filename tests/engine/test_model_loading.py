@@ -117,3 +117,32 @@ def test_half_precision_loads_and_generates(default_model, dtype):
     assert engine.executor.runners[0].kv_cache.tensor.dtype == getattr(torch, dtype)
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
+
+
+@pytest.mark.parametrize("quantization", [{"quant_method": "fp8", "activation_scheme": "dynamic"},
+                                          {"quant_method": "awq", "bits": 4, "group_size": 128}])
+def test_a_quantized_checkpoint_is_refused_never_loaded_wrong(tmp_path, default_model, quantization):
+    model_dir = tmp_path / "quantized"
+    shutil.copytree(default_model, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(ModelLoadError, match=f"is quantized \\({quantization['quant_method']}\\)"):
+        load_model(str(model_dir), dtype="float32")
+
+
+def test_sharded_safetensors_load_as_one_checkpoint(tmp_path, default_model):
+    """A checkpoint saved in shards (with its index) serves the same tokens as the single file."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(default_model, sharded, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    AutoModelForCausalLM.from_pretrained(default_model).save_pretrained(sharded, max_shard_size="1MB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = [LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=32)).generate(
+        [[5, 17, 300, 42]], params)[0].token_ids for path in (default_model, sharded)]
+    assert outputs[0] == outputs[1]
