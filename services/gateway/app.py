@@ -95,7 +95,8 @@ class Gateway:
         self.model = ModelInfo.load(settings.model_dir, settings.served_model_name, settings.chat_template)
         self.streams = TokenStreams()
         self.services: list[ServiceInfo] = []
-        self.metrics = GatewayMetrics(lambda: self.services, self.streams.num_waiting)
+        self.metrics = GatewayMetrics(lambda: self.services, self.streams.num_waiting,
+                                      model_name=settings.served_model_name, instance=settings.instance_id)
         self.identity = ServiceIdentity(settings.instance_id, "gateway")
         self.draining = False
         self._background: set[asyncio.Task] = set()
@@ -110,7 +111,7 @@ class Gateway:
         self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
                                       streams=self.streams, migration_limit=self.settings.migration_limit,
                                       idle_timeout_s=self.settings.stream_idle_timeout_s,
-                                      on_move=lambda code: self.metrics.migrations.labels(failure=code).inc())
+                                      on_move=self.metrics.migrated)
         self.heartbeat = Heartbeat(self.registry, self.info)
         self.heartbeat.start()
         await self._refresh_services()

@@ -8,32 +8,67 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
 class GatewayMetrics:
-    def __init__(self, services_snapshot, num_waiting=lambda: 0):
+    """The request series are vLLM's where vLLM has the same measure (`vllm:`, labelled `model_name`), so that
+    dashboards and endpoint pickers built for vLLM read them; every series also names its `service` and
+    `instance`."""
+
+    def __init__(self, services_snapshot, num_waiting=lambda: 0, model_name: str = "", instance: str = ""):
         """`services_snapshot()` returns the latest registry entries (list of ServiceInfo); `num_waiting()` the
-        gateway's requests without a first token yet."""
+        gateway's requests without a first token yet; `model_name` and `instance` label this gateway's series."""
         self.registry = CollectorRegistry()
+        own = {"model_name": model_name, "service": "gateway", "instance": instance}
+        labels = list(own)
+
+        def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(**own)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
+            family = Counter(name, doc, [*labels, *extra], registry=self.registry)
+            return family if extra else family.labels(**own)
+
+        self._own = own
         Gauge("splitserve_gateway_requests_waiting", "Requests at this gateway without a first token yet (what "
-              "--max-waiting-requests bounds)", registry=self.registry).set_function(num_waiting)
-        self.requests = Counter("splitserve_requests", "Requests by endpoint and outcome", ["endpoint", "status"],
-                                registry=self.registry)
-        self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("splitserve_inter_token_latency_seconds", "Time between successive token chunks of a request",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("splitserve_time_per_output_token_seconds", "Mean time per output token after the first",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.migrations = Counter("splitserve_request_migrations", "Requests moved to another worker, by the failure "
-                                  "they moved on from", ["failure"], registry=self.registry)
+              "--max-waiting-requests bounds)", labels, registry=self.registry).labels(**own).set_function(num_waiting)
+        self._requests = counter("splitserve_requests", "Requests by endpoint and outcome", ("endpoint", "status"))
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token")
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between successive token chunks of a request")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token")
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "A request's mean time per output token after the first")
+        self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request",
+                                       TOKEN_BUCKETS)
+        self.generation_tokens = histogram("vllm:request_generation_tokens", "Tokens generated for each finished "
+                                           "request", TOKEN_BUCKETS)
+        self.prompt_total = counter("vllm:prompt_tokens", "Prompt tokens of the finished requests")
+        self.generation_total = counter("vllm:generation_tokens", "Tokens generated for the finished requests")
+        self._success = counter("vllm:request_success", "Requests that finished, by why they stopped",
+                                ("finished_reason",))
+        self._migrations = counter("splitserve_request_migrations", "Requests moved to another worker, by the "
+                                   "failure they moved on from", ("failure",))
         self.registry.register(_RegistryCollector(services_snapshot))
 
-    def observe_finished(self, arrived: float, first_token_at: float | None, completion_tokens: int) -> None:
+    def request_ended(self, endpoint: str, status: str) -> None:
+        self._requests.labels(**self._own, endpoint=endpoint, status=status).inc()
+
+    def migrated(self, failure: str) -> None:
+        self._migrations.labels(**self._own, failure=failure).inc()
+
+    def observe_finished(self, arrived: float, first_token_at: float | None, usage: tuple[int, int, int] | None,
+                         finish_reason: str | None) -> None:
         now = time.monotonic()
         self.e2e.observe(now - arrived)
-        if first_token_at is not None and completion_tokens > 1:
-            self.tpot.observe((now - first_token_at) / (completion_tokens - 1))
+        prompt, completion = (usage[0], usage[1]) if usage else (0, 0)
+        if first_token_at is not None and completion > 1:
+            self.tpot.observe((now - first_token_at) / (completion - 1))
+        self.prompt_tokens.observe(prompt)
+        self.generation_tokens.observe(completion)
+        self.prompt_total.inc(prompt)
+        self.generation_total.inc(completion)
+        self._success.labels(**self._own, finished_reason=finish_reason or "unknown").inc()
 
 
 class _RegistryCollector:
@@ -44,13 +79,16 @@ class _RegistryCollector:
 
     def collect(self):
         fields = {
-            "num_running": ("splitserve_num_requests_running", "Sequences in the running batch"),
-            "num_waiting": ("splitserve_num_requests_waiting", "Sequences waiting to be scheduled"),
+            "num_running": ("vllm:num_requests_running", "Sequences in the running batch"),
+            "num_waiting": ("vllm:num_requests_waiting", "Sequences waiting to be scheduled"),
             "kv_blocks_total": ("splitserve_kv_blocks_total", "KV cache blocks"),
             "kv_blocks_free": ("splitserve_kv_blocks_free", "KV cache blocks free"),
         }
-        families = {name: GaugeMetricFamily(metric, doc, labels=["service", "instance"])
+        # A model worker's engine series, labelled as vLLM's are (model_name) and as every series here is.
+        families = {name: GaugeMetricFamily(metric, doc, labels=["model_name", "service", "instance"])
                     for name, (metric, doc) in fields.items()}
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the KV cache blocks in use (1: all)",
+                                  labels=["model_name", "service", "instance"])
         transfer_bytes = CounterMetricFamily("splitserve_kv_transfer_bytes", "KV bytes received over the side channel",
                                              labels=["service", "instance", "backend"])
         transfer_seconds = HistogramMetricFamily("splitserve_kv_transfer_seconds", "Duration of KV transfers",
@@ -119,8 +157,11 @@ class _RegistryCollector:
                     index_blocks.add_metric(labels, details["prefix_index"]["blocks"])
             if entry.role in ("gateway", "scheduler"):
                 continue
-            for name, family in families.items():
-                family.add_metric(labels, getattr(entry, name))
+            if entry.kv_blocks_total:  # a model worker (a kv-store has no engine)
+                engine_labels = [entry.served_model_name, *labels]
+                for name, family in families.items():
+                    family.add_metric(engine_labels, getattr(entry, name))
+                usage.add_metric(engine_labels, 1 - entry.kv_blocks_free / entry.kv_blocks_total)
             for outcome, count in details.get("prefill_decisions", {}).items():
                 outcomes.add_metric([*labels, outcome], count)
             transfer = details.get("kv_transfer", {})
@@ -159,6 +200,6 @@ class _RegistryCollector:
             if histogram:
                 transfer_seconds.add_metric(labels, [(str(le), n) for le, n in histogram["buckets"]], histogram["sum"])
         yield from families.values()
-        yield from (transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, idle_seconds, hop_bytes,
+        yield from (usage, transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, idle_seconds, hop_bytes,
                     queue_depth, routed, routed_blocks, index_blocks, loan_events, loan_wait,
                     query_tokens, hit_tokens, computed, store_bytes, store_blocks, store_evictions)

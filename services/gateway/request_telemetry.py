@@ -59,9 +59,9 @@ class RequestTelemetry:
         if self.done:
             return
         self.done = True
-        self.metrics.requests.labels(self.endpoint, status).inc()
+        self.metrics.request_ended(self.endpoint, status)
         if status == "ok":
-            self.metrics.observe_finished(self.arrived, self.first_token_at, usage[1] if usage else 0)
+            self.metrics.observe_finished(self.arrived, self.first_token_at, usage, finish_reason)
         if usage is not None:
             prompt, completion, cached = usage
             self.span.set_attributes({"splitserve.completion_tokens": completion, "splitserve.cached_tokens": cached})

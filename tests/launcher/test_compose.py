@@ -229,7 +229,7 @@ def test_prometheus_scrapes_the_gateway_and_the_dashboard_reads_metrics_it_serve
     source = (ROOT / "services" / "gateway" / "metrics.py").read_text()
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            for metric in re.findall(r"splitserve_\w+", target["expr"]):
+            for metric in re.findall(r"(?:splitserve_|vllm:)\w+", target["expr"]):
                 # A counter's or histogram's series carries a suffix its name does not (a gauge may end in _total).
                 base = re.sub(r"_(bucket|total|sum|count)$", "", metric)
                 assert f'"{metric}"' in source or f'"{base}"' in source, (panel["title"], metric)

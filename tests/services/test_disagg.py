@@ -314,8 +314,8 @@ def test_gateway_metrics_show_the_disaggregation(disagg, cases):
         time.sleep(0.3)
     assert float(remote[0].split()[-1]) >= 1
     assert any(l.startswith('splitserve_kv_transfer_seconds_count{') for l in lines)
-    assert any(l.startswith("splitserve_time_per_output_token_seconds_count") for l in lines)
-    assert any(l.startswith("splitserve_time_to_first_token_seconds_count") for l in lines)
+    assert any(l.startswith("vllm:request_time_per_output_token_seconds_count") for l in lines)
+    assert any(l.startswith("vllm:time_to_first_token_seconds_count") for l in lines)
 
 
 # Two model shapes: the default, and one KV head with tied embeddings (5 layers, head_dim 16).

@@ -1,5 +1,6 @@
 """The gateway's /metrics: valid Prometheus text, its histograms count the requests just made, and every
-service's series are there, labelled by service and instance."""
+service's series are there, labelled by service and instance; vLLM's names (and model_name) where vLLM has the
+same measure."""
 
 import httpx
 import pytest
@@ -24,15 +25,20 @@ def test_metrics_count_the_requests_and_show_every_service(nats_server, default_
         bad = httpx.post(f"{deployment.base_url}/v1/completions", json={"model": MODEL, "prompt": []}, timeout=30)
         assert bad.status_code == 400
 
-        # The gateway's own series count exactly what was made.
+        # The gateway's own series count exactly what was made, each labelled with the model and the gateway.
         found = samples(deployment.base_url)
-        for histogram in ("splitserve_time_to_first_token_seconds", "splitserve_e2e_request_latency_seconds",
-                          "splitserve_time_per_output_token_seconds"):
-            assert value(found, f"{histogram}_count") == 3, histogram
+        own = {"model_name": MODEL, "service": "gateway", "instance": "gateway-0"}
+        for histogram in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                          "vllm:request_time_per_output_token_seconds", "vllm:request_prompt_tokens",
+                          "vllm:request_generation_tokens"):
+            assert value(found, f"{histogram}_count", **own) == 3, histogram
             buckets = [s for s in found[f"{histogram}_bucket"]]
             assert max(s.value for s in buckets) == 3 and value(found, f"{histogram}_bucket", le="+Inf") == 3
-        assert value(found, "splitserve_inter_token_latency_seconds_count") == 3 * 5  # 6 tokens: 5 gaps each
-        assert value(found, "splitserve_requests_total", endpoint="completions", status="ok") == 3
+        assert value(found, "vllm:inter_token_latency_seconds_count", **own) == 3 * 5  # 6 tokens: 5 gaps each
+        assert value(found, "vllm:prompt_tokens_total", **own) == 3 * 40
+        assert value(found, "vllm:generation_tokens_total", **own) == 3 * 6
+        assert value(found, "vllm:request_success_total", finished_reason="length", **own) == 3
+        assert value(found, "splitserve_requests_total", endpoint="completions", status="ok", **own) == 3
 
         def prompt_tokens(found) -> float:
             """Every prompt token the workers either computed or found cached, as their heartbeats say."""
@@ -46,8 +52,8 @@ def test_metrics_count_the_requests_and_show_every_service(nats_server, default_
             found = samples(deployment.base_url)
             routed = [s for s in found.get("splitserve_scheduler_routed_total", []) if s.labels["outcome"] == "assigned"]
             # A worker may stream a request's last chunk a step before its engine lets the request go.
-            idle = all(matching(found, "splitserve_num_requests_running", service="decode", instance=w) == [0]
-                       for w in ("decode-0", "decode-1"))
+            idle = all(matching(found, "vllm:num_requests_running", service="decode", instance=w, model_name=MODEL)
+                       == [0] for w in ("decode-0", "decode-1"))
             return (found, routed) if routed and routed[0].value == 3 and prompt_tokens(found) == 3 * 40 and idle \
                 else None
 
@@ -57,6 +63,7 @@ def test_metrics_count_the_requests_and_show_every_service(nats_server, default_
         assert value(found, "splitserve_queue_depth", instance="scheduler-0", queue="requests") == 0
         for worker in ("decode-0", "decode-1"):
             assert value(found, "splitserve_kv_blocks_total", service="decode", instance=worker) > 0
+            assert 0 <= value(found, "vllm:kv_cache_usage_perc", model_name=MODEL, instance=worker) < 1
         computed = sum(value(found, "splitserve_prompt_tokens_computed_total", instance=w) for w in ("decode-0", "decode-1"))
         cached = sum(value(found, "splitserve_prefix_cache_hit_tokens_total", instance=w, tier="local")
                      for w in ("decode-0", "decode-1"))
