@@ -2,8 +2,9 @@
 operator would on its own machine: `splitserve serve ROLE --nats URL,URL,URL` with its role's key.
 
 Every host runs a NATS server; the three form one cluster (routes between the hosts, JetStream replicated). Each
-host is its own shared-memory domain (`SPLITSERVE_HOST_ID`), so KV between hosts goes over TCP. `on(host, fn)`
-runs `fn` in a thread living in that host's network (an HTTP client, a NATS client).
+host is its own shared-memory domain (`SPLITSERVE_HOST_ID`), so KV between hosts goes over TCP; with `tls=True`
+every side channel speaks TLS only (certificates from a CA made for the deployment, naming each host's address).
+`on(host, fn)` runs `fn` in a thread living in that host's network (an HTTP client, a NATS client).
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ from contracts import ServiceInfo, StatsRequest, Subjects
 from loadtest.netns import Hosts
 from services.launcher.nats_server import ClusterRoutes, find_nats_server, host_port, jetstream_answers
 from services.launcher.procs import signal_group
+from services.launcher.tls_files import make_deployment_tls
+from services.launcher.topology import SIDE_CHANNEL_ROLES
 from shared.bus.credentials import credentials_from
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 class HostsDeployment:
-    def __init__(self, hosts: Hosts, run_dir: Path, namespace: str = "hosts", client_host: str = "a"):
+    def __init__(self, hosts: Hosts, run_dir: Path, namespace: str = "hosts", client_host: str = "a",
+                 tls: bool = False):
         self.hosts, self.dir, self.namespace = hosts, Path(run_dir), namespace
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, tuple[str, list[str]]] = {}
@@ -39,6 +43,12 @@ class HostsDeployment:
         subprocess.run([sys.executable, "-m", "services.cli.main", "nats-auth", str(self.creds), "--namespace",
                         namespace], check=True, capture_output=True, cwd=ROOT, timeout=60)
         self.nats_url = ",".join(f"nats://{hosts.address[h]}:4222" for h in hosts.netns)
+        self.transfer_tls: list[str] = []
+        if tls:
+            addresses = list(hosts.address.values())
+            files = make_deployment_tls(self.dir / "tls", addresses, addresses)
+            self.transfer_tls = ["--transfer-tls-ca", str(files.ca_cert), "--transfer-tls-cert",
+                                 str(files.transfer_cert), "--transfer-tls-key", str(files.transfer_key)]
 
     def start(self, host: str, name: str, argv: list[str]) -> None:
         self.commands[name] = (host, argv)
@@ -79,9 +89,11 @@ class HostsDeployment:
             time.sleep(0.3)
 
     def serve(self, host: str, role: str, instance: str, *args: str) -> None:
+        tls = self.transfer_tls if role in SIDE_CHANNEL_ROLES else []
         self.start(host, instance, [sys.executable, "-m", "services.cli.main", "serve", role, "--nats", self.nats_url,
                                     "--nats-replicas", str(len(self.hosts.netns)), "--namespace", self.namespace,
-                                    "--nats-creds", str(self.creds / f"{role}.nk"), "--instance-id", instance, *args])
+                                    "--nats-creds", str(self.creds / f"{role}.nk"), "--instance-id", instance, *tls,
+                                    *args])
 
     def report(self, lines: int = 12) -> str:
         """Each process that has exited, with its code and the end of its log: why a deployment is not ready."""

@@ -9,7 +9,7 @@ flags (`--kv-receiver-host`, `--transfer-host`, ...) still win where given.
 import socket
 from collections.abc import Callable
 
-from services.launcher.nats_server import nats_endpoints
+from shared.bus.connection import nats_endpoints
 
 WILDCARDS = ("0.0.0.0", "::", "")
 

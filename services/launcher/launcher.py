@@ -54,7 +54,6 @@ from services.launcher.nats_server import (
     EmbeddedNatsCluster,
     NatsServerError,
     jetstream_answers,
-    nats_endpoints,
     wait_for_nats,
 )
 from services.launcher.procs import describe_exit, process_start_time
@@ -67,6 +66,7 @@ from services.launcher.supervisor import (
 )
 from services.launcher.tls_files import TLSFiles, make_deployment_tls
 from shared.bus.permissions import ROLES
+from shared.bus.connection import nats_endpoints
 from shared.bus.provision import ProvisionError, replicas_for
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

@@ -20,10 +20,10 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from services.launcher.log_files import RotatingLog
 from services.launcher.procs import parent_death_signal_preexec, process_start_time, signal_group
+from shared.bus.connection import nats_endpoints
 
 BINARY_NAME = "nats-server"
 BINARY_ENV = "SPLITSERVE_NATS_SERVER"
@@ -101,24 +101,6 @@ def read_server_info(host: str, port: int, timeout_s: float = 1.0) -> dict | Non
         return json.loads(line[5:])
     except ValueError:
         return None
-
-
-def nats_endpoints(url: str) -> list[tuple[str, int]]:
-    """(host, port) of every server in a NATS URL (comma-separated list allowed)."""
-    endpoints = []
-    for part in url.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "://" not in part:
-            part = "nats://" + part
-        parts = urlsplit(part)
-        if not parts.hostname:
-            raise ValueError(f"NATS URL {url!r} has no host")
-        endpoints.append((parts.hostname, parts.port or 4222))
-    if not endpoints:
-        raise ValueError(f"NATS URL {url!r} names no server")
-    return endpoints
 
 
 def wait_for_nats(url: str, timeout_s: float = 5.0) -> bool:

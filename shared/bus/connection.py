@@ -11,6 +11,7 @@ published, and closes, within a deadline.
 import asyncio
 import signal
 import ssl
+from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import Client
@@ -150,3 +151,21 @@ async def _close_quietly(nc: Client, timeout_s: float = 1.0) -> None:
         await within(timeout_s, nc.close())
     except Exception as exc:  # closing a half-open client can fail in several ways; it is gone either way
         log.debug("nats close failed", error=str(exc) or type(exc).__name__)
+
+
+def nats_endpoints(url: str) -> list[tuple[str, int]]:
+    """(host, port) of every server in a NATS URL (comma-separated list allowed)."""
+    endpoints = []
+    for part in url.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "://" not in part:
+            part = "nats://" + part
+        parts = urlsplit(part)
+        if not parts.hostname:
+            raise ValueError(f"NATS URL {url!r} has no host")
+        endpoints.append((parts.hostname, parts.port or 4222))
+    if not endpoints:
+        raise ValueError(f"NATS URL {url!r} names no server")
+    return endpoints

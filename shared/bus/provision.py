@@ -9,6 +9,7 @@ raises `ProvisionError` naming the stream and the fields.
 """
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 
@@ -83,16 +84,6 @@ def cluster_size(nc) -> int:
     when the cluster does not advertise its members)."""
     info = getattr(nc, "_server_info", None) or {}
     return max(1, len(set(info.get("connect_urls") or [])))
-
-
-async def ensure_stream(*args, **kwargs) -> StreamInfo:
-    """`_ensure_stream`, tried again while JetStream is not answering (a cluster still settling)."""
-    return await while_settling(_ensure_stream, *args, **kwargs)
-
-
-async def ensure_pull_consumer(*args, **kwargs) -> ConsumerInfo:
-    """`_ensure_pull_consumer`, tried again while JetStream is not answering (a cluster still settling)."""
-    return await while_settling(_ensure_pull_consumer, *args, **kwargs)
 
 
 SETTLE_S = 30.0  # how long provisioning waits for a JetStream that times out or has no leader yet
@@ -206,6 +197,20 @@ async def _ensure_pull_consumer(
         raise ProvisionError(f"cannot provision consumer {durable!r} on stream {stream!r}: {exc.description}") from exc
     log.info("consumer created" if have is None else "consumer updated", stream=stream, consumer=durable, changed=changed)
     return info
+
+
+def _settled(provision):
+    """`provision`, tried again while JetStream is not answering (a cluster still settling); same signature."""
+
+    @functools.wraps(provision)
+    async def provisioned(*args, **kwargs):
+        return await while_settling(provision, *args, **kwargs)
+
+    return provisioned
+
+
+ensure_stream = _settled(_ensure_stream)
+ensure_pull_consumer = _settled(_ensure_pull_consumer)
 
 
 def settling(exc: APIError) -> bool:

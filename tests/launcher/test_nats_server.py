@@ -8,7 +8,8 @@ import pytest
 from launcher_helpers import proc_alive
 
 from services.launcher import nats_server
-from services.launcher.nats_server import EmbeddedNats, NatsServerError, find_nats_server, nats_endpoints, wait_for_nats
+from services.launcher.nats_server import EmbeddedNats, NatsServerError, find_nats_server, wait_for_nats
+from shared.bus.connection import nats_endpoints
 
 
 async def _jetstream_round_trip(url: str) -> int:

@@ -4,9 +4,10 @@ started as an operator would on its own machine (`splitserve serve ROLE --nats U
     host a: nats-a, scheduler-0, gateway-0     host b: nats-b, prefill-0     host c: nats-c, decode-0, kvstore-0
 
 The three NATS servers are one cluster (routes between the hosts, every stream on all three, each role with
-its own NKey). A prompt is prefilled on b and its KV crosses to c over the TCP side channel, to the address
-decode-0 found routes to NATS. Greedy output is transformers'; a NATS node killed under streaming load costs no
-request; host b cut off: requests are prefilled on c within the job deadline, and on b again once it is back.
+its own NKey). A prompt is prefilled on b and its KV crosses to c over the TCP side channel, TLS only
+(certificates from the deployment's CA naming each host), to the address decode-0 found routes to NATS. Greedy
+output is transformers'; a NATS node killed under streaming load costs no request; host b cut off: requests are
+prefilled on c within the job deadline, and on b again once it is back.
 """
 
 import time
@@ -59,7 +60,7 @@ def test_a_deployment_across_three_hosts_serves_exactly_and_rides_out_a_nats_nod
         hosts, tmp_path, default_model):
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     cases = safe_prompts(default_model, 2048, [20, 150, 400], 16, seed=3)
-    across = HostsDeployment(hosts, tmp_path, NAMESPACE)
+    across = HostsDeployment(hosts, tmp_path, NAMESPACE, tls=True)
     model = ["--model", default_model, "--served-model-name", MODEL]
     engine = [*model, "--kv-cache-bytes", str(64 << 20)]
     try:
@@ -90,6 +91,7 @@ def test_a_deployment_across_three_hosts_serves_exactly_and_rides_out_a_nats_nod
         # The decode worker advertised the address that routes to NATS, its host's, not loopback.
         decode_log = (tmp_path / "decode-0.log").read_text()
         assert f'"advertise_host": "{hosts.address["c"]}"' in decode_log
+        assert '"tls": true' in next(line for line in decode_log.splitlines() if "kv receiver listening" in line)
 
         # (a) A NATS node killed under six streams (and started again, as its supervisor would): none lost.
         body = {"model": MODEL, "prompt": "A story about the sea", "max_tokens": 400, "ignore_eos": True,
