@@ -72,3 +72,4 @@ def test_bench_without_its_extra_says_what_to_install(monkeypatch):
     args = argparse.Namespace(plot=None)
     assert bench.missing_extra(args) == ["httpx"]
     assert bench._with_extra(lambda args: 0)(args) == 2
+

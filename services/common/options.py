@@ -121,11 +121,20 @@ def run_async(coro) -> int:
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The model runner's settings, shared by every worker that embeds the engine."""
     parser.add_argument("--device", default=env_default("DEVICE", "cpu"), help="cpu, cuda or cuda:N")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--kv-cache-bytes", type=int, default=int(env_default("KV_CACHE_BYTES", 512 << 20)),
-                        help="memory for the paged KV cache")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    from shared.engine.defaults import (
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_KV_CACHE_BYTES,
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        DEFAULT_MAX_NUM_SEQS,
+    )
+
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    parser.add_argument("--kv-cache-bytes", type=int, default=int(env_default("KV_CACHE_BYTES", DEFAULT_KV_CACHE_BYTES)),
+                        help=f"memory for the paged KV cache (default: {DEFAULT_KV_CACHE_BYTES >> 20} MiB)")
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                        help=f"sequences in one step at most (default: {DEFAULT_MAX_NUM_SEQS})")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help=f"tokens in one step at most (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--prefill-beside-decodes-ms", type=_positive_ms, metavar="MS",
                         default=env_default("PREFILL_BESIDE_DECODES_MS", None),

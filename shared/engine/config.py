@@ -2,6 +2,12 @@
 
 from dataclasses import dataclass
 
+from shared.engine.defaults import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 from shared.engine.model_loader import LayerRange
 
 
@@ -10,11 +16,11 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda | cuda:N
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_waiting_requests: int = 4096
     enable_prefix_caching: bool = True

@@ -22,14 +22,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager, PrefixHit
+from shared.engine.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from shared.engine.kv_connector import KVConnectors
 from shared.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
