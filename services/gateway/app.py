@@ -50,10 +50,10 @@ from shared.bus.permissions import inbox_prefix
 from shared.bus.provision import replicas_asked
 from shared.bus.registry import Heartbeat, Readings, Registry
 from shared.engine.errors import InvalidRequestError
-from shared.version import VERSION
 from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import shutdown_tracing
+from shared.version import VERSION
 
 log = get_logger(__name__)
 
