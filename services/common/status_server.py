@@ -3,7 +3,8 @@
 `GET /health` (liveness): 200 while the service's event loop answers and its NATS connection is not closed for
 good. `GET /ready` (readiness): 200 while its registry entry is being kept (a heartbeat put went through within
 the registry's TTL) and its state is "ready"; 503 with the reason otherwise (starting, draining, a pipeline head
-waiting for a stage, NATS away). Both answer JSON and nothing else: no secret, no control.
+waiting for a stage, NATS away). `GET /metrics`: the service's own series (Prometheus text), as of now rather than
+its last heartbeat. Nothing else: no secret, no control.
 """
 
 import asyncio
@@ -11,7 +12,10 @@ import contextlib
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from services.common.entry_metrics import EntryCollector
 
 from shared.telemetry.logging import get_logger
 
@@ -49,6 +53,13 @@ def status_app(nc, service) -> FastAPI:
     async def ready():
         code, body = readiness(service.info().state, service.heartbeat.fresh())
         return JSONResponse(body, status_code=code)
+
+    own = CollectorRegistry()
+    own.register(EntryCollector(lambda: [service.info()]))
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(own), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

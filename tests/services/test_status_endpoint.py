@@ -5,6 +5,7 @@ import signal
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.status_server import liveness, readiness
 from support.deployment import start_pipeline
@@ -35,6 +36,12 @@ def test_a_pipeline_heads_status_follows_its_stages(nats_server, default_model, 
     try:
         assert httpx.get(f"{status}/health", timeout=5).json() == {"status": "ok"}
         wait_until(lambda: httpx.get(f"{status}/ready", timeout=5).status_code == 200, 10, "the head never ready")
+        # Its own series, as of now: the engine's, labelled as the gateway's one-stop view labels them.
+        own = {s.name: s for family in text_string_to_metric_families(httpx.get(f"{status}/metrics", timeout=5).text)
+               for s in family.samples}
+        head = own["vllm:kv_cache_usage_perc"]
+        assert head.labels["service"] == "decode" and head.labels["instance"] == "stage-0" and 0 <= head.value < 1
+        assert own["splitserve_kv_blocks_total"].value > 0
         os.kill(deployment.procs["stage-1"].pid, signal.SIGKILL)
 
         def waiting():
