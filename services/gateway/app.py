@@ -21,6 +21,7 @@ from services.common.identity import ServiceIdentity
 from services.common.sampling_wire import to_wire
 from services.gateway import readiness, responses
 from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, authorized, check_text, read_body, unauthorized
+from services.gateway.choices import Choices, submit_all
 from services.gateway.errors import (
     RequestError,
     from_failure,
@@ -43,7 +44,7 @@ from services.gateway.protocol import (
     resolve_max_tokens,
     to_sampling_kwargs,
 )
-from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS, RequestStream, StreamError, TokenStreams
+from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS, StreamError, TokenStreams
 from shared.bus.connection import connect, drain
 from shared.bus.credentials import BusCredentials
 from shared.bus.permissions import inbox_prefix
@@ -383,8 +384,9 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         requested, len(prompt_ids), gateway.max_model_len,
         prompt_param="messages" if chat else "prompt", max_tokens_param=req.max_tokens_param,
     )
+    n = req.n or 1
     try:
-        params = SamplingParams(**sampling)
+        params = [SamplingParams(**{**sampling, "seed": choice_seed(sampling["seed"], i)}) for i in range(n)]
     except InvalidRequestError as exc:
         raise from_invalid_request(exc) from None
 
@@ -393,28 +395,44 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     telemetry = RequestTelemetry(gateway.metrics, endpoint, request_id, len(prompt_ids), sampling["max_tokens"],
                                  bool(req.stream))
     request.state.trace_id = telemetry.trace_id
+    bus_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+    def submit(i: int):
+        return gateway.request_bus.submit(bus_ids[i], req.model, prompt_ids, to_wire(params[i]),
+                                          headers=telemetry.headers({}))
+
     with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):
         with _failures_counted(telemetry):
-            check_admission(gateway.streams.num_waiting(), gateway.settings.max_waiting_requests, gateway.draining)
-            stream = await _unless_disconnected(request, gateway.request_bus.submit(
-                request_id, req.model, prompt_ids, to_wire(params), headers=telemetry.headers({})))
+            check_admission(gateway.streams.num_waiting() + n - 1, gateway.settings.max_waiting_requests,
+                            gateway.draining)
+            stream = await _unless_disconnected(request, submit(0))
             if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
                 telemetry.finish("cancelled")
                 return Response(status_code=499)
         telemetry.assigned(stream.worker_instance or "")
+        choices = Choices(gateway.request_bus, stream, n,
+                          lambda: submit_all(submit, range(1, n), gateway.request_bus.release))
         try:
             echo = "" if chat or not req.echo else (
                 req.prompt if isinstance(req.prompt, str) else gateway.model.tokenizer.decode(prompt_ids))
-            renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage, echo)
+            renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage, echo, n)
             if req.stream:
-                events = _sse_events(gateway, stream, renderer, telemetry)
-                return _EventStream(events, gateway, stream, telemetry, media_type="text/event-stream",
+                events = _sse_events(gateway, choices, renderer, telemetry)
+                return _EventStream(events, gateway, choices, telemetry, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "x-request-id": request_id})
         except BaseException:
             telemetry.finish("internal")
-            gateway.spawn(gateway.request_bus.release(stream))
+            gateway.spawn(choices.release())
             raise
-        return await _collect_until_done(gateway, request, stream, renderer, telemetry)
+        return await _collect_until_done(gateway, request, choices, renderer, telemetry)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: the request's for the first, the next ones after it for the others (wrapping within
+    a signed 64-bit integer), so that seeded choices differ from each other and repeat from run to run."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 @contextmanager
@@ -442,9 +460,9 @@ class _EventStream(StreamingResponse):
     cleanup, and releasing the stream cancels the request everywhere.
     """
 
-    def __init__(self, events, gateway: "Gateway", stream: RequestStream, telemetry: RequestTelemetry, **kwargs):
+    def __init__(self, events, gateway: "Gateway", choices: Choices, telemetry: RequestTelemetry, **kwargs):
         super().__init__(events, **kwargs)
-        self._events, self._gateway, self._stream, self._telemetry = events, gateway, stream, telemetry
+        self._events, self._gateway, self._choices, self._telemetry = events, gateway, choices, telemetry
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -452,7 +470,7 @@ class _EventStream(StreamingResponse):
         finally:
             await self._events.aclose()
             self._telemetry.finish("cancelled")  # (a no-op if the stream ended on its own)
-            self._gateway.spawn(self._gateway.request_bus.release(self._stream))
+            self._gateway.spawn(self._choices.release())
 
 
 async def _unless_disconnected(request: Request, coro):
@@ -480,67 +498,87 @@ async def _client_gone(request: Request) -> None:
 
 
 class _Renderer:
-    """Turns token chunks into OpenAI responses (whole or as SSE chunks)."""
+    """Turns token chunks into OpenAI responses (whole or as SSE chunks), for each of the request's `n` choices."""
 
     def __init__(self, gateway: Gateway, response_id: str, model: str, chat: bool, include_usage: bool,
-                 echo: str = ""):
-        self.gateway, self.chat, self.include_usage = gateway, chat, include_usage
-        self.echo = echo  # the prompt's text, ahead of the completion's (a completion's echo=true)
+                 echo: str = "", n: int = 1):
+        self.gateway, self.chat, self.include_usage, self.n = gateway, chat, include_usage, n
         self.common = {"request_id": response_id, "created": int(time.time()), "model": model}
-        self.text_sent = 0
-        self.usage = (0, 0, 0)
-        self.finish_reason = None
+        self.echo = echo  # the prompt's text, ahead of each completion's (a completion's echo=true)
+        self._echo_owed = [bool(echo)] * n
+        self._text_sent = [0] * n
+        self._usages = [(0, 0, 0)] * n
+        self._finish_reasons: list[str | None] = [None] * n
 
-    def logprobs(self, chunk) -> dict | None:
+    @property
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached) tokens of the request: the prompt once, every choice's completion."""
+        return (max(u[0] for u in self._usages), sum(u[1] for u in self._usages), max(u[2] for u in self._usages))
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish_reasons[0]
+
+    def logprobs(self, index: int, chunk) -> dict | None:
         if not chunk.logprobs:
             return None
         token_text = self.gateway.model.token_text
         if self.chat:
             return responses.chat_logprobs(chunk.logprobs, token_text)
-        return responses.completion_logprobs(chunk.logprobs, token_text, self.text_sent)
+        return responses.completion_logprobs(chunk.logprobs, token_text, self._text_sent[index])
 
-    def note(self, chunk) -> None:
-        self.usage = (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens)
-        self.finish_reason = chunk.finish_reason
+    def note(self, index: int, chunk) -> None:
+        self._usages[index] = (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens)
+        self._finish_reasons[index] = chunk.finish_reason
 
-    def chunk(self, chunk) -> dict:
-        logprobs = self.logprobs(chunk)
-        self.text_sent += len(chunk.text)
+    def role_chunks(self) -> list[dict]:
+        return [responses.chat_role_chunk(**self.common, include_usage=self.include_usage, index=i)
+                for i in range(self.n)]
+
+    def chunk(self, index: int, chunk) -> dict:
+        logprobs = self.logprobs(index, chunk)
+        self._text_sent[index] += len(chunk.text)
         if self.chat:
             return responses.chat_chunk(**self.common, content=chunk.text, finish_reason=chunk.finish_reason,
-                                        logprobs=logprobs, include_usage=self.include_usage)
-        text, self.echo = self.echo + chunk.text, ""  # the echoed prompt goes out with the first chunk
+                                        logprobs=logprobs, include_usage=self.include_usage, index=index)
+        text = (self.echo if self._echo_owed[index] else "") + chunk.text  # the echo goes with the first chunk
+        self._echo_owed[index] = False
         return responses.completion_chunk(**self.common, text=text, finish_reason=chunk.finish_reason,
-                                          logprobs=logprobs, include_usage=self.include_usage)
+                                          logprobs=logprobs, include_usage=self.include_usage, index=index)
 
     def usage_chunk(self) -> dict:
         prompt, completion, cached = self.usage
         return responses.usage_chunk(chat=self.chat, **self.common, prompt_tokens=prompt,
                                      completion_tokens=completion, cached_tokens=cached)
 
-    def whole(self, text: str, logprob_entries: list) -> dict:
+    def whole(self, collected: list[tuple[str, list]]) -> dict:
+        """The response to the choices' (text, logprob entries)."""
         prompt, completion, cached = self.usage
         token_text = self.gateway.model.token_text
         usage = dict(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
         if self.chat:
-            logprobs = responses.chat_logprobs(logprob_entries, token_text) if logprob_entries else None
-            return responses.chat_completion_response(**self.common, content=text, finish_reason=self.finish_reason,
-                                                      logprobs=logprobs, **usage)
-        logprobs = responses.completion_logprobs(logprob_entries, token_text) if logprob_entries else None
-        return responses.completion_response(**self.common, text=self.echo + text, finish_reason=self.finish_reason,
-                                             logprobs=logprobs, **usage)
+            choices = [responses.chat_choice(i, text, self._finish_reasons[i],
+                                             responses.chat_logprobs(entries, token_text) if entries else None)
+                       for i, (text, entries) in enumerate(collected)]
+            return responses.chat_completion_response(**self.common, choices=choices, **usage)
+        choices = [responses.completion_choice(i, self.echo + text, self._finish_reasons[i],
+                                               responses.completion_logprobs(entries, token_text) if entries else None)
+                   for i, (text, entries) in enumerate(collected)]
+        return responses.completion_response(**self.common, choices=choices, **usage)
 
 
-async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Renderer,
+async def _sse_events(gateway: Gateway, choices: Choices, renderer: _Renderer,
                       telemetry: RequestTelemetry) -> AsyncIterator[str]:
     try:
         if renderer.chat:
-            yield responses.sse(responses.chat_role_chunk(**renderer.common, include_usage=renderer.include_usage))
-        async for chunk in gateway.request_bus.chunks(stream):
-            telemetry.token()
-            renderer.note(chunk)
+            for role_chunk in renderer.role_chunks():
+                yield responses.sse(role_chunk)
+        async for index, chunk in choices.merged():
+            if index == 0:  # the request's latencies are its first choice's
+                telemetry.token()
+            renderer.note(index, chunk)
             if chunk.text or chunk.finished or chunk.logprobs:  # a token still inside a character: nothing to say
-                yield responses.sse(renderer.chunk(chunk))
+                yield responses.sse(renderer.chunk(index, chunk))
         if renderer.include_usage:
             yield responses.sse(renderer.usage_chunk())
         telemetry.finish("ok", renderer.usage, renderer.finish_reason)
@@ -550,22 +588,24 @@ async def _sse_events(gateway: Gateway, stream: RequestStream, renderer: _Render
         yield responses.sse_error(from_failure(exc.code, str(exc), exc.param, exc.retry_after_s))
         yield responses.SSE_DONE
     except Exception:
-        log.exception("stream failed", request_id=stream.request_id)
+        log.exception("stream failed", request_id=choices.streams[0].request_id)
         telemetry.finish("internal")
         yield responses.sse_error(from_failure("internal", "the gateway failed while streaming"))
         yield responses.SSE_DONE
 
 
-async def _collect_until_done(gateway: Gateway, request: Request, stream: RequestStream, renderer: _Renderer,
+async def _collect_until_done(gateway: Gateway, request: Request, choices: Choices, renderer: _Renderer,
                               telemetry: RequestTelemetry):
-    async def collect() -> tuple[str, list]:
-        text, logprob_entries = [], []
-        async for chunk in gateway.request_bus.chunks(stream):
-            telemetry.token()
-            renderer.note(chunk)
-            text.append(chunk.text)
-            logprob_entries.extend(chunk.logprobs or [])
-        return "".join(text), logprob_entries
+    async def collect() -> list[tuple[str, list]]:
+        texts: list[list[str]] = [[] for _ in range(renderer.n)]
+        entries: list[list] = [[] for _ in range(renderer.n)]
+        async for index, chunk in choices.merged():
+            if index == 0:
+                telemetry.token()
+            renderer.note(index, chunk)
+            texts[index].append(chunk.text)
+            entries[index].extend(chunk.logprobs or [])
+        return [("".join(text), logprob_entries) for text, logprob_entries in zip(texts, entries)]
 
     try:
         with _failures_counted(telemetry):
@@ -573,8 +613,8 @@ async def _collect_until_done(gateway: Gateway, request: Request, stream: Reques
             if collected is None:
                 telemetry.finish("cancelled")
                 return Response(status_code=499)
-            body = renderer.whole(*collected)
+            body = renderer.whole(collected)
     finally:
-        await gateway.request_bus.release(stream)
+        await choices.release()
     telemetry.finish("ok", renderer.usage, renderer.finish_reason)
     return JSONResponse(body)

@@ -10,7 +10,7 @@ pydantic's type errors through `from_validation_errors`, range and support
 checks raised directly by the validators below.
 
 Every parameter is honoured or refused. Features splitserve does not have
-(n > 1, best_of, suffix, tools, structured output, prompt logprobs) are refused
+(best_of, suffix, tool calls, structured output, prompt logprobs) are refused
 with a 400 naming them, and so is any field this API does not know: a
 misspelled or unsupported parameter is never run with default behaviour.
 `user` is accepted and ignored, as OpenAI and vLLM do (`IGNORED_FIELDS`).
@@ -31,6 +31,7 @@ IGNORED_FIELDS = ("user",)  # accepted and ignored (logged once, at debug level)
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
                                       "return_dict", "return_tensors", "padding", "truncation", "max_length",
                                       "tokenizer_kwargs", "return_assistant_tokens_mask"})
+MAX_CHOICES = 16  # n: completions of one request
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 1024  # per stop sequence: each is matched against the tail of the text every step
 MAX_STOP_TOKEN_IDS = 1024
@@ -123,8 +124,8 @@ class _SamplingRequest(_Strict):
                                              f"got {len(self.stop_token_ids)}")
         if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
             raise _invalid("stop_token_ids", "stop_token_ids must be non-negative token ids")
-        if self.n is not None and self.n != 1:
-            raise RequestError(f"Only n=1 is supported, got n={self.n}.", "n", code="unsupported_value")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise _invalid("n", f"n must be between 1 and {MAX_CHOICES}, got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options", "stream_options is only allowed when stream is true")
         if self.min_tokens < 0:

@@ -97,23 +97,28 @@ def _envelope(object_type: str, request_id: str, created: int, model: str, choic
             "system_fingerprint": system_fingerprint}
 
 
-# Whole responses (stream=false).
+# Whole responses (stream=false): one choice per completion asked for (`n`).
 
-def completion_response(*, request_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                        prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-                        logprobs: dict | None = None, system_fingerprint: str | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    body = _envelope("text_completion", request_id, created, model, [choice], system_fingerprint)
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, content: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    message = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(*, request_id: str, created: int, model: str, choices: list[dict], prompt_tokens: int,
+                        completion_tokens: int, cached_tokens: int = 0, system_fingerprint: str | None = None) -> dict:
+    body = _envelope("text_completion", request_id, created, model, choices, system_fingerprint)
     body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
     return body
 
 
-def chat_completion_response(*, request_id: str, created: int, model: str, content: str, finish_reason: str | None,
-                             prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-                             logprobs: dict | None = None, system_fingerprint: str | None = None) -> dict:
-    message = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    body = _envelope("chat.completion", request_id, created, model, [choice], system_fingerprint)
+def chat_completion_response(*, request_id: str, created: int, model: str, choices: list[dict], prompt_tokens: int,
+                             completion_tokens: int, cached_tokens: int = 0,
+                             system_fingerprint: str | None = None) -> dict:
+    body = _envelope("chat.completion", request_id, created, model, choices, system_fingerprint)
     body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
     return body
 
@@ -123,8 +128,8 @@ def chat_completion_response(*, request_id: str, created: int, model: str, conte
 
 def completion_chunk(*, request_id: str, created: int, model: str, text: str, finish_reason: str | None = None,
                      logprobs: dict | None = None, include_usage: bool = False,
-                     system_fingerprint: str | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                     system_fingerprint: str | None = None, index: int = 0) -> dict:
+    choice = completion_choice(index, text, finish_reason, logprobs)
     chunk = _envelope("text_completion", request_id, created, model, [choice], system_fingerprint)
     if include_usage:
         chunk["usage"] = None
@@ -133,7 +138,7 @@ def completion_chunk(*, request_id: str, created: int, model: str, text: str, fi
 
 def chat_chunk(*, request_id: str, created: int, model: str, content: str | None = None, role: str | None = None,
                finish_reason: str | None = None, logprobs: dict | None = None, include_usage: bool = False,
-               system_fingerprint: str | None = None) -> dict:
+               system_fingerprint: str | None = None, index: int = 0) -> dict:
     """One chat delta. A stream starts with `role="assistant", content=""`, then
     carries content deltas; the last one has the finish_reason."""
     delta: dict[str, Any] = {}
@@ -141,7 +146,7 @@ def chat_chunk(*, request_id: str, created: int, model: str, content: str | None
         delta["role"] = role
     if content is not None:
         delta["content"] = content
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     chunk = _envelope("chat.completion.chunk", request_id, created, model, [choice], system_fingerprint)
     if include_usage:
         chunk["usage"] = None
@@ -149,9 +154,9 @@ def chat_chunk(*, request_id: str, created: int, model: str, content: str | None
 
 
 def chat_role_chunk(*, request_id: str, created: int, model: str, include_usage: bool = False,
-                    system_fingerprint: str | None = None) -> dict:
+                    system_fingerprint: str | None = None, index: int = 0) -> dict:
     return chat_chunk(request_id=request_id, created=created, model=model, content="", role="assistant",
-                      include_usage=include_usage, system_fingerprint=system_fingerprint)
+                      include_usage=include_usage, system_fingerprint=system_fingerprint, index=index)
 
 
 def usage_chunk(*, chat: bool, request_id: str, created: int, model: str, prompt_tokens: int,

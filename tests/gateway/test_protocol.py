@@ -34,10 +34,12 @@ from services.gateway.protocol import (
 )
 from services.gateway.responses import (
     SSE_DONE,
+    chat_choice,
     chat_chunk,
     chat_completion_response,
     chat_logprobs,
     chat_role_chunk,
+    completion_choice,
     completion_chunk,
     completion_logprobs,
     completion_response,
@@ -83,7 +85,7 @@ COMMON_BAD = [
     ("stop_token_ids", [-1]), ("stop_token_ids", ["1"]), ("stop_token_ids", 5),
     ("ignore_eos", "yes"), ("ignore_eos", 1),
     ("skip_special_tokens", "no"),
-    ("n", 2), ("n", 0), ("n", "1"),
+    ("n", 17), ("n", 0), ("n", "1"),
     ("stream", "true"), ("stream", 1),
     ("stream_options", {"include_usage": True}),  # without stream
     ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"5": "1"}), ("logit_bias", {"-5": 1}),
@@ -158,9 +160,10 @@ def test_missing_fields_are_400s_naming_them():
     assert body_error.param is None
 
 
-def test_n_other_than_one_says_so():
-    error = rejected(ChatCompletionRequest, chat(n=3))
-    assert error.param == "n" and "only n=1 is supported" in error.message.lower()
+def test_n_is_bounded_and_says_so():
+    assert parse_request(ChatCompletionRequest, chat(n=3)).n == 3
+    error = rejected(ChatCompletionRequest, chat(n=17))
+    assert error.param == "n" and "between 1 and 16" in error.message
 
 
 def test_image_content_is_refused_by_type():
@@ -358,9 +361,9 @@ def token_text(token_id: int) -> str | bytes:
 
 def test_completion_response_validates_as_openai_completion():
     logprobs = completion_logprobs(ENTRIES, token_text)
-    body = completion_response(request_id="cmpl-1", created=1700000000, model="m", text="Hello\ufffdé",
-                               finish_reason="length", prompt_tokens=5, completion_tokens=3, cached_tokens=2,
-                               logprobs=logprobs)
+    body = completion_response(request_id="cmpl-1", created=1700000000, model="m",
+                               choices=[completion_choice(0, "Hello\ufffdé", "length", logprobs)],
+                               prompt_tokens=5, completion_tokens=3, cached_tokens=2)
     parsed = Completion.model_validate(json.loads(json.dumps(body, allow_nan=False)))
     assert parsed.object == "text_completion" and parsed.choices[0].text == "Hello\ufffdé"
     assert parsed.usage.total_tokens == 8 and parsed.usage.prompt_tokens_details.cached_tokens == 2
@@ -376,9 +379,9 @@ def test_completion_response_validates_as_openai_completion():
 
 
 def test_chat_completion_response_validates_as_openai_chat_completion():
-    body = chat_completion_response(request_id="chatcmpl-1", created=1700000000, model="m", content="Hi there",
-                                    finish_reason="stop", prompt_tokens=9, completion_tokens=3,
-                                    logprobs=chat_logprobs(ENTRIES, token_text), system_fingerprint="fp_1")
+    body = chat_completion_response(request_id="chatcmpl-1", created=1700000000, model="m",
+                                    choices=[chat_choice(0, "Hi there", "stop", chat_logprobs(ENTRIES, token_text))],
+                                    prompt_tokens=9, completion_tokens=3, system_fingerprint="fp_1")
     parsed = ChatCompletion.model_validate(json.loads(sse(body)[len("data: "):]))
     assert parsed.choices[0].message.role == "assistant" and parsed.choices[0].message.content == "Hi there"
     assert parsed.system_fingerprint == "fp_1" and parsed.usage.completion_tokens == 3
@@ -388,8 +391,8 @@ def test_chat_completion_response_validates_as_openai_chat_completion():
     assert content[2].bytes == list("é".encode()) and content[2].logprob == -9999.0
     assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("Hello", -0.1), (" world", -2.5)]
     assert len(content[1].top_logprobs) == 2
-    plain = chat_completion_response(request_id="chatcmpl-2", created=1, model="m", content="", finish_reason="length",
-                                     prompt_tokens=1, completion_tokens=0)
+    plain = chat_completion_response(request_id="chatcmpl-2", created=1, model="m",
+                                     choices=[chat_choice(0, "", "length")], prompt_tokens=1, completion_tokens=0)
     assert ChatCompletion.model_validate(plain).choices[0].logprobs is None
 
 
@@ -463,7 +466,7 @@ def test_validation_errors_are_400_with_the_field(http):
     assert error["param"] == "model" and error["code"] == "missing_required_parameter"
     assert error_of(http.post("/v1/completions", json=completion(temperature="hot")), 400)["param"] == "temperature"
     assert error_of(http.post("/v1/completions", json=completion(temperature=3)), 400)["param"] == "temperature"
-    assert error_of(http.post("/v1/completions", json=completion(n=2)), 400)["param"] == "n"
+    assert error_of(http.post("/v1/completions", json=completion(n=40)), 400)["param"] == "n"
     assert error_of(http.post("/v1/completions", json=completion(prompt=[["a"], ["b"]])), 400)["param"] == "prompt"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     error = error_of(http.post("/v1/chat/completions", json=chat(messages=image)), 400)
@@ -552,3 +555,11 @@ def test_echo_is_honoured_but_not_with_logprobs():
 def test_chat_template_kwargs_cannot_change_how_the_template_is_called(kwargs):
     assert rejected(ChatCompletionRequest, chat(chat_template_kwargs=kwargs)).param == "chat_template_kwargs"
     assert parse_request(ChatCompletionRequest, chat(chat_template_kwargs={"enable_thinking": False}))
+
+
+def test_each_choice_has_its_own_seed_within_64_bits():
+    from services.gateway.app import choice_seed
+
+    assert [choice_seed(41, i) for i in range(3)] == [41, 42, 43]
+    assert choice_seed(None, 2) is None  # unseeded: each draws its own at random
+    assert choice_seed(2**63 - 1, 1) == -(2**63)  # wraps, staying a signed 64-bit integer

@@ -143,3 +143,38 @@ def test_echo_puts_the_prompt_ahead_of_the_completion_streamed_and_not(client):
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
+
+
+def test_n_completions_share_the_prompt_and_sample_as_their_own_seeds(client):
+    prompt = " ".join(["the keeper counted the ships that passed the cape at dawn"] * 6)
+    single = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=3,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert [c.text for c in greedy.choices] == [single.choices[0].text] * 3
+    assert greedy.usage.prompt_tokens == single.usage.prompt_tokens
+    assert greedy.usage.completion_tokens == 3 * single.usage.completion_tokens
+    # The later choices started once the first had its prompt computed: they found it in the prefix cache.
+    assert greedy.usage.prompt_tokens_details.cached_tokens == (single.usage.prompt_tokens - 1) // 16 * 16
+    # Seeded: choice i draws as a request seeded seed + i would.
+    seeded = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=41, n=3,
+                                       extra_body={"ignore_eos": True})
+    alone = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=41 + i,
+                                       extra_body={"ignore_eos": True}).choices[0].text for i in range(3)]
+    assert [c.text for c in seeded.choices] == alone and len(set(alone)) > 1
+    # Streamed: each chunk names its choice; each choice's deltas add up to its whole text.
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                            temperature=1.0, seed=7, n=2, stream=True,
+                                            stream_options={"include_usage": True})
+    texts, finished, usage = {0: "", 1: ""}, set(), None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+        usage = chunk.usage or usage
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                           temperature=1.0, seed=7, n=2)
+    assert texts == {c.index: c.message.content for c in whole.choices} and finished == {0, 1}
+    assert usage.completion_tokens == whole.usage.completion_tokens
