@@ -46,6 +46,9 @@ def test_concurrent_requests_on_a_fresh_deployment_land_on_both_workers(nats_ser
     deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2,
                                   scheduler_args=("--router", router))
     try:
+        # The gateway's readiness is its own registry read; the scheduler reads the registry every half second.
+        wait_until(lambda: deployment.stats("scheduler-0").details["workers_seen"].get("decode") == 2, 10,
+                   "the scheduler never saw both decode workers")
         start, started = threading.Barrier(len(prompts)), threading.Barrier(len(prompts), timeout=120)
 
         def start_and_hold(prompt) -> dict:
