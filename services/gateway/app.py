@@ -385,6 +385,10 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         prompt_param="messages" if chat else "prompt", max_tokens_param=req.max_tokens_param,
     )
     n = req.n or 1
+    bound = gateway.settings.max_waiting_requests
+    if bound and n > bound:
+        raise RequestError(f"n={n} choices would never be admitted: this gateway takes at most {bound} requests "
+                           "waiting for their first token", "n", code="invalid_value")
     try:
         params = [SamplingParams(**{**sampling, "seed": choice_seed(sampling["seed"], i)}) for i in range(n)]
     except InvalidRequestError as exc:
@@ -519,6 +523,11 @@ class _Renderer:
     def finish_reason(self) -> str | None:
         return self._finish_reasons[0]
 
+    @property
+    def first_completion_tokens(self) -> int:
+        """The first choice's completion tokens: the request's latencies are its."""
+        return self._usages[0][1]
+
     def logprobs(self, index: int, chunk) -> dict | None:
         if not chunk.logprobs:
             return None
@@ -581,7 +590,7 @@ async def _sse_events(gateway: Gateway, choices: Choices, renderer: _Renderer,
                 yield responses.sse(renderer.chunk(index, chunk))
         if renderer.include_usage:
             yield responses.sse(renderer.usage_chunk())
-        telemetry.finish("ok", renderer.usage, renderer.finish_reason)
+        telemetry.finish("ok", renderer.usage, renderer.finish_reason, timed_tokens=renderer.first_completion_tokens)
         yield responses.SSE_DONE
     except StreamError as exc:
         telemetry.finish(exc.code, message=str(exc))
@@ -616,5 +625,5 @@ async def _collect_until_done(gateway: Gateway, request: Request, choices: Choic
             body = renderer.whole(collected)
     finally:
         await choices.release()
-    telemetry.finish("ok", renderer.usage, renderer.finish_reason)
+    telemetry.finish("ok", renderer.usage, renderer.finish_reason, timed_tokens=renderer.first_completion_tokens)
     return JSONResponse(body)

@@ -1,9 +1,10 @@
 """A request's `n` completions, as sub-requests on the bus: one per choice.
 
-The first is submitted alone; the others once its first token is out. Its prompt is computed and cached by then,
-so they find the prompt's blocks in that worker's prefix cache (the KV router sends them where the prefix is) and
-share them instead of computing the prompt n times. `merged()` yields every choice's chunks as they come,
-(index, chunk); `release()` lets every sub-request go (cancelling those still running).
+The first is submitted alone; the others once its first token is out (in the background: the first choice streams
+on meanwhile). Its prompt is computed and cached by then, so they find the prompt's blocks in that worker's prefix
+cache (the KV router sends them where the prefix is) and share them instead of computing the prompt n times.
+`merged()` yields every choice's chunks as they come, (index, chunk); `release()` lets every sub-request go
+(cancelling those still running).
 """
 
 from __future__ import annotations
@@ -30,26 +31,39 @@ class Choices:
             async for chunk in self.request_bus.chunks(self.streams[0]):
                 yield 0, chunk
             return
+        # (index, chunk, error): a chunk; (index, None, None): that choice ended; (None, count, None): the other
+        # choices started, `count` of them; an error ends them all.
         queue: asyncio.Queue = asyncio.Queue(_QUEUED_CHUNKS)
-        pumps = [self._pump(queue, 0, self.streams[0])]
+        tasks = [self._pump(queue, 0, self.streams[0])]
         try:
             left = 1
             while left:
                 index, chunk, error = await queue.get()
                 if error is not None:
                     raise error
+                if index is None:
+                    left += chunk
+                    continue
                 if chunk is None:
                     left -= 1
                     continue
-                if index == 0 and len(self.streams) == 1:  # the prompt is computed: the others may start
-                    self.streams.extend(await self._submit_rest())
-                    pumps += [self._pump(queue, i, stream) for i, stream in enumerate(self.streams[1:], 1)]
-                    left += len(self.streams) - 1
+                if index == 0 and len(tasks) == 1:  # the prompt is computed: the others may start
+                    tasks.append(asyncio.create_task(self._start_rest(queue, tasks)))
                 yield index, chunk
         finally:
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _start_rest(self, queue: asyncio.Queue, tasks: list[asyncio.Task]) -> None:
+        try:
+            started = await self._submit_rest()
+        except Exception as exc:
+            await queue.put((None, None, exc))
+            return
+        self.streams.extend(started)
+        tasks += [self._pump(queue, i, stream) for i, stream in enumerate(started, 1)]
+        await queue.put((None, len(started), None))
 
     def _pump(self, queue: asyncio.Queue, index: int, stream: RequestStream) -> asyncio.Task:
         async def pump():
@@ -67,10 +81,15 @@ class Choices:
 
 async def submit_all(submit: Callable[[int], Awaitable[RequestStream]], indices: range, release
                      ) -> list[RequestStream]:
-    """`submit(i)` for every index at once; if one fails, the ones that started are released and it raises."""
-    results = await asyncio.gather(*(submit(i) for i in indices), return_exceptions=True)
-    failed = next((r for r in results if isinstance(r, BaseException)), None)
-    if failed is not None:
-        await asyncio.gather(*(release(r) for r in results if not isinstance(r, BaseException)))
-        raise failed
-    return list(results)
+    """`submit(i)` for every index at once. If one fails, or this is cancelled, the ones that started are released
+    (and those still submitting cancelled) before it raises."""
+    tasks = [asyncio.create_task(submit(i)) for i in indices]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        started = [task.result() for task in tasks if not task.cancelled() and task.exception() is None]
+        await asyncio.gather(*(release(stream) for stream in started), return_exceptions=True)
+        raise

@@ -59,12 +59,15 @@ class GatewayMetrics:
         self._migrations.labels(**self._own, failure=failure).inc()
 
     def observe_finished(self, arrived: float, first_token_at: float | None, usage: tuple[int, int, int] | None,
-                         finish_reason: str | None) -> None:
+                         finish_reason: str | None, timed_tokens: int | None = None) -> None:
+        """`timed_tokens`: the tokens of the completion whose first token `first_token_at` is (the first choice's,
+        of n); all of `usage`'s by default."""
         now = time.monotonic()
         self.e2e.observe(now - arrived)
         prompt, completion = (usage[0], usage[1]) if usage else (0, 0)
-        if first_token_at is not None and completion > 1:
-            self.tpot.observe((now - first_token_at) / (completion - 1))
+        timed = completion if timed_tokens is None else timed_tokens
+        if first_token_at is not None and timed > 1:
+            self.tpot.observe((now - first_token_at) / (timed - 1))
         self.prompt_tokens.observe(prompt)
         self.generation_tokens.observe(completion)
         self.prompt_total.inc(prompt)

@@ -51,6 +51,12 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+def _check_template_kwargs(kwargs: dict | None) -> None:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or {}))
+    if reserved:
+        raise _invalid("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r}")
+
+
 def _unsupported(param: str, message: str) -> RequestError:
     return RequestError(message, param, code="unsupported_parameter")
 
@@ -311,9 +317,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _unsupported("functions", "function calling is not supported")
         if self.function_call not in (None, "none"):
             raise _unsupported("function_call", "function calling is not supported")
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
-        if reserved:
-            raise _invalid("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r}")
+        _check_template_kwargs(self.chat_template_kwargs)
         return self
 
     @property
@@ -354,9 +358,7 @@ class TokenizeRequest(_Strict):
             raise _invalid("messages", "messages must contain at least one message")
         if self.prompt is not None and (self.tools or self.chat_template_kwargs):
             raise _invalid("tools" if self.tools else "chat_template_kwargs", "only with messages")
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
-        if reserved:
-            raise _invalid("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r}")
+        _check_template_kwargs(self.chat_template_kwargs)
         return self
 
 

@@ -54,14 +54,14 @@ class RequestTelemetry:
         self.last_token_at = now
 
     def finish(self, status: str, usage: tuple[int, int, int] | None = None, finish_reason: str | None = None,
-               message: str = "") -> None:
+               message: str = "", timed_tokens: int | None = None) -> None:
         """Count the request under `status` ("ok", "cancelled", an error code) and end its span; once."""
         if self.done:
             return
         self.done = True
         self.metrics.request_ended(self.endpoint, status)
         if status == "ok":
-            self.metrics.observe_finished(self.arrived, self.first_token_at, usage, finish_reason)
+            self.metrics.observe_finished(self.arrived, self.first_token_at, usage, finish_reason, timed_tokens)
         if usage is not None:
             prompt, completion, cached = usage
             self.span.set_attributes({"splitserve.completion_tokens": completion, "splitserve.cached_tokens": cached})

@@ -50,8 +50,7 @@ def replicas_for(requested: int | None, cluster_size: int) -> int:
     3 nodes or more (one node may go and the rest keep a quorum), else 1."""
     if requested is None:
         return 3 if cluster_size >= 3 else 1
-    if not 1 <= requested <= MAX_REPLICAS:
-        raise ProvisionError(f"--nats-replicas must be 1 to {MAX_REPLICAS}, not {requested}")
+    _check_replicas(requested)
     if requested > cluster_size:
         raise ProvisionError(f"--nats-replicas {requested} needs a NATS cluster of {requested} nodes or more; "
                              f"this one has {cluster_size}")
@@ -74,9 +73,13 @@ def replicas_asked(requested: int | None, nc) -> Replicas:
     cluster of 3 nodes or more as `nc` sees it, else 1."""
     if requested is None:
         return Replicas(3 if cluster_size(nc) >= 3 else 1)
+    _check_replicas(requested)
+    return Replicas(requested, chosen=True)
+
+
+def _check_replicas(requested: int) -> None:
     if not 1 <= requested <= MAX_REPLICAS:
         raise ProvisionError(f"--nats-replicas must be 1 to {MAX_REPLICAS}, not {requested}")
-    return Replicas(requested, chosen=True)
 
 
 def cluster_size(nc) -> int:
@@ -97,7 +100,11 @@ async def while_settling(provision, *args, **kwargs):
         try:
             return await provision(*args, **kwargs)
         except (nats.errors.TimeoutError, ServiceUnavailableError, nats.errors.NoRespondersError, APIError) as exc:
-            if time.monotonic() > deadline or isinstance(exc, APIError) and not settling(exc):
+            if isinstance(exc, APIError) and not settling(exc):
+                raise
+            if time.monotonic() > deadline:
+                if isinstance(exc, APIError):  # e.g. copies the cluster cannot place: it has too few nodes
+                    raise ProvisionError(f"JetStream still refused after {SETTLE_S:g} s: {exc.description}") from exc
                 raise
             log.info("JetStream not answering yet; provisioning again", error=repr(exc))
             await asyncio.sleep(0.5)

@@ -172,6 +172,16 @@ class Heartbeat:
         self._stopping = False
         self._entry: tuple[str, str] | None = None  # (role, instance id) last put
 
+    @property
+    def _put_bound_s(self) -> float:
+        return min(self.registry.ttl_s, 2 * self.interval_s)
+
+    @property
+    def _max_try_gap_s(self) -> float:
+        """The widest spacing of tries a live heartbeat shows (a beat, or a put that ran to its bound), short of the
+        TTL: past it, the process was frozen."""
+        return min(0.9 * self.registry.ttl_s, max(self.registry.ttl_s / 2, self.interval_s + self._put_bound_s))
+
     def fresh(self) -> bool:
         """Whether the entry is being kept: a put went through within the registry's TTL."""
         return self._last_put is not None and time.monotonic() - self._last_put <= self.registry.ttl_s
@@ -210,7 +220,7 @@ class Heartbeat:
             gap_s = now - self._last_put if self._last_put is not None else 0.0
             if gap_s > self.registry.ttl_s:
                 self._last_put = None  # one call per lapse
-                if self._registry_failed and self._widest_try_gap <= self.registry.ttl_s / 2:
+                if self._registry_failed and self._widest_try_gap <= self._max_try_gap_s:
                     self.num_outages += 1
                     log.warning("the registry was unavailable longer than its TTL; putting the entry again",
                                 seconds_since_last_heartbeat=round(gap_s, 1))
@@ -223,7 +233,7 @@ class Heartbeat:
             self._entry = (info.role, info.instance_id)
             # Bounded well inside the TTL: a put stuck on a connection failing over gives way to the next beat,
             # which goes out on the new one.
-            await within(min(self.registry.ttl_s, 2 * self.interval_s), self.registry.put(info))
+            await within(self._put_bound_s, self.registry.put(info))
             self._last_put = time.monotonic()
             self._registry_failed, self._widest_try_gap = None, 0.0
         except Exception as exc:  # NATS away, a bad info: try again next tick, never end the task
