@@ -32,7 +32,8 @@ class Choices:
                 yield 0, chunk
             return
         # (index, chunk, error): a chunk; (index, None, None): that choice ended; (None, count, None): the other
-        # choices started, `count` of them; an error ends them all.
+        # choices started, `count` of them; an error ends them all. `left` counts the ends still to come, the
+        # start of the others too once it is under way (the first choice may end before they are submitted).
         queue: asyncio.Queue = asyncio.Queue(_QUEUED_CHUNKS)
         tasks = [self._pump(queue, 0, self.streams[0])]
         try:
@@ -42,13 +43,14 @@ class Choices:
                 if error is not None:
                     raise error
                 if index is None:
-                    left += chunk
+                    left += chunk - 1  # their ends instead of the start's
                     continue
                 if chunk is None:
                     left -= 1
                     continue
                 if index == 0 and len(tasks) == 1:  # the prompt is computed: the others may start
                     tasks.append(asyncio.create_task(self._start_rest(queue, tasks)))
+                    left += 1
                 yield index, chunk
         finally:
             for task in tasks:

@@ -46,7 +46,7 @@ def test_context_overflow_names_both_numbers(http):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("temperature", 3.5), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0),
-    ("max_tokens", -3), ("n", 2), ("logprobs", 50), ("presence_penalty", 9),
+    ("max_tokens", -3), ("n", 17), ("logprobs", 50), ("presence_penalty", 9),
 ])
 def test_bad_sampling_parameter_names_it(http, field, value):
     assert_error(completion(http, **{field: value}), 400, field)

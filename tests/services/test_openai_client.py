@@ -157,6 +157,11 @@ def test_n_completions_share_the_prompt_and_sample_as_their_own_seeds(client):
     assert greedy.usage.completion_tokens == 3 * single.usage.completion_tokens
     # The later choices started once the first had its prompt computed: they found it in the prefix cache.
     assert greedy.usage.prompt_tokens_details.cached_tokens == (single.usage.prompt_tokens - 1) // 16 * 16
+    # The first choice may end before the others are even submitted (its first token its last): all still come.
+    short = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, n=3,
+                                      extra_body={"ignore_eos": True})
+    assert [(c.index, c.finish_reason) for c in short.choices] == [(0, "length"), (1, "length"), (2, "length")]
+    assert short.usage.completion_tokens == 3
     # Seeded: choice i draws as a request seeded seed + i would.
     seeded = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=41, n=3,
                                        extra_body={"ignore_eos": True})
