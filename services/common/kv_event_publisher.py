@@ -49,7 +49,8 @@ class KVEventPublisher:
     async def _run(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._snapshot_wanted.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._snapshot_wanted.wait()
             except TimeoutError:
                 pass
             try:

@@ -186,8 +186,8 @@ class RemotePrefill(KVConnector):
 
         result: PrefillResult | None = None
         try:
-            result = await asyncio.wait_for(_result_unless_gone(worker.registry, result_future, target),
-                                            max(0.0, deadline - time.monotonic()))
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                result = await _result_unless_gone(worker.registry, result_future, target)
         except TimeoutError:
             log.warning("no prefill result in time", request_id=rid)
         if result is None or not result.ok:
@@ -277,7 +277,8 @@ async def _result_unless_gone(registry: Registry, result: asyncio.Future, target
     boot_id = None
     while True:
         try:
-            return await asyncio.wait_for(asyncio.shield(result), _WATCH_S)
+            async with asyncio.timeout(_WATCH_S):
+                return await asyncio.shield(result)
         except TimeoutError:
             pass
         try:

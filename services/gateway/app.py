@@ -409,7 +409,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         with _failures_counted(telemetry):
             check_admission(gateway.streams.num_waiting() + n - 1, gateway.settings.max_waiting_requests,
                             gateway.draining)
-            stream = await _unless_disconnected(request, submit(0))
+            stream = await _unless_disconnected(request, submit(0), discard=gateway.request_bus.release)
             if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
                 telemetry.finish("cancelled")
                 return Response(status_code=499)
@@ -477,20 +477,25 @@ class _EventStream(StreamingResponse):
             self._gateway.spawn(self._choices.release())
 
 
-async def _unless_disconnected(request: Request, coro):
-    """Await `coro`, or cancel it and return None if the client disconnects first."""
+async def _unless_disconnected(request: Request, coro, discard=None):
+    """Await `coro`, or cancel it and return None if the client disconnects first (or this is cancelled). What
+    it returns all the same (it finished as the cancel came) goes to `discard`, e.g. to let a request go."""
     task = asyncio.create_task(coro)
     watch = asyncio.create_task(_client_gone(request))
+    handed_over = False
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
+            handed_over = True
             return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return None
     finally:
-        task.cancel()
         watch.cancel()
+        if not handed_over:
+            task.cancel()
+            await asyncio.wait({task})
+            if discard is not None and not task.cancelled() and task.exception() is None:
+                await discard(task.result())
+    return None
 
 
 async def _client_gone(request: Request) -> None:

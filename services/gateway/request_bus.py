@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from contracts import Assignment, CancelRequest, GenerateRequest, Sampling, Subjects, TokenChunk
 from services.common.identity import now_ms
 from services.gateway.streams import RequestStream, StreamError, TokenStreams
+from shared.cancellation import raise_if_cancelled
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -109,6 +110,7 @@ class RequestBus:
                     raise StreamError("no_worker", "the request queue is unavailable", retry_after_s=1.0) from exc
                 log.info("submit failed; trying again", request_id=stream.request_id, error=repr(exc))
                 await asyncio.sleep(SUBMIT_RETRY_PAUSE_S)
+        raise_if_cancelled()  # (a cancel that came with the publish's ack: nobody waits for the assignment)
         event = await stream.next_event(self.assign_timeout_s)
         if not isinstance(event, Assignment):  # sent first on the worker's connection: it was lost on the way
             raise StreamError("stream_broken", "the worker's assignment was lost in transit")

@@ -233,7 +233,8 @@ class PrefillRole:
                                                    hold_kv=True, stream_prompt_kv=True))
             remaining_s = max(0.0, (job.deadline_ms - now_ms()) / 1000)
             try:
-                output = await asyncio.wait_for(future, remaining_s)
+                async with asyncio.timeout(remaining_s):
+                    output = await future
             except TimeoutError:
                 return "expired"
             if isinstance(output, RequestRejected):
