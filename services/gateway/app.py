@@ -100,7 +100,8 @@ class Gateway:
                                       model_name=settings.served_model_name, instance=settings.instance_id)
         self.identity = ServiceIdentity(settings.instance_id, "gateway")
         self.draining = False
-        self._background: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # short-lived work (releases) that stop() lets finish
+        self._watcher: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, name=self.settings.instance_id,
@@ -116,7 +117,7 @@ class Gateway:
         self.heartbeat = Heartbeat(self.registry, self.info)
         self.heartbeat.start()
         await self._refresh_services()
-        self.spawn(self._watch_services())
+        self._watcher = asyncio.create_task(self._watch_services())
 
     async def drain(self, timeout_s: float) -> None:
         """Stop admitting requests (503, and /ready says so), give the open ones `timeout_s` to finish, then
@@ -138,6 +139,8 @@ class Gateway:
     async def stop(self) -> None:
         # Whatever the drain left (none, unless it was cut short) ends with an error now; cancels still go out.
         self.streams.fail_all("shutting_down", "the gateway is shutting down")
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._background:
             await asyncio.wait(set(self._background), timeout=2.0)
         for task in list(self._background):

@@ -12,7 +12,7 @@ from contracts import ServiceInfo, StatsRequest, Subjects
 from services.gateway.readiness import fully_ready
 from shared.bus.registry import Registry
 
-from support.processes import free_port, start_service, stop_process, wait_for_http
+from support.processes import free_port, start_service, stop_process, stop_processes, wait_for_http
 from support.token_tap import TokenTap
 
 
@@ -91,8 +91,7 @@ class Deployment:
         if self.tap is not None:
             self.tap.close()
             self.tap = None
-        for proc in self.procs.values():
-            stop_process(proc)
+        stop_processes(self.procs.values())
         self.delete_streams()
 
     def delete_streams(self) -> None:

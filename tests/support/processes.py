@@ -1,5 +1,6 @@
 """Real processes for the tests: a nats-server with JetStream, and splitserve services."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -96,17 +97,26 @@ def start_service(name: str, args: list[str], log_dir: Path, **env) -> subproces
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
+    stop_processes([proc], timeout_s)
+
+
+def stop_processes(procs, timeout_s: float = 10.0) -> None:
+    """SIGTERM to every process group at once, then each given until `timeout_s` (all told) to exit before a
+    SIGKILL: they shut down side by side, not one after the other."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
 
 
 def wait_for_http(url: str, timeout_s: float, procs: list[subprocess.Popen] = (), ok=None) -> None:
