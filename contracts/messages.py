@@ -65,6 +65,8 @@ class Sampling(Part, kw_only=True):
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_kind: str = ""  # structured output: "" (none), "json", "json_object", "regex", "choice", "grammar"
+    structured_spec: str = ""  # its JSON schema, regex, JSON list of choices or grammar
 
 
 class GenerateRequest(Message, tag="generate_request", kw_only=True):

@@ -52,6 +52,7 @@ from shared.bus.provision import replicas_asked
 from shared.bus.registry import Heartbeat, Readings, Registry
 from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.structured_output import check_structured
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import shutdown_tracing
 from shared.version import VERSION
@@ -396,6 +397,11 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         params = [SamplingParams(**{**sampling, "seed": choice_seed(sampling["seed"], i)}) for i in range(n)]
     except InvalidRequestError as exc:
         raise from_invalid_request(exc) from None
+    if req.constraint is not None:  # compiled here first: a bad schema or grammar is this request's 400
+        try:
+            await run_in_threadpool(check_structured, req.constraint.kind, req.constraint.spec)
+        except InvalidRequestError as exc:
+            raise RequestError(str(exc), req.constraint.param, code="invalid_value") from None
 
     request_id = request.state.request_id
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id

@@ -3,14 +3,15 @@
 Fields and defaults follow the OpenAI API reference; extensions that vLLM also
 accepts (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos,
 min_tokens, include_stop_str_in_output, skip_special_tokens,
-spaces_between_special_tokens, chat_template_kwargs) sit beside them. Values are
+spaces_between_special_tokens, chat_template_kwargs, structured_outputs and
+guided_*) sit beside them. Values are
 checked strictly (no "0.5" strings for numbers, no 0/1 for booleans, no NaN or
 infinity) and every bad value becomes a `RequestError` 400 naming its field:
 pydantic's type errors through `from_validation_errors`, range and support
 checks raised directly by the validators below.
 
 Every parameter is honoured or refused. Features splitserve does not have
-(best_of, suffix, tool calls, structured output, prompt logprobs) are refused
+(best_of, suffix, tool calls, prompt logprobs) are refused
 with a 400 naming them, and so is any field this API does not know: a
 misspelled or unsupported parameter is never run with default behaviour.
 `user` is accepted and ignored, as OpenAI and vLLM do (`IGNORED_FIELDS`).
@@ -20,10 +21,12 @@ messages they were given, with fields such as `refusal` and `annotations`.
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from services.gateway.errors import RequestError, from_validation_errors
+from services.gateway.structured_request import GUIDED_FIELDS, Constraint, StructuredOutputsParams, constraint_of
 from shared.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 IGNORED_FIELDS = ("user",)  # accepted and ignored (logged once, at debug level)
@@ -89,6 +92,14 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
     logit_bias: dict[str, Any] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    # Structured output (services/gateway/structured_request.py): at most one of these.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # extension
+    guided_json: Any = None  # extension (vLLM's older names)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _constraint: Constraint | None = PrivateAttr(default=None)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -137,6 +148,13 @@ class _SamplingRequest(_Strict):
         if self.min_tokens < 0:
             raise _invalid("min_tokens", f"min_tokens must be at least 0, got {self.min_tokens}")
         self._check_logit_bias()
+        self._constraint = constraint_of(self.response_format, self.structured_outputs,
+                                         {name: getattr(self, name) for name in GUIDED_FIELDS})
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for (None: free text)."""
+        return self._constraint
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias or {}
@@ -286,7 +304,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None  # wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -306,9 +323,6 @@ class ChatCompletionRequest(_SamplingRequest):
                                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
             if not self.logprobs:
                 raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format",
-                               f"response_format type {self.response_format.get('type')!r} is not supported")
         if self.tools and self.tool_choice != "none":
             raise _unsupported("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
@@ -401,6 +415,8 @@ def to_sampling_kwargs(req: CompletionRequest | ChatCompletionRequest) -> dict[s
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "min_tokens": req.min_tokens,
         "logit_bias": req.logit_bias_ids,
+        "structured_kind": req.constraint.kind if req.constraint else "",
+        "structured_spec": req.constraint.spec if req.constraint else "",
     }
 
 

@@ -6,9 +6,11 @@ new tokens into outputs (stop checks, incremental text). No I/O, no threads:
 services drive `step()` from their own loop.
 """
 
+import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 import random
 import time
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.engine.step_batch import StepBatch, build_step_batch
+from shared.engine.structured_output import StructuredOutputs
 
 WRITE_BACK_BLOCKS = 8  # while decoding, full blocks are written back this many at a time (and the rest at the end)
 
@@ -75,6 +78,7 @@ class PlannedStep:
     scheduled: SchedulerOutput
     batch: StepBatch
     virtual_engine: int
+    grammar_masks: Future | None = None  # the constrained rows' masks, filled while the step runs
 
 
 class LLMEngine:
@@ -125,6 +129,7 @@ class LLMEngine:
         self.vocab_size = model_config.vocab_size
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if load_tokenizer else None
         self.eos_token_ids = _eos_token_ids(config.model, model_config, self.tokenizer)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, Sequence] = {}  # finished hold_kv requests whose blocks are kept
@@ -200,6 +205,8 @@ class LLMEngine:
             read_prefix_cache=read_prefix_cache,
             virtual_engine=min(range(len(self.schedulers)), key=lambda i: self._load_of(i)),
         )
+        if params.structured_kind:
+            self.structured.add(request_id, params.structured_kind, params.structured_spec, output_token_ids)
         self._arrivals += 1
         self._sequences[request_id] = seq
         if detok is not None:
@@ -214,6 +221,7 @@ class LLMEngine:
         if seq is None:
             return False
         self._detokenizers.pop(request_id, None)
+        self.structured.drop(request_id)
         self.schedulers[seq.virtual_engine].finish(seq)
         self.connectors.request_finished(request_id)
         return True
@@ -320,6 +328,8 @@ class LLMEngine:
     def _continue_after_load(self, seq: Sequence, continuation: Continuation) -> None:
         """The tokens a loaded request brought from where its prompt was computed (sampled there, and streamed)."""
         seq.token_ids.extend(continuation.output_token_ids)
+        with contextlib.suppress(InvalidRequestError):  # its next token reports it (the matcher stays broken)
+            self.structured.advance(seq.request_id, continuation.output_token_ids)
         if continuation.detokenizer is not None:
             self._detokenizers[seq.request_id] = continuation.detokenizer
 
@@ -329,7 +339,12 @@ class LLMEngine:
         scheduled = self.schedulers[virtual_engine].schedule()
         if not scheduled.scheduled:
             return None
-        return PlannedStep(scheduled, build_step_batch(scheduled, self.config.block_size), virtual_engine)
+        batch = build_step_batch(scheduled, self.config.block_size)
+        masks = None
+        if len(self.structured):
+            masks = self.structured.start_masks([scheduled.scheduled[i].seq.request_id
+                                                 for i in batch.sample_indices])
+        return PlannedStep(scheduled, batch, virtual_engine, masks)
 
     def complete_step(self, planned: PlannedStep, logits: torch.Tensor) -> list[RequestOutput]:
         """Account a step's computed tokens and sample from its logits. Requests aborted while the
@@ -352,12 +367,14 @@ class LLMEngine:
             seq = scheduled.scheduled[index].seq
             if self._sequences.get(seq.request_id) is seq:
                 to_sample.append((position, seq))
+        masks = planned.grammar_masks.result() if planned.grammar_masks is not None else None
         if not to_sample:
             return []
         logits = logits[[position for position, _ in to_sample]] if len(to_sample) != len(batch.sample_indices) else logits
         rows = [SamplingRow(s.params, s.seed, s.prompt_token_ids, s.output_token_ids,
-                            s.params.suppressed_token_ids(len(s.output_token_ids), self.eos_token_ids))
-                for _, s in to_sample]
+                            s.params.suppressed_token_ids(len(s.output_token_ids), self.eos_token_ids),
+                            masks[position] if masks is not None and s.request_id in self.structured else None)
+                for position, s in to_sample]
         sampled = sample(logits, rows)
         outputs = []
         for (_, seq), token_id, logprobs in zip(to_sample, sampled.token_ids, sampled.logprobs):
@@ -392,9 +409,16 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.token_ids.append(token_id)
         detok = self._detokenizers.get(seq.request_id)
+        error = None
+        try:
+            grammar_complete = self.structured.advance(seq.request_id, [token_id])
+        except InvalidRequestError as exc:  # a token its grammar's mask did not allow: never expected
+            grammar_complete, error = False, str(exc)
         new_text, finish_reason, stop_reason = self.judge_token(
-            seq.params, token_id, detok, seq.num_tokens, seq.max_total_tokens
+            seq.params, token_id, detok, seq.num_tokens, seq.max_total_tokens, grammar_complete=grammar_complete,
         )
+        if error is not None:
+            finish_reason = "error"
         output = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token_id],
@@ -406,12 +430,14 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             num_output_tokens=seq.num_output_tokens,
+            error=error,
         )
         if output.finished:
             if self._writes_back:
                 self._write_back(seq)
             self._sequences.pop(seq.request_id, None)
             self._detokenizers.pop(seq.request_id, None)
+            self.structured.drop(seq.request_id)
             self.schedulers[seq.virtual_engine].finish(seq, free_blocks=not seq.hold_kv)
             if seq.hold_kv:
                 self._held[seq.request_id] = seq
@@ -420,9 +446,10 @@ class LLMEngine:
 
     def judge_token(
         self, params: SamplingParams, token_id: int, detok: IncrementalDetokenizer | None,
-        num_tokens: int, max_total_tokens: int,
+        num_tokens: int, max_total_tokens: int, grammar_complete: bool = False,
     ) -> tuple[str, str | None, str | int | None]:
-        """(text released, finish reason, stop reason) after a sequence's new token.
+        """(text released, finish reason, stop reason) after a sequence's new token. `grammar_complete`: its
+        structured output is whole (nothing but EOS could follow): it stops there.
 
         Pure but for `detok`, which it advances: also usable for a first token
         sampled elsewhere (a prefill worker's), before the request is here.
@@ -437,6 +464,8 @@ class LLMEngine:
             new_text = detok.add_token(token_id)
             if detok.matched_stop is not None:
                 finish_reason, stop_reason = "stop", detok.matched_stop
+        if finish_reason is None and grammar_complete:
+            finish_reason = "stop"
         if finish_reason is None and num_tokens >= max_total_tokens:
             finish_reason = "length"
         if finish_reason is not None and detok is not None and detok.matched_stop is None:

@@ -1,6 +1,7 @@
 """Turn a batch of logits into next tokens, one SamplingParams per row.
 
-Per row, in order: logit bias and the tokens suppressed (EOS before min_tokens),
+Per row, in order: logit bias, the tokens suppressed (EOS before min_tokens) and those its grammar does not
+allow (structured output),
 repetition penalty (transformers semantics, over prompt and generated ids),
 frequency/presence penalties (OpenAI semantics, over generated ids), temperature, then the top-k, top-p and min-p filters on the resulting
 probabilities, then a draw. Temperature 0 is greedy: the argmax of the
@@ -28,6 +29,7 @@ from itertools import chain
 import torch
 
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.structured_output import unpack_mask
 
 _MASK64 = (1 << 64) - 1
 # Temperatures below this are clamped to it: dividing finite logits by a
@@ -45,6 +47,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far; len() is the index of the token being sampled
     suppressed: tuple[int, ...] = ()  # token ids that must not be drawn now (params.suppressed_token_ids)
+    allowed: torch.Tensor | None = None  # structured output: the tokens its grammar allows now, a packed bitmask
 
 
 @dataclass(slots=True)
@@ -80,15 +83,17 @@ def row_seed(seed: int, step: int) -> int:
 def _adjusts_logits(row: SamplingRow) -> bool:
     params = row.params
     return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-            or bool(params.logit_bias) or bool(row.suppressed))
+            or bool(params.logit_bias) or bool(row.suppressed) or row.allowed is not None)
 
 
 def _apply_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """logit_bias added, then the suppressed tokens set to -inf, on float32 logits x (one row per entry of rows)."""
+    """logit_bias added, then the suppressed tokens and those a row's grammar does not allow set to -inf, on
+    float32 logits x (one row per entry of rows). Suppression gives way where it would leave a grammar nothing."""
     vocab = x.shape[1]
     biased = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
     suppressed = [(i, row.suppressed) for i, row in enumerate(rows) if row.suppressed]
-    if not biased and not suppressed:
+    constrained = [i for i, row in enumerate(rows) if row.allowed is not None]
+    if not biased and not suppressed and not constrained:
         return x
     x = x.clone()
     if biased:
@@ -98,9 +103,20 @@ def _apply_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         x.index_put_((torch.tensor(row_ids, dtype=torch.long, device=x.device),
                       torch.tensor(token_ids, dtype=torch.long, device=x.device)),
                      torch.tensor(values, dtype=torch.float32, device=x.device), accumulate=True)
+    allowed = None
+    if constrained:
+        allowed = torch.ones_like(x, dtype=torch.bool)
+        allowed[constrained] = unpack_mask(torch.stack([rows[i].allowed for i in constrained]), vocab).to(x.device)
     if suppressed:
         row_ids, token_ids = _ids_tensor([row.suppressed if row.suppressed else () for row in rows], vocab, x.device)
-        x[row_ids, token_ids] = float("-inf")
+        if allowed is None:
+            x[row_ids, token_ids] = float("-inf")
+        else:
+            kept = allowed.clone()
+            kept[row_ids, token_ids] = False
+            allowed = torch.where(kept.any(dim=1, keepdim=True), kept, allowed)
+    if allowed is not None:
+        x = x.masked_fill(~allowed, float("-inf"))
     return x
 
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from shared.engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 LOGIT_BIAS_RANGE = 100.0  # each bias is within [-100, 100], as OpenAI's
 
@@ -41,6 +42,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output: the constraint's kind ("" none; "json", "json_object", "regex", "choice", "grammar") and
+    # its spec (a JSON schema, a regex, a JSON list of strings, a Lark or GBNF grammar); shared/engine/structured_output.py
+    structured_kind: str = ""
+    structured_spec: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +83,11 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                                       "min_tokens")
+        if self.structured_kind and self.structured_kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"unknown structured output kind {self.structured_kind!r}; one of "
+                                      f"{', '.join(STRUCTURED_KINDS)}", "structured_outputs")
+        if self.structured_spec and not self.structured_kind:
+            raise InvalidRequestError("a structured output spec needs its kind", "structured_outputs")
         self.logit_bias = dict(self.logit_bias)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",

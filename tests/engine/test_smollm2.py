@@ -5,7 +5,6 @@ about 20 s; later tests in the session find it in the cache).
 """
 
 import pytest
-import torch
 from reference import reference_greedy
 from transformers import AutoTokenizer
 
@@ -18,14 +17,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbo
 MAX_TOKENS = 32
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Torch on one thread here: beside other busy processes, two threads per process on a small machine ran this
-    test ten times slower (100 s instead of 10 s); one thread is as exact and fast enough for 135M parameters."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

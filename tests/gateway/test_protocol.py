@@ -94,8 +94,15 @@ COMMON_BAD = [
     ("include_stop_str_in_output", "yes"), ("spaces_between_special_tokens", 1),
     ("user", 5),
     # Fields this API does not know are refused, never run as if unsent: a misspelling, or vLLM-only options.
-    ("max_token", 5), ("guided_json", {"type": "object"}), ("prompt_logprobs", 1), ("structured_outputs", {}),
-    ("metadata", {"x": "y"}),
+    ("max_token", 5), ("prompt_logprobs", 1), ("guided_decoding_backend", "xgrammar"), ("metadata", {"x": "y"}),
+    # Structured output asked for wrongly: no constraint, two, a schema that is not one, an empty choice.
+    ("structured_outputs", {}), ("structured_outputs", {"json": {"type": "object"}, "regex": "a+"}),
+    ("structured_outputs", {"regex": ""}), ("structured_outputs", {"choice": ["a", ""]}),
+    ("structured_outputs", {"json": "{not json"}), ("structured_outputs", {"json": [1]}),
+    ("guided_json", 5), ("guided_json", "{"), ("guided_choice", []), ("guided_regex", ""), ("guided_grammar", 3),
+    ("response_format", {"type": "xml"}), ("response_format", {"type": "json_schema"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {}}}),
+    ("response_format", {"type": "json_object", "strict": True}),
     ("model", 5), ("model", None),
     ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "10"),
 ]
@@ -128,7 +135,6 @@ def test_bad_completion_only_values(param, value):
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs=true, as OpenAI says
     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
@@ -278,7 +284,8 @@ def test_sampling_kwargs_build_sampling_params():
         "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.1,
         "frequency_penalty": 0.2, "repetition_penalty": 1.1, "seed": 3, "stop": ["x", "y"], "stop_token_ids": [2],
         "ignore_eos": True, "logprobs": 3, "skip_special_tokens": False, "spaces_between_special_tokens": True,
-        "include_stop_str_in_output": False, "min_tokens": 0, "logit_bias": {},
+        "include_stop_str_in_output": False, "min_tokens": 0, "logit_bias": {}, "structured_kind": "",
+        "structured_spec": "",
     }
     SamplingParams(**kwargs)
     defaults = to_sampling_kwargs(parse_request(CompletionRequest, completion(top_k=-1)))

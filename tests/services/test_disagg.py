@@ -74,6 +74,28 @@ def test_seeded_sampling_draws_what_the_seed_says_across_prefill_and_decode(disa
     assert expected != reference_greedy(default_model, prompt, 16)[0]
 
 
+def test_structured_output_across_prefill_and_decode_is_what_one_engine_writes(disagg, default_model):
+    """The prefill worker draws the first token inside the grammar, the decode worker goes on from there: the
+    output is what one engine alone writes, and it follows the schema."""
+    import jsonschema
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["id", "ok", "words"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"},
+                             "words": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4}}}
+    prompt = list(range(500, 560))
+    body = complete(disagg.base_url, prompt, max_tokens=64, structured_outputs={"json": schema})
+    text = body["choices"][0]["text"]
+    jsonschema.validate(json.loads(text), schema)
+    engine = LLMEngine(EngineConfig(model=default_model, dtype="float32", device="cpu", num_kv_blocks=64))
+    alone = engine.generate([prompt], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True,
+                                                     structured_kind="json", structured_spec=json.dumps(schema)))[0]
+    assert disagg.token_ids(body) == alone.token_ids and text == alone.text
+
+
 def test_logprobs_come_from_both_workers_as_transformers_computes_them(disagg, default_model):
     # The first token's logprobs travel from the prefill worker in its PrefillResult, the rest from the decode worker.
     prompt = list(range(300, 340))

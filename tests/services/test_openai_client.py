@@ -1,5 +1,7 @@
 """The official openai client against the colocated deployment."""
 
+import re
+
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -113,7 +115,7 @@ def test_models_lists_the_served_model(client):
 
 def test_every_parameter_is_honoured_or_refused_by_name(client, colocated, tokenizer):
     # A misspelled or unsupported parameter is a 400 naming it, never a run with default behaviour.
-    for extra in ({"max_token": 4}, {"guided_json": {"type": "object"}}, {"prompt_logprobs": 1}):
+    for extra in ({"max_token": 4}, {"guided_decoding_backend": "xgrammar"}, {"prompt_logprobs": 1}):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=extra)
         assert info.value.param == next(iter(extra)) and info.value.code == "unknown_parameter"
@@ -183,3 +185,52 @@ def test_n_completions_share_the_prompt_and_sample_as_their_own_seeds(client):
                                            temperature=1.0, seed=7, n=2)
     assert texts == {c.index: c.message.content for c in whole.choices} and finished == {0, 1}
     assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+PET = {"type": "object", "additionalProperties": False, "required": ["name", "kind", "age", "tags"],
+       "properties": {"name": {"type": "string", "maxLength": 16}, "kind": {"enum": ["cat", "dog", "fish"]},
+                      "age": {"type": "integer", "minimum": 0, "maximum": 30},
+                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}}
+
+
+def test_structured_output_through_the_api_parses_and_validates_streamed_or_not(client):
+    """Even the random test model writes JSON that parses and follows the schema once it is constrained."""
+    import json
+
+    import jsonschema
+
+    response_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+    messages = [{"role": "user", "content": "Describe a pet."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0,
+                                           response_format=response_format)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PET)
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0,
+                                              response_format=response_format, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == choice.message.content
+    # n > 1 sampled: every choice follows the schema.
+    several = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=1.0, seed=4,
+                                             n=3, response_format=response_format)
+    for c in several.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), PET)
+    # vLLM's ways on the completions endpoint.
+    phone = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0.7, seed=1,
+                                      extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone.choices[0].text)
+    picked = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0,
+                                       extra_body={"guided_choice": ["north", "south", "east", "west"]})
+    assert picked.choices[0].text in ("north", "south", "east", "west")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
+])
+def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body=extra)
+    assert refused.value.param == param and refused.value.code == "invalid_value"
