@@ -45,6 +45,7 @@ from services.gateway.protocol import (
     to_sampling_kwargs,
 )
 from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS, StreamError, TokenStreams
+from services.gateway.tool_calls import ToolCallScanner
 from shared.bus.connection import connect, drain
 from shared.bus.credentials import BusCredentials
 from shared.bus.permissions import inbox_prefix
@@ -428,7 +429,8 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         try:
             echo = "" if chat or not req.echo else (
                 req.prompt if isinstance(req.prompt, str) else gateway.model.tokenizer.decode(prompt_ids))
-            renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage, echo, n)
+            renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage, echo, n,
+                                 req.tool_mode if chat else None)
             if req.stream:
                 events = _sse_events(gateway, choices, renderer, telemetry)
                 return _EventStream(events, gateway, choices, telemetry, media_type="text/event-stream",
@@ -519,8 +521,11 @@ class _Renderer:
     """Turns token chunks into OpenAI responses (whole or as SSE chunks), for each of the request's `n` choices."""
 
     def __init__(self, gateway: Gateway, response_id: str, model: str, chat: bool, include_usage: bool,
-                 echo: str = "", n: int = 1):
+                 echo: str = "", n: int = 1, tool_mode: str | None = None):
         self.gateway, self.chat, self.include_usage, self.n = gateway, chat, include_usage, n
+        # "required" or "named": each choice's text is its tool calls (services/gateway/tool_calls.py)
+        self.tool_mode = tool_mode
+        self._scanners = [ToolCallScanner() for _ in range(n)] if tool_mode else []
         self.common = {"request_id": response_id, "created": int(time.time()), "model": model}
         self.echo = echo  # the prompt's text, ahead of each completion's (a completion's echo=true)
         self._echo_owed = [bool(echo)] * n
@@ -558,9 +563,22 @@ class _Renderer:
         return [responses.chat_role_chunk(**self.common, include_usage=self.include_usage, index=i)
                 for i in range(self.n)]
 
-    def chunk(self, index: int, chunk) -> dict:
+    def _reason(self, finish_reason: str | None) -> str | None:
+        """As OpenAI says it: a request that had to call a tool ("required") ends with "tool_calls"; one whose
+        function was named ends with "stop"."""
+        return "tool_calls" if self.tool_mode == "required" and finish_reason == "stop" else finish_reason
+
+    def chunk(self, index: int, chunk) -> dict | None:
+        """The SSE chunk for a token chunk; None when it has nothing to say yet (a tool call's name still
+        incomplete)."""
         logprobs = self.logprobs(index, chunk)
         self._text_sent[index] += len(chunk.text)
+        if self.tool_mode:
+            deltas = [d.as_dict() for d in self._scanners[index].feed(chunk.text)]
+            if not deltas and not chunk.finished and not logprobs:
+                return None
+            return responses.chat_chunk(**self.common, tool_calls=deltas, finish_reason=self._reason(
+                chunk.finish_reason), logprobs=logprobs, include_usage=self.include_usage, index=index)
         if self.chat:
             return responses.chat_chunk(**self.common, content=chunk.text, finish_reason=chunk.finish_reason,
                                         logprobs=logprobs, include_usage=self.include_usage, index=index)
@@ -568,6 +586,11 @@ class _Renderer:
         self._echo_owed[index] = False
         return responses.completion_chunk(**self.common, text=text, finish_reason=chunk.finish_reason,
                                           logprobs=logprobs, include_usage=self.include_usage, index=index)
+
+    def _whole_calls(self, text: str) -> list[dict]:
+        scanner = ToolCallScanner()
+        scanner.feed(text)
+        return [call.as_dict() for call in scanner.calls]
 
     def usage_chunk(self) -> dict:
         prompt, completion, cached = self.usage
@@ -580,8 +603,9 @@ class _Renderer:
         token_text = self.gateway.model.token_text
         usage = dict(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
         if self.chat:
-            choices = [responses.chat_choice(i, text, self._finish_reasons[i],
-                                             responses.chat_logprobs(entries, token_text) if entries else None)
+            choices = [responses.chat_choice(i, None if self.tool_mode else text, self._reason(self._finish_reasons[i]),
+                                             responses.chat_logprobs(entries, token_text) if entries else None,
+                                             self._whole_calls(text) if self.tool_mode else None)
                        for i, (text, entries) in enumerate(collected)]
             return responses.chat_completion_response(**self.common, choices=choices, **usage)
         choices = [responses.completion_choice(i, self.echo + text, self._finish_reasons[i],
@@ -600,8 +624,11 @@ async def _sse_events(gateway: Gateway, choices: Choices, renderer: _Renderer,
             if index == 0:  # the request's latencies are its first choice's
                 telemetry.token()
             renderer.note(index, chunk)
-            if chunk.text or chunk.finished or chunk.logprobs:  # a token still inside a character: nothing to say
-                yield responses.sse(renderer.chunk(index, chunk))
+            # A token still inside a character, or a tool call's name not yet whole: nothing to say.
+            if chunk.text or chunk.finished or chunk.logprobs:
+                event = renderer.chunk(index, chunk)
+                if event is not None:
+                    yield responses.sse(event)
         if renderer.include_usage:
             yield responses.sse(renderer.usage_chunk())
         telemetry.finish("ok", renderer.usage, renderer.finish_reason, timed_tokens=renderer.first_completion_tokens)

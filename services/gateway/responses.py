@@ -103,8 +103,12 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, content: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+def chat_choice(index: int, content: str | None, finish_reason: str | None, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """A whole chat choice; with `tool_calls`, its content is null and the calls are the answer."""
     message = {"role": "assistant", "content": content, "refusal": None, "annotations": []}
+    if tool_calls is not None:
+        message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -138,14 +142,16 @@ def completion_chunk(*, request_id: str, created: int, model: str, text: str, fi
 
 def chat_chunk(*, request_id: str, created: int, model: str, content: str | None = None, role: str | None = None,
                finish_reason: str | None = None, logprobs: dict | None = None, include_usage: bool = False,
-               system_fingerprint: str | None = None, index: int = 0) -> dict:
+               system_fingerprint: str | None = None, index: int = 0, tool_calls: list[dict] | None = None) -> dict:
     """One chat delta. A stream starts with `role="assistant", content=""`, then
-    carries content deltas; the last one has the finish_reason."""
+    carries content deltas (or tool call deltas); the last one has the finish_reason."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     chunk = _envelope("chat.completion.chunk", request_id, created, model, [choice], system_fingerprint)
     if include_usage:

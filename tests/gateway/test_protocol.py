@@ -135,8 +135,17 @@ def test_bad_completion_only_values(param, value):
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs=true, as OpenAI says
     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "colour": "red"}}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"messages": []}, "messages"),
@@ -201,9 +210,11 @@ def test_accepted_edges_and_defaults():
     assert parse_request(CompletionRequest, completion(logprobs=0)).logprobs == 0
     assert parse_request(CompletionRequest, completion(stop=None)).stop == []
     assert parse_request(CompletionRequest, completion(stop=["a", "b", "c", "d"])).stop == ["a", "b", "c", "d"]
-    tools_off = parse_request(ChatCompletionRequest, chat(tools=[{"type": "function"}], tool_choice="none",
-                                                         response_format={"type": "text"}))
-    assert tools_off.tools
+    tool = {"type": "function", "function": {"name": "f"}}
+    for choice in ("none", None):  # shown to the model, not called
+        tools_off = parse_request(ChatCompletionRequest, chat(tools=[tool], tool_choice=choice,
+                                                             response_format={"type": "text"}))
+        assert tools_off.tools and tools_off.tool_mode is None and tools_off.constraint is None
 
 
 @pytest.mark.parametrize("prompt,expected", [

@@ -234,3 +234,61 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(client, ex
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body=extra)
     assert refused.value.param == param and refused.value.code == "invalid_value"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                       "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+
+def _valid_call(name: str, arguments: str) -> None:
+    import json
+
+    import jsonschema
+
+    tool = {"get_weather": WEATHER, "get_time": TIME}[name]
+    jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("tool_choice,finish", [
+    ({"type": "function", "function": {"name": "get_time"}}, "stop"),  # named: OpenAI ends a forced call with stop
+    ("required", "tool_calls"),
+])
+def test_tool_calls_named_or_required_are_calls_of_the_offered_functions_streamed_or_not(client, tool_choice, finish):
+    messages = [{"role": "user", "content": "What's the weather in Paris, and the time?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=120, temperature=0,
+                                           tools=[WEATHER, TIME], tool_choice=tool_choice)
+    choice = whole.choices[0]
+    assert choice.finish_reason == finish and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and all(call.type == "function" and call.id.startswith("call_") for call in calls)
+    if isinstance(tool_choice, dict):
+        assert [call.function.name for call in calls] == ["get_time"]
+    for call in calls:
+        _valid_call(call.function.name, call.function.arguments)
+
+    # Streamed: each call's id and name first, then its arguments in pieces that add up to the same calls.
+    streamed, finish_seen = {}, None
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=120, temperature=0,
+                                                tools=[WEATHER, TIME], tool_choice=tool_choice, stream=True):
+        if not chunk.choices:
+            continue
+        finish_seen = chunk.choices[0].finish_reason or finish_seen
+        assert not chunk.choices[0].delta.content
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.id is not None:
+                assert delta.index not in streamed
+                streamed[delta.index] = [delta.function.name, delta.function.arguments or ""]
+            else:
+                streamed[delta.index][1] += delta.function.arguments
+    assert finish_seen == finish
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == [(c.function.name, c.function.arguments) for c in calls]
+    # Not parallel: one call at most.
+    single = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=120, temperature=1.0, seed=2,
+                                            tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    assert len(single.choices[0].message.tool_calls) == 1
