@@ -389,11 +389,13 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         requested, len(prompt_ids), gateway.max_model_len,
         prompt_param="messages" if chat else "prompt", max_tokens_param=req.max_tokens_param,
     )
-    n = req.n or 1
+    returned, n = req.n or 1, req.candidates  # best_of: n candidates, the `returned` most likely returned
+    if n > returned and sampling["logprobs"] is None:
+        sampling["logprobs"] = 0  # each token's logprob ranks the candidates (not returned unless asked for)
     bound = gateway.settings.max_waiting_requests
     if bound and n > bound:
-        raise RequestError(f"n={n} choices would never be admitted: this gateway takes at most {bound} requests "
-                           "waiting for their first token", "n", code="invalid_value")
+        raise RequestError(f"{n} choices would never be admitted: this gateway takes at most {bound} requests "
+                           "waiting for their first token", "best_of" if n > returned else "n", code="invalid_value")
     try:
         params = [SamplingParams(**{**sampling, "seed": choice_seed(sampling["seed"], i)}) for i in range(n)]
     except InvalidRequestError as exc:
@@ -430,7 +432,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
             echo = "" if chat or not req.echo else (
                 req.prompt if isinstance(req.prompt, str) else gateway.model.tokenizer.decode(prompt_ids))
             renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage, echo, n,
-                                 req.tool_mode if chat else None)
+                                 req.tool_mode if chat else None, returned, req.sampling_logprobs is not None)
             if req.stream:
                 events = _sse_events(gateway, choices, renderer, telemetry)
                 return _EventStream(events, gateway, choices, telemetry, media_type="text/event-stream",
@@ -440,6 +442,15 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
             gateway.spawn(choices.release())
             raise
         return await _collect_until_done(gateway, request, choices, renderer, telemetry)
+
+
+def best_choices(collected: list[tuple[str, list]], count: int) -> list[int]:
+    """The indices of the `count` choices of highest cumulative logprob, best first (all of them, in order, when
+    count is all): best_of's pick, as vLLM makes it. Ties go to the earlier choice."""
+    if count >= len(collected):
+        return list(range(len(collected)))
+    total = [sum(entry.logprob for entry in entries) for _, entries in collected]
+    return sorted(range(len(collected)), key=lambda i: (-total[i], i))[:count]
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -521,8 +532,12 @@ class _Renderer:
     """Turns token chunks into OpenAI responses (whole or as SSE chunks), for each of the request's `n` choices."""
 
     def __init__(self, gateway: Gateway, response_id: str, model: str, chat: bool, include_usage: bool,
-                 echo: str = "", n: int = 1, tool_mode: str | None = None):
+                 echo: str = "", n: int = 1, tool_mode: str | None = None, returned: int | None = None,
+                 with_logprobs: bool = True):
         self.gateway, self.chat, self.include_usage, self.n = gateway, chat, include_usage, n
+        # best_of: of the n choices, the `returned` most likely (highest cumulative logprob) make the response
+        self.returned = n if returned is None else returned
+        self.with_logprobs = with_logprobs
         # "required" or "named": each choice's text is its tool calls (services/gateway/tool_calls.py)
         self.tool_mode = tool_mode
         self._scanners = [ToolCallScanner() for _ in range(n)] if tool_mode else []
@@ -608,9 +623,11 @@ class _Renderer:
                                              self._whole_calls(text) if self.tool_mode else None)
                        for i, (text, entries) in enumerate(collected)]
             return responses.chat_completion_response(**self.common, choices=choices, **usage)
-        choices = [responses.completion_choice(i, self.echo + text, self._finish_reasons[i],
-                                               responses.completion_logprobs(entries, token_text) if entries else None)
-                   for i, (text, entries) in enumerate(collected)]
+        kept = best_choices(collected, self.returned)
+        choices = [responses.completion_choice(j, self.echo + collected[i][0], self._finish_reasons[i],
+                                               responses.completion_logprobs(collected[i][1], token_text)
+                                               if collected[i][1] and self.with_logprobs else None)
+                   for j, i in enumerate(kept)]
         return responses.completion_response(**self.common, choices=choices, **usage)
 
 

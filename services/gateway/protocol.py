@@ -11,7 +11,7 @@ pydantic's type errors through `from_validation_errors`, range and support
 checks raised directly by the validators below.
 
 Every parameter is honoured or refused. Features splitserve does not have
-(best_of, suffix, tool_choice "auto", prompt logprobs) are refused
+(suffix, tool_choice "auto", prompt logprobs) are refused
 with a 400 naming them, and so is any field this API does not know: a
 misspelled or unsupported parameter is never run with default behaviour.
 `user` is accepted and ignored, as OpenAI and vLLM do (`IGNORED_FIELDS`).
@@ -178,6 +178,11 @@ class _SamplingRequest(_Strict):
             raise _invalid(param, f"{param} must be at least 1, got {value}")
 
     @property
+    def candidates(self) -> int:
+        """Completions generated (the endpoint's best_of may ask for more than it returns)."""
+        return self.n or 1
+
+    @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -234,10 +239,20 @@ class CompletionRequest(_SamplingRequest):
                                "for one or the other.", "echo", code="unsupported_value")
         if self.suffix:
             raise _unsupported("suffix", "suffix is not supported")
-        if self.best_of is not None and self.best_of != 1:
-            raise RequestError(f"Only best_of=1 is supported, got best_of={self.best_of}.", "best_of",
-                               code="unsupported_value")
+        if self.best_of is not None:
+            if not 1 <= self.best_of <= MAX_CHOICES:
+                raise _invalid("best_of", f"best_of must be between 1 and {MAX_CHOICES}, got {self.best_of}")
+            if self.best_of < (self.n or 1):
+                raise _invalid("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
+            if self.best_of > (self.n or 1) and self.stream:
+                raise RequestError("best_of > n cannot be streamed: the best are known once all have ended",
+                                   "best_of", code="unsupported_value")
         return self
+
+    @property
+    def candidates(self) -> int:
+        """Completions generated: best_of, of which the n most likely are returned."""
+        return max(self.best_of or 1, self.n or 1)
 
     @property
     def sampling_logprobs(self) -> int | None:

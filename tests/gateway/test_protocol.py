@@ -121,10 +121,18 @@ def test_bad_sampling_values_name_their_field(param, value):
     ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("logprobs", 2.0),
     ("echo", "no"),
     ("suffix", "tail"),
-    ("best_of", 2), ("best_of", 0),
+    ("best_of", 0), ("best_of", 17), ("best_of", "2"),
 ])
 def test_bad_completion_only_values(param, value):
     assert rejected(CompletionRequest, completion(**{param: value})).param == param
+
+
+def test_best_of_is_at_least_n_and_more_than_n_is_not_streamed():
+    assert parse_request(CompletionRequest, completion(best_of=4, n=2)).candidates == 4
+    assert parse_request(CompletionRequest, completion(best_of=2, n=2, stream=True)).candidates == 2
+    assert rejected(CompletionRequest, completion(best_of=2, n=3)).param == "best_of"
+    refused = rejected(CompletionRequest, completion(best_of=3, stream=True))
+    assert (refused.param, refused.code) == ("best_of", "unsupported_value")
 
 
 @pytest.mark.parametrize("fields,param", [

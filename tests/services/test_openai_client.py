@@ -292,3 +292,18 @@ def test_tool_calls_named_or_required_are_calls_of_the_offered_functions_streame
     single = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=120, temperature=1.0, seed=2,
                                             tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
     assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_best_of_returns_the_candidates_of_highest_cumulative_logprob(client):
+    """best_of=4, n=2 returns the two of the four seeded candidates (choice i drawn with seed + i, as an n=4
+    request draws them) whose tokens' logprobs sum highest, best first; usage counts all four."""
+    common = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=7,
+                  extra_body={"ignore_eos": True})
+    every = client.completions.create(n=4, logprobs=0, **common)
+    totals = {c.index: sum(c.logprobs.token_logprobs) for c in every.choices}
+    best = sorted(totals, key=lambda i: (-totals[i], i))[:2]
+    picked = client.completions.create(n=2, best_of=4, **common)
+    texts = {c.index: c.text for c in every.choices}
+    assert [c.text for c in picked.choices] == [texts[i] for i in best]
+    assert [c.index for c in picked.choices] == [0, 1] and all(c.logprobs is None for c in picked.choices)
+    assert picked.usage.completion_tokens == every.usage.completion_tokens == 40
