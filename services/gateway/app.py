@@ -45,7 +45,7 @@ from services.gateway.protocol import (
     to_sampling_kwargs,
 )
 from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS, StreamError, TokenStreams
-from services.gateway.tool_calls import ToolCallScanner
+from services.gateway.tool_calls import ToolCallOutput
 from shared.bus.connection import connect, drain
 from shared.bus.credentials import BusCredentials
 from shared.bus.permissions import inbox_prefix
@@ -310,9 +310,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         messages = req.template_messages()
         check_prompt_chars(sum(_text_chars(m.get("content")) for m in messages), gateway.max_model_len,
                            gateway.model.max_chars_per_token, "messages")
-        # Tools offered with tool_choice "none" are rendered (the model sees them) but never called.
         prompt_ids = await run_in_threadpool(gateway.model.encode_chat, messages, req.tools,
-                                             req.chat_template_kwargs)
+                                             req.chat_template_kwargs, True, req.tool_mode is not None)
         return await generate(gateway, request, req, prompt_ids, chat=True)
 
     return app
@@ -538,9 +537,9 @@ class _Renderer:
         # best_of: of the n choices, the `returned` most likely (highest cumulative logprob) make the response
         self.returned = n if returned is None else returned
         self.with_logprobs = with_logprobs
-        # "required" or "named": each choice's text is its tool calls (services/gateway/tool_calls.py)
+        # "auto", "required" or "named": each choice's text is (or may be) its tool calls
         self.tool_mode = tool_mode
-        self._scanners = [ToolCallScanner() for _ in range(n)] if tool_mode else []
+        self._tool_outputs = [ToolCallOutput(tool_mode) for _ in range(n)] if tool_mode else []
         self.common = {"request_id": response_id, "created": int(time.time()), "model": model}
         self.echo = echo  # the prompt's text, ahead of each completion's (a completion's echo=true)
         self._echo_owed = [bool(echo)] * n
@@ -578,22 +577,19 @@ class _Renderer:
         return [responses.chat_role_chunk(**self.common, include_usage=self.include_usage, index=i)
                 for i in range(self.n)]
 
-    def _reason(self, finish_reason: str | None) -> str | None:
-        """As OpenAI says it: a request that had to call a tool ("required") ends with "tool_calls"; one whose
-        function was named ends with "stop"."""
-        return "tool_calls" if self.tool_mode == "required" and finish_reason == "stop" else finish_reason
-
     def chunk(self, index: int, chunk) -> dict | None:
         """The SSE chunk for a token chunk; None when it has nothing to say yet (a tool call's name still
         incomplete)."""
         logprobs = self.logprobs(index, chunk)
         self._text_sent[index] += len(chunk.text)
         if self.tool_mode:
-            deltas = [d.as_dict() for d in self._scanners[index].feed(chunk.text)]
-            if not deltas and not chunk.finished and not logprobs:
+            output = self._tool_outputs[index]
+            content, deltas = output.feed(chunk.text)
+            if content is None and not deltas and not chunk.finished and not logprobs:
                 return None
-            return responses.chat_chunk(**self.common, tool_calls=deltas, finish_reason=self._reason(
-                chunk.finish_reason), logprobs=logprobs, include_usage=self.include_usage, index=index)
+            return responses.chat_chunk(**self.common, content=content, tool_calls=deltas,
+                                        finish_reason=output.finish_reason(chunk.finish_reason), logprobs=logprobs,
+                                        include_usage=self.include_usage, index=index)
         if self.chat:
             return responses.chat_chunk(**self.common, content=chunk.text, finish_reason=chunk.finish_reason,
                                         logprobs=logprobs, include_usage=self.include_usage, index=index)
@@ -602,10 +598,14 @@ class _Renderer:
         return responses.completion_chunk(**self.common, text=text, finish_reason=chunk.finish_reason,
                                           logprobs=logprobs, include_usage=self.include_usage, index=index)
 
-    def _whole_calls(self, text: str) -> list[dict]:
-        scanner = ToolCallScanner()
-        scanner.feed(text)
-        return [call.as_dict() for call in scanner.calls]
+    def _whole_choice(self, index: int, text: str, logprobs: dict | None) -> dict:
+        reason = self._finish_reasons[index]
+        if not self.tool_mode:
+            return responses.chat_choice(index, text, reason, logprobs)
+        output = ToolCallOutput(self.tool_mode)
+        output.feed(text)
+        return responses.chat_choice(index, None if output.is_calls else text, output.finish_reason(reason),
+                                     logprobs, output.calls)
 
     def usage_chunk(self) -> dict:
         prompt, completion, cached = self.usage
@@ -618,9 +618,7 @@ class _Renderer:
         token_text = self.gateway.model.token_text
         usage = dict(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
         if self.chat:
-            choices = [responses.chat_choice(i, None if self.tool_mode else text, self._reason(self._finish_reasons[i]),
-                                             responses.chat_logprobs(entries, token_text) if entries else None,
-                                             self._whole_calls(text) if self.tool_mode else None)
+            choices = [self._whole_choice(i, text, responses.chat_logprobs(entries, token_text) if entries else None)
                        for i, (text, entries) in enumerate(collected)]
             return responses.chat_completion_response(**self.common, choices=choices, **usage)
         kept = best_choices(collected, self.returned)

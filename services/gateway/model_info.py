@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 
 from services.gateway.errors import RequestError
 from services.gateway.protocol import check_token_ids
+from services.gateway.tool_calls import describe_tools
 from shared.engine.model_loader import read_config
 
 
@@ -35,10 +36,20 @@ class ModelInfo:
         check_token_ids(prompt, self.vocab_size, "prompt")
         return list(prompt)
 
+    @property
+    def template_shows_tools(self) -> bool:
+        """Whether the chat template renders the `tools` it is given (Hermes-style ones do; many do not)."""
+        template = self.chat_template or self.tokenizer.chat_template or ""
+        sources = template.values() if isinstance(template, dict) else [template]
+        return any("tools" in source for source in sources)
+
     def encode_chat(self, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, may_call: bool = False) -> list[int]:
         """The prompt's token ids: `messages` (and the `tools` offered, if any) through the chat template, given
-        `template_kwargs` as extra variables."""
+        `template_kwargs` as extra variables. `may_call`: the model may answer with tool calls; a template that
+        does not show tools then gets them, and the call format, in the system message."""
+        if tools and may_call and not self.template_shows_tools:
+            messages = describe_tools(messages, [tool["function"] for tool in tools])
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, chat_template=self.chat_template,

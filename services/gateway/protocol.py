@@ -11,7 +11,7 @@ pydantic's type errors through `from_validation_errors`, range and support
 checks raised directly by the validators below.
 
 Every parameter is honoured or refused. Features splitserve does not have
-(suffix, tool_choice "auto", prompt logprobs) are refused
+(suffix, prompt logprobs) are refused
 with a 400 naming them, and so is any field this API does not know: a
 misspelled or unsupported parameter is never run with default behaviour.
 `user` is accepted and ignored, as OpenAI and vLLM do (`IGNORED_FIELDS`).
@@ -19,7 +19,6 @@ A chat message's unknown keys are ignored: clients send back the assistant
 messages they were given, with fields such as `refusal` and `annotations`.
 """
 
-import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
@@ -28,7 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from services.gateway.errors import RequestError, from_validation_errors
 from services.gateway.structured_request import GUIDED_FIELDS, Constraint, StructuredOutputsParams, constraint_of
-from services.gateway.tool_calls import calls_schema, check_tools, tool_mode
+from services.gateway.tool_calls import calls_grammar, check_tools, tool_mode
 from shared.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 IGNORED_FIELDS = ("user",)  # accepted and ignored (logged once, at debug level)
@@ -323,7 +322,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # with tool_choice "required": more than one call (default: yes)
+    parallel_tool_calls: bool | None = None  # more than one call at once (default: yes)
     functions: list[Any] | None = None
     function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension: extra variables for the chat template
@@ -342,13 +341,17 @@ class ChatCompletionRequest(_SamplingRequest):
                                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
             if not self.logprobs:
                 raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
-        self._tool_mode = tool_mode(self.tool_choice, check_tools(self.tools))
-        if self._tool_mode is not None:
-            if self._constraint is not None:
+        functions = check_tools(self.tools)
+        self._tool_mode = tool_mode(self.tool_choice, functions)
+        if self._tool_mode is not None and self._constraint is not None:
+            if self.tool_choice is not None:
                 raise _invalid("tool_choice", f"{self._constraint.param} and tool_choice both constrain the "
                                               "output; give one")
-            schema = calls_schema(check_tools(self.tools), self._tool_mode[1], self.parallel_tool_calls is not False)
-            self._constraint = Constraint("json", json.dumps(schema), "tool_choice")
+            self._tool_mode = None  # "auto" only by default: the output's own format wins, the tools are shown
+        if self._tool_mode is not None:
+            mode, named = self._tool_mode
+            grammar = calls_grammar(functions, mode, named, self.parallel_tool_calls is not False)
+            self._constraint = Constraint("grammar", grammar, "tool_choice")
         if self.functions:
             raise _unsupported("functions", "function calling is not supported")
         if self.function_call not in (None, "none"):
@@ -371,7 +374,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @property
     def tool_mode(self) -> str | None:
-        """"required" or "named" when the output is tool calls (services/gateway/tool_calls.py), else None."""
+        """"auto", "required" or "named" when the output may be tool calls (services/gateway/tool_calls.py),
+        else None."""
         return self._tool_mode[0] if self._tool_mode else None
 
     def template_messages(self) -> list[dict[str, Any]]:

@@ -1,34 +1,57 @@
-"""Tool calling with `tool_choice` "required" or a named function, by structured output.
+"""Tool calling by structured output, in the Hermes format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
-The model's output is held to a JSON array of calls of the offered functions,
-`[{"name":"<function>","parameters":{<its parameters' schema>}}, ...]` (one call for a named function or without
-`parallel_tool_calls`), so it always reads as calls of those functions with arguments their schemas accept.
-`ToolCallScanner` reads that text as it streams and gives OpenAI's tool call deltas: a call's id and name once
-its name is out, then its arguments as they come.
+The output is held to a grammar (`calls_grammar`): for `tool_choice` "required", one or more calls of the offered
+functions (one without `parallel_tool_calls`); for a named function, one call of it; for "auto" (the default when
+tools are offered), either text or calls, the model choosing (text then may not begin with "<"). Every call names an
+offered function, with arguments its `parameters` schema accepts. The format is the one Hermes-style chat templates
+(Qwen, Hermes, SmolLM3...) teach; for a template that does not show tools, `describe_tools` tells the model of them
+and of the format in a system message. `ToolCallScanner` reads the output as it streams and gives OpenAI's tool
+call deltas: a call's id and name once its name is out, then its arguments as they come.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass, field
 
 ANY_OBJECT = {"type": "object"}
-# The start of a call in the array (the grammar writes compact JSON, keys in this order).
-_CALL_HEAD = re.compile(r'[\[,]\{"name":"([A-Za-z0-9_-]+)","parameters":')
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# The start of a call (the grammar writes compact JSON, its keys in this order).
+_CALL_HEAD = re.compile(r'<tool_call>\{"name":"([A-Za-z0-9_-]+)","arguments":')
 
 
-def calls_schema(functions: list[dict], named: str | None = None, parallel: bool = True) -> dict:
-    """The JSON schema of the calls: `functions` are the tools' function objects (name, parameters);
-    `named`: only that function, once."""
-    chosen = [f for f in functions if named is None or f["name"] == named]
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-              "properties": {"name": {"const": f["name"]}, "parameters": f.get("parameters") or ANY_OBJECT}}
+def calls_grammar(functions: list[dict], mode: str, named: str | None = None, parallel: bool = True) -> str:
+    """The Lark grammar (llguidance's) of the output: `mode` "required", "named" (`named` the function) or
+    "auto"; `functions` are the tools' function objects (name, parameters)."""
+    chosen = [f for f in functions if mode != "named" or f["name"] == named]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or ANY_OBJECT}}
              for f in chosen]
-    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
-    if named is not None or not parallel:
-        schema["maxItems"] = 1
-    return schema
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": {"whitespace_flexible": False}}
+    repeat = "" if mode == "named" or not parallel else "+"
+    body = {"auto": "TEXT | calls", "required": "calls", "named": "calls"}[mode]
+    return "\n".join([
+        "%llguidance {}",
+        f"start: {body}",
+        f"calls: call{repeat}",
+        f"call: {json.dumps(OPEN)} call_json {json.dumps(CLOSE)}",
+        f"call_json: %json {json.dumps(schema)}",
+        *([r"TEXT: /[^<][\s\S]*/"] if mode == "auto" else []),
+    ]) + "\n"
+
+
+def describe_tools(messages: list[dict], functions: list[dict]) -> list[dict]:
+    """`messages` with the tools and the call format told in the system message (added first if there is
+    none): for chat templates that do not show tools themselves."""
+    listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
+    text = ("You may call functions to help answer. Their signatures, as JSON schemas:\n<tools>\n" + listed +
+            "\n</tools>\nTo call one, answer with <tool_call>{\"name\": <function name>, \"arguments\": "
+            "<arguments object>}</tool_call>, one such block per call.")
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": (messages[0].get("content") or "") + "\n\n" + text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 @dataclass(slots=True)
@@ -72,12 +95,10 @@ class ToolCallScanner:
         deltas: list[CallDelta] = []
         while self._pos < len(self.text):
             if self._depth == 0:
-                head = _CALL_HEAD.match(self.text, self._pos)
+                # Between calls: a call's closing brace and tag, then the next call's head (maybe incomplete).
+                head = _CALL_HEAD.search(self.text, self._pos)
                 if head is None:
-                    if self.text.startswith(("]", "}"), self._pos):  # a call's closing brace, the array's end
-                        self._pos += 1
-                        continue
-                    break  # a call's head, still incomplete
+                    break
                 call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=head.group(1))
                 self.calls.append(call)
                 deltas.append(CallDelta(len(self.calls) - 1, id=call.id, name=call.name))
@@ -147,25 +168,55 @@ def check_tools(tools: list | None) -> list[dict]:
 
 
 def tool_mode(tool_choice, functions: list[dict]) -> tuple[str, str | None] | None:
-    """("required", None) or ("named", name) when the output is to be tool calls; None when it is text (no tools,
-    tool_choice "none", or none given: the tools are shown to the model, never called)."""
+    """("auto", None), ("required", None) or ("named", name) when the output is (or may be) tool calls; None when
+    it is text (no tools, or tool_choice "none": the tools are shown to the model, never called). Without
+    tool_choice, tools offered mean "auto", as OpenAI has it."""
     from services.gateway.errors import RequestError
 
-    if tool_choice is None or tool_choice == "none":
+    if tool_choice == "none" or (tool_choice is None and not functions):
         return None
-    if tool_choice == "auto":
-        raise RequestError("tool_choice \"auto\" needs a parser of the model's own tool call format, which "
-                           "splitserve does not have; use \"required\" or name a function", "tool_choice",
-                           code="unsupported_value")
     if not functions:
         raise RequestError("tool_choice needs tools", "tool_choice", code="invalid_value")
+    if tool_choice is None or tool_choice == "auto":
+        return ("auto", None)
     if tool_choice == "required":
         return ("required", None)
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
-        raise RequestError("tool_choice is \"none\", \"required\" or {\"type\": \"function\", \"function\": "
+        raise RequestError("tool_choice is \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
                            "{\"name\": ...}}", "tool_choice", code="invalid_value")
     if name not in (f["name"] for f in functions):
         raise RequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice",
                            code="invalid_value")
     return ("named", name)
+
+
+def is_calls(text: str) -> bool:
+    """Whether an output held to `calls_grammar` is calls (text, in "auto", never begins with "<")."""
+    return text.startswith("<")
+
+
+class ToolCallOutput:
+    """One choice's output under `calls_grammar` (mode "auto", "required" or "named"), read as it streams: text
+    (in "auto", when it does not begin with "<") or tool calls."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.scanner = ToolCallScanner()
+        self.is_calls: bool | None = None if mode == "auto" else True  # None: not known before the first text
+
+    def feed(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content delta, tool call deltas) for more of the output."""
+        if self.is_calls is None and text:
+            self.is_calls = is_calls(text)
+        if not self.is_calls:
+            return (text or None), []
+        return None, [delta.as_dict() for delta in self.scanner.feed(text)]
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """As OpenAI says it: calls end with "tool_calls", but a named function's call with "stop"."""
+        return "tool_calls" if reason == "stop" and self.is_calls and self.mode != "named" else reason
+
+    @property
+    def calls(self) -> list[dict] | None:
+        return [call.as_dict() for call in self.scanner.calls] if self.is_calls else None

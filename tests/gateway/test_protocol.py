@@ -148,7 +148,7 @@ def test_best_of_is_at_least_n_and_more_than_n_is_not_streamed():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "colour": "red"}}]}, "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),  # without tools
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
@@ -219,10 +219,15 @@ def test_accepted_edges_and_defaults():
     assert parse_request(CompletionRequest, completion(stop=None)).stop == []
     assert parse_request(CompletionRequest, completion(stop=["a", "b", "c", "d"])).stop == ["a", "b", "c", "d"]
     tool = {"type": "function", "function": {"name": "f"}}
-    for choice in ("none", None):  # shown to the model, not called
-        tools_off = parse_request(ChatCompletionRequest, chat(tools=[tool], tool_choice=choice,
-                                                             response_format={"type": "text"}))
-        assert tools_off.tools and tools_off.tool_mode is None and tools_off.constraint is None
+    tools_off = parse_request(ChatCompletionRequest, chat(tools=[tool], tool_choice="none",
+                                                         response_format={"type": "text"}))
+    assert tools_off.tools and tools_off.tool_mode is None and tools_off.constraint is None  # shown, not called
+    for fields in ({}, {"tool_choice": "auto"}):  # tools offered: the model may call them
+        auto = parse_request(ChatCompletionRequest, chat(tools=[tool], **fields))
+        assert auto.tool_mode == "auto" and (auto.constraint.kind, auto.constraint.param) == ("grammar", "tool_choice")
+    # Another format asked for, tool_choice not: that format, the tools only shown.
+    shown = parse_request(ChatCompletionRequest, chat(tools=[tool], response_format={"type": "json_object"}))
+    assert shown.tool_mode is None and shown.constraint.kind == "json_object"
 
 
 @pytest.mark.parametrize("prompt,expected", [

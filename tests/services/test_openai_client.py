@@ -307,3 +307,27 @@ def test_best_of_returns_the_candidates_of_highest_cumulative_logprob(client):
     assert [c.text for c in picked.choices] == [texts[i] for i in best]
     assert [c.index for c in picked.choices] == [0, 1] and all(c.logprobs is None for c in picked.choices)
     assert picked.usage.completion_tokens == every.usage.completion_tokens == 40
+
+
+def test_tool_choice_auto_answers_in_text_or_in_calls(client, tokenizer):
+    """"auto" (the default with tools): text, or calls the grammar holds valid. A logit bias towards "<" makes
+    the test model begin with it, so it calls; away from it, it writes text."""
+    lt = str(tokenizer.convert_tokens_to_ids("<"))
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    common = dict(model=MODEL, messages=messages, max_tokens=80, temperature=0, tools=[WEATHER, TIME],
+                  parallel_tool_calls=False)  # (one call: the random model would go on calling to the length)
+    called = client.chat.completions.create(logit_bias={lt: 100}, **common)
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        _valid_call(call.function.name, call.function.arguments)
+    streamed = {}
+    for chunk in client.chat.completions.create(logit_bias={lt: 100}, stream=True, **common):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = streamed.setdefault(delta.index, [delta.function.name, ""])
+            entry[1] += delta.function.arguments or ""
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == [(c.function.name, c.function.arguments)
+                                                              for c in choice.message.tool_calls]
+    text = client.chat.completions.create(logit_bias={lt: -100}, tool_choice="auto", **common).choices[0]
+    assert text.message.tool_calls is None and text.message.content and not text.message.content.startswith("<")
+    assert text.finish_reason in ("stop", "length")
