@@ -272,8 +272,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             messages = [m.template_dict() for m in req.messages]
             check_prompt_chars(sum(_text_chars(m.get("content")) for m in messages), gateway.max_model_len,
                                model.max_chars_per_token, "messages")
+            # Tools offered may be called (as a chat request without tool_choice has it): the same prompt.
             ids = await run_in_threadpool(model.encode_chat, messages, req.tools, req.chat_template_kwargs,
-                                          req.add_generation_prompt)
+                                          req.add_generation_prompt, bool(req.tools))
             if req.add_special_tokens and model.tokenizer.bos_token_id is not None:
                 ids = [model.tokenizer.bos_token_id, *ids]
         strs = model.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
