@@ -13,11 +13,13 @@ class LogprobEntry(Part, kw_only=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob)
+    rank: int | None = None  # the token's rank (1: the likeliest); given for prompt tokens
 
     @classmethod
     def of(cls, sampled) -> "LogprobEntry":
-        """From the engine's `TokenLogprobs` (anything with token_id, logprob and top)."""
-        return cls(token_id=sampled.token_id, logprob=sampled.logprob, top=list(sampled.top))
+        """From the engine's `TokenLogprobs` (anything with token_id, logprob, top and rank)."""
+        return cls(token_id=sampled.token_id, logprob=sampled.logprob, top=list(sampled.top),
+                   rank=getattr(sampled, "rank", None))
 
 
 class TransferEndpoint(Part, frozen=True, kw_only=True):
@@ -67,6 +69,7 @@ class Sampling(Part, kw_only=True):
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_kind: str = ""  # structured output: "" (none), "json", "json_object", "regex", "choice", "grammar"
     structured_spec: str = ""  # its JSON schema, regex, JSON list of choices or grammar
+    prompt_logprobs: int | None = None  # the prompt's tokens' logprobs, with this many top alternatives
 
 
 class GenerateRequest(Message, tag="generate_request", kw_only=True):
@@ -150,6 +153,8 @@ class TokenChunk(Message, tag="token_chunk", kw_only=True):
     token_ids: list[int]
     text: str
     logprobs: list[LogprobEntry] | None = None  # per token, when the request asked for logprobs
+    # With the first chunk, when the request asked for them: prompt tokens 1.. (token 0 has none), with ranks
+    prompt_logprobs: list[LogprobEntry] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
@@ -232,6 +237,7 @@ class ForwardBatch(Part, kw_only=True):
     block_tables: list[list[int]]
     sample_indices: list[int]
     block_size: int
+    extra_logit_indices: list[int] = field(default_factory=list)  # tokens whose logits come back too (prompt logprobs)
 
 
 class StageShipment(Part, kw_only=True):

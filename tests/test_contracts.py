@@ -105,8 +105,8 @@ def test_logprobs_travel_as_typed_entries():
     chunk = TokenChunk(request_id="r", seq=0, token_ids=[5], text="a", logprobs=[entry])
     assert TokenChunk.decode(chunk.encode()).logprobs == [entry]
     wire = msgpack.unpackb(chunk.encode())["logprobs"]
-    assert wire == [{"token_id": 5, "logprob": -0.25, "top": [[5, -0.25], [9, -1.5]]}]
+    assert wire == [{"token_id": 5, "logprob": -0.25, "top": [[5, -0.25], [9, -1.5]], "rank": None}]
     for bad in ({"token_id": 5, "logprob": -0.25, "top": [[5]]}, {"token_id": 5, "logprob": "x"},
-                {"token_id": 5, "logprob": -0.2, "rank": 1}):
+                {"token_id": 5, "logprob": -0.2, "rank": "1"}, {"token_id": 5, "logprob": -0.2, "rnk": 1}):
         error = refused(body_of(chunk, logprobs=[bad]), TokenChunk)
         assert error.reason == "malformed" and "logprobs" in str(error)

@@ -247,6 +247,8 @@ class DecodeRole:
                 token_ids=item.new_token_ids,
                 text=item.new_text,
                 logprobs=[LogprobEntry.of(lp) for lp in item.new_logprobs] or None,
+                prompt_logprobs=(None if item.prompt_logprobs is None
+                                 else [LogprobEntry.of(lp) for lp in item.prompt_logprobs]),
                 finished=item.finished,
                 finish_reason=item.finish_reason,
                 prompt_tokens=item.num_prompt_tokens,

@@ -397,7 +397,10 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         raise RequestError(f"{n} choices would never be admitted: this gateway takes at most {bound} requests "
                            "waiting for their first token", "best_of" if n > returned else "n", code="invalid_value")
     try:
-        params = [SamplingParams(**{**sampling, "seed": choice_seed(sampling["seed"], i)}) for i in range(n)]
+        # (the prompt's logprobs are the same for every choice: the first computes them, the others share its KV)
+        params = [SamplingParams(**{**sampling, "seed": choice_seed(sampling["seed"], i),
+                                    "prompt_logprobs": sampling["prompt_logprobs"] if i == 0 else None})
+                  for i in range(n)]
     except InvalidRequestError as exc:
         raise from_invalid_request(exc) from None
     if req.constraint is not None:  # compiled here first: a bad schema or grammar is this request's 400
@@ -547,6 +550,7 @@ class _Renderer:
         self._text_sent = [0] * n
         self._usages = [(0, 0, 0)] * n
         self._finish_reasons: list[str | None] = [None] * n
+        self.prompt_logprobs: list | None = None  # the prompt's, when asked for (they come with the first chunk)
 
     @property
     def usage(self) -> tuple[int, int, int]:
@@ -573,6 +577,8 @@ class _Renderer:
     def note(self, index: int, chunk) -> None:
         self._usages[index] = (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens)
         self._finish_reasons[index] = chunk.finish_reason
+        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = chunk.prompt_logprobs
 
     def role_chunks(self) -> list[dict]:
         return [responses.chat_role_chunk(**self.common, include_usage=self.include_usage, index=i)
@@ -618,14 +624,19 @@ class _Renderer:
         prompt, completion, cached = self.usage
         token_text = self.gateway.model.token_text
         usage = dict(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+        prompt_logprobs = (None if self.prompt_logprobs is None
+                           else responses.prompt_logprobs(self.prompt_logprobs, token_text))
         if self.chat:
             choices = [self._whole_choice(i, text, responses.chat_logprobs(entries, token_text) if entries else None)
                        for i, (text, entries) in enumerate(collected)]
-            return responses.chat_completion_response(**self.common, choices=choices, **usage)
+            body = responses.chat_completion_response(**self.common, choices=choices, **usage)
+            if prompt_logprobs is not None:  # (where vLLM puts a chat's)
+                body["prompt_logprobs"] = prompt_logprobs
+            return body
         kept = best_choices(collected, self.returned)
         choices = [responses.completion_choice(j, self.echo + collected[i][0], self._finish_reasons[i],
                                                responses.completion_logprobs(collected[i][1], token_text)
-                                               if collected[i][1] and self.with_logprobs else None)
+                                               if collected[i][1] and self.with_logprobs else None, prompt_logprobs)
                    for j, i in enumerate(kept)]
         return responses.completion_response(**self.common, choices=choices, **usage)
 

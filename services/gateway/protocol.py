@@ -11,7 +11,7 @@ pydantic's type errors through `from_validation_errors`, range and support
 checks raised directly by the validators below.
 
 Every parameter is honoured or refused. Features splitserve does not have
-(suffix, prompt logprobs) are refused
+(suffix) are refused
 with a 400 naming them, and so is any field this API does not know: a
 misspelled or unsupported parameter is never run with default behaviour.
 `user` is accepted and ignored, as OpenAI and vLLM do (`IGNORED_FIELDS`).
@@ -93,6 +93,7 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
     logit_bias: dict[str, Any] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    prompt_logprobs: int | None = None  # extension: the prompt tokens' logprobs, with this many alternatives
     # Structured output (services/gateway/structured_request.py): at most one of these.
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None  # extension
@@ -148,6 +149,13 @@ class _SamplingRequest(_Strict):
             raise _invalid("stream_options", "stream_options is only allowed when stream is true")
         if self.min_tokens < 0:
             raise _invalid("min_tokens", f"min_tokens must be at least 0, got {self.min_tokens}")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise _invalid("prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                                                  f"{self.prompt_logprobs}")
+            if self.stream:  # as vLLM: they come whole, with the response
+                raise RequestError("prompt_logprobs are not available when streaming", "prompt_logprobs",
+                                   code="unsupported_value")
         self._check_logit_bias()
         self._constraint = constraint_of(self.response_format, self.structured_outputs,
                                          {name: getattr(self, name) for name in GUIDED_FIELDS})
@@ -448,6 +456,7 @@ def to_sampling_kwargs(req: CompletionRequest | ChatCompletionRequest) -> dict[s
         "logit_bias": req.logit_bias_ids,
         "structured_kind": req.constraint.kind if req.constraint else "",
         "structured_spec": req.constraint.spec if req.constraint else "",
+        "prompt_logprobs": req.prompt_logprobs,
     }
 
 

@@ -99,8 +99,25 @@ def _envelope(object_type: str, request_id: str, created: int, model: str, choic
 
 # Whole responses (stream=false): one choice per completion asked for (`n`).
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
+                      prompt_logprobs: list | None = None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
+
+
+def prompt_logprobs(entries: list, token_text) -> list:
+    """vLLM's `prompt_logprobs`: None for the prompt's first token, then per token {token id: {logprob, rank,
+    decoded_token}} for the token itself and the top alternatives (ranked 1..)."""
+    shown: list = [None]
+    for entry in entries:
+        position = {str(token_id): {"logprob": value, "rank": rank, "decoded_token": token_text(token_id)}
+                    for rank, (token_id, value) in enumerate(entry.top, 1)}
+        position[str(entry.token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
+                                         "decoded_token": token_text(entry.token_id)}
+        shown.append(position)
+    return shown
 
 
 def chat_choice(index: int, content: str | None, finish_reason: str | None, logprobs: dict | None = None,

@@ -302,6 +302,9 @@ class Router:
         if request.resume_output_token_ids:  # a moved request: its worker computes the streamed tokens after it too
             request.prefill, request.prefill_instance = "local", ""
             return uncached + len(request.resume_output_token_ids)
+        if request.sampling.prompt_logprobs is not None:  # its worker computes the whole prompt: it has the logits
+            request.prefill, request.prefill_instance = "local", ""
+            return len(request.prompt_token_ids)
         request.prefill = decide_prefill(
             uncached, self.prefill_queue_depth, max_local_prefill=self.max_local_prefill,
             max_prefill_queue=self.max_prefill_queue, prefill_workers_ready=len(prefill_workers),

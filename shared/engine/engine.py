@@ -56,6 +56,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first output: prompt tokens 1.. (params.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -79,6 +80,8 @@ class PlannedStep:
     batch: StepBatch
     virtual_engine: int
     grammar_masks: Future | None = None  # the constrained rows' masks, filled while the step runs
+    # (sequence, first position, count): whose prompt positions' logits follow the sampled ones (prompt logprobs)
+    prompt_rows: list = field(default_factory=list)
 
 
 class LLMEngine:
@@ -340,11 +343,12 @@ class LLMEngine:
         if not scheduled.scheduled:
             return None
         batch = build_step_batch(scheduled, self.config.block_size)
+        prompt_rows = _want_prompt_logits(scheduled, batch)
         masks = None
         if len(self.structured):
             masks = self.structured.start_masks([scheduled.scheduled[i].seq.request_id
                                                  for i in batch.sample_indices])
-        return PlannedStep(scheduled, batch, virtual_engine, masks)
+        return PlannedStep(scheduled, batch, virtual_engine, masks, prompt_rows)
 
     def complete_step(self, planned: PlannedStep, logits: torch.Tensor) -> list[RequestOutput]:
         """Account a step's computed tokens and sample from its logits. Requests aborted while the
@@ -362,6 +366,9 @@ class LLMEngine:
                 if self._writes_back and (prompt_done or self._full_blocks(seq) - seq.num_written_back >= WRITE_BACK_BLOCKS):
                     self._write_back(seq)
 
+        if planned.prompt_rows:
+            self._record_prompt_logprobs(planned.prompt_rows, logits[len(batch.sample_indices):])
+        logits = logits[:len(batch.sample_indices)]
         rows, to_sample = [], []
         for position, index in enumerate(batch.sample_indices):
             seq = scheduled.scheduled[index].seq
@@ -380,6 +387,24 @@ class LLMEngine:
         for (_, seq), token_id, logprobs in zip(to_sample, sampled.token_ids, sampled.logprobs):
             outputs.append(self._append_token(seq, token_id, logprobs))
         return outputs
+
+    def _record_prompt_logprobs(self, prompt_rows: list, logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens whose predecessors' logits these are (see `_want_prompt_logits`)."""
+        row = 0
+        for seq, first, count in prompt_rows:
+            chunk, row = logits[row:row + count], row + count
+            if self._sequences.get(seq.request_id) is not seq:
+                continue  # aborted while the step ran
+            logprobs = torch.log_softmax(chunk.float(), dim=-1)
+            targets = torch.tensor(seq.token_ids[first + 1:first + 1 + count], dtype=torch.long,
+                                   device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None])[:, 0]
+            ranks = ((logprobs > chosen[:, None]).sum(dim=1) + 1).tolist()
+            k = min(seq.params.prompt_logprobs, logprobs.shape[1])
+            top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+            for target, value, rank, ids, values in zip(targets.tolist(), chosen.tolist(), ranks,
+                                                        top_ids.tolist(), top_values.tolist()):
+                seq.prompt_logprobs.append(TokenLogprobs(target, value, list(zip(ids, values)), rank=rank))
 
     def _completing_streams(self, scheduled) -> list[Sequence]:
         """Requests whose prompt completes this step and that asked for their KV layer by layer."""
@@ -432,6 +457,8 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             error=error,
         )
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            output.prompt_logprobs, seq.prompt_logprobs_sent = list(seq.prompt_logprobs), True
         if output.finished:
             if self._writes_back:
                 self._write_back(seq)
@@ -641,3 +668,19 @@ def _eos_token_ids(model_dir: str, model_config, tokenizer) -> set[int]:
         if isinstance(candidate, (list, tuple)) and candidate:
             return {c for c in candidate if isinstance(c, int)}
     return set()
+
+
+def _want_prompt_logits(scheduled, batch: StepBatch) -> list:
+    """For the sequences that want their prompt's logprobs: ask the step for the logits of the prompt positions it
+    computes that are not had yet (added to `batch.extra_logit_indices`); (sequence, first position, count) each.
+    Position p's logits give prompt token p + 1's logprob, so the last prompt position is not among them."""
+    wanted, offset = [], 0
+    for item in scheduled.scheduled:
+        seq, start, count = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+        if seq.params.prompt_logprobs is not None:
+            first, end = max(start, len(seq.prompt_logprobs)), min(start + count, seq.num_prompt_tokens - 1)
+            if first < end:
+                batch.extra_logit_indices.extend(range(offset + first - start, offset + end - start))
+                wanted.append((seq, first, end - first))
+        offset += count
+    return wanted

@@ -62,7 +62,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch, hidden_states: torch.Tensor | None = None,
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Logits `(num_samples, vocab)` for the last range, else hidden states `(tokens, hidden)`.
+        """Logits `(num_samples + len(batch.extra_logit_indices), vocab)` for the last range (the sampled
+        tokens', then the extra ones'), else hidden states `(tokens, hidden)`.
 
         `after_layer(absolute_layer_index)` runs as soon as a layer's KV for this
         step is in the cache (layer-wise KV streaming hooks in here).
@@ -78,8 +79,10 @@ class ModelRunner:
         if self.lm_head is None:
             return hidden
         last_token = torch.tensor(batch.query_lens, device=self.device).cumsum(0) - 1  # (seqs,)
-        sampled = hidden[last_token[batch.sample_indices]] if batch.sample_indices else hidden[:0]
-        return self.lm_head(self.norm(sampled)).float()
+        rows = last_token[batch.sample_indices]
+        if batch.extra_logit_indices:
+            rows = torch.cat([rows, torch.tensor(batch.extra_logit_indices, dtype=torch.long, device=self.device)])
+        return self.lm_head(self.norm(hidden[rows])).float()
 
     def _attention_metadata(self, batch: StepBatch) -> PagedAttentionMetadata:
         device, block_size = self.device, self.block_size

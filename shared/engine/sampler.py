@@ -55,6 +55,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # top-N (token_id, logprob), N = params.logprobs, best first
+    rank: int | None = None  # the token's rank in its distribution (1: the likeliest); given for prompt tokens
 
 
 @dataclass(slots=True)

@@ -46,6 +46,9 @@ class SamplingParams:
     # its spec (a JSON schema, a regex, a JSON list of strings, a Lark or GBNF grammar); shared/engine/structured_output.py
     structured_kind: str = ""
     structured_spec: str = ""
+    # The prompt's tokens' logprobs (and this many top alternatives at each position); the prompt is then computed
+    # whole, not read from a prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +77,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}", "logprobs"
             )
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                                      f"{self.prompt_logprobs!r}", "prompt_logprobs")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):

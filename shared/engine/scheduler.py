@@ -186,12 +186,15 @@ class Scheduler:
         return loaded_end - num_local
 
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
-        return self.block_manager.find_prefix_hit(seq) if seq.read_prefix_cache else PrefixHit([], 0)
+        # A request for its prompt's logprobs computes the whole prompt (a cached position has no logits).
+        if not seq.read_prefix_cache or seq.params.prompt_logprobs is not None:
+            return PrefixHit([], 0)
+        return self.block_manager.find_prefix_hit(seq)
 
     def _asks_connectors(self, seq: Sequence) -> bool:
         """At a sequence's first admission."""
         return (self.connectors is not None and not seq.external_asked and seq.num_cached_tokens < 0
-                and self.connectors.wants("external_prefix"))
+                and seq.params.prompt_logprobs is None and self.connectors.wants("external_prefix"))
 
     def _external_offer(self, seq: Sequence, hit: PrefixHit) -> int | None:
         """Tokens to load after the local hit (all the rest, or whole blocks); None: ask later."""

@@ -42,6 +42,9 @@ class Sequence:
     hold_kv: bool = False  # keep the blocks after finishing, until released (a prefill worker ships them)
     stream_prompt_kv: bool = False  # hand the prompt's KV to the connectors layer by layer (until it has been)
     virtual_engine: int = 0  # which of the engine's schedulers runs it (pipeline micro-batches)
+    # params.prompt_logprobs: the logprobs of prompt tokens 1.. as their positions are computed (token 0 has none)
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # they went out with its first output
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,7 @@ step can be executed by one runner, by a chain of layer-range runners in one
 process, or by stage processes that receive it over the wire.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from shared.engine.scheduler import SchedulerOutput
 
@@ -20,6 +20,8 @@ class StepBatch:
     block_tables: list[list[int]]
     sample_indices: list[int]  # sequences (by index) whose last token's logits are sampled
     block_size: int
+    # Tokens (indices into token_ids) whose logits are wanted too, after the sampled ones: prompt logprobs
+    extra_logit_indices: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

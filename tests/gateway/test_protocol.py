@@ -94,7 +94,8 @@ COMMON_BAD = [
     ("include_stop_str_in_output", "yes"), ("spaces_between_special_tokens", 1),
     ("user", 5),
     # Fields this API does not know are refused, never run as if unsent: a misspelling, or vLLM-only options.
-    ("max_token", 5), ("prompt_logprobs", 1), ("guided_decoding_backend", "xgrammar"), ("metadata", {"x": "y"}),
+    ("max_token", 5), ("guided_decoding_backend", "xgrammar"), ("metadata", {"x": "y"}),
+    ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", "1"), ("prompt_logprobs", True),
     # Structured output asked for wrongly: no constraint, two, a schema that is not one, an empty choice.
     ("structured_outputs", {}), ("structured_outputs", {"json": {"type": "object"}, "regex": "a+"}),
     ("structured_outputs", {"regex": ""}), ("structured_outputs", {"choice": ["a", ""]}),
@@ -125,6 +126,13 @@ def test_bad_sampling_values_name_their_field(param, value):
 ])
 def test_bad_completion_only_values(param, value):
     assert rejected(CompletionRequest, completion(**{param: value})).param == param
+
+
+def test_prompt_logprobs_are_not_streamed():
+    for make, cls in ((completion, CompletionRequest), (chat, ChatCompletionRequest)):
+        assert to_sampling_kwargs(parse_request(cls, make(prompt_logprobs=3)))["prompt_logprobs"] == 3
+        refused = rejected(cls, make(prompt_logprobs=1, stream=True))
+        assert (refused.param, refused.code) == ("prompt_logprobs", "unsupported_value")
 
 
 def test_best_of_is_at_least_n_and_more_than_n_is_not_streamed():
@@ -309,7 +317,7 @@ def test_sampling_kwargs_build_sampling_params():
         "frequency_penalty": 0.2, "repetition_penalty": 1.1, "seed": 3, "stop": ["x", "y"], "stop_token_ids": [2],
         "ignore_eos": True, "logprobs": 3, "skip_special_tokens": False, "spaces_between_special_tokens": True,
         "include_stop_str_in_output": False, "min_tokens": 0, "logit_bias": {}, "structured_kind": "",
-        "structured_spec": "",
+        "structured_spec": "", "prompt_logprobs": None,
     }
     SamplingParams(**kwargs)
     defaults = to_sampling_kwargs(parse_request(CompletionRequest, completion(top_k=-1)))

@@ -96,6 +96,19 @@ def test_structured_output_across_prefill_and_decode_is_what_one_engine_writes(d
     assert disagg.token_ids(body) == alone.token_ids and text == alone.text
 
 
+def test_prompt_logprobs_in_disagg_are_computed_where_the_request_decodes(disagg, default_model):
+    """Every prompt goes to the prefill pool here, but one asking for its prompt's logprobs is computed by its
+    decode worker (which has the logits; a prefill worker's result carries none): they are transformers' own."""
+    prompt = list(range(600, 650))
+    body = complete(disagg.base_url, prompt, max_tokens=2, prompt_logprobs=1)
+    shown = body["choices"][0]["prompt_logprobs"]
+    reference = reference_logprobs(default_model, prompt[:1], prompt[1:])
+    assert shown[0] is None and len(shown) == len(prompt)
+    for j, position in enumerate(shown[1:]):
+        assert position[str(prompt[j + 1])]["logprob"] == pytest.approx(reference[j, prompt[j + 1]].item(), abs=1e-4)
+    assert disagg.token_ids(body) == reference_greedy(default_model, prompt, 2)[0]
+
+
 def test_logprobs_come_from_both_workers_as_transformers_computes_them(disagg, default_model):
     # The first token's logprobs travel from the prefill worker in its PrefillResult, the rest from the decode worker.
     prompt = list(range(300, 340))

@@ -115,7 +115,7 @@ def test_models_lists_the_served_model(client):
 
 def test_every_parameter_is_honoured_or_refused_by_name(client, colocated, tokenizer):
     # A misspelled or unsupported parameter is a 400 naming it, never a run with default behaviour.
-    for extra in ({"max_token": 4}, {"guided_decoding_backend": "xgrammar"}, {"prompt_logprobs": 1}):
+    for extra in ({"max_token": 4}, {"guided_decoding_backend": "xgrammar"}, {"guided_whitespace_pattern": " "}):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=extra)
         assert info.value.param == next(iter(extra)) and info.value.code == "unknown_parameter"
@@ -331,3 +331,37 @@ def test_tool_choice_auto_answers_in_text_or_in_calls(client, tokenizer):
     text = client.chat.completions.create(logit_bias={lt: -100}, tool_choice="auto", **common).choices[0]
     assert text.message.tool_calls is None and text.message.content and not text.message.content.startswith("<")
     assert text.finish_reason in ("stop", "length")
+
+
+def _check_prompt_logprobs(shown: list, prompt_ids: list[int], default_model: str, top: int) -> None:
+    """vLLM's shape: None, then per prompt token its own entry and the top alternatives, as transformers has them."""
+    reference = reference_logprobs(default_model, prompt_ids[:1], prompt_ids[1:])
+    assert shown[0] is None and len(shown) == len(prompt_ids)
+    for j, position in enumerate(shown[1:]):
+        token, row = prompt_ids[j + 1], reference[j]
+        own = position[str(token)]
+        assert own["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert own["rank"] == int((row > row[token]).sum()) + 1
+        values, ids = row.topk(top)
+        for rank, (token_id, value) in enumerate(zip(ids.tolist(), values.tolist()), 1):
+            assert position[str(token_id)]["rank"] == rank
+            assert position[str(token_id)]["logprob"] == pytest.approx(value, abs=1e-4)
+        assert set(position) <= {str(token)} | {str(t) for t in ids.tolist()}
+
+
+def test_prompt_logprobs_are_transformers_own_and_every_choice_has_them(colocated, tokenizer, default_model):
+    import httpx
+
+    prompt_ids = tokenizer(PROMPT).input_ids
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "n": 2, "prompt_logprobs": 2}
+    # The same prompt twice: the second is in the prefix cache, yet computed again (a cached position has no logits).
+    for _ in range(2):
+        response = httpx.post(f"{colocated.api}/completions", json=body, timeout=60).json()
+        first, second = (choice["prompt_logprobs"] for choice in response["choices"])
+        assert first == second
+        _check_prompt_logprobs(first, prompt_ids, default_model, top=2)
+    chat = httpx.post(f"{colocated.api}/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}).json()
+    chat_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    _check_prompt_logprobs(chat["prompt_logprobs"], list(chat_ids), default_model, top=0)

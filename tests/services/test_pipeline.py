@@ -10,7 +10,7 @@ import httpx
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from reference import safe_prompts
+from reference import reference_logprobs, safe_prompts
 from support.deployment import start_deployment, start_pipeline
 from support.metrics import matching, samples
 from support.sse import stream, streamed_text
@@ -107,6 +107,15 @@ def test_openai_client_streams_from_a_pipeline(nats_server, default_model, tmp_p
         assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == tokenizer.decode(
             expected, skip_special_tokens=True)
         assert deployment.token_ids({"id": chunks[0].id}) == expected
+        # The prompt's logprobs come from the last stage with the sampled logits; a grammar holds across stages.
+        body = complete(deployment.base_url, prompt, max_tokens=4, prompt_logprobs=1).json()
+        reference = reference_logprobs(default_model, prompt[:1], prompt[1:])
+        shown = body["choices"][0]["prompt_logprobs"]
+        assert shown[0] is None and [p[str(t)]["logprob"] for p, t in zip(shown[1:], prompt[1:])] == pytest.approx(
+            [reference[j, t].item() for j, t in enumerate(prompt[1:])], abs=1e-4)
+        assert deployment.token_ids(body) == expected[:4]
+        picked = complete(deployment.base_url, prompt, max_tokens=8, guided_choice=["alpha", "beta"]).json()
+        assert picked["choices"][0]["text"] in ("alpha", "beta")
         # Each stage's bubble and bytes show on the gateway's /metrics (from the stages' heartbeats).
         def busy_metrics():
             text = httpx.get(f"{deployment.base_url}/metrics", timeout=10).text
