@@ -389,6 +389,9 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         requested, len(prompt_ids), gateway.max_model_len,
         prompt_param="messages" if chat else "prompt", max_tokens_param=req.max_tokens_param,
     )
+    echo_logprobs = not chat and req.echo_logprobs
+    if echo_logprobs and sampling["prompt_logprobs"] is None:
+        sampling["prompt_logprobs"] = req.logprobs  # the echoed prompt's logprobs head the completion's
     returned, n = req.n or 1, req.candidates  # best_of: n candidates, the `returned` most likely returned
     if n > returned and sampling["logprobs"] is None:
         sampling["logprobs"] = 0  # each token's logprob ranks the candidates (not returned unless asked for)
@@ -436,6 +439,8 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
                 req.prompt if isinstance(req.prompt, str) else gateway.model.tokenizer.decode(prompt_ids))
             renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage, echo, n,
                                  req.tool_mode if chat else None, returned, req.sampling_logprobs is not None)
+            if echo_logprobs:
+                renderer.echo_prompt(prompt_ids, with_prompt_logprobs=req.prompt_logprobs is not None)
             if req.stream:
                 events = _sse_events(gateway, choices, renderer, telemetry)
                 return _EventStream(events, gateway, choices, telemetry, media_type="text/event-stream",
@@ -551,6 +556,8 @@ class _Renderer:
         self._usages = [(0, 0, 0)] * n
         self._finish_reasons: list[str | None] = [None] * n
         self.prompt_logprobs: list | None = None  # the prompt's, when asked for (they come with the first chunk)
+        self._echoed_ids: list[int] | None = None  # echo with logprobs: the prompt, whose logprobs lead
+        self._show_prompt_logprobs = True
 
     @property
     def usage(self) -> tuple[int, int, int]:
@@ -579,6 +586,18 @@ class _Renderer:
         self._finish_reasons[index] = chunk.finish_reason
         if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = chunk.prompt_logprobs
+
+    def echo_prompt(self, prompt_token_ids: list[int], with_prompt_logprobs: bool) -> None:
+        """The completions' logprobs begin with the echoed prompt's; `with_prompt_logprobs`: the client asked for
+        prompt_logprobs too (else they only serve the echo)."""
+        self._echoed_ids, self._show_prompt_logprobs = list(prompt_token_ids), with_prompt_logprobs
+
+    def _completion_logprobs(self, entries: list) -> dict | None:
+        token_text = self.gateway.model.token_text
+        if self._echoed_ids is not None:
+            return responses.echoed_logprobs(self._echoed_ids, self.prompt_logprobs or [], token_text,
+                                             responses.completion_logprobs(entries, token_text, len(self.echo)))
+        return responses.completion_logprobs(entries, token_text) if entries and self.with_logprobs else None
 
     def role_chunks(self) -> list[dict]:
         return [responses.chat_role_chunk(**self.common, include_usage=self.include_usage, index=i)
@@ -624,7 +643,7 @@ class _Renderer:
         prompt, completion, cached = self.usage
         token_text = self.gateway.model.token_text
         usage = dict(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
-        prompt_logprobs = (None if self.prompt_logprobs is None
+        prompt_logprobs = (None if self.prompt_logprobs is None or not self._show_prompt_logprobs
                            else responses.prompt_logprobs(self.prompt_logprobs, token_text))
         if self.chat:
             choices = [self._whole_choice(i, text, responses.chat_logprobs(entries, token_text) if entries else None)
@@ -635,8 +654,7 @@ class _Renderer:
             return body
         kept = best_choices(collected, self.returned)
         choices = [responses.completion_choice(j, self.echo + collected[i][0], self._finish_reasons[i],
-                                               responses.completion_logprobs(collected[i][1], token_text)
-                                               if collected[i][1] and self.with_logprobs else None, prompt_logprobs)
+                                               self._completion_logprobs(collected[i][1]), prompt_logprobs)
                    for j, i in enumerate(kept)]
         return responses.completion_response(**self.common, choices=choices, **usage)
 

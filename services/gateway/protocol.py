@@ -241,9 +241,9 @@ class CompletionRequest(_SamplingRequest):
         self._check_sampling()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise _invalid("logprobs", f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo=true with logprobs needs the prompt's logprobs, which are not supported; ask "
-                               "for one or the other.", "echo", code="unsupported_value")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise RequestError("echo=true with logprobs is given with whole responses (the prompt's logprobs are "
+                               "not streamed)", "echo", code="unsupported_value")
         if self.suffix:
             raise _unsupported("suffix", "suffix is not supported")
         if self.best_of is not None:
@@ -255,6 +255,11 @@ class CompletionRequest(_SamplingRequest):
                 raise RequestError("best_of > n cannot be streamed: the best are known once all have ended",
                                    "best_of", code="unsupported_value")
         return self
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Whether the logprobs begin with the echoed prompt's (OpenAI's echo=true with logprobs)."""
+        return bool(self.echo) and self.logprobs is not None
 
     @property
     def candidates(self) -> int:

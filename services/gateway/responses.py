@@ -75,6 +75,20 @@ def completion_logprobs(entries: Sequence[LogprobEntry], token_text: TokenText, 
             "text_offset": text_offset}
 
 
+def echoed_logprobs(prompt_token_ids: Sequence[int], prompt_entries: Sequence[LogprobEntry], token_text: TokenText,
+                    completion: dict | None) -> dict:
+    """The legacy logprobs object of an echoed completion: the prompt's tokens first (the first one's logprob
+    null: nothing precedes it), then the completion's (`completion`, counted from the end of the prompt)."""
+    lookup = _Tokens(token_text)
+    first = lookup(prompt_token_ids[0])[0] if prompt_token_ids else ""
+    rest = completion_logprobs(prompt_entries, token_text, len(first))
+    echoed = {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+              "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+    for key in echoed:
+        echoed[key] += (completion or {}).get(key, [])
+    return echoed
+
+
 def chat_logprobs(entries: Sequence[LogprobEntry], token_text: TokenText) -> dict:
     """The chat logprobs object: `{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}`."""
     lookup = _Tokens(token_text)

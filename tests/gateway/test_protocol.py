@@ -584,10 +584,11 @@ def test_the_vllm_extensions_reach_the_sampling_parameters():
     assert sampling["logit_bias"] == {7: -100.0, 12: 5.5}
 
 
-def test_echo_is_honoured_but_not_with_logprobs():
+def test_echo_is_honoured_and_with_logprobs_only_whole():
     assert parse_request(CompletionRequest, completion(echo=True)).echo
-    error = rejected(CompletionRequest, completion(echo=True, logprobs=1))
-    assert error.param == "echo" and "prompt's logprobs" in error.message
+    assert parse_request(CompletionRequest, completion(echo=True, logprobs=1)).echo_logprobs
+    error = rejected(CompletionRequest, completion(echo=True, logprobs=1, stream=True))
+    assert error.param == "echo" and "whole responses" in error.message
 
 
 @pytest.mark.parametrize("kwargs", [{"tokenize": False}, {"messages": []}, {"chat_template": "{{ 1 }}"}])

@@ -147,6 +147,25 @@ def test_echo_puts_the_prompt_ahead_of_the_completion_streamed_and_not(client):
     assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_then_the_completion(client, tokenizer, default_model):
+    """As evaluation harnesses score a text: the prompt's tokens with their logprobs (the first null), then the
+    completion's, every one transformers' own."""
+    prompt_ids = tokenizer(PROMPT).input_ids
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1)
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    logprobs, completion = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) + 3 and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None and logprobs.text_offset[0] == 0
+    reference = reference_logprobs(default_model, prompt_ids[:1], prompt_ids[1:])
+    assert logprobs.token_logprobs[1:len(prompt_ids)] == pytest.approx(
+        [reference[j, t].item() for j, t in enumerate(prompt_ids[1:])], abs=1e-4)
+    assert logprobs.tokens[len(prompt_ids):] == completion.tokens
+    assert logprobs.token_logprobs[len(prompt_ids):] == pytest.approx(completion.token_logprobs, abs=1e-5)
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    assert "prompt_logprobs" not in (echoed.choices[0].model_extra or {})  # not asked for: only in the echo
+
+
 def test_n_completions_share_the_prompt_and_sample_as_their_own_seeds(client):
     prompt = " ".join(["the keeper counted the ships that passed the cape at dawn"] * 6)
     single = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
