@@ -97,11 +97,13 @@ class StructuredOutputs:
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
-        self._tokenizer = None  # llguidance's view of the vocabulary: built on first use (~0.3 s for 50k tokens)
+        self._tokenizer = None  # llguidance's view of the vocabulary (~0.5 s to build for 50k tokens)
         self._tokenizer_lock = threading.Lock()
         self._executor = None
         self._matchers: dict[str, object] = {}
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        if hf_tokenizer is not None:  # built beside the engine's start, not on its thread at the first request
+            self._masker.submit(self._llg_tokenizer)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
