@@ -119,8 +119,12 @@ class StructuredOutputs:
                 if self._hf_tokenizer is None:
                     raise InvalidRequestError("this worker has no tokenizer, so it cannot constrain output",
                                               "structured_outputs")
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                               eos_token=self._eos or None)
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                                   eos_token=self._eos or None)
+                except (ValueError, RuntimeError) as exc:  # e.g. a slow (Python) tokenizer: llguidance takes fast ones
+                    raise InvalidRequestError(f"this model's tokenizer cannot constrain output: {exc}",
+                                              "structured_outputs") from None
             return self._tokenizer
 
     def add(self, request_id: str, kind: str, spec: str, output_token_ids: Iterable[int] = ()) -> None:
