@@ -2,10 +2,10 @@
 
 `--part backends` times llguidance and xgrammar (each that imports) on the default model's tokenizer: building
 their view of the vocabulary, compiling each constraint, and filling one token's mask while following a valid
-output. It imports nothing of splitserve, so it runs in a scratch venv that has both libraries (xgrammar pulls
-triton, which splitserve does not want installed):
+output. xgrammar is not one of splitserve's dependencies (it brings triton, 1 GB): the `grammar-compare` extra
+installs it, best in a scratch venv (a library that does not import is reported as such):
 
-    python -m venv /tmp/grammar-venv && /tmp/grammar-venv/bin/pip install torch==2.13.0 transformers llguidance xgrammar
+    python3.11 -m venv /tmp/grammar-venv && /tmp/grammar-venv/bin/pip install -e '.[grammar-compare]'
     /tmp/grammar-venv/bin/python loadtest/bench_grammar.py --part backends --tokenizer ~/.cache/splitserve/models/smollm2-135m-instruct
 
 `--part engine` (splitserve's venv) times the engine's decode steps, a batch of free requests against the same

@@ -406,3 +406,14 @@ def test_min_tokens_suppresses_eos_and_stop_tokens_until_enough_are_out():
     assert params.suppressed_token_ids(2, {2}) == (2, 7)
     assert params.suppressed_token_ids(3, {2}) == ()
     assert SamplingParams(min_tokens=3, ignore_eos=True).suppressed_token_ids(0, {2}) == ()
+
+
+def test_bench_sampler_runs_at_tiny_size(tmp_path):
+    import json
+
+    from loadtest.bench_sampler import main
+
+    output = tmp_path / "sampler.json"
+    assert main(["--vocab", "500", "--batches", "1,4", "--repeats", "2", "--output", str(output)]) == 0
+    batches = json.loads(output.read_text())["batches"]
+    assert [b["batch"] for b in batches] == [1, 4] and all(b["noise_uniform_log_ms"] > 0 for b in batches)
