@@ -1,7 +1,7 @@
 """The sampler's cost per step, and its race noise drawn two ways side by side.
 
 A sampled row (temperature > 0) draws one Exp(1) per vocabulary entry from a generator seeded by (seed, step):
-`exponential_` on the CPU generator, or a uniform draw U and -log(U) (the inverse CDF; the same distribution).
+`exponential_` on the CPU generator, or a uniform draw U and -log(1 - U) (the inverse CDF; the same distribution).
 This times both noise draws and the whole `sample()` (which uses the second) for a few batch sizes, in one run.
 
     .venv/bin/python loadtest/bench_sampler.py --vocab 49152 --output loadtest/results/sampler_cpu_epyc.json
@@ -45,7 +45,7 @@ def noise_uniform_log(rows: int, vocab: int) -> torch.Tensor:
     for i in range(rows):
         generator.manual_seed(row_seed(i, 10))
         noise[i].uniform_(generator=generator)
-    return noise.log_().neg_()
+    return noise.neg_().log1p_().neg_()
 
 
 def main(argv: list[str] | None = None) -> int:

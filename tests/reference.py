@@ -65,7 +65,7 @@ def reference_sampled(model_dir: str, prompt: list[int], max_new_tokens: int, *,
                       top_p: float = 1.0):
     """(generated ids, smallest margin of a draw) of seeded sampling as the sampler documents it, on
     transformers' logits: softmax(logits / temperature), top-p on the sorted distribution, then the
-    exponential race argmax(p / E) with E = -log(U), U uniform from a generator seeded `row_seed(seed, step)`."""
+    exponential race argmax(p / E) with E = -log(1 - U), U uniform from a generator seeded `row_seed(seed, step)`."""
     from shared.engine.sampler import row_seed
 
     model = reference_model(model_dir)
@@ -80,7 +80,7 @@ def reference_sampled(model_dir: str, prompt: list[int], max_new_tokens: int, *,
         if top_p < 1.0:  # keep what might be kept; the winner must be kept for sure
             probs[order[1:][mass_before[1:] >= top_p + MIN_DRAW_MARGIN]] = 0.0
         uniform = torch.empty_like(probs).uniform_(generator=torch.Generator().manual_seed(row_seed(seed, step)))
-        noise = -uniform.log()  # Exp(1), by the inverse CDF
+        noise = -torch.log1p(-uniform)  # Exp(1), by the inverse CDF
         race = probs / noise
         best, second = race.topk(2).values.tolist()
         tokens.append(int(race.argmax()))

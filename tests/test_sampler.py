@@ -417,3 +417,13 @@ def test_bench_sampler_runs_at_tiny_size(tmp_path):
     assert main(["--vocab", "500", "--batches", "1,4", "--repeats", "2", "--output", str(output)]) == 0
     batches = json.loads(output.read_text())["batches"]
     assert [b["batch"] for b in batches] == [1, 4] and all(b["noise_uniform_log_ms"] > 0 for b in batches)
+
+
+def test_a_sure_token_is_drawn_even_where_the_uniform_draw_is_zero():
+    """The race's noise is -log(1 - U): finite for every U in [0, 1). (As -log(U), a U of exactly 0, drawn here at
+    seed 2, made the sure token's score 0 and argmax picked token 0.)"""
+    probs = torch.zeros(1, 49152)
+    probs[0, 569] = 1.0
+    for seed in range(4):
+        row = SamplingRow(SamplingParams(temperature=1.0), seed, [1], [])
+        assert sample(torch.log(probs), [row]).token_ids == [569]

@@ -255,6 +255,15 @@ class DecodeRole:
                 completion_tokens=item.num_output_tokens,
                 cached_tokens=item.num_cached_tokens,
             )
+            data = chunk.encode()
+            if len(data) > self.worker.nc.max_payload:  # (a long prompt's logprobs): refused, never a crash
+                if not item.finished:
+                    self.worker.engine_loop.abort(item.request_id)
+                await self._fail(item.request_id, active, "invalid_request",
+                                 f"the response's first chunk ({len(data)} bytes, with the prompt's logprobs) is "
+                                 f"larger than the bus carries ({self.worker.nc.max_payload}); ask for fewer "
+                                 "prompt_logprobs", "prompt_logprobs")
+                continue
             active.next_seq += 1
             active.sent_at = time.monotonic()
             if item.finished:
@@ -262,7 +271,7 @@ class DecodeRole:
                 active.end("ok", **{"splitserve.completion_tokens": item.num_output_tokens,
                                     "splitserve.cached_tokens": item.num_cached_tokens,
                                     "splitserve.finish_reason": item.finish_reason or ""})
-            await self.worker.nc.publish(active.reply_subject, chunk.encode())
+            await self.worker.nc.publish(active.reply_subject, data)
 
     async def _fail(self, request_id: str, active: ActiveRequest, code: str, message: str, param: str | None = None,
                     worker_intact: bool = False) -> None:

@@ -416,6 +416,7 @@ class TokenizeRequest(_Strict):
             raise _invalid("messages", "messages must contain at least one message")
         if self.prompt is not None and (self.tools or self.chat_template_kwargs):
             raise _invalid("tools" if self.tools else "chat_template_kwargs", "only with messages")
+        check_tools(self.tools)
         _check_template_kwargs(self.chat_template_kwargs)
         return self
 

@@ -26,20 +26,49 @@ def calls_grammar(functions: list[dict], mode: str, named: str | None = None, pa
     """The Lark grammar (llguidance's) of the output: `mode` "required", "named" (`named` the function) or
     "auto"; `functions` are the tools' function objects (name, parameters)."""
     chosen = [f for f in functions if mode != "named" or f["name"] == named]
+    definitions: dict = {}
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or ANY_OBJECT}}
-             for f in chosen]
+              "properties": {"name": {"const": f["name"]}, "arguments": _arguments_schema(f, i, definitions)}}
+             for i, f in enumerate(chosen)]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": {"whitespace_flexible": False}}
+    if definitions:
+        schema["$defs"] = definitions
     repeat = "" if mode == "named" or not parallel else "+"
-    body = {"auto": "TEXT | calls", "required": "calls", "named": "calls"}[mode]
+    # (calls may follow whitespace, as a tokenizer's "▁<" writes them; text may not begin with "<" after it)
+    body = {"auto": "TEXT | LEAD? calls", "required": "LEAD? calls", "named": "LEAD? calls"}[mode]
     return "\n".join([
         "%llguidance {}",
         f"start: {body}",
         f"calls: call{repeat}",
         f"call: {json.dumps(OPEN)} call_json {json.dumps(CLOSE)}",
         f"call_json: %json {json.dumps(schema)}",
-        *([r"TEXT: /[^<][\s\S]*/"] if mode == "auto" else []),
+        r"LEAD: /[ \t\r\n]{1,8}/",
+        *([r"TEXT: /[ \t\r\n]*[^< \t\r\n][\s\S]*/"] if mode == "auto" else []),
     ]) + "\n"
+
+
+def _arguments_schema(function: dict, index: int, definitions: dict) -> dict:
+    """A function's `parameters` as the schema of a call's arguments: always an object, its local definitions
+    (`$defs`, `definitions`) moved to the root of the calls' schema (where its `$ref`s now point), as
+    `f<index>_<name>` so that two functions' do not collide."""
+    parameters = dict(function.get("parameters") or ANY_OBJECT)
+    renamed = {}
+    for key in ("$defs", "definitions"):
+        for name, body in (parameters.pop(key, None) or {}).items():
+            renamed[f"#/{key}/{name}"] = f"#/$defs/f{index}_{name}"
+            definitions[f"f{index}_{name}"] = body
+    parameters.setdefault("type", "object")
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            return {k: (renamed.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for name in [n for n in definitions if n.startswith(f"f{index}_")]:
+        definitions[name] = rewrite(definitions[name])
+    return rewrite(parameters)
 
 
 def describe_tools(messages: list[dict], functions: list[dict]) -> list[dict]:
@@ -157,8 +186,9 @@ def check_tools(tools: list | None) -> list[dict]:
         if not isinstance(function.get("name"), str) or not _NAME.fullmatch(function["name"]):
             raise RequestError("a function's name is 1 to 64 letters, digits, underscores and dashes",
                                f"{param}.function.name", code="invalid_value")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise RequestError("a function's parameters are a JSON schema object", f"{param}.function.parameters",
+        parameters = function.get("parameters", {})
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise RequestError("a function's parameters are a JSON schema of an object", f"{param}.function.parameters",
                                code="invalid_value")
         if function["name"] in (f["name"] for f in functions):
             raise RequestError(f"two tools are named {function['name']!r}", f"{param}.function.name",
@@ -192,8 +222,10 @@ def tool_mode(tool_choice, functions: list[dict]) -> tuple[str, str | None] | No
 
 
 def is_calls(text: str) -> bool:
-    """Whether an output held to `calls_grammar` is calls (text, in "auto", never begins with "<")."""
-    return text.startswith("<")
+    """Whether an output held to `calls_grammar` is calls (text, in "auto", never begins with "<", after any
+    whitespace). None while only whitespace has come."""
+    stripped = text.lstrip(" \t\r\n")
+    return stripped.startswith("<") if stripped else None
 
 
 class ToolCallOutput:
@@ -204,11 +236,16 @@ class ToolCallOutput:
         self.mode = mode
         self.scanner = ToolCallScanner()
         self.is_calls: bool | None = None if mode == "auto" else True  # None: not known before the first text
+        self._undecided = ""  # whitespace that came before it was known
 
     def feed(self, text: str) -> tuple[str | None, list[dict]]:
         """(content delta, tool call deltas) for more of the output."""
-        if self.is_calls is None and text:
-            self.is_calls = is_calls(text)
+        if self.is_calls is None:
+            self._undecided += text
+            self.is_calls = is_calls(self._undecided)
+            if self.is_calls is None:
+                return None, []  # only whitespace yet: text or calls, the next piece says
+            text, self._undecided = self._undecided, ""
         if not self.is_calls:
             return (text or None), []
         return None, [delta.as_dict() for delta in self.scanner.feed(text)]

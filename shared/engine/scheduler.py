@@ -92,7 +92,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             in_prompt = seq.num_uncomputed_tokens > 1
-            num_new = min(seq.num_uncomputed_tokens, budget, prompt_budget if in_prompt else budget)
+            num_new = min(seq.num_uncomputed_tokens, budget, prompt_budget if in_prompt else budget,
+                          _chunk_cap(seq, self.config.enable_chunked_prefill))
             if num_new == 0:  # a chunk with the step's prompt tokens spent: next step
                 index += 1
                 continue
@@ -116,7 +117,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            limit = min(budget, prompt_budget)
+            limit = min(budget, prompt_budget, _chunk_cap(seq, self.config.enable_chunked_prefill))
             if limit <= 0:
                 break  # the step's prompt tokens are spent: in arrival order, the next step
             # A sequence whose prefix was loaded from outside already holds its blocks.
@@ -247,3 +248,14 @@ class Scheduler:
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+
+# A prompt whose logprobs are wanted returns logits for every position it computes: its chunks are capped so that
+# a step's extra logits stay bounded (256 x a 152k vocabulary is 156 MB of float32).
+PROMPT_LOGPROBS_CHUNK = 256
+
+
+def _chunk_cap(seq: Sequence, chunked_prefill: bool) -> int:
+    if chunked_prefill and seq.params.prompt_logprobs is not None and seq.num_uncomputed_tokens > 1:
+        return PROMPT_LOGPROBS_CHUNK
+    return 1 << 62

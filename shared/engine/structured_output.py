@@ -148,6 +148,8 @@ class StructuredOutputs:
         if matcher is None:
             return False
         token_ids = list(token_ids)
+        if not matcher.is_error() and matcher.is_stopped() and all(t in self._eos for t in token_ids):
+            return True  # complete already: the EOS after it is no token of the grammar's
         if matcher.is_error() or (token_ids and not matcher.consume_tokens(token_ids)):
             # (the matcher stays broken: every later token of the request is refused too)
             raise InvalidRequestError(f"the output does not follow its constraint: {matcher.get_error()}",

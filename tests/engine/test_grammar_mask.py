@@ -52,3 +52,24 @@ def test_suppression_gives_way_where_it_would_leave_the_grammar_nothing():
             SamplingRow(params, 1, [1], [], suppressed=(2,), allowed=packed([2], vocab))]
     logits[:, 2] = 5.0
     assert sample(logits, rows).token_ids == [9, 2]
+
+
+def test_a_request_arriving_with_its_grammar_complete_ends_at_the_next_token_without_error(default_model):
+    """A prefill worker's first token may complete the grammar (a one-token choice): the decode worker, which
+    judges that token without it, goes on; the grammar then allows only EOS, and that EOS ends the request."""
+    import json
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.continuation import Continuation
+    from shared.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=default_model, dtype="float32", device="cpu", num_kv_blocks=32))
+    token = next(t for t in range(200, 2000) if engine.tokenizer.decode([t]).strip().isalpha())
+    params = SamplingParams(max_tokens=5, temperature=0.0, structured_kind="choice",
+                            structured_spec=json.dumps([engine.tokenizer.decode([token])]))
+    engine.add_request("r", [5, 6, 7], params, Continuation(output_token_ids=[token]))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(o.finish_reason, o.error) for o in outputs] == [("stop", None)]
+    assert outputs[0].new_token_ids[0] in engine.eos_token_ids

@@ -154,6 +154,8 @@ def test_best_of_is_at_least_n_and_more_than_n_is_not_streamed():
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "colour": "red"}}]}, "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}, "tool_choice"),

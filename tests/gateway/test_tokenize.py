@@ -51,6 +51,7 @@ def test_detokenize_is_the_tokenizers_decode(http, tokenizer):
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
     ("/tokenize", {"prompt": "a", "tools": [{}]}, "tools"),
+    ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function", "name": "x"}]}, "tools"),  # no "function"
     ("/tokenize", {"prompt": "a", "bogus": 1}, "bogus"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),

@@ -32,6 +32,10 @@ def follows(grammar: str, text: str) -> bool:
     ("auto", None, True, "Sure, it is sunny.", True),
     ("auto", None, True, '<tool_call>{"name":"g","arguments":{}}</tool_call>', True),
     ("auto", None, True, "<b>bold</b>", False),  # text may not begin with "<"
+    ("auto", None, True, '\n <tool_call>{"name":"g","arguments":{}}</tool_call>', True),  # after whitespace
+    ("auto", None, True, " <b>bold</b>", False),  # nor after whitespace
+    ("auto", None, True, "  Sure.", True),
+    ("required", None, True, '<tool_call>{"name":"g","arguments":"hi"}</tool_call>', False),  # arguments: an object
 ])
 def test_the_grammar_holds_calls_of_the_offered_functions(mode, named, parallel, text, ok):
     assert follows(calls_grammar([F, G], mode, named, parallel), text) is ok
@@ -51,6 +55,19 @@ def test_calls_read_in_pieces_of_any_size_are_the_same_calls(piece):
         assert "".join(d.arguments for d in deltas if d.index == index) == arguments
 
 
+def test_a_functions_own_definitions_are_reachable_from_its_arguments():
+    point = {"type": "object", "properties": {"x": {"type": "integer"}, "next": {"$ref": "#/$defs/Point"}},
+             "required": ["x"]}
+    f = {"name": "f", "parameters": {"type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}},
+                                     "required": ["p"], "$defs": {"Point": point}}}
+    g = {"name": "g", "parameters": {"properties": {"q": {"$ref": "#/definitions/Point"}},
+                                     "definitions": {"Point": {"type": "string"}}}}  # the same name, another schema
+    grammar = calls_grammar([f, g], "required")
+    assert follows(grammar, '<tool_call>{"name":"f","arguments":{"p":{"x":1,"next":{"x":2}}}}</tool_call>')
+    assert follows(grammar, '<tool_call>{"name":"g","arguments":{"q":"hi"}}</tool_call>')
+    assert not follows(grammar, '<tool_call>{"name":"g","arguments":{"q":{"x":1}}}</tool_call>')
+
+
 def test_auto_output_is_text_or_calls_and_says_so_in_its_finish_reason():
     text = ToolCallOutput("auto")
     assert text.feed("") == (None, []) and text.feed("Hello") == ("Hello", []) and text.calls is None
@@ -59,6 +76,13 @@ def test_auto_output_is_text_or_calls_and_says_so_in_its_finish_reason():
     content, deltas = calls.feed(TEXT)
     assert content is None and [d.get("id") is not None for d in deltas][:1] == [True]
     assert calls.finish_reason("stop") == "tool_calls" and len(calls.calls) == 2
+    spaced = ToolCallOutput("auto")
+    assert spaced.feed(" \n") == (None, []) and spaced.is_calls is None  # whitespace alone: not known yet
+    assert spaced.feed("Hi") == (" \nHi", [])
+    spaced_calls = ToolCallOutput("auto")
+    spaced_calls.feed(" ")
+    spaced_calls.feed(TEXT)
+    assert spaced_calls.is_calls and len(spaced_calls.calls) == 2
     named = ToolCallOutput("named")
     named.feed(TEXT)
     assert named.finish_reason("stop") == "stop" and named.finish_reason("length") == "length"
