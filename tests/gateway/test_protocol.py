@@ -135,6 +135,16 @@ def test_prompt_logprobs_are_not_streamed():
         assert (refused.param, refused.code) == ("prompt_logprobs", "unsupported_value")
 
 
+def test_prompt_logprobs_that_could_not_fit_the_bus_are_a_400():
+    from services.gateway.app import check_prompt_logprobs_size
+    from services.gateway.errors import RequestError
+
+    check_prompt_logprobs_size(1000, 5, 1 << 20, "prompt_logprobs")  # about 128 kB
+    with pytest.raises(RequestError) as refused:
+        check_prompt_logprobs_size(4000, 20, 1 << 20, "echo")  # 4,000 tokens x 20 alternatives encode to 1.3 MB
+    assert refused.value.param == "echo" and "1048576" in refused.value.message
+
+
 def test_best_of_is_at_least_n_and_more_than_n_is_not_streamed():
     assert parse_request(CompletionRequest, completion(best_of=4, n=2)).candidates == 4
     assert parse_request(CompletionRequest, completion(best_of=2, n=2, stream=True)).candidates == 2

@@ -128,3 +128,4 @@ def test_a_failure_its_worker_survived_moves_without_ruling_that_worker_out():
             assert stream.failed_on == failed_on  # what the moved request's `moved_from` lists
 
     asyncio.run(scenario())
+
