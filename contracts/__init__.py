@@ -20,6 +20,7 @@ from contracts.messages import (
     RequestFailed,
     Sampling,
     ServiceInfo,
+    ServiceStats,
     StageActivation,
     StageShipment,
     StageTicketReply,
@@ -38,6 +39,6 @@ __all__ = [
     "Assignment", "CancelRequest", "ContractError", "ForwardBatch", "GenerateRequest", "HandoffReply",
     "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply",
     "LogprobEntry", "Message", "PrefillJob", "PrefillResult", "RequestFailed", "Sampling", "ServiceInfo",
-    "StageActivation", "StageShipment", "StageTicketReply", "StageTicketRequest", "StatsRequest", "StepTrace",
+    "ServiceStats", "StageActivation", "StageShipment", "StageTicketReply", "StageTicketRequest", "StatsRequest", "StepTrace",
     "StreamAlive", "Subjects", "TokenChunk", "TransferEndpoint", "TransferTicket", "WorkerLoad", "check_token", "decode_one_of",
 ]

@@ -191,7 +191,8 @@ class CancelRequest(Message, tag="cancel_request", kw_only=True):
 
 
 class ServiceInfo(Message, tag="service_info", kw_only=True):
-    """A service's entry in the registry (heartbeated), also the reply to a stats request."""
+    """A service's entry in the registry (heartbeated): who it is, whether it is alive and ready, and the load and
+    KV layout that routing reads. Typed fields only; its counters travel on request (`ServiceStats`)."""
 
     instance_id: str
     role: str  # "gateway" | "scheduler" | "decode" | "prefill" | "stage" | "kvstore"
@@ -218,11 +219,21 @@ class ServiceInfo(Message, tag="service_info", kw_only=True):
     layer_range: tuple[int, int] | None = None  # a pipeline stage's decoder layers [start, end)
     uses_kv_store: bool = False  # an engine worker that loads prefixes from the kv-store (so it holds theirs too)
     publishes_kv_events: bool = False  # it tells the schedulers which blocks it holds (KVEvents)
-    details: dict[str, Any] = field(default_factory=dict)  # stats, for people, metrics and tests: nothing acts on them
+
+
+class ServiceStats(ServiceInfo, tag="service_stats", kw_only=True):
+    """A service's reply to a stats request: its entry as of now, and its counters (`details`, for metrics,
+    people and tests: nothing routes by them)."""
+
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, info: ServiceInfo, details: dict[str, Any]) -> "ServiceStats":
+        return cls(**{name: getattr(info, name) for name in info.__struct_fields__}, details=details)
 
 
 class StatsRequest(Message, tag="stats_request", kw_only=True):
-    """anyone -> a service: reply with your ServiceInfo."""
+    """anyone -> a service: reply with your ServiceStats."""
 
 
 class ForwardBatch(Part, kw_only=True):

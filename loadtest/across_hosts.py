@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nats
 
-from contracts import ServiceInfo, StatsRequest, Subjects
+from contracts import ServiceStats, StatsRequest, Subjects
 from loadtest.netns import Hosts
 from services.launcher.nats_server import ClusterRoutes, find_nats_server, host_port, jetstream_answers
 from services.launcher.procs import signal_group
@@ -124,7 +124,7 @@ class HostsDeployment:
             nc = await nats.connect(servers=self.nats_url.split(","), **options)
             try:
                 reply = await nc.request(Subjects(self.namespace).stats(scheduler), StatsRequest().encode(), timeout=5)
-                return ServiceInfo.decode(reply.data).details["workers_seen"]
+                return ServiceStats.decode(reply.data).details["workers_seen"]
             finally:
                 await nc.close()
         return self.on(self.client_host, asyncio.run, ask())

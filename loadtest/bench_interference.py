@@ -792,8 +792,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ITL = gaps between successive SSE chunks carrying text, pooled over completed short requests; "
         "TTFT = request sent -> first text chunk; throughput = output tokens of completed requests (short+long) / "
         "max(--duration, time from the start of the window to the last completion)",
-        "the 'metrics' of each topology are the gateway's /metrics counters after the load, warm-up included, as of "
-        "the services' last heartbeat (they may lag by one heartbeat)",
+        "the 'metrics' of each topology are the gateway's /metrics counters after the load, warm-up included (the "
+        "gateway asks every service for them as /metrics is read)",
     ]
     for top in args.topologies:
         if n_workers[top] > len(args.cores):

@@ -142,10 +142,8 @@ def run_one(stages: int, microbatches: int, args, model_dir: str, prompts, run_r
         warm = asyncio.run(run_load(dep.base_url, "bench", prompts[:2], argparse.Namespace(**{**vars(args), "concurrency": 2})))
         if any(r["error"] for r in warm):
             raise RuntimeError(f"warm-up failed: {[r['error'] for r in warm if r['error']][0]}")
-        time.sleep(1.5)  # let the heartbeats carry the warm-up's counters
-        before = fetch_metrics(dep.base_url, "splitserve_pipeline_")
+        before = fetch_metrics(dep.base_url, "splitserve_pipeline_")  # every stage's counters as of now
         records = asyncio.run(run_load(dep.base_url, "bench", prompts, args))
-        time.sleep(1.5)
         after = fetch_metrics(dep.base_url, "splitserve_pipeline_")
         summary = summarize(records)
         result.update(summary)

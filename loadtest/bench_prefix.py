@@ -165,10 +165,8 @@ def run_one(label: str, flags: list[str], args, model_dir: str, conversations, r
         dep.wait_ready(args.ready_timeout + 30)
         warm_up = [{"group": -1, "index": -1, "turns": [[11 + i for i in range(64)]]}]
         asyncio.run(run_conversations(dep.base_url, warm_up, args))  # first-call costs, not counted
-        time.sleep(3.0)  # heartbeat (1 s) + the gateway's registry refresh: /metrics shows the warm-up
-        before = prompt_tokens_computed(dep.base_url)
+        before = prompt_tokens_computed(dep.base_url)  # the gateway's /metrics asks every service as it is read
         records = asyncio.run(run_conversations(dep.base_url, conversations, args))
-        time.sleep(3.0)
         result["prompt_tokens_computed"] = prompt_tokens_computed(dep.base_url) - before
         result.update(summarize(records))
         result["records"] = [{k: r[k] for k in ("group", "conversation", "turn", "cold", "prompt_tokens",

@@ -15,6 +15,7 @@ from contracts import (
     RequestFailed,
     Sampling,
     ServiceInfo,
+    ServiceStats,
     StageActivation,
     StepTrace,
     TokenChunk,
@@ -44,13 +45,17 @@ def test_every_message_class_has_its_own_type_name_and_round_trips_its_defaults(
                if isinstance(getattr(contracts, name), type) and issubclass(getattr(contracts, name), Message)
                and getattr(contracts, name) is not Message]
     names = [cls.type_name() for cls in classes]
-    assert len(classes) == 22 and len(set(names)) == len(names) and all(names)
+    assert len(classes) == 23 and len(set(names)) == len(names) and all(names)
     request = generate_request(prefill="remote", prefill_instance="prefill-2")
     assert GenerateRequest.decode(request.encode()) == request
     chunk = TokenChunk(request_id="r", seq=3, token_ids=[7], text="a", logprobs=[LogprobEntry(token_id=7, logprob=-0.5)])
     assert TokenChunk.decode(chunk.encode()) == chunk
-    info = ServiceInfo(instance_id="d-0", role="decode", details={"nested": {"a": [1, 2]}})
+    info = ServiceInfo(instance_id="d-0", role="decode", num_running=2)
     assert ServiceInfo.decode(info.encode()) == info
+    stats = ServiceStats.of(info, {"nested": {"a": [1, 2]}})
+    assert ServiceStats.decode(stats.encode()) == stats and stats.num_running == 2
+    with pytest.raises(ContractError, match="service_info"):  # a registry entry carries no counters
+        ServiceInfo.decode(stats.encode())
     batch = StepBatch(["a", "b"], [5, 6, 7], [3, 0, 1], [1, 2], [4, 2], [[0], [1]], [0, 1], 16)
     step = StageActivation(step_id=1, head="h", route=["s1"], batch=ForwardBatch(**batch.to_dict()), kind="hidden",
                            deadline_ms=9, data=b"\x00\x01",

@@ -11,7 +11,7 @@ details for the registry entry, and drains its work when the worker stops.
 import asyncio
 from typing import Protocol
 
-from contracts import CancelRequest, ServiceInfo, StatsRequest, Subjects, WorkerLoad
+from contracts import CancelRequest, ServiceInfo, ServiceStats, StatsRequest, Subjects, WorkerLoad
 from services.common.cpu_loan import CpuShare, loan_details
 from services.common.engine_loop import EngineLoop, RequestRejected
 from services.common.engine_thread import EngineThread
@@ -143,6 +143,15 @@ class EngineWorker:
 
     def info(self) -> ServiceInfo:
         block_manager = self.engine.block_manager
+        return self.identity.info(
+            model=self.model, served_model_name=self.served_model_name, state=self.state,
+            kv_blocks_total=block_manager.num_blocks, kv_blocks_free=block_manager.num_free_blocks,
+            max_model_len=self.engine.max_model_len, uses_kv_store=self.kv_store is not None,
+            publishes_kv_events=True, layer_range=self._layer_range(), **kv_hashing(self.engine),
+            **self.role.load(),
+        )
+
+    def stats(self) -> ServiceStats:
         details = {"rejected_messages": dict(REJECTED), "prefix_cache": self.engine.prefix_cache_counts(),
                    "kv_store": self.kv_store.details() if self.kv_store is not None else {},
                    "kv_events": dict(self.kv_events.counts), "cpu_loan": loan_details(self.engine_loop.cpu_share),
@@ -151,13 +160,7 @@ class EngineWorker:
                    **self.role.details()}
         for part in self.parts:
             details.update(part.details())
-        return self.identity.info(
-            model=self.model, served_model_name=self.served_model_name, state=self.state,
-            kv_blocks_total=block_manager.num_blocks, kv_blocks_free=block_manager.num_free_blocks,
-            max_model_len=self.engine.max_model_len, uses_kv_store=self.kv_store is not None,
-            publishes_kv_events=True, layer_range=self._layer_range(), details=details, **kv_hashing(self.engine),
-            **self.role.load(),
-        )
+        return ServiceStats.of(self.info(), details)
 
     def _layer_range(self) -> tuple[int, int] | None:
         """A pipeline head's own layers (the rest run on its stages); None when the engine runs them all."""
@@ -208,4 +211,4 @@ class EngineWorker:
 
     async def _on_stats(self, _: StatsRequest, msg) -> None:
         if msg.reply:
-            await msg.respond(self.info().encode())
+            await msg.respond(self.stats().encode())

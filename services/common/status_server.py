@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from services.common.entry_metrics import EntryCollector
+from services.common.service_metrics import StatsCollector
 
 from shared.telemetry.logging import get_logger
 
@@ -41,7 +41,8 @@ class _QuietServer(uvicorn.Server):
 
 
 def status_app(nc, service) -> FastAPI:
-    """`service` has `info()` (its registry entry, with `state`) and `heartbeat` (a `Heartbeat`)."""
+    """`service` has `info()` (its registry entry, with `state`), `stats()` (its `ServiceStats`) and `heartbeat`
+    (a `Heartbeat`)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.get("/health")
@@ -55,7 +56,7 @@ def status_app(nc, service) -> FastAPI:
         return JSONResponse(body, status_code=code)
 
     own = CollectorRegistry()
-    own.register(EntryCollector(lambda: [service.info()]))
+    own.register(StatsCollector(lambda: [service.stats()]))
 
     @app.get("/metrics")
     async def metrics():

@@ -14,7 +14,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from contracts import ServiceInfo, Subjects
 from services.common.identity import ServiceIdentity
@@ -30,6 +30,7 @@ from services.gateway.errors import (
     model_not_found,
 )
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.service_stats import ScrapedStats, ask_every_service
 from services.gateway.model_info import ModelInfo
 from services.gateway.request_bus import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT, RequestBus
 from services.gateway.request_telemetry import RequestTelemetry
@@ -98,7 +99,7 @@ class Gateway:
         self.model = ModelInfo.load(settings.model_dir, settings.served_model_name, settings.chat_template)
         self.streams = TokenStreams()
         self.services: list[ServiceInfo] = []
-        self.metrics = GatewayMetrics(lambda: self.services, self.streams.num_waiting,
+        self.metrics = GatewayMetrics(self._scrape_services, self.streams.num_waiting,
                                       model_name=settings.served_model_name, instance=settings.instance_id)
         self.identity = ServiceIdentity(settings.instance_id, "gateway")
         self.draining = False
@@ -154,6 +155,9 @@ class Gateway:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _scrape_services(self) -> ScrapedStats:
+        return await ask_every_service(self.nc, self.subjects, [e for e in self.services if e.role != "gateway"])
 
     def info(self) -> ServiceInfo:
         return self.identity.info(
@@ -293,7 +297,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await gateway.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -1,10 +1,12 @@
-"""The gateway's Prometheus series, and every service's as the registry reports them (`EntryCollector`)."""
+"""The gateway's Prometheus series, and the one-stop view: every service's, asked for at the scrape."""
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
-from services.common.entry_metrics import EntryCollector
+from services.common.service_metrics import StatsCollector
+from services.gateway.service_stats import ScrapedStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -17,9 +19,10 @@ class GatewayMetrics:
     dashboards and endpoint pickers built for vLLM read them; every series also names its `service` and
     `instance`."""
 
-    def __init__(self, services_snapshot, num_waiting=lambda: 0, model_name: str = "", instance: str = ""):
-        """`services_snapshot()` returns the latest registry entries (list of ServiceInfo); `num_waiting()` the
+    def __init__(self, scrape_services, num_waiting=lambda: 0, model_name: str = "", instance: str = ""):
+        """`await scrape_services()` returns every other service's stats now (`ScrapedStats`); `num_waiting()` the
         gateway's requests without a first token yet; `model_name` and `instance` label this gateway's series."""
+        self._scrape_services = scrape_services
         self.registry = CollectorRegistry()
         own = {"model_name": model_name, "service": "gateway", "instance": instance}
         labels = list(own)
@@ -50,7 +53,14 @@ class GatewayMetrics:
                                 ("finished_reason",))
         self._migrations = counter("splitserve_request_migrations", "Requests moved to another worker, by the "
                                    "failure they moved on from", ("failure",))
-        self.registry.register(EntryCollector(services_snapshot))
+
+    async def exposition(self) -> bytes:
+        """Prometheus text: this gateway's series, then every service's as it answers now."""
+        scraped: ScrapedStats = await self._scrape_services()
+        services = CollectorRegistry()
+        services.register(StatsCollector(lambda: scraped.answered))
+        services.register(_Answered(scraped))
+        return generate_latest(self.registry) + generate_latest(services)
 
     def request_ended(self, endpoint: str, status: str) -> None:
         self._requests.labels(**self._own, endpoint=endpoint, status=status).inc()
@@ -73,3 +83,19 @@ class GatewayMetrics:
         self.prompt_total.inc(prompt)
         self.generation_total.inc(completion)
         self._success.labels(**self._own, finished_reason=finish_reason or "unknown").inc()
+
+
+class _Answered:
+    """`splitserve_service_up`, as Prometheus' `up` is for its targets: which services this scrape heard from."""
+
+    def __init__(self, scraped: ScrapedStats):
+        self._scraped = scraped
+
+    def collect(self):
+        up = GaugeMetricFamily("splitserve_service_up", "1: the service in the registry answered this scrape's stats "
+                               "request; 0: it did not, in time (its series are missing from this scrape)",
+                               labels=["service", "instance"])
+        for answered, entries in ((1, self._scraped.answered), (0, self._scraped.silent)):
+            for entry in entries:
+                up.add_metric([entry.role, entry.instance_id], answered)
+        yield up

@@ -19,7 +19,7 @@ import time
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, ServiceInfo, StatsRequest, Subjects
+from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, ServiceInfo, ServiceStats, StatsRequest, Subjects
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_event_publisher import KVEventPublisher
 from services.kvstore.block import StoredBlock
@@ -81,14 +81,17 @@ class KVStoreService:
         await self.heartbeat.stop(remove=True)
 
     def info(self) -> ServiceInfo:
-        return self.identity.info(state=self.state, publishes_kv_events=True, details={
+        return self.identity.info(state=self.state, publishes_kv_events=True)
+
+    def stats(self) -> ServiceStats:
+        return ServiceStats.of(self.info(), {
             "store": self.store.snapshot(), "requests": dict(self.counts), "puts_in_flight": self._puts_in_flight,
             "kv_transfer_in": self.receiver.stats.snapshot(), "kv_transfer_out": self.sender.stats.snapshot(),
             "rejected_messages": dict(REJECTED), "kv_events": dict(self.kv_events.counts)})
 
     async def _on_stats(self, _: StatsRequest, msg) -> None:
         if msg.reply:
-            await msg.respond(self.info().encode())
+            await msg.respond(self.stats().encode())
 
     # ---- requests -----------------------------------------------------------------------------
     def _bad_hashes(self, hashes: list[bytes]) -> str | None:

@@ -24,6 +24,7 @@ from contracts import (
     KVSnapshotRequest,
     RequestFailed,
     ServiceInfo,
+    ServiceStats,
     StatsRequest,
     Subjects,
     WorkerLoad,
@@ -102,20 +103,21 @@ class Router:
         self.prefix_hits = {"requests": 0, "prompt_blocks": 0, "cached_blocks": 0}  # of the workers chosen (kv router)
 
     def info(self) -> ServiceInfo:
-        return self.identity.info(
-            state="ready",
-            details={"routed": dict(self.counts), "rejected_messages": dict(REJECTED),
-                     "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth,
-                     "queue_depths": {"requests": self.request_queue_depth, "prefill": self.prefill_queue_depth},
-                     "workers_seen": dict(Counter(w.role for w in self.workers if w.state == "ready")),
-                     # What it routes by: each engine worker's requests and KV blocks in use, as it last heard.
-                     "loads_seen": {w.instance_id: {"requests": num_seqs(w), "blocks_in_use": w.kv_blocks_total
-                                                    - w.kv_blocks_free} for w in self.workers if w.kv_blocks_total},
-                     "router": self.router, "routed_unconfirmed": self.routed.counts(),
-                     "prefix_index": {"blocks": len(self.index), **self.index.counts,
-                                      "by_instance": {i: self.index.blocks_of(i) for i in self.index.instances()}},
-                     "prefix_hits": dict(self.prefix_hits)},
-        )
+        return self.identity.info(state="ready")
+
+    def stats(self) -> ServiceStats:
+        return ServiceStats.of(self.info(), {
+            "routed": dict(self.counts), "rejected_messages": dict(REJECTED),
+            "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth,
+            "queue_depths": {"requests": self.request_queue_depth, "prefill": self.prefill_queue_depth},
+            "workers_seen": dict(Counter(w.role for w in self.workers if w.state == "ready")),
+            # What it routes by: each engine worker's requests and KV blocks in use, as it last heard.
+            "loads_seen": {w.instance_id: {"requests": num_seqs(w), "blocks_in_use": w.kv_blocks_total
+                                           - w.kv_blocks_free} for w in self.workers if w.kv_blocks_total},
+            "router": self.router, "routed_unconfirmed": self.routed.counts(),
+            "prefix_index": {"blocks": len(self.index), **self.index.counts,
+                             "by_instance": {i: self.index.blocks_of(i) for i in self.index.instances()}},
+            "prefix_hits": dict(self.prefix_hits)})
 
     async def start(self) -> list[asyncio.Task]:
         await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
@@ -133,7 +135,7 @@ class Router:
 
     async def _on_stats(self, _: StatsRequest, msg) -> None:
         if msg.reply:
-            await msg.respond(self.info().encode())
+            await msg.respond(self.stats().encode())
 
     async def stop(self) -> None:
         await self.heartbeat.stop(remove=True)

@@ -18,7 +18,7 @@ import time
 
 import msgspec
 
-from contracts import KVShipped, ServiceInfo, StageActivation, StageShipment, StatsRequest, Subjects
+from contracts import KVShipped, ServiceInfo, ServiceStats, StageActivation, StageShipment, StatsRequest, Subjects
 from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
 from services.stage.link import ActivationLink
@@ -77,16 +77,17 @@ class StageWorker:
         return self.identity.info(
             model=self.model, served_model_name=self.served_model_name, state=self.state,
             kv_blocks_total=self.runner.num_blocks, kv_blocks_free=self.runner.num_blocks,
-            kv_block_size=self.runner.block_size, layer_range=(layers.start, layers.end),
-            details={"is_last": self.runner.is_last, "parameter_bytes": self.runner.parameter_bytes,
-                     "steps": dict(self.counts), "utilization": self.utilization.snapshot(),
-                     "link": dict(self.link.stats), "kv_shipped": dict(self.shipped),
-                     "kv_transfer": self.link.sender.stats.snapshot(), "rejected_messages": dict(REJECTED)},
-        )
+            kv_block_size=self.runner.block_size, layer_range=(layers.start, layers.end))
+
+    def stats(self) -> ServiceStats:
+        return ServiceStats.of(self.info(), {
+            "is_last": self.runner.is_last, "parameter_bytes": self.runner.parameter_bytes, "steps": dict(self.counts),
+            "utilization": self.utilization.snapshot(), "link": dict(self.link.stats), "kv_shipped": dict(self.shipped),
+            "kv_transfer": self.link.sender.stats.snapshot(), "rejected_messages": dict(REJECTED)})
 
     async def _on_stats(self, _: StatsRequest, msg) -> None:
         if msg.reply:
-            await msg.respond(self.info().encode())
+            await msg.respond(self.stats().encode())
 
     async def _run(self) -> None:
         while True:

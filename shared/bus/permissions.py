@@ -5,7 +5,7 @@ Pure: `role_permissions(role, subjects)` is what `splitserve up` (and
 per role. What a role may do follows from its job:
 
 - every role keeps its own registry entries (`$KV.{bucket}.{role}.>`), reads
-  everyone's, answers stats requests, and takes replies only on its own inbox
+  everyone's, answers stats requests (which only the gateway asks), and takes replies only on its own inbox
   prefix (`inbox_prefix`), which no other role may subscribe to;
 - replies to requests a role received go back through `allow_responses`, so
   nobody may publish into another's inbox;
@@ -98,7 +98,8 @@ def _stage(s: Subjects) -> tuple[list[str], list[str]]:
 
 
 def _gateway(s: Subjects) -> tuple[list[str], list[str]]:
-    return [s.submit, s.cancel], [s.any(s.tokens, 2)]
+    # It asks every service for its stats when its /metrics is scraped.
+    return [s.submit, s.cancel, s.any(s.stats)], [s.any(s.tokens, 2)]
 
 
 def _scheduler(s: Subjects) -> tuple[list[str], list[str]]:

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from contracts import KVStoreLookup, KVStoreReply, ServiceInfo, StatsRequest, Subjects
+from contracts import KVStoreLookup, KVStoreReply, ServiceStats, StatsRequest, Subjects
 from services.kvstore.client import KVStoreClient
 from services.kvstore.placement import group_by_instance, place
 from shared.transfer import KVReceiver, KVSender
@@ -40,12 +40,12 @@ def start_kvstore(nats_url: str, namespace: str, tmp_path, instance: str = "kvst
     return start_service("kvstore", args, tmp_path)
 
 
-async def wait_ready(nc, subjects: Subjects, instance: str, timeout_s: float = 60) -> ServiceInfo:
+async def wait_ready(nc, subjects: Subjects, instance: str, timeout_s: float = 60) -> ServiceStats:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             reply = await nc.request(subjects.stats(instance), StatsRequest().encode(), timeout=1)
-            info = ServiceInfo.decode(reply.data)
+            info = ServiceStats.decode(reply.data)
             if info.state == "ready":
                 return info
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
@@ -67,7 +67,7 @@ async def client(nats_server):
     await nc.close()
 
 
-async def stored(nc, subjects: Subjects, puts: int) -> ServiceInfo:
+async def stored(nc, subjects: Subjects, puts: int) -> ServiceStats:
     """The store's stats once it has stored `puts` blocks (a put is acked once its transfer is in, stored after)."""
     deadline = time.monotonic() + 10
     while True:

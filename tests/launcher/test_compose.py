@@ -227,7 +227,7 @@ def test_prometheus_scrapes_the_gateway_and_the_dashboard_reads_metrics_it_serve
     # The dashboard: provisioned from the repo, every query on a metric the gateway exports.
     dashboard = json.loads((COMPOSE.parent / "grafana" / "dashboards" / "splitserve.json").read_text())
     source = "".join((ROOT / path).read_text() for path in ("services/gateway/metrics.py",
-                                                             "services/common/entry_metrics.py"))
+                                                             "services/common/service_metrics.py"))
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
             for metric in re.findall(r"(?:splitserve_|vllm:)\w+", target["expr"]):

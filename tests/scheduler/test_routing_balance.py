@@ -131,17 +131,18 @@ def test_blocks_to_take_are_the_prompt_blocks_the_cache_does_not_hold():
 
 def test_a_load_report_newer_than_the_heartbeat_replaces_its_figures():
     entry = ServiceInfo(instance_id="d-0", role="decode", boot_id="b1", heartbeat_ms=1000, num_running=3,
-                        num_waiting=1, kv_blocks_free=10, active_requests=4, handoffs_taken=9, details={"x": 1})
+                        num_waiting=1, kv_blocks_free=10, active_requests=4, handoffs_taken=9)
     report = WorkerLoad(instance_id="d-0", boot_id="b1", sent_ms=1040, num_running=0, num_waiting=0,
                         kv_blocks_free=50, active_requests=0, handoffs_taken=10)
     fresh = with_load(entry, report)
     assert (fresh.num_running, fresh.num_waiting, fresh.kv_blocks_free) == (0, 0, 50)
-    assert (fresh.active_requests, fresh.handoffs_taken, fresh.details) == (0, 10, {"x": 1}) and entry.num_running == 3
+    assert (fresh.active_requests, fresh.handoffs_taken, fresh.max_model_len) == (0, 10, entry.max_model_len)
+    assert entry.num_running == 3
     assert num_seqs(fresh) == 0 and num_seqs(entry) == 4
     # Older than the heartbeat, or from another process of the same name: the entry stands.
     assert with_load(entry, WorkerLoad(**{**msgspec.structs.asdict(report), "sent_ms": 990})) is entry
     assert with_load(entry, WorkerLoad(**{**msgspec.structs.asdict(report), "boot_id": "b2"})) is entry
     assert with_load(entry, None) is entry
-    # A prefill worker's entry has no such details: none are added.
+    # A prefill worker's entry takes its report's figures as well.
     prefill = ServiceInfo(instance_id="p-0", role="prefill", boot_id="b1", heartbeat_ms=1000, num_running=1)
-    assert with_load(prefill, WorkerLoad(**{**msgspec.structs.asdict(report), "instance_id": "p-0"})).details == {}
+    assert with_load(prefill, WorkerLoad(**{**msgspec.structs.asdict(report), "instance_id": "p-0"})).num_running == 0

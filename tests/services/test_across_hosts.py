@@ -83,7 +83,7 @@ def test_a_deployment_across_three_hosts_serves_exactly_and_rides_out_a_nats_nod
             response = complete(across, prompt, 16)
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
-        # (The workers' figures reach /metrics with their next heartbeat.)
+        # The gateway's /metrics asks the workers on the other hosts for their figures.
         wait_until(lambda: metric(across, "splitserve_prefill_outcomes_total", instance="decode-0",
                                          outcome="remote") == len(cases), 10, "not every prompt was prefilled on b")
         assert metric(across, "splitserve_kv_transfer_bytes_total", instance="decode-0", backend="tcp") > 0

@@ -9,16 +9,16 @@ import httpx
 import msgpack
 import nats
 
-from contracts import GenerateRequest, RequestFailed, Sampling, ServiceInfo, StatsRequest, Subjects
+from contracts import GenerateRequest, RequestFailed, Sampling, ServiceStats, StatsRequest, Subjects
 from support.token_tap import request_id_of
 from support.waiting import eventually
 
 MODEL = "splitserve-default-llama"
 
 
-async def worker_stats(nc, subjects: Subjects, instance: str = "decode-0") -> ServiceInfo:
+async def worker_stats(nc, subjects: Subjects, instance: str = "decode-0") -> ServiceStats:
     reply = await nc.request(subjects.stats(instance), StatsRequest().encode(), timeout=5)
-    return ServiceInfo.decode(reply.data)
+    return ServiceStats.decode(reply.data)
 
 
 def test_client_disconnect_frees_the_requests_blocks(colocated):
@@ -74,9 +74,8 @@ def test_malformed_and_wrong_version_messages_are_rejected(colocated):
             await js.publish(subjects.submit, b"not msgpack at all", headers={"Nats-Msg-Id": "bad-1"})
             await js.publish(subjects.submit, wrong_version, headers={"Nats-Msg-Id": "bad-2"})
             deadline = time.monotonic() + 5
-            kv = await js.key_value(subjects.registry_bucket)
             while True:
-                scheduler = ServiceInfo.decode((await kv.get("scheduler.scheduler-0")).value)
+                scheduler = await worker_stats(nc, subjects, "scheduler-0")
                 if sum(scheduler.details.get("rejected_messages", {}).values()) >= 2:
                     break
                 assert time.monotonic() < deadline, scheduler.details

@@ -14,7 +14,7 @@ import nats
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from contracts import PrefillResult, Sampling, ServiceInfo, Subjects
+from contracts import PrefillResult, Sampling, Subjects
 from reference import reference_greedy, reference_logprobs, safe_prompts, safe_seed
 from support.deployment import start_deployment
 from support.kv_workload import wait_until
@@ -149,8 +149,8 @@ def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):
 
     refused = asyncio.run(offer(b"\x00" * 16, "other-model-job"))
     assert not refused.ok and "another model" in refused.error and refused.first_token_id == -1
-    deadline = time.monotonic() + 10  # (the registry entry is heartbeated each second)
-    while (entry := asyncio.run(_registry_entry(disagg, "prefill", "prefill-0"))).details["jobs"].get(
+    deadline = time.monotonic() + 10
+    while (entry := disagg.stats("prefill-0")).details["jobs"].get(
             "refused_other_model") != 1:
         assert time.monotonic() < deadline, entry.details["jobs"]
         time.sleep(0.2)
@@ -384,9 +384,9 @@ def test_default_threshold_prefills_short_prompts_locally(nats_server, default_m
         for prompt, expected in cases:  # 3 .. 1000 tokens: both sides of the 256-token default
             body = complete(deployment.base_url, prompt)
             assert deployment.token_ids(body) == expected
-        deadline = time.monotonic() + 5  # the registry entry is refreshed every second
+        deadline = time.monotonic() + 5
         while True:
-            decisions = asyncio.run(_registry_entry(deployment, "scheduler", "scheduler-0")).details["disagg_decisions"]
+            decisions = deployment.stats("scheduler-0").details["disagg_decisions"]
             if decisions.get("local", 0) >= 3 and decisions.get("remote", 0) >= 2:
                 break
             assert time.monotonic() < deadline, decisions
@@ -414,7 +414,7 @@ def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_
             # A long stream keeps the decode worker busy (a short prompt to an idle worker: computed there).
             streaming = pool.submit(stream_until_hung_up)
             deadline = time.monotonic() + 30
-            while asyncio.run(_registry_entry(deployment, "scheduler", "scheduler-0")).details["disagg_decisions"].get("local", 0) < 1:
+            while deployment.stats("scheduler-0").details["disagg_decisions"].get("local", 0) < 1:
                 assert time.monotonic() < deadline, "the first request was never routed"
                 time.sleep(0.1)
             prompt, expected = cases[3]  # 150 tokens: under the 256-token threshold
@@ -422,8 +422,8 @@ def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_
             assert deployment.token_ids(body) == expected
             assert not streaming.done(), "the long stream ended first: nothing was busy"
             assert deployment.stats("decode-0").details["prefill_decisions"].get("remote") == 1
-            deadline = time.monotonic() + 5  # the scheduler's registry entry is refreshed every second
-            while (decisions := asyncio.run(_registry_entry(deployment, "scheduler", "scheduler-0")).details["disagg_decisions"]) != {
+            deadline = time.monotonic() + 5
+            while (decisions := deployment.stats("scheduler-0").details["disagg_decisions"]) != {
                     "local": 1, "remote": 1}:
                 assert time.monotonic() < deadline, decisions
                 time.sleep(0.3)
@@ -432,11 +432,3 @@ def test_a_short_prompt_goes_to_the_idle_prefill_worker_while_its_decode_worker_
     finally:
         deployment.stop()
 
-
-async def _registry_entry(deployment, role: str, instance_id: str) -> ServiceInfo:
-    nc = await nats.connect(deployment.nats_url)
-    try:
-        kv = await nc.jetstream().key_value(Subjects(deployment.namespace).registry_bucket)
-        return ServiceInfo.decode((await kv.get(f"{role}.{instance_id}")).value)
-    finally:
-        await nc.close()

@@ -2,8 +2,14 @@
 service's series are there, labelled by service and instance; vLLM's names (and model_name) where vLLM has the
 same measure."""
 
+import os
+import signal
+import time
+
 import httpx
 import pytest
+
+from services.gateway.service_stats import STATS_TIMEOUT_S
 
 from support.deployment import start_deployment
 from support.metrics import matching, samples, value
@@ -41,14 +47,13 @@ def test_metrics_count_the_requests_and_show_every_service(nats_server, default_
         assert value(found, "splitserve_requests_total", endpoint="completions", status="ok", **own) == 3
 
         def prompt_tokens(found) -> float:
-            """Every prompt token the workers either computed or found cached, as their heartbeats say."""
+            """Every prompt token the workers either computed or found cached, as they say."""
             return sum(sum(s.value for s in found.get(name, []) if s.labels.get("instance") in ("decode-0", "decode-1")
                            and s.labels.get("tier", "local") == "local")
                        for name in ("splitserve_prompt_tokens_computed_total", "splitserve_prefix_cache_hit_tokens_total"))
 
-        # The other services' series, from their heartbeats (each service's a second or two behind, on its own
-        # clock: the scheduler's may arrive before a worker's).
-        def heartbeats_in():
+        # The other services' series, as each answers the gateway's stats request at the scrape.
+        def counted():
             found = samples(deployment.base_url)
             routed = [s for s in found.get("splitserve_scheduler_routed_total", []) if s.labels["outcome"] == "assigned"]
             # A worker may stream a request's last chunk a step before its engine lets the request go.
@@ -57,7 +62,7 @@ def test_metrics_count_the_requests_and_show_every_service(nats_server, default_
             return (found, routed) if routed and routed[0].value == 3 and prompt_tokens(found) == 3 * 40 and idle \
                 else None
 
-        found, routed = wait_until(heartbeats_in, 10, "the scheduler's 3 routed requests, the workers' 3 * 40 "
+        found, routed = wait_until(counted, 10, "the scheduler's 3 routed requests, the workers' 3 * 40 "
                                    "prompt tokens and their idle engines never all showed on /metrics")
         assert routed[0].labels == {"service": "scheduler", "instance": "scheduler-0", "outcome": "assigned"}
         assert value(found, "splitserve_queue_depth", instance="scheduler-0", queue="requests") == 0
@@ -68,5 +73,20 @@ def test_metrics_count_the_requests_and_show_every_service(nats_server, default_
         cached = sum(value(found, "splitserve_prefix_cache_hit_tokens_total", instance=w, tier="local")
                      for w in ("decode-0", "decode-1"))
         assert computed + cached == 3 * 40  # every prompt token either computed or found cached
+        up = {s.labels["instance"]: s.value for s in found["splitserve_service_up"]}
+        assert up == {"scheduler-0": 1, "decode-0": 1, "decode-1": 1}
+
+        # A frozen worker: the scrape still answers, in the stats timeout, and says which service is missing.
+        os.kill(deployment.procs["decode-1"].pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            found = samples(deployment.base_url)
+            assert time.monotonic() - started < STATS_TIMEOUT_S + 3
+        finally:
+            os.kill(deployment.procs["decode-1"].pid, signal.SIGCONT)
+        up = {s.labels["instance"]: s.value for s in found["splitserve_service_up"]}
+        assert up == {"scheduler-0": 1, "decode-0": 1, "decode-1": 0}
+        assert matching(found, "vllm:num_requests_running", instance="decode-1") == []
+        assert matching(found, "vllm:num_requests_running", instance="decode-0") == [0]
     finally:
         deployment.stop()

@@ -116,7 +116,7 @@ def test_openai_client_streams_from_a_pipeline(nats_server, default_model, tmp_p
         assert deployment.token_ids(body) == expected[:4]
         picked = complete(deployment.base_url, prompt, max_tokens=8, guided_choice=["alpha", "beta"]).json()
         assert picked["choices"][0]["text"] in ("alpha", "beta")
-        # Each stage's bubble and bytes show on the gateway's /metrics (from the stages' heartbeats).
+        # Each stage's bubble and bytes show on the gateway's /metrics (it asks each stage as it is read).
         def busy_metrics():
             text = httpx.get(f"{deployment.base_url}/metrics", timeout=10).text
             busy = [line for line in text.splitlines()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import nats
 
-from contracts import ServiceInfo, StatsRequest, Subjects
+from contracts import ServiceInfo, ServiceStats, StatsRequest, Subjects
 from services.gateway.readiness import fully_ready
 from shared.bus.registry import Registry
 
@@ -35,13 +35,13 @@ class Deployment:
         stop_process(self.procs[name])
         self.start(name, *self.commands[name])
 
-    def stats(self, instance: str) -> ServiceInfo:
+    def stats(self, instance: str) -> ServiceStats:
         """What a service says of itself now (its stats subject)."""
         async def ask():
             nc = await nats.connect(self.nats_url)
             try:
                 reply = await nc.request(Subjects(self.namespace).stats(instance), StatsRequest().encode(), timeout=5)
-                return ServiceInfo.decode(reply.data)
+                return ServiceStats.decode(reply.data)
             finally:
                 await nc.close()
         return asyncio.run(ask())

@@ -1,16 +1,17 @@
-"""The Prometheus series a service's registry entry (`ServiceInfo`) stands for: its engine, queues, transfers,
-caches, routing and pipeline figures, labelled by service and instance (and model_name where vLLM has the measure).
+"""The Prometheus series a service's stats (`ServiceStats`) stand for: its engine, queues, transfers, caches,
+routing and pipeline figures, labelled by service and instance (and model_name where vLLM has the measure).
 """
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 
-class EntryCollector:
-    """Per-instance series from registry entries (`ServiceInfo`): the gateway's one-stop view of every service's
-    heartbeated entry, or one service's own, fresh, on its status endpoint."""
+class StatsCollector:
+    """Per-instance series from services' stats (`ServiceStats`), read as of the scrape: one service's own on its
+    status endpoint, or every service's on the gateway's one-stop view."""
 
-    def __init__(self, services_snapshot):
-        self._snapshot = services_snapshot
+    def __init__(self, stats_snapshot):
+        """`stats_snapshot()` returns the list of `ServiceStats` to show."""
+        self._snapshot = stats_snapshot
 
     def collect(self):
         fields = {
@@ -77,7 +78,7 @@ class EntryCollector:
                                         "its lent CPUs back before computing", labels=["service", "instance"])
         for entry in self._snapshot():
             labels = [entry.role, entry.instance_id]
-            details = entry.details or {}
+            details = entry.details
             for decision, count in details.get("disagg_decisions", {}).items():
                 decisions.add_metric([*labels, decision], count)
             if entry.role == "scheduler":
