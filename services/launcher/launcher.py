@@ -20,7 +20,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -47,7 +46,7 @@ from services.launcher.deployment import (
     read_deployment,
     write_deployment,
 )
-from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, RotatingLog
+from services.launcher.log_files import RotatingLog
 from services.launcher.nats_auth import creds_path, ensure_credentials, write_server_config
 from services.launcher.nats_server import (
     EmbeddedNats,
@@ -65,6 +64,7 @@ from services.launcher.supervisor import (
     should_give_up,
 )
 from services.launcher.tls_files import TLSFiles, make_deployment_tls
+from services.launcher.up_settings import UpSettings
 from shared.bus.permissions import ROLES
 from shared.bus.connection import nats_endpoints
 from shared.bus.provision import ProvisionError, replicas_for
@@ -78,56 +78,6 @@ class LaunchError(Exception):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-@dataclass
-class UpOptions:
-    """`splitserve up`'s flags, before the model is resolved."""
-
-    run_dir: Path
-    model: str | None = None
-    served_model_name: str | None = None
-    topology: str = "disagg"
-    decode: int = 1
-    prefill: int = 1  # disagg only
-    max_local_prefill: int | None = None  # disagg only; None: the scheduler's default
-    offload_short_prefills: bool = True  # disagg only
-    prefill_backlog_factor: float | None = None  # disagg only; None: the scheduler's default
-    migration_limit: int | None = None  # the gateway's --migration-limit (None: its default)
-    max_waiting_requests: int | None = None  # the gateway's --max-waiting-requests (None: its default)
-    chat_template: str | None = None  # the gateway's --chat-template: a file, or the template itself
-    api_keys: tuple[str, ...] = ()  # the gateway's; they reach it in its environment, never on a command line
-    kv_transport: str = "auto"
-    stages: int | None = None  # pipeline: split the layers evenly over this many stages (default 2)
-    layer_split: str | None = None  # pipeline: "0:6,6:12,...", instead of --stages
-    microbatches: int = 2  # pipeline
-    prefill_stages: int | None = None  # disagg: the prefill pool is one pipeline of this many stages
-    max_num_batched_tokens: int | None = None  # every worker's per-step token budget (None: the engine's default)
-    prefill_beside_decodes_ms: float | None = None  # decode workers' pacing (None: topology's default; 0: off)
-    kv_store: bool | None = None  # run a kv-store the workers use (None: on for disagg)
-    router: str = "kv"
-    trace_viewer: bool = False  # run a local trace viewer (Arize Phoenix) and export the services' traces to it
-    trace_viewer_port: int = 6006  # its UI and OTLP/HTTP; OTLP/gRPC on the next port
-    kv_store_ram_bytes: int = 1 << 30
-    kv_store_disk_bytes: int = 0  # its disk tier lives in the run directory
-    host: str = "127.0.0.1"
-    port: int = 8000
-    nats: str | None = None
-    nats_cluster: int = 1  # embedded NATS servers, clustered on loopback when more than one
-    nats_replicas: int | None = None  # copies of each stream and bucket (None: 3 on 3 nodes or more, else 1)
-    nats_auth: bool = True  # the embedded server: per-role NKey users with least-privilege permissions
-    nats_creds_dir: str | None = None  # --nats: a directory of ROLE.nk seeds (from `splitserve nats-auth`)
-    tls: bool = False  # the embedded server speaks only TLS, with a certificate from a CA made for the deployment
-    nats_tls_ca: str | None = None  # --nats: the CA its certificate chains to
-    namespace: str = "splitserve"
-    dtype: str = "auto"
-    cpus: str = "auto"  # CPUs the model workers share out: "auto" (all this process may use), "none", or a list
-    lend_idle_cpus: bool = True  # disagg: an idle prefill worker's CPUs run its decode worker's steps
-    log_max_bytes: int = DEFAULT_MAX_BYTES  # each service's log rotates past it
-    log_backups: int = DEFAULT_BACKUPS  # rotated logs kept per service
-    ready_timeout_s: float = 300.0
-    stop_timeout_s: float = 10.0
-    nats_connect_timeout_s: float = 5.0  # how long a --nats server may take to answer
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -200,7 +150,7 @@ class Launcher:
 
     def __init__(
         self,
-        options: UpOptions,
+        options: UpSettings,
         *,
         out: TextIO | None = None,
         err: TextIO | None = None,

@@ -10,14 +10,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.launcher.launcher import Launcher, UpOptions, install_signal_handlers  # noqa: E402
+from services.launcher.launcher import Launcher, install_signal_handlers  # noqa: E402
+from services.launcher.up_settings import UpSettings  # noqa: E402
 from services.launcher.supervisor import RestartPolicy  # noqa: E402
 
 
 def main() -> int:
     run_dir, port, python, model, decode, ready_timeout = sys.argv[1:7]
-    options = UpOptions(run_dir=Path(run_dir), model=model, port=int(port), decode=int(decode), topology="colocated",
-                        ready_timeout_s=float(ready_timeout))
+    options = UpSettings(run_dir=Path(run_dir), model=model, port=int(port), decode=int(decode), topology="colocated",
+                         ready_timeout_s=float(ready_timeout))
     policy = RestartPolicy(base_delay_s=0.05, max_delay_s=0.2, max_restarts=int(os.environ.get("FAKE_MAX_RESTARTS", "5")),
                            failed_retry_s=float(os.environ.get("FAKE_FAILED_RETRY_S", "60")))
     launcher = Launcher(options, policy=policy, python=python, poll_interval_s=0.05)

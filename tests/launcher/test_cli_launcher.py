@@ -12,7 +12,8 @@ from launcher_helpers import ROOT, cli, free_port
 
 from services.cli import serve
 from services.launcher.deployment import Deployment, NatsRecord, ServiceRecord, write_deployment
-from services.launcher.launcher import LaunchError, Launcher, UpOptions, check_port_free
+from services.launcher.launcher import LaunchError, Launcher, check_port_free
+from services.launcher.up_settings import UpSettings
 from services.launcher.procs import process_start_time
 
 
@@ -51,7 +52,7 @@ def test_up_reports_bad_settings_without_a_traceback(tmp_path, args, message):
 
 
 def test_up_with_an_unreachable_nats_is_a_clear_error(tmp_path, capsys):
-    options = UpOptions(run_dir=tmp_path / "run", port=free_port(), nats="nats://127.0.0.1:1", nats_connect_timeout_s=0.2)
+    options = UpSettings(run_dir=tmp_path / "run", port=free_port(), nats="nats://127.0.0.1:1", nats_connect_timeout_s=0.2)
     assert Launcher(options).run() == 2
     assert "cannot reach a NATS server at nats://127.0.0.1:1" in capsys.readouterr().err
     assert not (tmp_path / "run" / "logs").exists()

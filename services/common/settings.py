@@ -1,0 +1,162 @@
+"""Typed settings: every option's one home.
+
+A settings class (a frozen pydantic model, subclass of `Settings`) holds each option's type, default and
+description. From it come its command-line flag (`add_flags`), its `SPLITSERVE_*` environment variable and its
+key in a YAML config file (`settings_from`). Where one option is given in several places, the flag wins, then the
+environment, then the config file, then the default. Values are checked by the model (pydantic), wherever they
+came from, and a bad one is an error naming where it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+
+ENV_PREFIX = "SPLITSERVE_"
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+S = TypeVar("S", bound=Settings)
+
+
+class SettingsError(ValueError):
+    """A setting that is unknown or not valid, named with where it came from."""
+
+
+def option(default: Any = None, description: str = "", *, flag: str | None = None, metavar: str | None = None,
+           env: str | None = None, shown_default: str | None = None, **field: Any) -> Any:
+    """A settings field. `flag` (default: --NAME-WITH-DASHES) and `env` (default: SPLITSERVE_ + the flag's name)
+    rename them; `shown_default` is how --help writes the default (default: the value itself); the rest is
+    pydantic's `Field` (constraints such as ge=1, repr=False)."""
+    extra = {"flag": flag, "metavar": metavar, "env": env, "shown_default": shown_default}
+    return Field(default, description=description, json_schema_extra={k: v for k, v in extra.items() if v}, **field)
+
+
+def _extra(field: FieldInfo) -> dict[str, Any]:
+    return field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+
+
+def flag_of(name: str, field: FieldInfo) -> str:
+    return _extra(field).get("flag") or "--" + name.replace("_", "-")
+
+
+def env_of(name: str, field: FieldInfo) -> str:
+    return _extra(field).get("env") or ENV_PREFIX + flag_of(name, field)[2:].replace("-", "_").upper()
+
+
+def _bare(annotation: Any) -> Any:
+    """`X` of `X | None` (and of Annotated[X, ...], which pydantic has already unwrapped)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return kinds[0] if len(kinds) == 1 else annotation
+    return annotation
+
+
+def _is_sequence(annotation: Any) -> bool:
+    return typing.get_origin(_bare(annotation)) in (tuple, list)
+
+
+def _shown(name: str, field: FieldInfo) -> str:
+    shown = _extra(field).get("shown_default")
+    if shown:
+        return shown
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return "none" if default in (None, ()) else str(default)
+
+
+def add_flags(parser: argparse.ArgumentParser, settings: type[Settings]) -> None:
+    """One flag per field of `settings`. A flag left out is absent from the parsed namespace (the environment,
+    the config file or the default then decides, in `settings_from`)."""
+    for name, field in settings.model_fields.items():
+        description = field.description or ""
+        if "default" not in description:
+            description += f" (default: {_shown(name, field)})"
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
+                                  "help": f"{description} [{env_of(name, field)}]".strip().replace("%", "%%")}
+        kind = _bare(field.annotation)
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            if typing.get_origin(kind) is Literal:
+                kwargs["choices"] = [str(choice) for choice in typing.get_args(kind)]
+            if _is_sequence(field.annotation):
+                kwargs["action"] = "append"
+            kwargs["metavar"] = _extra(field).get("metavar")
+        parser.add_argument(flag_of(name, field), **kwargs)
+
+
+def _from_environment(settings: type[Settings], environ: Mapping[str, str]) -> dict[str, Any]:
+    found = {}
+    for name, field in settings.model_fields.items():
+        text = environ.get(env_of(name, field))
+        if text is None or text == "":
+            continue
+        found[name] = [part.strip() for part in text.split(",") if part.strip()] if _is_sequence(field.annotation) \
+            else text
+    return found
+
+
+def _from_file(settings: type[Settings], path: Path) -> dict[str, Any]:
+    """A YAML mapping of setting names (as the flags spell them, with or without dashes, or the fields' names)."""
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SettingsError(f"config file {path}: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise SettingsError(f"config file {path}: expected a mapping of settings, got {type(loaded).__name__}")
+    names = {flag_of(name, field)[2:].replace("-", "_"): name for name, field in settings.model_fields.items()}
+    names.update({name: name for name in settings.model_fields})
+    found, unknown = {}, []
+    for key, value in loaded.items():
+        name = names.get(str(key).replace("-", "_"))
+        if name is None:
+            unknown.append(str(key))
+        else:
+            found[name] = value
+    if unknown:
+        raise SettingsError(f"config file {path}: unknown setting(s) {', '.join(sorted(unknown))}; known: "
+                            f"{', '.join(sorted(flag_of(n, f)[2:] for n, f in settings.model_fields.items()))}")
+    return found
+
+
+def settings_from(settings: type[S], args: argparse.Namespace | None = None,
+                  config_file: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> S:
+    """`settings` from the flags in `args` (those given), the environment and `config_file`, in that order of
+    precedence; raises SettingsError naming the source of a bad value."""
+    given = {name: value for name, value in vars(args or argparse.Namespace()).items() if name in settings.model_fields}
+    from_env = _from_environment(settings, os.environ if environ is None else environ)
+    from_file = _from_file(settings, Path(config_file)) if config_file else {}
+    try:
+        return settings(**{**from_file, **from_env, **given})
+    except ValidationError as exc:
+        raise SettingsError("; ".join(_explain(settings, error, given, from_env, config_file)
+                                      for error in exc.errors())) from None
+
+
+def _explain(settings: type[Settings], error: dict, given: dict, from_env: dict, config_file) -> str:
+    name = str(error["loc"][0]) if error["loc"] else ""
+    field = settings.model_fields.get(name)
+    if field is None:
+        return error["msg"]
+    if name in given:
+        where = f"argument {flag_of(name, field)}"
+    elif name in from_env:
+        where = env_of(name, field)
+    else:
+        where = f"{config_file}: {name}"
+    shown = f" (got {error.get('input')!r})" if field.repr else ""  # a secret's value is never shown
+    return f"{where}: {error['msg']}{shown}"

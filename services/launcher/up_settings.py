@@ -1,0 +1,140 @@
+"""`splitserve up`'s settings: each one's type, default and description, from which its flag, its SPLITSERVE_*
+variable and its key in `up --config FILE` come (`services.common.settings`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field
+
+from services.common.settings import Settings, option
+from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT
+from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS
+from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
+from services.launcher.topology import DISAGG_PREFILL_BESIDE_DECODES_MS
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Count = Annotated[int, Field(ge=0)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def _usable_cpus(spec: str) -> str:
+    from services.common.cpus import worker_cpus
+
+    worker_cpus(spec)  # a ValueError names the CPUs this process may not use
+    return spec
+
+
+class UpSettings(Settings):
+    """The whole deployment on this machine."""
+
+    # The model and the API.
+    model: str | None = option(None, "a known model's name (`splitserve models list`; fetched into the cache on "
+                               "first use), a Hugging Face model directory or a .gguf file, converted once into the "
+                               "cache", metavar="NAME|DIR|FILE.gguf", shown_default="smollm2-135m-instruct")
+    served_model_name: str | None = option(None, "the model name clients ask for (default: a known model's name, "
+                                           "else the directory's or file's name)", metavar="NAME")
+    dtype: Dtype = option("auto", "model weights' dtype")
+    host: str = option("127.0.0.1", "address the gateway listens on")
+    port: Port = option(8000, "port the gateway listens on")
+    api_keys: tuple[str, ...] = option((), "the gateway requires `Authorization: Bearer KEY` on /v1/* (repeatable; "
+                                       "the variable takes KEY,KEY,... and, unlike a flag, other local users cannot "
+                                       "read it)", flag="--api-key", metavar="KEY", env="SPLITSERVE_API_KEY",
+                                       repr=False)
+    chat_template: str | None = option(None, "the gateway's chat template instead of the tokenizer's: a Jinja "
+                                       "file, or the template itself", metavar="FILE|TEMPLATE")
+    migration_limit: Count | None = option(None, "times a request moves to another worker, from the tokens its "
+                                           "client has, when its worker fails under it (0: it fails instead)",
+                                           metavar="N", shown_default=f"the gateway's, {DEFAULT_MIGRATION_LIMIT}")
+    max_waiting_requests: Count | None = option(None, "admission control: with N requests still waiting for their "
+                                                "first token, a new one gets 429 and Retry-After (0: no bound)",
+                                                metavar="N",
+                                                shown_default=f"the gateway's, {DEFAULT_MAX_WAITING_REQUESTS}")
+
+    # How inference is split.
+    topology: Literal["colocated", "disagg", "pipeline"] = option(
+        "disagg", "how inference is split: colocated workers, separate prefill and decode pools, or the model's "
+        "layers over pipeline stages (default: disagg, one prefill and one decode worker)")
+    decode: PositiveInt = option(1, "number of decode workers", metavar="N")
+    prefill: PositiveInt = option(1, "number of prefill workers with --topology disagg", metavar="N")
+    max_local_prefill: Count | None = option(None, "disagg: prompts with more uncached tokens than N are prefilled "
+                                             "remotely (0: always)", metavar="N", shown_default="the scheduler's")
+    offload_short_prefills: bool = option(True, "disagg: a shorter prompt goes to an idle prefill worker too while "
+                                          "its decode worker is busy streaming")
+    prefill_backlog_factor: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = option(
+        None, "disagg: a long prompt is prefilled by its decode worker when each prefill worker has more than F "
+        "times its tokens queued (e.g. 0.5; default 0: never)", metavar="F")
+    lend_idle_cpus: bool = option(True, "disagg: while a prefill worker has nothing to compute, its CPUs run its "
+                                  "decode worker's steps too, handed back before each prefill")
+    kv_transport: Literal["auto", "shm", "tcp"] = option("auto", "disagg: how KV moves from prefill to decode "
+                                                         "workers")
+    stages: PositiveInt | None = option(None, "pipeline: split the layers evenly over N stage processes",
+                                        metavar="N", shown_default="2")
+    layer_split: str | None = option(None, "pipeline: each stage's layers, e.g. 0:6,6:12 (instead of --stages)",
+                                     metavar="A:B,B:C,...")
+    prefill_stages: PositiveInt | None = option(None, "disagg: the prefill pool is one pipeline of N stages, each "
+                                                "shipping its own layers' KV to the decode workers (with --prefill 1)",
+                                                metavar="N")
+    microbatches: PositiveInt = option(2, "pipeline: steps in flight through the stages at once", metavar="M")
+    max_num_batched_tokens: PositiveInt | None = option(None, "every worker's token budget per step: long prompts "
+                                                        "are prefilled in chunks of at most N tokens, mixed with "
+                                                        "decodes", metavar="N", shown_default="the engine's, 2048")
+    prefill_beside_decodes_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = option(
+        None, "decode workers' stall-free chunking: a step carrying decodes lasts about MS, with the prompt chunks "
+        "that fit beside them, so a prompt prefilled on a decode worker never stalls the others' tokens (0: off)",
+        metavar="MS", shown_default=f"{DISAGG_PREFILL_BESIDE_DECODES_MS:g} in disagg, off in colocated")
+    cpus: Annotated[str, AfterValidator(_usable_cpus)] = option(
+        "auto", "CPUs the model workers share out, each its own contiguous part, one torch thread per CPU (auto: "
+        "every CPU this process may use; none: the OS places them)", metavar="auto|none|LIST")
+
+    # The KV store and routing.
+    kv_store: bool | None = option(None, "run a kv-store: workers load cached prompt prefixes from it and write "
+                                   "computed blocks back, so a prefix is computed once for all workers (default: on "
+                                   "with disagg; --no-kv-store turns it off)")
+    router: Literal["kv", "load"] = option("kv", "how the scheduler picks a worker: kv scores the prompt prefix "
+                                           "each worker's cache (and the kv-store) holds against its load; load "
+                                           "takes the least loaded")
+    kv_store_ram_bytes: PositiveInt = option(1 << 30, "the kv-store's RAM tier", metavar="N", shown_default="1 GiB")
+    kv_store_disk_bytes: Count = option(0, "the kv-store's disk tier, kept in the run directory (0: none)",
+                                        metavar="N")
+
+    # NATS and security.
+    nats: str | None = option(None, "use this NATS server (with JetStream) instead of starting one; a cluster's as "
+                              "URL,URL,...", metavar="URL", env="SPLITSERVE_NATS_URL")
+    nats_cluster: PositiveInt = option(1, "start N embedded NATS servers clustered on loopback (JetStream "
+                                       "replicated; 3 rides out the loss of one) instead of one", metavar="N")
+    nats_replicas: PositiveInt | None = option(None, "copies of each JetStream stream and bucket", metavar="N",
+                                               shown_default="3 on a cluster of 3 nodes or more, else 1")
+    nats_creds_dir: str | None = option(None, "with --nats: each service's credentials, DIR/ROLE.nk (`splitserve "
+                                        "nats-auth DIR` writes them and the server's authorization config)",
+                                        metavar="DIR")
+    nats_auth: bool = option(True, "the embedded NATS server admits only this deployment's services, each role with "
+                             "its own credentials (RUN_DIR/creds) and only the subjects its job needs")
+    tls: bool = option(False, "the embedded NATS server and every worker's KV side channel speak only TLS, with "
+                       "certificates from a CA made for this deployment (RUN_DIR/tls); every service trusts that CA "
+                       "alone")
+    nats_tls_ca: str | None = option(None, "with --nats: talk TLS to it, trusting this CA", metavar="FILE")
+    nats_connect_timeout_s: PositiveSeconds = option(5.0, "seconds a --nats server may take to answer",
+                                                     flag="--nats-connect-timeout", metavar="S")
+    namespace: str = option("splitserve", "subject prefix of this deployment")
+
+    # Observing it, and its life.
+    trace_viewer: bool = option(False, "run a local trace viewer (Arize Phoenix, on 127.0.0.1) and send every "
+                                "service's traces to it (pip install 'splitserve[trace-viewer]')")
+    trace_viewer_port: Port = option(6006, "the trace viewer's UI and OTLP/HTTP port; OTLP/gRPC on the next one",
+                                     metavar="PORT")
+    run_dir: Path | None = option(None, "where the deployment keeps its state (deployment.json), logs "
+                                  "(logs/NAME.log) and the embedded NATS data", metavar="DIR",
+                                  shown_default="./.splitserve/run")
+    log_max_bytes: PositiveInt = option(DEFAULT_MAX_BYTES, "each service's log (RUN_DIR/logs/NAME.log) rotates to "
+                                        "NAME.log.1 past N bytes", metavar="N",
+                                        shown_default=f"{DEFAULT_MAX_BYTES >> 20} MiB")
+    log_backups: PositiveInt = option(DEFAULT_BACKUPS, "rotated logs kept per service, NAME.log.1 to NAME.log.K",
+                                      metavar="K")
+    ready_timeout_s: PositiveSeconds = option(300.0, "give up if the deployment is not ready after S seconds",
+                                              flag="--ready-timeout", metavar="S")
+    stop_timeout_s: PositiveSeconds = option(10.0, "on stop, seconds each service has to exit after SIGTERM before "
+                                             "SIGKILL", flag="--stop-timeout", metavar="S")
