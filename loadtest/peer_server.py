@@ -10,7 +10,6 @@ step, and context length. Each uses the cores it is given (the affinity it inher
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -29,11 +28,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def engine_limits() -> dict[str, int]:
     """A splitserve worker's defaults (its own flags, parsed empty): kv_cache_bytes, max_num_seqs,
     max_num_batched_tokens, block_size. The KV cache size follows SPLITSERVE_KV_CACHE_BYTES."""
-    from services.common.options import add_engine_options
+    from services.common.service_settings import EngineSettings
+    from services.common.settings import settings_from
 
-    parser = argparse.ArgumentParser()
-    add_engine_options(parser)
-    defaults = parser.parse_args([])
+    defaults = settings_from(EngineSettings)
     return {key: getattr(defaults, key) for key in ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens",
                                                     "block_size")}
 

@@ -2,17 +2,14 @@
 
 
 def test_the_engine_defaults_have_one_home():
-    """The services' engine flags default to what EngineConfig and the step scheduler do (shared.engine.defaults)."""
-    import argparse
+    """The services' engine settings default to what EngineConfig and the step scheduler do (shared.engine.defaults)."""
     import dataclasses
 
-    from services.common.options import add_engine_options
+    from services.common.service_settings import EngineSettings
     from shared.engine.config import EngineConfig
     from shared.engine.scheduler import SchedulerConfig
 
-    parser = argparse.ArgumentParser()
-    add_engine_options(parser)
-    flags = parser.parse_args([])
+    flags = EngineSettings()
     engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     scheduler = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
     for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):

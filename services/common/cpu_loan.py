@@ -225,11 +225,11 @@ def check_borrowing(own: tuple[int, ...] | None, lent: tuple[int, ...] | None, l
         raise ValueError("a decode worker borrows one CPU beside one of its own (--cpus N --borrow-cpus M)")
 
 
-def cpu_share_from_args(args) -> CpuShare | None:
+def cpu_share_from_settings(settings) -> CpuShare | None:
     """A worker's side of its --cpu-loan (a decode worker's, with --borrow-cpus, borrows; a prefill worker's
     lends), or None. Make it before the model loads: a lender's demand is up from then on."""
-    if not args.cpu_loan:
+    if not settings.cpu_loan:
         return None
-    if hasattr(args, "borrow_cpus"):
-        return CpuBorrower(Path(args.cpu_loan), own=args.cpus, lent=args.borrow_cpus)
-    return CpuLender(args.cpu_loan)
+    if hasattr(settings, "borrow_cpus"):
+        return CpuBorrower(Path(settings.cpu_loan), own=settings.cpus, lent=settings.borrow_cpus)
+    return CpuLender(settings.cpu_loan)

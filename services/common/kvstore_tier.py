@@ -12,7 +12,6 @@ A kv-store that is slow, full or down never fails a request: the worker
 computes instead and the miss is counted.
 """
 
-import argparse
 import asyncio
 import threading
 import time
@@ -22,6 +21,7 @@ import torch
 from opentelemetry import trace
 
 from services.common.load_reports import LoadReports
+from services.common.service_settings import KVStoreTierSettings
 from services.kvstore.client import KVStoreClient
 from services.kvstore.placement import group_by_instance
 from shared.bus.registry import Registry
@@ -283,16 +283,16 @@ class KVStoreTier(KVConnector):
         await self.client.close()
 
 
-async def start_kv_store_tier(args: argparse.Namespace, *, nc, subjects, registry: Registry, engine,
+async def start_kv_store_tier(settings: KVStoreTierSettings, *, nc, subjects, registry: Registry, engine,
                                engine_loop) -> KVStoreTier:
-    """The worker's use of the kv-store, from `add_kv_store_options`' arguments (with `--kv-store`)."""
+    """The worker's use of the kv-store, from its settings (with `--kv-store`; the side channel's too)."""
     from services.common.options import side_channel_address, transfer_tls_of
     from shared.transfer import KVReceiver, KVSender
 
-    tls = transfer_tls_of(args)
+    tls = transfer_tls_of(settings)
     receiver = KVReceiver(tls=tls)
-    host, advertise = side_channel_address(args, args.kv_store_receiver_host, args.kv_store_receiver_advertise)
+    host, advertise = side_channel_address(settings, settings.kv_store_receiver_host, settings.kv_store_receiver_advertise)
     await receiver.start(host, 0, advertise_host=advertise)
     client = KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=KVSender(tls=tls),
-                           model_fingerprint=engine.fingerprint, timeout_s=args.kv_store_timeout)
+                           model_fingerprint=engine.fingerprint, timeout_s=settings.kv_store_timeout)
     return KVStoreTier(client=client, registry=registry, engine=engine, engine_loop=engine_loop)

@@ -1,10 +1,10 @@
 """The life of every bus service: connect, build, run until told to stop (or crashed), drain."""
 
-import argparse
 from collections.abc import Awaitable, Callable
 
 from contracts import Subjects
 from services.common.options import bus_credentials, bus_tls
+from services.common.service_settings import ServiceSettings
 from services.common.status_server import start_status_server
 from shared.bus.connection import ShutdownSignal, connect, drain
 from shared.bus.permissions import inbox_prefix
@@ -15,7 +15,7 @@ from shared.telemetry.logging import configure_logging, get_logger
 from shared.telemetry.tracing import configure_tracing, shutdown_tracing
 
 
-async def run_service(args: argparse.Namespace, role: str, build: Callable[..., Awaitable]) -> int:
+async def run_service(settings: ServiceSettings, role: str, build: Callable[..., Awaitable]) -> int:
     """`build(nc=, js=, registry=, subjects=, replicas=)` (`replicas`: for the JetStream streams it provisions)
     returns an object with `async start() -> tasks` and `async stop()`
     (and maybe `async drain()`, run on a shutdown signal before its tasks are cancelled).
@@ -23,25 +23,25 @@ async def run_service(args: argparse.Namespace, role: str, build: Callable[..., 
     Exit code 0 after SIGTERM/SIGINT, 70 when one of the service's tasks crashed
     (so the supervisor restarts it).
     """
-    configure_logging(role, args.instance_id, args.log_level)
-    configure_tracing(role, args.instance_id)
+    configure_logging(role, settings.instance_id, settings.log_level)
+    configure_tracing(role, settings.instance_id)
     log = get_logger(role)
     shutdown = ShutdownSignal()
-    subjects = Subjects(args.namespace)
-    nc = await connect(args.nats, name=args.instance_id, credentials=bus_credentials(args), tls=bus_tls(args),
-                       inbox_prefix=inbox_prefix(args.namespace, role))
+    subjects = Subjects(settings.namespace)
+    nc = await connect(settings.nats, name=settings.instance_id, credentials=bus_credentials(settings),
+                       tls=bus_tls(settings), inbox_prefix=inbox_prefix(settings.namespace, role))
     js = nc.jetstream()
     try:
-        replicas = replicas_asked(args.nats_replicas, nc)
+        replicas = replicas_asked(settings.nats_replicas, nc)
     except ProvisionError as exc:
         await nc.close()
         raise SystemExit(f"error: {exc}") from None
     registry = await Registry.open(js, subjects.registry_bucket, replicas=replicas)
     service = await build(nc=nc, js=js, registry=registry, subjects=subjects, replicas=replicas)
     tasks = await service.start()
-    if args.status_port is not None:
-        tasks.append(await start_status_server(args.status_host, args.status_port, nc, service))
-    log.info(f"{role} ready", instance_id=args.instance_id)
+    if settings.status_port is not None:
+        tasks.append(await start_status_server(settings.status_host, settings.status_port, nc, service))
+    log.info(f"{role} ready", instance_id=settings.instance_id)
     # A service with a `drain()` (a model worker) drains while its tasks still run.
     code = await run_until_stopped(*tasks, shutdown=shutdown, on_shutdown=getattr(service, "drain", None))
     await service.stop()

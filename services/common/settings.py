@@ -25,7 +25,7 @@ ENV_PREFIX = "SPLITSERVE_"
 
 
 class Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
 
 S = TypeVar("S", bound=Settings)
@@ -36,11 +36,12 @@ class SettingsError(ValueError):
 
 
 def option(default: Any = None, description: str = "", *, flag: str | None = None, metavar: str | None = None,
-           env: str | None = None, shown_default: str | None = None, **field: Any) -> Any:
+           env: str | None = None, shown_default: str | None = None, many: bool = False, **field: Any) -> Any:
     """A settings field. `flag` (default: --NAME-WITH-DASHES) and `env` (default: SPLITSERVE_ + the flag's name)
-    rename them; `shown_default` is how --help writes the default (default: the value itself); the rest is
-    pydantic's `Field` (constraints such as ge=1, repr=False)."""
-    extra = {"flag": flag, "metavar": metavar, "env": env, "shown_default": shown_default}
+    rename them; `shown_default` is how --help writes the default (default: the value itself); `many`: the flag
+    repeats and the variable holds A,B,... (a list); the rest is pydantic's `Field` (constraints such as ge=1,
+    repr=False). Without a default (`...`) the setting is required."""
+    extra = {"flag": flag, "metavar": metavar, "env": env, "shown_default": shown_default, "many": many}
     return Field(default, description=description, json_schema_extra={k: v for k, v in extra.items() if v}, **field)
 
 
@@ -64,14 +65,16 @@ def _bare(annotation: Any) -> Any:
     return annotation
 
 
-def _is_sequence(annotation: Any) -> bool:
-    return typing.get_origin(_bare(annotation)) in (tuple, list)
+def _many(field: FieldInfo) -> bool:
+    return bool(_extra(field).get("many"))
 
 
 def _shown(name: str, field: FieldInfo) -> str:
     shown = _extra(field).get("shown_default")
     if shown:
         return shown
+    if field.is_required():
+        return "none: required"
     default = field.get_default(call_default_factory=True)
     if isinstance(default, bool):
         return "on" if default else "off"
@@ -93,7 +96,7 @@ def add_flags(parser: argparse.ArgumentParser, settings: type[Settings]) -> None
         else:
             if typing.get_origin(kind) is Literal:
                 kwargs["choices"] = [str(choice) for choice in typing.get_args(kind)]
-            if _is_sequence(field.annotation):
+            if _many(field):
                 kwargs["action"] = "append"
             kwargs["metavar"] = _extra(field).get("metavar")
         parser.add_argument(flag_of(name, field), **kwargs)
@@ -105,8 +108,7 @@ def _from_environment(settings: type[Settings], environ: Mapping[str, str]) -> d
         text = environ.get(env_of(name, field))
         if text is None or text == "":
             continue
-        found[name] = [part.strip() for part in text.split(",") if part.strip()] if _is_sequence(field.annotation) \
-            else text
+        found[name] = [part.strip() for part in text.split(",") if part.strip()] if _many(field) else text
     return found
 
 
@@ -152,6 +154,8 @@ def _explain(settings: type[Settings], error: dict, given: dict, from_env: dict,
     field = settings.model_fields.get(name)
     if field is None:
         return error["msg"]
+    if error["type"] == "missing":
+        return f"{flag_of(name, field)} is required (or {env_of(name, field)})"
     if name in given:
         where = f"argument {flag_of(name, field)}"
     elif name in from_env:
@@ -160,3 +164,14 @@ def _explain(settings: type[Settings], error: dict, given: dict, from_env: dict,
         where = f"{config_file}: {name}"
     shown = f" (got {error.get('input')!r})" if field.repr else ""  # a secret's value is never shown
     return f"{where}: {error['msg']}{shown}"
+
+
+def parse_settings(parser: argparse.ArgumentParser, settings: type[S], argv: list[str] | None = None,
+                   environ: Mapping[str, str] | None = None, config_file: str | os.PathLike | None = None) -> S:
+    """Parse `argv` with `parser` (which `add_flags` filled from `settings`) into `settings`; a bad setting is a
+    usage error (exit 2) naming where it came from, as argparse's own are."""
+    args = parser.parse_args(argv)
+    try:
+        return settings_from(settings, args, config_file, environ)
+    except SettingsError as exc:
+        parser.error(str(exc))

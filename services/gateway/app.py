@@ -66,7 +66,7 @@ _REGISTRY_REFRESH_S = 1.0
 
 
 @dataclass(slots=True)
-class GatewaySettings:
+class GatewayConfig:
     nats_url: str
     namespace: str
     instance_id: str
@@ -87,13 +87,13 @@ class GatewaySettings:
     chat_template: str | None = None  # overrides the tokenizer's (the template's text)
 
     def __repr__(self) -> str:  # never print the keys
-        return f"GatewaySettings({self.instance_id!r}, {len(self.api_keys)} API key(s))"
+        return f"GatewayConfig({self.instance_id!r}, {len(self.api_keys)} API key(s))"
 
 
 class Gateway:
     """The state behind the HTTP handlers (one per process)."""
 
-    def __init__(self, settings: GatewaySettings):
+    def __init__(self, settings: GatewayConfig):
         self.settings = settings
         self.subjects = Subjects(settings.namespace)
         self.model = ModelInfo.load(settings.model_dir, settings.served_model_name, settings.chat_template)
@@ -209,7 +209,7 @@ class Gateway:
         return min(lengths, default=self.model.max_model_len)
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
+def create_app(settings: GatewayConfig) -> FastAPI:
     gateway = Gateway(settings)
 
     @asynccontextmanager

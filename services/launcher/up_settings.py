@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
+from services.common.service_settings import ApiKeys
 from services.common.settings import Settings, option
 from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT
 from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS
@@ -40,10 +41,10 @@ class UpSettings(Settings):
     dtype: Dtype = option("auto", "model weights' dtype")
     host: str = option("127.0.0.1", "address the gateway listens on")
     port: Port = option(8000, "port the gateway listens on")
-    api_keys: tuple[str, ...] = option((), "the gateway requires `Authorization: Bearer KEY` on /v1/* (repeatable; "
+    api_keys: ApiKeys = option((), "the gateway requires `Authorization: Bearer KEY` on /v1/* (repeatable; "
                                        "the variable takes KEY,KEY,... and, unlike a flag, other local users cannot "
                                        "read it)", flag="--api-key", metavar="KEY", env="SPLITSERVE_API_KEY",
-                                       repr=False)
+                                       many=True, repr=False)
     chat_template: str | None = option(None, "the gateway's chat template instead of the tokenizer's: a Jinja "
                                        "file, or the template itself", metavar="FILE|TEMPLATE")
     migration_limit: Count | None = option(None, "times a request moves to another worker, from the tokens its "

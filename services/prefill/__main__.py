@@ -4,36 +4,28 @@ import argparse
 import sys
 
 from services.common.options import (
-    add_bus_options,
-    add_side_channel_options,
-    transfer_tls_of,
-    add_cpu_loan_options,
     apply_engine_placement,
-    add_engine_options,
-    add_kv_store_options,
-    add_model_options,
     engine_config,
     resolve_model,
     run_async,
+    transfer_tls_of,
 )
+from services.common.settings import add_flags, parse_settings
+from services.prefill.settings import PrefillSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve serve prefill", description="A prefill worker.")
-    add_bus_options(parser, "prefill")
-    add_side_channel_options(parser)
-    add_model_options(parser)
-    add_engine_options(parser)
-    parser.add_argument("--max-concurrent-jobs", type=int, default=8, help="prefill jobs taken at once")
-    parser.add_argument("--kv-transport", default="auto", choices=["auto", "shm", "tcp"],
-                        help="auto: shared memory when the decode worker is on this host, else TCP")
-    add_kv_store_options(parser)
-    add_cpu_loan_options(parser, borrower=False)
+    add_flags(parser, PrefillSettings)
     return parser
 
 
-async def serve(args: argparse.Namespace) -> int:
-    from services.common.cpu_loan import cpu_share_from_args
+def settings_of(argv: list[str] | None = None, environ=None) -> PrefillSettings:
+    return parse_settings(build_parser(), PrefillSettings, argv, environ)
+
+
+async def serve(settings: PrefillSettings) -> int:
+    from services.common.cpu_loan import cpu_share_from_settings
     from services.common.queues import provision_prefill_queue
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
@@ -42,34 +34,34 @@ async def serve(args: argparse.Namespace) -> int:
     from services.prefill.worker import PrefillRole
     from shared.engine.engine import LLMEngine
 
-    model_dir, served_name = resolve_model(args)
-    tls = transfer_tls_of(args)
+    model_dir, served_name = resolve_model(settings)
+    tls = transfer_tls_of(settings)
 
     async def build(nc, js, registry, subjects, replicas):
-        cpu_share = cpu_share_from_args(args)  # before loading: its CPUs are not lent while it loads
+        cpu_share = cpu_share_from_settings(settings)  # before loading: its CPUs are not lent while it loads
         engine_thread = EngineThread()
-        engine = await engine_thread.run(LLMEngine, engine_config(args, model_dir),
-                                         kv_allocator=kv_cache_allocator(args.kv_transport, args.device))
+        engine = await engine_thread.run(LLMEngine, engine_config(settings, model_dir),
+                                         kv_allocator=kv_cache_allocator(settings.kv_transport, settings.device))
         await provision_prefill_queue(js, subjects, replicas)
         worker = EngineWorker(nc=nc, registry=registry, subjects=subjects, engine=engine, engine_thread=engine_thread,
-                              instance_id=args.instance_id, role="prefill", model=model_dir,
+                              instance_id=settings.instance_id, role="prefill", model=model_dir,
                               served_model_name=served_name, cpu_share=cpu_share)
-        worker.role = PrefillRole(worker, max_concurrent_jobs=args.max_concurrent_jobs, kv_transport=args.kv_transport,
+        worker.role = PrefillRole(worker, max_concurrent_jobs=settings.max_concurrent_jobs, kv_transport=settings.kv_transport,
                                   transfer_tls=tls)
-        if args.kv_store:
+        if settings.kv_store:
             from services.common.kvstore_tier import start_kv_store_tier
 
-            worker.kv_store = await start_kv_store_tier(args, nc=nc, subjects=subjects, registry=registry,
+            worker.kv_store = await start_kv_store_tier(settings, nc=nc, subjects=subjects, registry=registry,
                                                          engine=engine, engine_loop=worker.engine_loop)
         return worker
 
-    return await run_service(args, "prefill", build)
+    return await run_service(settings, "prefill", build)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    apply_engine_placement(args)
-    return run_async(serve(args))
+    settings = settings_of(argv)
+    apply_engine_placement(settings)
+    return run_async(serve(settings))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import pytest
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-from services.gateway.app import GatewaySettings, create_app
+from services.gateway.app import GatewayConfig, create_app
 from shared.version import VERSION
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -17,7 +17,7 @@ def tokenizer(default_model):
 
 @pytest.fixture(scope="module")
 def http(default_model) -> TestClient:
-    settings = GatewaySettings(nats_url="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
+    settings = GatewayConfig(nats_url="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
                                model_dir=default_model, served_model_name="m", api_keys=("secret",))
     return TestClient(create_app(settings), raise_server_exceptions=False,
                       headers={"Authorization": "Bearer secret"})
@@ -67,7 +67,7 @@ def test_another_models_name_is_a_404(http):
 
 
 def test_tokenizing_needs_the_api_key_and_the_version_does_not(default_model):
-    settings = GatewaySettings(nats_url="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
+    settings = GatewayConfig(nats_url="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
                                model_dir=default_model, served_model_name="m", api_keys=("secret",))
     anonymous = TestClient(create_app(settings), raise_server_exceptions=False)
     assert anonymous.post("/tokenize", json={"prompt": "a"}).status_code == 401

@@ -207,8 +207,8 @@ def test_each_compose_command_is_a_real_cli_invocation(compose, name):
         result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert result.returncode == 0, result.stderr
         assert "usage:" in result.stdout and "--nats" in result.stdout
-    # ...and its own parser takes the actual flags.
-    parsed = module.build_parser().parse_args(command[2:])
+    # ...and its settings come from the actual flags and environment.
+    parsed = module.settings_of(command[2:], environ=environment_of(compose["services"][name]))
     assert parsed.nats == _flag(command, "--nats")
     assert parsed.namespace == _flag(command, "--namespace")
     assert parsed.instance_id == _flag(command, "--instance-id")

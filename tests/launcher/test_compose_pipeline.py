@@ -5,7 +5,7 @@ import yaml
 from launcher_helpers import ROOT
 
 from services.cli import main as cli_main
-from services.stage.__main__ import build_parser as stage_parser
+from services.stage.__main__ import settings_of as stage_settings
 from shared.engine.default_model import DEFAULT_MODEL_NAME
 from shared.engine.model_loader import LayerRange
 from shared.engine.pipeline import check_layer_split
@@ -21,7 +21,7 @@ def services() -> dict:
 def test_the_stages_form_one_pipeline_over_the_default_model(services, default_model):
     from shared.engine.model_loader import read_config
 
-    stages = {name: stage_parser().parse_args(svc["command"][2:]) for name, svc in services.items()
+    stages = {name: stage_settings(svc["command"][2:], environ={}) for name, svc in services.items()
               if svc["command"][:2] == ["serve", "stage"]}
     heads = [args for args in stages.values() if args.layers.start == 0]
     assert len(heads) == 1

@@ -3,7 +3,7 @@
 import pytest
 
 from services.common.cpus import pair_cpu_loans, parse_cpu_list, share_cpus, worker_cpus
-from services.decode.__main__ import build_parser as decode_parser
+from services.decode.__main__ import settings_of as decode_settings
 from services.launcher import topology
 
 
@@ -42,7 +42,7 @@ def test_disagg_plan_gives_prefill_and_decode_a_cpu_each_and_the_rest_none():
     cpus = {s.name: s.args[s.args.index("--cpus") + 1] for s in specs if "--cpus" in s.args}
     assert cpus == {"prefill-0": "0", "decode-0": "1"}
     decode = next(s for s in specs if s.name == "decode-0")
-    assert decode_parser().parse_args(list(decode.args)).cpus == (1,)
+    assert decode_settings(list(decode.args), environ={}).cpus == (1,)
 
 
 def test_no_cpus_means_no_binding():
@@ -61,11 +61,11 @@ def test_cpu_loans_pair_each_prefill_worker_with_a_decode_worker_of_its_own_cpus
 
 
 def test_disagg_plan_lends_the_prefill_workers_cpu_to_its_decode_worker(tmp_path):
-    from services.prefill.__main__ import build_parser as prefill_parser
+    from services.prefill.__main__ import settings_of as prefill_settings
 
     specs = {s.name: s for s in topology.plan(_config(topology="disagg", cpus=(0, 1), cpu_loan_dir=str(tmp_path)))}
-    decode = decode_parser().parse_args(list(specs["decode-0"].args))
-    prefill = prefill_parser().parse_args(list(specs["prefill-0"].args))
+    decode = decode_settings(list(specs["decode-0"].args), environ={})
+    prefill = prefill_settings(list(specs["prefill-0"].args), environ={})
     assert decode.cpus == (1,) and decode.borrow_cpus == (0,)
     assert decode.cpu_loan == prefill.cpu_loan == str(tmp_path / "prefill-0.loan")
     # Without a loan directory, colocated, or CPUs left to the OS: no loans.

@@ -39,6 +39,11 @@ def env_of(container: dict) -> dict[str, dict]:
     return {item["name"]: item for item in container.get("env", [])}
 
 
+def values_of(env: dict[str, dict]) -> dict[str, str]:
+    """The variables with a literal value (those from a Secret or the pod's fields are set by Kubernetes)."""
+    return {name: item["value"] for name, item in env.items() if "value" in item}
+
+
 def apply_json_patch(doc: dict, patch: list[dict]) -> dict:
     """The subset of RFC 6902 the overlay uses: add and replace, `-` to append, `~1` for `/`."""
     doc = copy.deepcopy(doc)
@@ -72,8 +77,8 @@ def test_each_container_is_its_service_run_as_the_image_runs_it(resources):
         assert args[:2] == ["serve", name] and container["image"].startswith("splitserve:")
         parsed = cli_main.build_parser().parse_args(args)  # the image's entrypoint is `splitserve`
         assert parsed.name == name
-        service = importlib.import_module(f"services.{name}.__main__").build_parser().parse_args(args[2:])
         env = env_of(container)
+        service = importlib.import_module(f"services.{name}.__main__").settings_of(args[2:], environ=values_of(env))
         # Its bus settings from the environment the services read (SPLITSERVE_*), its own role's key only.
         assert env["SPLITSERVE_NATS_URL"]["value"] == "nats://nats:4222"
         assert env["SPLITSERVE_NATS_REPLICAS"]["value"] == "3"  # the chart's cluster of three: one copy on each
@@ -100,7 +105,8 @@ def test_the_kv_store_keeps_its_disk_tier_on_a_volume_its_user_owns(resources):
     assert kvstore["kind"] == "StatefulSet"
     (claim,) = kvstore["spec"]["volumeClaimTemplates"]
     (container,) = kvstore["spec"]["template"]["spec"]["containers"]
-    args = importlib.import_module("services.kvstore.__main__").build_parser().parse_args(container["args"][2:])
+    args = importlib.import_module("services.kvstore.__main__").settings_of(container["args"][2:],
+                                                                            environ=values_of(env_of(container)))
     mount = next(m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"])
     assert mount["mountPath"] == args.kv_store_dir and args.kv_store_disk_bytes > 0
     assert kvstore["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 1000  # the Dockerfile's user
@@ -148,7 +154,7 @@ def test_the_gpu_overlay_gives_each_model_worker_a_gpu(resources):
         kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
         (container,) = result["spec"]["template"]["spec"]["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-        importlib.import_module(f"services.{patch['target']['name']}.__main__").build_parser().parse_args(
-            container["args"][2:])
+        importlib.import_module(f"services.{patch['target']['name']}.__main__").settings_of(
+            container["args"][2:], environ=values_of(env_of(container)))
         patched.add(patch["target"]["name"])
     assert patched == {"prefill", "decode"}

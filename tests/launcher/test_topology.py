@@ -44,7 +44,7 @@ def test_the_gateway_gets_the_chat_template_only_when_one_is_given():
     assert "--chat-template" not in plan(CONFIG)[-1].args
     gateway = plan(dataclasses.replace(CONFIG, chat_template="/etc/t.jinja"))[-1]
     assert gateway.args[-2:] == ("--chat-template", "/etc/t.jinja")
-    parsed = importlib.import_module("services.gateway.__main__").build_parser().parse_args(gateway.args)
+    parsed = importlib.import_module("services.gateway.__main__").settings_of(list(gateway.args), environ={})
     assert parsed.chat_template == "/etc/t.jinja"
 
 
@@ -183,7 +183,7 @@ def test_each_config_plans_exactly_its_services():
         assert [(s.name, s.role) for s in plan(config)] == [(n, _role(config, n)) for n in names]
 
 
-def _meaning(config: UpConfig, names: tuple[str, ...], name: str, expect: dict[str, int], parser) -> dict:
+def _meaning(config: UpConfig, names: tuple[str, ...], name: str, expect: dict[str, int], settings) -> dict:
     """What service `name` must have been told, worked out from the config alone."""
     role = _role(config, name)
     disagg = config.topology == "disagg"
@@ -196,11 +196,11 @@ def _meaning(config: UpConfig, names: tuple[str, ...], name: str, expect: dict[s
     if role == "scheduler":
         local = config.max_local_prefill if disagg and config.max_local_prefill is not None else None
         return told | {"router": config.router,
-                       "max_local_prefill": parser.get_default("max_local_prefill") if local is None else local,
+                       "max_local_prefill": settings.model_fields["max_local_prefill"].default if local is None else local,
                        "offload_short_prefills": config.offload_short_prefills or not disagg,
                        "prefill_backlog_factor": config.prefill_backlog_factor
                        if disagg and config.prefill_backlog_factor is not None
-                       else parser.get_default("prefill_backlog_factor")}
+                       else settings.model_fields["prefill_backlog_factor"].default}
     if role == "gateway":
         return told | model | {"host": config.host, "port": config.port, "expect": expect}
     if role == "kvstore":
@@ -208,7 +208,7 @@ def _meaning(config: UpConfig, names: tuple[str, ...], name: str, expect: dict[s
                              "kv_store_disk_bytes": config.kv_store_disk_bytes, "kv_store_dir": config.kv_store_dir}
     told |= tls | model | {"dtype": config.dtype, "cpus": SECURED_CPUS.get(name) if config is SECURED else None,
                            "max_num_batched_tokens": config.max_num_batched_tokens
-                           or parser.get_default("max_num_batched_tokens")}
+                           or settings.model_fields["max_num_batched_tokens"].default}
     loan = f"{config.cpu_loan_dir}/prefill-0.loan" if config.cpu_loan_dir else None
     if role == "decode":
         paced = config.prefill_beside_decodes_ms
@@ -223,7 +223,7 @@ def _meaning(config: UpConfig, names: tuple[str, ...], name: str, expect: dict[s
     index = 0 if head else int(name.rsplit("-", 1)[1])
     later = [n for n in names if _role(config, n) == "stage" and n not in ("stage-0", "prefill-0")]
     return told | {"layers": config.stage_ranges[index], "stages": later if head else None,
-                   "microbatches": config.microbatches if head else parser.get_default("microbatches"),
+                   "microbatches": config.microbatches if head else settings.model_fields["microbatches"].default,
                    "head_role": "prefill" if head and disagg else "decode",
                    "ships_kv": disagg and not head,  # a prefill pool's stages ship their layers' KV
                    "kv_transport": config.kv_transport if disagg else "auto"}
@@ -233,11 +233,11 @@ def _meaning(config: UpConfig, names: tuple[str, ...], name: str, expect: dict[s
 def test_every_planned_command_line_parses_to_what_the_config_asked(config_id, name):
     config, names, expect = PLANNED[config_id]
     spec = {s.name: s for s in plan(config)}[name]
-    parser = importlib.import_module(f"services.{spec.role}.__main__").build_parser()
-    parsed = vars(parser.parse_args(list(spec.args)))
+    settings = importlib.import_module(f"services.{spec.role}.__main__").settings_of(list(spec.args), environ={})
+    parsed = dict(settings)
     if "layers" in parsed:
         parsed["layers"] = (parsed["layers"].start, parsed["layers"].end)
-    meaning = _meaning(config, names, name, expect, parser)
+    meaning = _meaning(config, names, name, expect, type(settings))
     assert {k: parsed[k] for k in meaning} == meaning
 
 
