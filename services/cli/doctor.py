@@ -9,6 +9,9 @@ STATUS_MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 
 def add_parser(subcommands) -> None:
     from services.cli.up import add_run_dir_option
+    from services.launcher.up_settings import UpSettings
+
+    up = UpSettings.model_fields
 
     parser = subcommands.add_parser(
         "doctor",
@@ -24,8 +27,10 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--nats", metavar="URL", help="an existing NATS server to check (default: the embedded one)")
     parser.add_argument("--nats-creds", metavar="FILE",
                         help="credentials for --nats: an NKey seed or .creds file (or SPLITSERVE_NATS_CREDS)")
-    parser.add_argument("--host", default="127.0.0.1", help="the address the API will listen on")
-    parser.add_argument("--port", type=int, default=8000, help="the port the API will listen on")
+    parser.add_argument("--host", default=up["host"].default, help="the address the API will listen on (default: "
+                                                                    "`up`'s)")
+    parser.add_argument("--port", type=int, default=up["port"].default, help="the port the API will listen on "
+                                                                             "(default: `up`'s)")
     parser.add_argument("--kv-store-dir", help="where the kv-store's disk tier will live")
     parser.add_argument("--min-free-gib", type=float, default=10.0, help="warn below this much free disk")
     add_run_dir_option(parser)
