@@ -1,7 +1,14 @@
 # The splitserve image: every service, run as `splitserve serve NAME ...`
-# (see compose/docker-compose.yml). CPU PyTorch; for GPUs start from a CUDA
-# base image and install torch from the matching index instead.
-FROM python:3.11-slim
+# (see compose/docker-compose.yml). Two builds of it, by which PyTorch it holds:
+#   docker build -t splitserve:latest .                        # CPU PyTorch (the default)
+#   docker build --build-arg TORCH=cuda -t splitserve:cuda .   # CUDA PyTorch, for GPU model workers
+# The CUDA build runs on any host whose NVIDIA driver supports its CUDA
+# version: PyTorch's CUDA libraries come with it as pip packages, the driver
+# from the host (NVIDIA Container Toolkit; compose/docker-compose.gpu.yml and
+# deploy/k8s/gpu ask for the GPUs).
+ARG TORCH=cpu
+
+FROM python:3.11-slim AS system
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -16,7 +23,14 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 # Torch first, in its own layer: it is by far the largest and changes least.
+FROM system AS torch-cpu
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+# PyPI's Linux wheel of torch is its CUDA build.
+FROM system AS torch-cuda
+RUN pip install torch==2.13.0
+
+FROM torch-${TORCH}
 
 # The project, then the built-in random model built once into the image
 # (`--model splitserve-default-llama`, what compose/ runs, so containers start

@@ -92,6 +92,7 @@ def engine_config(settings: EngineSettings, model_dir: str):
         device=settings.device,
         block_size=settings.block_size,
         kv_cache_bytes=settings.kv_cache_bytes,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,

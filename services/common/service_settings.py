@@ -37,6 +37,8 @@ def _cpu_list(value: Any) -> Any:
 
 
 CpuList = Annotated[tuple[int, ...], BeforeValidator(_cpu_list)]
+Device = Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")]
+MemoryShare = Annotated[float, Field(gt=0, le=1)]
 
 
 def _keys(keys: tuple[str, ...]) -> tuple[str, ...]:
@@ -111,10 +113,14 @@ class ModelSettings(Settings):
 class EngineSettings(Settings):
     """The model runner's, in every worker that embeds the engine."""
 
-    device: str = option("cpu", "cpu, cuda or cuda:N")
+    device: Device = option("cpu", "cpu, cuda or cuda:N")
     block_size: PositiveInt = option(DEFAULT_BLOCK_SIZE, "tokens per KV block", metavar="N")
     kv_cache_bytes: PositiveInt = option(DEFAULT_KV_CACHE_BYTES, "memory for the paged KV cache", metavar="N",
                                          shown_default=f"{DEFAULT_KV_CACHE_BYTES >> 20} MiB")
+    gpu_memory_utilization: MemoryShare | None = option(
+        None, "on a GPU: the share of its memory this worker may use (vLLM's meaning); the KV cache takes what the "
+        "weights and a full step's activations leave of it, instead of --kv-cache-bytes", metavar="F",
+        shown_default="none: --kv-cache-bytes")
     max_num_seqs: PositiveInt = option(DEFAULT_MAX_NUM_SEQS, "sequences in one step at most", metavar="N")
     max_num_batched_tokens: PositiveInt = option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "tokens in one step at most",
                                                  metavar="N")

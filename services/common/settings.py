@@ -74,7 +74,7 @@ def _shown(name: str, field: FieldInfo) -> str:
     if shown:
         return shown
     if field.is_required():
-        return "none: required"
+        return "none, required"
     default = field.get_default(call_default_factory=True)
     if isinstance(default, bool):
         return "on" if default else "off"

@@ -105,6 +105,7 @@ class Gateway:
         self.draining = False
         self._background: set[asyncio.Task] = set()  # short-lived work (releases) that stop() lets finish
         self._watcher: asyncio.Task | None = None
+        self._scraping: asyncio.Task | None = None  # the stats requests of the /metrics scrape in progress
 
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, name=self.settings.instance_id,
@@ -142,8 +143,9 @@ class Gateway:
     async def stop(self) -> None:
         # Whatever the drain left (none, unless it was cut short) ends with an error now; cancels still go out.
         self.streams.fail_all("shutting_down", "the gateway is shutting down")
-        if self._watcher is not None:
-            self._watcher.cancel()
+        for task in (self._watcher, self._scraping):
+            if task is not None:
+                task.cancel()
         if self._background:
             await asyncio.wait(set(self._background), timeout=2.0)
         for task in list(self._background):
@@ -157,7 +159,12 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
     async def _scrape_services(self) -> ScrapedStats:
-        return await ask_every_service(self.nc, self.subjects, [e for e in self.services if e.role != "gateway"])
+        """Every other service's stats now; scrapes that arrive while one is asking share its answers (so /metrics,
+        often open, cannot be made to flood the bus)."""
+        if self._scraping is None or self._scraping.done():
+            entries = [e for e in self.services if e.role != "gateway"]
+            self._scraping = asyncio.create_task(ask_every_service(self.nc, self.subjects, entries))
+        return await asyncio.shield(self._scraping)
 
     def info(self) -> ServiceInfo:
         return self.identity.info(

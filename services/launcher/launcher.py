@@ -80,6 +80,13 @@ class LaunchError(Exception):
         self.exit_code = exit_code
 
 
+def cuda_devices() -> int:
+    """How many CUDA devices torch sees here (0 without a GPU or with torch's CPU build)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raise LaunchError (exit 2) unless a server could listen on host:port."""
     try:
@@ -236,6 +243,13 @@ class Launcher:
                               f"--prefill-stages); this is --topology {o.topology}", 2)
         if o.microbatches < 1:
             raise LaunchError("--microbatches must be at least 1", 2)
+        wants_cuda = bool({o.device, o.prefill_device, o.decode_device} - {None, "cpu"})
+        try:
+            topology.check_devices(o.topology, o.device, o.prefill_device, o.decode_device, o.gpu_memory_utilization,
+                                   cuda_devices() if wants_cuda else 0,
+                                   pipelined=o.topology == "pipeline" or o.prefill_stages is not None)
+        except ValueError as exc:
+            raise LaunchError(str(exc), 2) from None
         if not 0 < o.port < 65536:
             raise LaunchError(f"--port {o.port} is not a TCP port", 2)
         if o.nats is not None:
@@ -419,6 +433,8 @@ class Launcher:
             nats_replicas=replicas_for(o.nats_replicas, o.nats_cluster) if o.nats is None and o.nats_cluster > 1
             else o.nats_replicas,
             transfer_tls=transfer_tls, cpu_loan_dir=str(self.run_dir / "cpu-loans") if o.lend_idle_cpus else None,
+            device=o.device, prefill_device=o.prefill_device, decode_device=o.decode_device,
+            gpu_memory_utilization=o.gpu_memory_utilization,
         )
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy, log_max_bytes=o.log_max_bytes,

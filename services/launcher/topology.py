@@ -56,6 +56,10 @@ class UpConfig:
     nats_replicas: int | None = None  # each service's `--nats-replicas` (None: theirs, by the cluster's size)
     transfer_tls: tuple[str, str, str] | None = None  # (CA, cert, key): every side channel speaks TLS only
     cpu_loan_dir: str | None = None  # disagg: idle prefill workers lend their CPUs to decode workers (loan files here)
+    device: str = "cpu"  # every model worker's (cpu, cuda, cuda:N), unless its pool's own says otherwise
+    prefill_device: str | None = None  # the prefill pool's (None: `device`)
+    decode_device: str | None = None  # the decode pool's, a colocated or pipeline deployment's workers too
+    gpu_memory_utilization: float | None = None  # on a GPU: each worker's share of its memory (None: fixed KV bytes)
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,8 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
              if s.name in shares else s for s in specs]
     if config.cpu_loan_dir is not None and config.topology == "disagg":
         specs = _with_cpu_loans(specs, shares, config.cpu_loan_dir)
+    specs = [dataclasses.replace(s, args=(*s.args, *_device_flags(config, s))) if s.role in ENGINE_ROLES else s
+             for s in specs]
     if config.nats_tls_ca is not None:
         specs = [dataclasses.replace(s, args=(*s.args, "--nats-tls-ca", config.nats_tls_ca)) for s in specs]
     if config.nats_replicas is not None:
@@ -147,6 +153,39 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
         return specs
     return [dataclasses.replace(s, args=(*s.args, "--nats-creds", str(creds_path(config.nats_creds_dir, s.role))))
             for s in specs]
+
+
+def device_of(config: UpConfig, spec: ServiceSpec) -> str:
+    """A model worker's device: its pool's (a prefill pipeline's stages are the prefill pool's), else `device`."""
+    pool = "prefill" if spec.role == "prefill" or spec.name.startswith("prefill") else "decode"
+    return (config.prefill_device if pool == "prefill" else config.decode_device) or config.device
+
+
+def check_devices(topology: str, device: str, prefill_device: str | None, decode_device: str | None,
+                  gpu_memory_utilization: float | None, cuda_devices: int, pipelined: bool = False) -> None:
+    """ValueError unless every pool's device exists here (`cuda_devices` of them) and a GPU memory share has a
+    GPU to apply to (and whole-model workers: `pipelined`, some of the workers are pipeline stages)."""
+    if prefill_device is not None and topology != "disagg":
+        raise ValueError(f"--prefill-device is the prefill pool's; --topology {topology} has none (use --device)")
+    used = {decode_device or device} | ({prefill_device or device} if topology == "disagg" else set())
+    for name in sorted(used - {"cpu"}):
+        index = int(name.partition(":")[2] or 0)
+        if index >= cuda_devices:
+            raise ValueError(f"device {name} is not here: torch sees {cuda_devices} CUDA device(s)")
+    if gpu_memory_utilization is not None and pipelined:
+        raise ValueError("--gpu-memory-utilization sizes whole-model workers' KV caches; pipeline stages take "
+                         "theirs from the engine's fixed size")
+    if gpu_memory_utilization is not None and "cpu" in used:
+        raise ValueError("--gpu-memory-utilization shares out a GPU's memory; a model worker here runs on the CPU "
+                         "(give --device cuda, or the pool's --prefill-device/--decode-device)")
+
+
+def _device_flags(config: UpConfig, spec: ServiceSpec) -> tuple[str, ...]:
+    device = device_of(config, spec)
+    flags = () if device == "cpu" else ("--device", device)
+    if config.gpu_memory_utilization is not None:
+        flags += ("--gpu-memory-utilization", f"{config.gpu_memory_utilization:g}")
+    return flags
 
 
 def _with_cpu_loans(specs: list[ServiceSpec], shares: dict[str, tuple[int, ...]], loan_dir: str) -> list[ServiceSpec]:

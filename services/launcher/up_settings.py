@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
-from services.common.service_settings import ApiKeys
+from services.common.service_settings import ApiKeys, Device, MemoryShare
 from services.common.settings import Settings, option
 from services.gateway.request_bus import DEFAULT_MIGRATION_LIMIT
 from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS
@@ -87,6 +87,15 @@ class UpSettings(Settings):
         None, "decode workers' stall-free chunking: a step carrying decodes lasts about MS, with the prompt chunks "
         "that fit beside them, so a prompt prefilled on a decode worker never stalls the others' tokens (0: off)",
         metavar="MS", shown_default=f"{DISAGG_PREFILL_BESIDE_DECODES_MS:g} in disagg, off in colocated")
+    device: Device = option("cpu", "every model worker's device: cpu, cuda or cuda:N")
+    prefill_device: Device | None = option(None, "disagg: the prefill pool's device (e.g. cuda:0, with "
+                                           "--decode-device cuda:1)", shown_default="--device")
+    decode_device: Device | None = option(None, "the decode pool's device (a colocated or pipeline deployment's "
+                                          "workers too)", shown_default="--device")
+    gpu_memory_utilization: MemoryShare | None = option(
+        None, "on GPUs: the share of its GPU's memory each model worker may use (vLLM's meaning; workers sharing a "
+        "GPU each take this share); its KV cache takes what its weights and a full step leave", metavar="F",
+        shown_default="none: each worker's KV cache is the engine's fixed size")
     cpus: Annotated[str, AfterValidator(_usable_cpus)] = option(
         "auto", "CPUs the model workers share out, each its own contiguous part, one torch thread per CPU (auto: "
         "every CPU this process may use; none: the OS places them)", metavar="auto|none|LIST")

@@ -84,6 +84,9 @@ async def serve(settings: StageSettings) -> int:
     num_layers = read_config(model_dir).num_hidden_layers
     if settings.layers.end > num_layers:
         raise SystemExit(f"--layers {settings.layers.start}:{settings.layers.end} is beyond the model's {num_layers} layers")
+    if settings.gpu_memory_utilization is not None:
+        raise SystemExit("a pipeline stage's KV cache is --kv-cache-bytes (a head's, its stages' smallest): "
+                         "--gpu-memory-utilization sizes whole-model workers'")
     is_head = settings.layers.start == 0
     if is_head and not settings.stages:
         raise SystemExit("the head (--layers 0:N) needs --stages: the stages after it, in order")

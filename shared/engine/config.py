@@ -19,6 +19,7 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    gpu_memory_utilization: float | None = None  # on a GPU: size the KV cache from this share of its memory instead
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -36,6 +37,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
         if self.prefill_beside_decodes_ms is not None and self.prefill_beside_decodes_ms <= 0:

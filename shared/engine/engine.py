@@ -28,6 +28,7 @@ from shared.engine.block_hash import cacheable_block_hashes
 from shared.engine.continuation import Continuation, KVOrigin
 from shared.engine.kv_connector import KVConnector, KVConnectors
 from shared.engine.kv_cache import KVAllocator, KVLayout, PagedKVCache
+from shared.engine.memory_budget import DeviceMemory, kv_cache_bytes_within, memory_of
 from shared.engine.model_loader import LayerRange, load_model, read_config, resolve_dtype
 from shared.engine.model_runner import ModelRunner
 from shared.engine.prefill_pacer import PrefillPacer
@@ -96,7 +97,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, load_tokenizer: bool = True, kv_allocator: KVAllocator | None = None,
-                 num_virtual_engines: int = 1):
+                 num_virtual_engines: int = 1, device_memory: DeviceMemory | None = None):
+        """`device_memory`: how `config.gpu_memory_utilization` measures the device (default: its GPU's)."""
         self.config = config
         model_config = read_config(config.model)
         self.model_config = model_config
@@ -115,7 +117,23 @@ class LLMEngine:
         per_block = PagedKVCache.bytes_per_block(self.local_layers_end, config.block_size, first.num_kv_heads,
                                                  first.head_dim, dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        by_memory = config.gpu_memory_utilization is not None and config.num_kv_blocks is None
+        if by_memory:  # a small cache for the measure first, then what the memory left holds
+            device_memory = device_memory or memory_of(first.device)
+            device_memory.reset_peak()
+            profile = _profile_batch(min(config.max_num_batched_tokens, self.max_model_len), config.max_num_seqs,
+                                     config.block_size)
+            num_blocks = sum(len(table) for table in profile.block_tables)
         self.executor = ChainExecutor([ModelRunner(m, num_blocks, config.block_size, kv_allocator) for m in loaded])
+        self.memory_sizing: dict | None = None  # how --gpu-memory-utilization sized the KV cache, where it did
+        if by_memory:
+            self.executor.execute(profile)
+            used = device_memory.peak_bytes() - num_blocks * per_block  # weights and the step, not its small cache
+            kv_bytes = kv_cache_bytes_within(device_memory.total_bytes(), config.gpu_memory_utilization, used)
+            num_blocks = max(1, kv_bytes // per_block)
+            self.executor.resize_kv(num_blocks)
+            self.memory_sizing = {"utilization": config.gpu_memory_utilization, "used_bytes": used,
+                                  "kv_cache_bytes": num_blocks * per_block}
         self.fingerprint = first.fingerprint
         self.connectors = KVConnectors()  # services' hooks into the KV (see `connect`)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint, config.enable_prefix_caching,
@@ -641,6 +659,26 @@ class LLMEngine:
                 "prompt",
             )
         params.check_token_ids(self.vocab_size)
+
+
+def _profile_batch(num_tokens: int, max_num_seqs: int, block_size: int) -> StepBatch:
+    """A full step to measure memory by: `num_tokens` prompt tokens over as many sequences as a step holds (each
+    sampled, as a step of that many sequences samples), each with blocks of its own."""
+    num_seqs = max(1, min(max_num_seqs, num_tokens))
+    lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+    batch = StepBatch([], [], [], [], [], [], [], block_size)
+    next_block = 0
+    for i, length in enumerate(lengths):
+        blocks = -(-length // block_size)
+        batch.request_ids.append(f"profile-{i}")
+        batch.token_ids += [0] * length
+        batch.positions += list(range(length))
+        batch.query_lens.append(length)
+        batch.context_lens.append(length)
+        batch.block_tables.append(list(range(next_block, next_block + blocks)))
+        batch.sample_indices.append(i)
+        next_block += blocks
+    return batch
 
 
 def _prompt_tokens(scheduled: SchedulerOutput) -> int:

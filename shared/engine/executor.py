@@ -25,6 +25,10 @@ class ChainExecutor:
             hidden = runner.execute(batch, hidden, after_layer)
         return hidden
 
+    def resize_kv(self, num_blocks: int) -> None:
+        for runner in self.runners:
+            runner.resize_kv(num_blocks)
+
     def kv_layout(self, layer_start: int, layer_end: int, num_blocks: int, num_tokens: int) -> KVLayout:
         """How these runners' caches lay out `num_blocks` blocks of those layers' KV for `num_tokens` tokens."""
         cache = self.runners[0].kv_cache

@@ -26,17 +26,8 @@ class ModelRunner:
         self.loaded = loaded
         self.device = loaded.device
         self.block_size = block_size
-        self.kv_cache = PagedKVCache(
-            loaded.layer_range.start,
-            loaded.layer_range.end,
-            num_blocks,
-            block_size,
-            loaded.num_kv_heads,
-            loaded.head_dim,
-            loaded.dtype,
-            loaded.device,
-            kv_allocator,
-        )
+        self._kv_allocator = kv_allocator
+        self.kv_cache = self._new_kv_cache(num_blocks)
         self.native_decode = native_decode_library(self.kv_cache)
         self.native_prefill = native_prefill_library(self.kv_cache)
         decoder = loaded.decoder
@@ -54,6 +45,16 @@ class ModelRunner:
             self.native_prefill, num_heads=self.stack.num_heads, num_kv_heads=self.stack.num_kv_heads,
             head_dim=self.stack.head_dim, block_size=block_size, dtype=loaded.dtype, device=loaded.device,
             windowed=any(w.sliding_window for w in self.stack.layers))
+
+    def _new_kv_cache(self, num_blocks: int) -> PagedKVCache:
+        loaded = self.loaded
+        return PagedKVCache(loaded.layer_range.start, loaded.layer_range.end, num_blocks, self.block_size,
+                            loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device, self._kv_allocator)
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """A new, empty KV cache of `num_blocks` blocks in place of the old one, which is let go first."""
+        self.kv_cache = None
+        self.kv_cache = self._new_kv_cache(num_blocks)
 
     def _linears(self) -> list[PackedLinear]:
         layers = [lin for w in self.stack.layers for lin in (w.qkv, w.o_proj, w.gate_up, w.down)]

@@ -182,7 +182,7 @@ def test_nats_admits_each_service_with_its_roles_key_from_nats_auth(compose_file
 
 def test_the_dockerfile_builds_the_splitserve_entrypoint():
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\s*$", dockerfile, re.M)
+    assert re.search(r"^FROM python:3\.11-slim AS system\s*$", dockerfile, re.M)
     assert re.search(r'^ENTRYPOINT \["splitserve"\]\s*$', dockerfile, re.M)
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"]["splitserve"] == "services.cli.main:main"
@@ -242,3 +242,23 @@ def test_prometheus_scrapes_the_gateway_and_the_dashboard_reads_metrics_it_serve
     provider = yaml.safe_load((COMPOSE.parent / "grafana/provisioning/dashboards/splitserve.yml").read_text())
     assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
     assert "./grafana/dashboards:/var/lib/grafana/dashboards:ro" in services["grafana"]["volumes"]
+
+
+def test_the_gpu_override_runs_each_model_worker_on_its_own_gpu_with_the_cuda_image(compose):
+    override = yaml.safe_load((COMPOSE.parent / "docker-compose.gpu.yml").read_text())
+    assert set(override["services"]) == {"prefill", "decode"}
+    gpus = []
+    for name, svc in override["services"].items():
+        base = compose["services"][name]
+        assert svc["image"] == "splitserve:cuda" and svc["build"]["args"]["TORCH"] == "cuda"
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        gpus += device["device_ids"]
+        # compose merges the environments: the worker's settings are the base command's, on the GPU.
+        settings = _service_main(name).settings_of(base["command"][2:],
+                                                   environ={**environment_of(base), **environment_of(svc)})
+        assert settings.device == "cuda" and settings.gpu_memory_utilization == 0.9
+    assert sorted(gpus) == ["0", "1"]  # one GPU each
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG TORCH=cpu$", dockerfile, re.M) and re.search(r"^FROM torch-\$\{TORCH\}$", dockerfile, re.M)
+    assert re.search(r"^FROM system AS torch-cuda\nRUN pip install torch==2\.13\.0$", dockerfile, re.M)

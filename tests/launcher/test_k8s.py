@@ -154,7 +154,8 @@ def test_the_gpu_overlay_gives_each_model_worker_a_gpu(resources):
         kubernetes_validate.validate(result, KUBERNETES_VERSION, strict=True)
         (container,) = result["spec"]["template"]["spec"]["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-        importlib.import_module(f"services.{patch['target']['name']}.__main__").settings_of(
+        settings = importlib.import_module(f"services.{patch['target']['name']}.__main__").settings_of(
             container["args"][2:], environ=values_of(env_of(container)))
+        assert settings.device == "cuda" and settings.gpu_memory_utilization == 0.9
         patched.add(patch["target"]["name"])
     assert patched == {"prefill", "decode"}
