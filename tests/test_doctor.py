@@ -44,7 +44,8 @@ def doctor(*args) -> tuple[int, dict]:
 def test_doctor_reports_every_item(nats_server, default_model, tmp_path):
     port = free_port()
     code, report = doctor("--nats", nats_server.url, "--model", default_model, "--port", str(port),
-                          "--run-dir", str(tmp_path / "run"), "--kv-store-dir", str(tmp_path / "kv"))
+                          "--run-dir", str(tmp_path / "run"), "--kv-store-dir", str(tmp_path / "kv"),
+                          "--gpu-memory-utilization", "0.1")
     checks = {c["name"]: c for c in report["checks"]}
     assert code == 0 and report["ok"], report
     names = set(checks)
@@ -52,8 +53,10 @@ def test_doctor_reports_every_item(nats_server, default_model, tmp_path):
             "model", "libraries"} <= names
     if torch.cuda.is_available():
         assert checks["gpu 0"]["status"] == "ok" and "gpu driver" in names
+        assert checks["gpu 0 memory"]["status"] in ("ok", "fail")
     else:
         assert checks["gpu"]["status"] == "skip" and "no CUDA GPU" in checks["gpu"]["detail"]
+        assert checks["gpu memory"]["status"] == "skip" and "no GPU" in checks["gpu memory"]["detail"]
     assert checks["nats"]["status"] == "ok" and "JetStream on" in checks["nats"]["detail"]
     assert checks["model"]["status"] == "ok" and "llama" in checks["model"]["detail"]
     assert checks["api port"]["status"] == "ok"
@@ -95,3 +98,12 @@ def test_the_port_of_the_run_directorys_own_deployment_is_no_failure(tmp_path):
         assert check.status == "ok" and "this run directory's deployment's gateway" in check.detail
         (other,) = api_port("127.0.0.1", port, tmp_path / "elsewhere")
         assert other.status == "fail"
+
+
+def test_a_gpu_memory_share_that_others_hold_fails():
+    from services.doctor.checks import FAIL, OK, memory_share
+
+    gib = 1 << 30
+    assert memory_share(0, 0.9, free_bytes=100 * gib, total_bytes=100 * gib).status == OK
+    held = memory_share(1, 0.9, free_bytes=40 * gib, total_bytes=100 * gib)
+    assert held.status == FAIL and held.name == "gpu 1 memory" and "90.0 of its 100.0 GiB" in held.detail

@@ -32,6 +32,8 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--port", type=int, default=up["port"].default, help="the port the API will listen on "
                                                                              "(default: `up`'s)")
     parser.add_argument("--kv-store-dir", help="where the kv-store's disk tier will live")
+    parser.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                        help="the share of each GPU's memory a model worker will ask (as `up` takes it): is it free?")
     parser.add_argument("--min-free-gib", type=float, default=10.0, help="warn below this much free disk")
     add_run_dir_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_store_dir:
         places["kv-store"] = Path(args.kv_store_dir)
     results = [
-        *checks.gpus(), *checks.cpu(), *checks.disk(places, int(args.min_free_gib * 2**30)),
+        *checks.gpus(), *checks.gpu_memory(args.gpu_memory_utilization), *checks.cpu(), *checks.disk(places, int(args.min_free_gib * 2**30)),
         *checks.nats_server(args.nats, creds_file=args.nats_creds), *checks.api_port(args.host, args.port, run_dir), *checks.model(args.model),
         *checks.libraries(),
     ]

@@ -159,6 +159,27 @@ def api_port(host: str, port: int, run_dir: Path | None = None) -> list[Check]:
     return [Check("api port", OK, f"{host}:{port} is free")]
 
 
+def memory_share(index: int, share: float, free_bytes: int, total_bytes: int) -> Check:
+    """Whether a model worker asking for `share` of GPU `index` (`--gpu-memory-utilization`) fits in what is free."""
+    budget = share * total_bytes
+    detail = (f"--gpu-memory-utilization {share:g} asks {budget / 2**30:.1f} of its {total_bytes / 2**30:.1f} GiB; "
+              f"{free_bytes / 2**30:.1f} GiB is free")
+    if budget > free_bytes:
+        return Check(f"gpu {index} memory", FAIL, detail + ": others hold the rest (a worker there would run out)")
+    return Check(f"gpu {index} memory", OK, detail)
+
+
+def gpu_memory(share: float | None) -> list[Check]:
+    """Each GPU's free memory against the share a model worker will ask of it."""
+    if share is None:
+        return [Check("gpu memory", SKIP, "no --gpu-memory-utilization: workers keep the engine's fixed KV size")]
+    import torch
+
+    if not torch.cuda.is_available():
+        return [Check("gpu memory", SKIP, "no GPU: --gpu-memory-utilization applies to GPU workers")]
+    return [memory_share(i, share, *torch.cuda.mem_get_info(i)) for i in range(torch.cuda.device_count())]
+
+
 def model(value: str | None) -> list[Check]:
     """The model `--model VALUE` names (the default one without it), as far as it can be checked offline."""
     from shared.engine.errors import ModelLoadError
