@@ -59,6 +59,17 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=2048,
         tie_word_embeddings=False,
     ),
+    # 16 x 60.8M decoder layers + 2 x 2048 x 2048 embedding/head = 981M params: on a GPU, big enough that a
+    # decode step reads its weights from HBM for longer than it launches kernels (the roofline check).
+    "1b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        tie_word_embeddings=False,
+    ),
     "tiny": dict(
         model_type="llama",
         hidden_size=64,
@@ -76,6 +87,7 @@ MODEL_CACHE_VERSION = "v1"
 # Workload defaults per preset; every one can be overridden by its flag.
 WORKLOAD_PRESETS: dict[str, dict[str, Any]] = {
     "100m": dict(decode_prompt_len=128, decode_tokens=128, prompt_lens=(16, 512), output_lens=(16, 256), repeats=3),
+    "1b": dict(decode_prompt_len=128, decode_tokens=128, prompt_lens=(16, 512), output_lens=(16, 256), repeats=3),
     "tiny": dict(decode_prompt_len=32, decode_tokens=16, prompt_lens=(8, 48), output_lens=(4, 16), repeats=3),
 }
 

@@ -36,12 +36,15 @@ class SettingsError(ValueError):
 
 
 def option(default: Any = None, description: str = "", *, flag: str | None = None, metavar: str | None = None,
-           env: str | None = None, shown_default: str | None = None, many: bool = False, **field: Any) -> Any:
+           env: str | None = None, shown_default: str | None = None, many: bool = False, joined: bool = False,
+           **field: Any) -> Any:
     """A settings field. `flag` (default: --NAME-WITH-DASHES) and `env` (default: SPLITSERVE_ + the flag's name)
     rename them; `shown_default` is how --help writes the default (default: the value itself); `many`: the flag
-    repeats and the variable holds A,B,... (a list); the rest is pydantic's `Field` (constraints such as ge=1,
-    repr=False). Without a default (`...`) the setting is required."""
-    extra = {"flag": flag, "metavar": metavar, "env": env, "shown_default": shown_default, "many": many}
+    repeats and the variable holds A,B,... (a list), and `joined` takes the flags' items and the variable's
+    together; the rest is pydantic's `Field` (constraints such as ge=1, repr=False). Without a default (`...`)
+    the setting is required."""
+    extra = {"flag": flag, "metavar": metavar, "env": env, "shown_default": shown_default, "many": many,
+             "joined": joined}
     return Field(default, description=description, json_schema_extra={k: v for k, v in extra.items() if v}, **field)
 
 
@@ -142,6 +145,9 @@ def settings_from(settings: type[S], args: argparse.Namespace | None = None,
     given = {name: value for name, value in vars(args or argparse.Namespace()).items() if name in settings.model_fields}
     from_env = _from_environment(settings, os.environ if environ is None else environ)
     from_file = _from_file(settings, Path(config_file)) if config_file else {}
+    for name in given.keys() & from_env.keys():
+        if _extra(settings.model_fields[name]).get("joined"):
+            given[name] = [*given[name], *from_env[name]]
     try:
         return settings(**{**from_file, **from_env, **given})
     except ValidationError as exc:

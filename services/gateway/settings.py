@@ -45,8 +45,9 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
         {"scheduler": 1, "decode": 1}, "services that must be ready for /ready to answer 200", metavar="ROLE=N,...",
         shown_default="scheduler=1,decode=1")
     api_keys: ApiKeys = option((), "require `Authorization: Bearer KEY` on /v1/* (repeatable; the variable "
-                                       "takes KEY,KEY,... and, unlike a flag, other local users cannot read it)",
-                                       flag="--api-key", metavar="KEY", env="SPLITSERVE_API_KEY", many=True,
+                                       "takes KEY,KEY,..., which other local users cannot read as they can a flag; "
+                                       "the keys of both count)",
+                                       flag="--api-key", metavar="KEY", env="SPLITSERVE_API_KEY", many=True, joined=True,
                                        repr=False)
     protect_metrics: bool = option(False, "require an API key on /metrics too")
     max_request_bytes: PositiveInt = option(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies are refused with 413",

@@ -42,9 +42,9 @@ class UpSettings(Settings):
     host: str = option("127.0.0.1", "address the gateway listens on")
     port: Port = option(8000, "port the gateway listens on")
     api_keys: ApiKeys = option((), "the gateway requires `Authorization: Bearer KEY` on /v1/* (repeatable; "
-                                       "the variable takes KEY,KEY,... and, unlike a flag, other local users cannot "
-                                       "read it)", flag="--api-key", metavar="KEY", env="SPLITSERVE_API_KEY",
-                                       many=True, repr=False)
+                                       "the variable takes KEY,KEY,..., which other local users cannot read as "
+                                       "they can a flag; the keys of both count)", flag="--api-key", metavar="KEY",
+                                       env="SPLITSERVE_API_KEY", many=True, joined=True, repr=False)
     chat_template: str | None = option(None, "the gateway's chat template instead of the tokenizer's: a Jinja "
                                        "file, or the template itself", metavar="FILE|TEMPLATE")
     migration_limit: Count | None = option(None, "times a request moves to another worker, from the tokens its "

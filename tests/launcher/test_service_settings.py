@@ -52,6 +52,8 @@ def test_the_gateways_keys_come_from_flags_or_the_variable_and_never_show():
     from services.gateway.__main__ import settings_of
 
     assert settings_of([], environ={"SPLITSERVE_API_KEY": "k1,k2"}).api_keys == ("k1", "k2")
+    both = settings_of(["--api-key", "f1"], environ={"SPLITSERVE_API_KEY": "k1,k2"})  # a flag's keys join them
+    assert both.api_keys == ("f1", "k1", "k2")
     assert settings_of(["--expect", "decode=2"], environ={}).expect == {"decode": 2}
 
 
