@@ -4,7 +4,7 @@
 #   here:   bash loadtest/device_wheels.sh    # once: the wheels the device's image lacks, into .whl/
 #   there:  the device tool's run, command "bash loadtest/device_check.sh", carry [".whl"], timeout 600
 #
-# Steps, each bounded in time, each logged to $OUT/STEP.log with its exit code in $OUT/summary.txt:
+# Steps, each bounded in time (510 s together, inside the device's 600 s a run), each logged to $OUT/STEP.log with its exit code in $OUT/summary.txt:
 #   1. the engine's exactness tests on the GPU (against transformers on the CPU), and the KV cache sized by
 #      --gpu-memory-utilization with CUDA's own memory measure;
 #   2. bench_engine at 100m (the launch-bound size last measured) and at 1b (a step reads ~3.9 GB of float32
@@ -36,11 +36,11 @@ step() {  # step NAME SECONDS COMMAND...
 print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" | tee "$OUT/device.txt"
 nvidia-smi >> "$OUT/device.txt" 2>&1
 
-step exactness 240 env SPLITSERVE_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider \
+step exactness 180 env SPLITSERVE_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider \
   tests/engine/test_exactness.py tests/engine/test_memory_budget.py
-step "engine-$small" 150 "$PY" -m loadtest.bench_engine --preset "$small" --device "$DEVICE" "${bench[@]}" \
+step "engine-$small" 120 "$PY" -m loadtest.bench_engine --preset "$small" --device "$DEVICE" "${bench[@]}" \
   --output "$OUT/engine-$small.json"
-step "engine-$big" 240 "$PY" -m loadtest.bench_engine --preset "$big" --device "$DEVICE" --requests 8 \
+step "engine-$big" 180 "$PY" -m loadtest.bench_engine --preset "$big" --device "$DEVICE" --requests 8 \
   --output "$OUT/engine-$big.json"
 step roofline 30 "$PY" -m loadtest.decode_roofline "$OUT/engine-$big.json" --output "$OUT/roofline.json"
 cat "$OUT/summary.txt"

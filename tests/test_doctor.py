@@ -107,3 +107,24 @@ def test_a_gpu_memory_share_that_others_hold_fails():
     assert memory_share(0, 0.9, free_bytes=100 * gib, total_bytes=100 * gib).status == OK
     held = memory_share(1, 0.9, free_bytes=40 * gib, total_bytes=100 * gib)
     assert held.status == FAIL and held.name == "gpu 1 memory" and "90.0 of its 100.0 GiB" in held.detail
+
+
+def test_doctor_checks_what_up_would_use_from_its_flags_variables_and_config_file(tmp_path):
+    from services.cli.doctor import up_settings_of
+    from services.cli.main import build_parser
+
+    config = tmp_path / "up.yaml"
+    config.write_text("port: 9100\nhost: 0.0.0.0\n")
+
+    def settings(*argv, **environ):
+        return up_settings_of(build_parser().parse_args(["doctor", *argv]), environ)
+
+    assert (settings().host, settings().port) == ("127.0.0.1", 8000)  # up's defaults
+    assert settings(SPLITSERVE_PORT="9000").port == 9000
+    assert (settings("--config", str(config), SPLITSERVE_PORT="9000").host,
+            settings(SPLITSERVE_CONFIG=str(config), SPLITSERVE_PORT="9000").port) == ("0.0.0.0", 9000)
+    assert settings("--port", "9200", SPLITSERVE_PORT="9000").port == 9200
+    assert settings(SPLITSERVE_NATS_URL="nats://10.0.0.1:4222").nats == "nats://10.0.0.1:4222"
+    code = subprocess.run([sys.executable, "-m", "services.cli.main", "doctor", "--gpu-memory-utilization", "1.5"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert code.returncode == 2 and "argument --gpu-memory-utilization" in code.stderr, code.stderr

@@ -2,16 +2,17 @@
 
 import argparse
 import json
+import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
+UP_SETTINGS_CHECKED = ("model", "nats", "host", "port", "gpu_memory_utilization")
 STATUS_MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 
 
 def add_parser(subcommands) -> None:
     from services.cli.up import add_run_dir_option
-    from services.launcher.up_settings import UpSettings
-
-    up = UpSettings.model_fields
 
     parser = subcommands.add_parser(
         "doctor",
@@ -21,30 +22,49 @@ def add_parser(subcommands) -> None:
                     "models and KV spill, the NATS server (with JetStream), the API port, the model directory and "
                     "library versions. On a machine without a GPU it says so and checks the rest.",
     )
+    # What `up` would use, from the same flags, SPLITSERVE_* variables and --config file (`up`'s settings).
     parser.add_argument("--model", metavar="NAME|DIR|FILE.gguf",
-                        help="the model to serve: a known name, a directory or a .gguf file "
-                             "(default: smollm2-135m-instruct)")
-    parser.add_argument("--nats", metavar="URL", help="an existing NATS server to check (default: the embedded one)")
+                        help="the model to serve: a known name, a directory or a .gguf file (default: `up`'s)")
+    parser.add_argument("--nats", metavar="URL", help="an existing NATS server to check (default: `up`'s; none: the "
+                                                      "embedded one)")
     parser.add_argument("--nats-creds", metavar="FILE",
                         help="credentials for --nats: an NKey seed or .creds file (or SPLITSERVE_NATS_CREDS)")
-    parser.add_argument("--host", default=up["host"].default, help="the address the API will listen on (default: "
-                                                                    "`up`'s)")
-    parser.add_argument("--port", type=int, default=up["port"].default, help="the port the API will listen on "
-                                                                             "(default: `up`'s)")
+    parser.add_argument("--host", help="the address the API will listen on (default: `up`'s)")
+    parser.add_argument("--port", type=int, help="the port the API will listen on (default: `up`'s)")
     parser.add_argument("--kv-store-dir", help="where the kv-store's disk tier will live")
     parser.add_argument("--gpu-memory-utilization", type=float, metavar="F",
-                        help="the share of each GPU's memory a model worker will ask (as `up` takes it): is it free?")
+                        help="the share of each GPU's memory a model worker will ask (default: `up`'s): is it free?")
+    parser.add_argument("--config", metavar="FILE.yaml", help="`up`'s config file, read as `up` reads it "
+                                                              "(default: $SPLITSERVE_CONFIG)")
     parser.add_argument("--min-free-gib", type=float, default=10.0, help="warn below this much free disk")
     add_run_dir_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(run=run)
 
 
+def up_settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None = None):
+    """The settings `up` would run with, given doctor's flags for the ones both take."""
+    from services.common.settings import settings_from
+    from services.launcher.up_settings import UpSettings
+
+    environ = os.environ if environ is None else environ
+    given = {name: getattr(args, name) for name in UP_SETTINGS_CHECKED if getattr(args, name) is not None}
+    return settings_from(UpSettings, argparse.Namespace(**given), args.config or environ.get("SPLITSERVE_CONFIG"),
+                         environ)
+
+
 def run(args: argparse.Namespace) -> int:
+    from services.common.settings import SettingsError
     from services.doctor import checks
     from services.launcher.deployment import resolve_run_dir
     from shared.engine.default_model import cache_root
 
+    try:
+        up = up_settings_of(args)
+    except SettingsError as exc:
+        print(f"splitserve doctor: error: {exc}", file=sys.stderr)
+        return 2
+    args = argparse.Namespace(**{**vars(args), **{name: getattr(up, name) for name in UP_SETTINGS_CHECKED}})
     run_dir = resolve_run_dir(args.run_dir)
     places = {"run directory": run_dir}
     places["model"] = Path(args.model) if args.model and Path(args.model).is_dir() else cache_root() / "models"

@@ -6,8 +6,9 @@ The work is in `services.launcher.launcher`; the settings, and so the flags, in 
 import argparse
 import os
 import sys
+from collections.abc import MutableMapping
 
-from services.common.settings import add_flags
+from services.common.settings import add_flags, variables_of
 from services.launcher.deployment import DEFAULT_RUN_DIR, RUN_DIR_ENV
 from services.launcher.up_settings import UpSettings
 
@@ -48,14 +49,21 @@ def settings_of(args: argparse.Namespace, environ=None) -> UpSettings:
         raise SystemExit(2) from None
 
 
+def forget_up_variables(environ: MutableMapping[str, str]) -> None:
+    """Drop the variables `up` has read from the environment its services inherit: what they said is in each
+    service's flags now, and a service that reads the same name (SPLITSERVE_DEVICE, SPLITSERVE_CPUS, ...) would
+    take it where `up` passed no flag, over what `up` decided. The API keys reach the gateway alone, in its
+    own environment."""
+    for name in variables_of(UpSettings) | {"SPLITSERVE_CONFIG"}:
+        environ.pop(name, None)
+
+
 def run(args: argparse.Namespace) -> int:
     from services.launcher.deployment import resolve_run_dir
     from services.launcher.launcher import Launcher, install_signal_handlers, restore_signal_handlers
 
     settings = settings_of(args)
-    # The keys reach the gateway alone, in its environment: the variable leaves the environment the other
-    # services inherit.
-    os.environ.pop("SPLITSERVE_API_KEY", None)
+    forget_up_variables(os.environ)
     launcher = Launcher(settings.model_copy(update={"run_dir": resolve_run_dir(settings.run_dir)}))
     previous = install_signal_handlers(launcher)
     try:

@@ -134,6 +134,13 @@ class EngineSettings(Settings):
                                   "each", metavar="LIST",
                                   shown_default="wherever the OS places them, torch's default thread count")
 
+    @model_validator(mode="after")
+    def _memory_share_on_a_gpu(self) -> EngineSettings:
+        if self.gpu_memory_utilization is not None and not self.device.startswith("cuda"):
+            raise ValueError(f"--gpu-memory-utilization shares out a GPU's memory, and this worker runs on "
+                             f"{self.device} (size its KV cache with --kv-cache-bytes)")
+        return self
+
 
 class KVStoreTierSettings(Settings):
     """A model worker's use of the deployment's kv-store."""

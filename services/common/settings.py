@@ -60,6 +60,11 @@ def env_of(name: str, field: FieldInfo) -> str:
     return _extra(field).get("env") or ENV_PREFIX + flag_of(name, field)[2:].replace("-", "_").upper()
 
 
+def variables_of(settings: type[Settings]) -> set[str]:
+    """The SPLITSERVE_* variables `settings` reads."""
+    return {env_of(name, field) for name, field in settings.model_fields.items()}
+
+
 def _bare(annotation: Any) -> Any:
     """`X` of `X | None` (and of Annotated[X, ...], which pydantic has already unwrapped)."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -158,8 +163,8 @@ def settings_from(settings: type[S], args: argparse.Namespace | None = None,
 def _explain(settings: type[Settings], error: dict, given: dict, from_env: dict, config_file) -> str:
     name = str(error["loc"][0]) if error["loc"] else ""
     field = settings.model_fields.get(name)
-    if field is None:
-        return error["msg"]
+    if field is None:  # a check across settings (a model validator): its own words
+        return error["msg"].removeprefix("Value error, ")
     if error["type"] == "missing":
         return f"{flag_of(name, field)} is required (or {env_of(name, field)})"
     if name in given:

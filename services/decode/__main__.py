@@ -25,13 +25,6 @@ def settings_of(argv: list[str] | None = None, environ=None) -> DecodeSettings:
     return parse_settings(build_parser(), DecodeSettings, argv, environ)
 
 
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 async def serve(settings: DecodeSettings) -> int:
     from services.common.cpu_loan import cpu_share_from_settings
     from services.common.engine_loop import DEFAULT_GATHER_S

@@ -1,9 +1,14 @@
 """How much of a GPU's memory the KV cache may take: vLLM's `--gpu-memory-utilization`.
 
-A worker may use `utilization` of its GPU's total memory. Its weights and the peak of one full step (the whole
-token budget as one prompt) are measured once at start-up, on a small KV cache; the KV cache then takes the rest.
-The measure is torch's caching allocator's peak (`max_memory_reserved`): the CUDA context and other memory outside
-torch (a few hundred MiB) are not in it, which is why a share below 1 is the norm.
+A worker may use `utilization` of its GPU's total memory. Its weights and the peak of one full step of fresh
+prompts (the whole token budget, over as many sequences as a step holds, each sampled) are measured once at
+start-up, on a small KV cache; the KV cache then takes the rest. The measure is torch's caching allocator's peak
+(`max_memory_reserved`): the CUDA context and other memory outside torch (a few hundred MiB) are not in it, which
+is why a share below 1 is the norm.
+
+Not in the measure: what attention gathers for long contexts where no native kernel reads the blocks in place (on
+a GPU today: decodes' keys and values padded per group, and a continued prompt chunk's). Those grow with the
+contexts served, so leave room for them in the share until the GPU has a paged attention kernel.
 """
 
 from __future__ import annotations

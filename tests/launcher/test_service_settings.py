@@ -62,6 +62,8 @@ def test_the_gateways_keys_come_from_flags_or_the_variable_and_never_show():
     ([], {"SPLITSERVE_KV_CACHE_BYTES": "lots"}, "SPLITSERVE_KV_CACHE_BYTES: Input should be a valid integer"),
     (["--cpus", "3-1"], {}, "argument --cpus"),
     (["--mode", "ring"], {}, "invalid choice"),
+    (["--gpu-memory-utilization", "0.9"], {}, "error: --gpu-memory-utilization shares out a GPU's memory, and this "
+                                               "worker runs on cpu"),
 ])
 def test_a_bad_setting_is_a_usage_error_naming_its_source(argv, env, says):
     result = subprocess.run([sys.executable, "-m", "services.decode", *argv], capture_output=True, text=True,

@@ -82,3 +82,28 @@ def test_up_reads_its_config_file_and_refuses_a_bad_one(tmp_path):
     config.write_text("decode: many\n")
     result = cli("up", "--run-dir", str(tmp_path / "run"), env={"SPLITSERVE_CONFIG": str(config)})
     assert result.returncode == 2 and f"{config}: decode" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_variables_up_read_do_not_reach_its_services():
+    """`SPLITSERVE_DEVICE=cuda splitserve up --device cpu`: the workers run on the CPU. What up read is in each
+    service's flags; a service reading the same variable where up passed no flag would undo up's decision."""
+    import importlib
+
+    from services.cli.up import forget_up_variables
+    from services.launcher import topology
+
+    environ = {"SPLITSERVE_DEVICE": "cuda", "SPLITSERVE_CPUS": "none", "SPLITSERVE_PREFILL_BESIDE_DECODES_MS": "0",
+               "SPLITSERVE_KV_STORE": "true", "SPLITSERVE_CONFIG": "/etc/up.yaml", "SPLITSERVE_API_KEY": "secret",
+               "SPLITSERVE_CACHE_DIR": "/cache", "SPLITSERVE_NATS_CREDS": "/creds/decode.nk", "PATH": "/bin"}
+    settings = settings_from(UpSettings, up_args("--device", "cpu", "--prefill-beside-decodes-ms", "0",
+                                                 "--no-kv-store"), None, environ)
+    assert settings.device == "cpu" and not settings.kv_store
+    forget_up_variables(environ)
+    assert environ == {"SPLITSERVE_CACHE_DIR": "/cache", "SPLITSERVE_NATS_CREDS": "/creds/decode.nk", "PATH": "/bin"}
+    specs = topology.plan(topology.UpConfig(model="/m", served_model_name="m", nats_url="nats://127.0.0.1:1",
+                                            topology="disagg", device="cpu", prefill_beside_decodes_ms=0,
+                                            kv_store=False))
+    for spec in specs:
+        service = importlib.import_module(f"{spec.module}.__main__").settings_of(list(spec.args), environ=environ)
+        if spec.role in ("decode", "prefill"):
+            assert service.device == "cpu" and not service.kv_store, spec.name
