@@ -10,6 +10,7 @@ every side channel speaks TLS only (certificates from a CA made for the deployme
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -94,6 +95,16 @@ class HostsDeployment:
                                     "--nats-replicas", str(len(self.hosts.netns)), "--namespace", self.namespace,
                                     "--nats-creds", str(self.creds / f"{role}.nk"), "--instance-id", instance, *tls,
                                     *args])
+
+    def nats_node_of(self, name: str) -> str:
+        """The NATS node (`nats-HOST`) the service `name` is connected to: the last one its log says it connected
+        or reconnected to."""
+        servers = [json.loads(line)["server"] for line in (self.dir / f"{name}.log").read_text().splitlines()
+                   if line.startswith("{") and ('"nats connected"' in line or '"nats reconnected"' in line)]
+        if not servers:
+            raise RuntimeError(f"{name} has not said it connected to NATS")
+        address = servers[-1].rsplit(":", 1)[0]
+        return next(f"nats-{host}" for host, a in self.hosts.address.items() if a == address)
 
     def report(self, lines: int = 12) -> str:
         """Each process that has exited, with its code and the end of its log: why a deployment is not ready."""

@@ -113,7 +113,7 @@ class RequestBus:
         raise_if_cancelled()  # (a cancel that came with the publish's ack: nobody waits for the assignment)
         event = await stream.next_event(self.assign_timeout_s)
         if not isinstance(event, Assignment):  # sent first on the worker's connection: it was lost on the way
-            raise StreamError("stream_broken", "the worker's assignment was lost in transit")
+            raise StreamError("stream_broken", "the worker's assignment was lost in transit", worker_intact=True)
 
     async def _start_moving_on(self, stream: RequestStream) -> None:
         """`_start`, moving the request on where its worker failed it before its first token. Not when nobody took

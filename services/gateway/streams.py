@@ -82,10 +82,12 @@ class RequestStream:
             return event
         if event.seq != self.next_seq:
             self.finished = True
-            kind = "duplicate" if event.seq < self.next_seq else "gap"
-            # Lost in transit (NATS restarting under it), or two workers on one attempt: movable, from what the
-            # client has.
-            raise StreamError("stream_broken", f"token stream {kind}: expected chunk {self.next_seq}, got {event.seq}")
+            gap = event.seq > self.next_seq
+            # Movable, from what the client has. A gap is chunks lost in transit (the gateway's NATS node going
+            # away under it): its worker is not at fault, and may be the only one there is, so it may take the
+            # request again. A duplicate is two workers on one attempt: the one it heard from is ruled out.
+            raise StreamError("stream_broken", f"token stream {'gap' if gap else 'duplicate'}: expected chunk "
+                                               f"{self.next_seq}, got {event.seq}", worker_intact=gap)
         self.next_seq += 1
         self.finished = event.finished
         return event

@@ -108,6 +108,15 @@ def test_a_gap_or_a_duplicate_breaks_the_stream_as_a_movable_failure():
             await stream.next_event(1)
         assert failure.value.code == "stream_broken" and "gap" in str(failure.value)
         assert may_move(failure.value.code, moves=0, migration_limit=3)
+        assert failure.value.worker_intact  # lost in transit: its worker may take the request again
+
+        again = streams.open("r2")
+        for seq in (0, 1, 1):  # chunk 1 twice: two workers on one attempt
+            await streams.on_message(chunk("r2", seq))
+        assert [(await again.next_event(1)).seq for _ in range(2)] == [0, 1]
+        with pytest.raises(StreamError) as failure:
+            await again.next_event(1)
+        assert "duplicate" in str(failure.value) and not failure.value.worker_intact
 
     asyncio.run(scenario())
 

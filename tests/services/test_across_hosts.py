@@ -93,15 +93,18 @@ def test_a_deployment_across_three_hosts_serves_exactly_and_rides_out_a_nats_nod
         assert f'"advertise_host": "{hosts.address["c"]}"' in decode_log
         assert '"tls": true' in next(line for line in decode_log.splitlines() if "kv receiver listening" in line)
 
-        # (a) A NATS node killed under six streams (and started again, as its supervisor would): none lost.
+        # (a) The gateway's NATS node killed under six streams (and started again, as its supervisor would): none
+        # lost. Chunks sent while the gateway reconnects are lost with the node; each broken stream goes on from
+        # what its client has, on decode-0 again (the only worker there is, and not at fault).
         body = {"model": MODEL, "prompt": "A story about the sea", "max_tokens": 400, "ignore_eos": True,
                 "temperature": 0}
         reference = streamed_text(across.on("a", stream, GATEWAY, body))
+        victim = across.nats_node_of("gateway-0")
         killed = []
 
         def kill_a_node(events):
             if len(events) == 30 and not killed:
-                across.procs["nats-c"].kill()
+                across.procs[victim].kill()
                 killed.append(time.monotonic())
 
         runs = [across.clients["a"].submit(stream, GATEWAY, body, kill_a_node if i == 0 else lambda events: None)
@@ -110,15 +113,14 @@ def test_a_deployment_across_three_hosts_serves_exactly_and_rides_out_a_nats_nod
         assert killed, "the streams ended before the node could be killed"
         assert not [e for events in results for e in events if "error" in e]
         assert [streamed_text(events) for events in results] == [reference] * 6
-        across.restart("nats-c")
-        wait_until(lambda: across.gateway_ready(GATEWAY), 60, "not ready again after nats-c came back", poll_s=1.0)
-        # Every stream's copy on c caught up: another node's loss now keeps a quorum.
+        across.restart(victim)
+        wait_until(lambda: across.gateway_ready(GATEWAY), 60, f"not ready again after {victim} came back", poll_s=1.0)
+        # Every stream's copy on the victim caught up: another node's loss now keeps a quorum.
         wait_until(lambda: across.on("a", all_current, across.nats_url, str(across.creds / "admin.nk")), 60,
-                   "nats-c's copies never caught up", poll_s=1.0)
+                   f"{victim}'s copies never caught up", poll_s=1.0)
 
         # (b) Host b cut off: prompts are prefilled on c (at worst after the 5 s job deadline), none fails.
         prompt, expected = cases[1]
-        time.sleep(2.5)  # decode-0's last figures in (with its next heartbeat)
         remote_before = metric(across, "splitserve_prefill_outcomes_total", instance="decode-0", outcome="remote")
         hosts.cut("b")
         started = time.monotonic()
@@ -129,7 +131,6 @@ def test_a_deployment_across_three_hosts_serves_exactly_and_rides_out_a_nats_nod
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
         assert time.monotonic() - started < 3 * 40
-        time.sleep(2.5)
         assert metric(across, "splitserve_prefill_outcomes_total", instance="decode-0", outcome="remote") == remote_before
         # Back: prefill-0 serves again (its NATS node rejoins, its entry is read again).
         hosts.mend("b")
