@@ -104,7 +104,10 @@ class HostsDeployment:
         if not servers:
             raise RuntimeError(f"{name} has not said it connected to NATS")
         address = servers[-1].rsplit(":", 1)[0]
-        return next(f"nats-{host}" for host, a in self.hosts.address.items() if a == address)
+        for host, a in self.hosts.address.items():
+            if a == address:
+                return f"nats-{host}"
+        raise RuntimeError(f"{name} is connected to {servers[-1]}, no host's NATS node")
 
     def report(self, lines: int = 12) -> str:
         """Each process that has exited, with its code and the end of its log: why a deployment is not ready."""

@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="the figures (JSON)")
     parser.add_argument("--table", help="the markdown table")
     args = parser.parse_args(argv)
+    if min(args.scrapes, args.scrapers, args.streams, args.max_tokens) < 1 or args.interval_s <= 0:
+        parser.error("--scrapes, --scrapers, --streams and --max-tokens are at least 1, --interval-s above 0")
     from shared.engine.model_registry import resolve_model
 
     model_dir = str(resolve_model(args.model).model_dir)

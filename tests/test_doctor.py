@@ -128,3 +128,10 @@ def test_doctor_checks_what_up_would_use_from_its_flags_variables_and_config_fil
     code = subprocess.run([sys.executable, "-m", "services.cli.main", "doctor", "--gpu-memory-utilization", "1.5"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert code.returncode == 2 and "argument --gpu-memory-utilization" in code.stderr, code.stderr
+
+
+def test_doctor_checks_a_nats_cluster_given_as_url_url(nats_server):
+    from services.doctor.checks import OK, nats_server as check_nats
+
+    (check,) = check_nats(f"{nats_server.url},{nats_server.url}")
+    assert check.status == OK and "JetStream on" in check.detail, check.detail

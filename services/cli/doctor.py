@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve doctor: error: {exc}", file=sys.stderr)
         return 2
     args = argparse.Namespace(**{**vars(args), **{name: getattr(up, name) for name in UP_SETTINGS_CHECKED}})
-    run_dir = resolve_run_dir(args.run_dir)
+    run_dir = resolve_run_dir(args.run_dir or up.run_dir)
     places = {"run directory": run_dir}
     places["model"] = Path(args.model) if args.model and Path(args.model).is_dir() else cache_root() / "models"
     if args.kv_store_dir:

@@ -106,11 +106,12 @@ def nats_server(url: str | None, timeout_s: float = 5.0, creds_file: str | None 
     async def probe() -> Check:
         import nats
 
+        from shared.bus.connection import server_urls
         from shared.bus.credentials import credentials_from
 
         try:
             auth = credentials_from(creds_file).connect_options()
-            nc = await asyncio.wait_for(nats.connect(url, connect_timeout=timeout_s, max_reconnect_attempts=0,
+            nc = await asyncio.wait_for(nats.connect(server_urls(url), connect_timeout=timeout_s, max_reconnect_attempts=0,
                                                      allow_reconnect=False, error_cb=_quiet, **auth), timeout_s)
         except Exception as exc:
             return Check("nats", FAIL, f"cannot connect to {url}: {exc!r}")

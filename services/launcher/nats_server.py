@@ -23,7 +23,7 @@ from pathlib import Path
 
 from services.launcher.log_files import RotatingLog
 from services.launcher.procs import parent_death_signal_preexec, process_start_time, signal_group
-from shared.bus.connection import nats_endpoints
+from shared.bus.connection import nats_endpoints, server_urls
 
 BINARY_NAME = "nats-server"
 BINARY_ENV = "SPLITSERVE_NATS_SERVER"
@@ -401,7 +401,7 @@ def jetstream_answers(url: str, creds_file: str | os.PathLike | None = None,
     async def ask() -> bool:
         options = credentials_from(str(creds_file), environ={}).connect_options() if creds_file is not None else {}
         try:
-            nc = await nats.connect(servers=url.split(","), connect_timeout=1, max_reconnect_attempts=0,
+            nc = await nats.connect(servers=server_urls(url), connect_timeout=1, max_reconnect_attempts=0,
                                     allow_reconnect=False, tls=client_tls_context(tls_ca, None, None, environ={}),
                                     **options)
         except Exception:

@@ -70,7 +70,7 @@ async def connect(
         await within(
             connect_timeout_s,
             nc.connect(
-                servers=[u.strip() for u in url.split(",")],
+                servers=server_urls(url),
                 name=name,
                 **auth,
                 **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}),
@@ -151,6 +151,11 @@ async def _close_quietly(nc: Client, timeout_s: float = 1.0) -> None:
         await within(timeout_s, nc.close())
     except Exception as exc:  # closing a half-open client can fail in several ways; it is gone either way
         log.debug("nats close failed", error=str(exc) or type(exc).__name__)
+
+
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS URL as nats-py takes them (a cluster's as URL,URL,...)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
 
 
 def nats_endpoints(url: str) -> list[tuple[str, int]]:
