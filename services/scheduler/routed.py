@@ -5,7 +5,9 @@ heartbeat would all see the same load and go to the same worker. Each request co
 offered to from the moment it is chosen (before the handoff, so routings in flight see each other) until
 the worker's entry shows it: a worker counts the requests it takes (`handoffs_taken` in its entry's
 details, and in its reply to each handoff), so an entry whose count has reached the one its reply carried
-holds the request in its figures (or it has finished). A refused or failed handoff stops counting at once.
+holds the request in its figures (or it has finished); the entry may show it before the reply comes (the
+worker's load report overtook it), and the reply then ends the count. A refused or failed handoff stops
+counting at once.
 
 Bounded: a request counts `max_age_ms` at most (also the only end for a worker that does not count), its
 worker leaving or restarting ends it, and at most `max_requests` are held (the oldest go first).
@@ -27,6 +29,11 @@ class _Routed:
     num_blocks: int
     chosen_ms: int
     handoffs_taken: int = 0  # from the worker's acceptance; 0 while the handoff is in flight
+
+
+def _shows(entry: ServiceInfo, routed: _Routed) -> bool:
+    """Whether `entry`'s figures hold the request (or its end): made by its worker's process after taking it."""
+    return entry.boot_id == routed.boot_id and 0 < routed.handoffs_taken <= entry.handoffs_taken
 
 
 @dataclass(slots=True)
@@ -55,11 +62,16 @@ class RoutedTally:
         while len(self._routed) > self.max_requests:
             self.discard(next(iter(self._routed)))
 
-    def accepted(self, request_id: str, handoffs_taken: int) -> None:
-        """The worker took it, as its `handoffs_taken`-th request: an entry with that count shows it."""
+    def accepted(self, request_id: str, handoffs_taken: int, entries: list[ServiceInfo]) -> None:
+        """The worker took it, as its `handoffs_taken`-th request: an entry with that count shows it. Its entry
+        among `entries` (the view now) may already: the worker's load report can overtake its reply."""
         routed = self._routed.get(request_id)
-        if routed is not None:
-            routed.handoffs_taken = handoffs_taken
+        if routed is None:
+            return
+        routed.handoffs_taken = handoffs_taken
+        entry = next((e for e in entries if e.instance_id == routed.instance_id), None)
+        if entry is not None and _shows(entry, routed):
+            self.discard(request_id)
 
     def discard(self, request_id: str) -> None:
         """It is not (or no longer) counted here: refused, failed, or shown by its worker's entry."""
@@ -79,7 +91,7 @@ class RoutedTally:
         for request_id, routed in list(self._routed.items()):
             entry = by_id.get(routed.instance_id)
             if (entry is None or entry.boot_id != routed.boot_id or now_ms - routed.chosen_ms > self.max_age_ms
-                    or 0 < routed.handoffs_taken <= entry.handoffs_taken):
+                    or _shows(entry, routed)):
                 self.discard(request_id)
 
     def apply(self, workers: list[ServiceInfo]) -> list[ServiceInfo]:

@@ -276,7 +276,7 @@ class Router:
                 reply = await self._offer_again(worker, request, lease)
             unreached = unreached and reply is None
             if isinstance(reply, HandoffReply) and reply.accepted:
-                self.routed.accepted(request.request_id, reply.handoffs_taken)
+                self.routed.accepted(request.request_id, reply.handoffs_taken, self.workers)
             else:
                 self.routed.discard(request.request_id)
             if reply == "timeout":

@@ -16,8 +16,13 @@ def eligible_workers(entries: list[ServiceInfo], role: str, served_model_name: s
 
 
 def with_load(entry: ServiceInfo, load: WorkerLoad | None) -> ServiceInfo:
-    """`entry` with the figures of `load`, a report from the same process sent after the entry's heartbeat."""
-    if load is None or load.boot_id != entry.boot_id or load.sent_ms <= entry.heartbeat_ms:
+    """`entry` with the figures of `load`, a report from the same process made after the entry's heartbeat: one
+    counting more handoffs taken (a count that only grows), or as many and sent later. The count decides first
+    because both are stamped in milliseconds: a handoff taken between a heartbeat and a report made within the
+    same one would otherwise leave the heartbeat's figures standing, without that request."""
+    if load is None or load.boot_id != entry.boot_id:
+        return entry
+    if (load.handoffs_taken, load.sent_ms) <= (entry.handoffs_taken, entry.heartbeat_ms):
         return entry
     return replace(entry, num_running=load.num_running, num_waiting=load.num_waiting,
                    kv_blocks_free=load.kv_blocks_free, active_requests=load.active_requests,

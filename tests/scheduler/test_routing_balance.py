@@ -58,11 +58,11 @@ def test_a_cached_prefix_still_draws_its_request_to_the_holder():
     # its 24 blocks; what the scheduler sees of decode-0 is a heartbeat made while the first turn ran (26 blocks).
     tally = RoutedTally()
     assert route(tally, [worker("decode-0"), worker("decode-1")], "first", prompt_blocks=25) == "decode-0"
-    tally.accepted("first", handoffs_taken=1)
+    tally.accepted("first", handoffs_taken=1, entries=[])
     stale = [worker("decode-0", used=26, running=1, taken=1), worker("decode-1", taken=0)]
     tally.settle(stale, now_ms=1100)
     assert route(tally, stale, "second", prompt_blocks=28, cached={"decode-0": 25}) == "decode-0"
-    tally.accepted("second", handoffs_taken=2)
+    tally.accepted("second", handoffs_taken=2, entries=stale)
     # Both turns have finished, no heartbeat since: the second still counts here, but only with the blocks it
     # added to the cache, so the holder's stale blocks and it do not outweigh the 20 cached blocks.
     assert route(tally, stale, "third", prompt_blocks=24, cached={"decode-0": 20}) == "decode-0"
@@ -79,12 +79,27 @@ def test_the_tally_counts_until_the_workers_entry_shows_the_request():
     assert shown[1] == worker("decode-1")
     tally.settle([worker("decode-0", taken=7)], now_ms=1100)
     assert tally.counts() == {"decode-0": 1}  # the handoff is still in flight: no entry can show it yet
-    tally.accepted("r1", handoffs_taken=8)
+    tally.accepted("r1", handoffs_taken=8, entries=[worker("decode-0", taken=7)])
     tally.settle([worker("decode-0", taken=7)], now_ms=1200)
     assert tally.counts() == {"decode-0": 1}  # that heartbeat was made before the worker took it
     tally.settle([worker("decode-0", taken=8)], now_ms=1300)
     assert tally.counts() == {} and len(tally) == 0  # this one shows it (or that it has finished)
     assert tally.apply([worker("decode-0")]) == [worker("decode-0")]
+
+
+def test_a_load_report_that_overtook_the_handoffs_reply_ends_the_count_when_the_reply_comes():
+    tally = RoutedTally()
+    tally.offered("r1", worker("decode-0"), 4, now_ms=1000)
+    shown = [worker("decode-0", running=1, active=1, taken=1), worker("decode-1")]
+    tally.settle(shown, now_ms=1010)  # the report came first: which request it counts is not known yet
+    assert tally.counts() == {"decode-0": 1}
+    tally.accepted("r1", handoffs_taken=1, entries=shown)  # it is this one: counted once, by the worker
+    assert tally.counts() == {}
+    assert [num_seqs(w) for w in tally.apply(shown)] == [1, 0]
+    # Shown by another process of the same name (it restarted meanwhile): that entry does not hold it.
+    tally.offered("r2", worker("decode-1"), 4, now_ms=1020)
+    tally.accepted("r2", handoffs_taken=1, entries=[worker("decode-1", taken=5, boot="b2")])
+    assert tally.counts() == {"decode-1": 1}
 
 
 def test_the_tally_adds_to_what_the_worker_reports_it_holds():
@@ -110,7 +125,7 @@ def test_the_tally_is_bounded():
     tally = RoutedTally(max_age_ms=5000, max_requests=3)
     for i in range(5):
         tally.offered(f"r{i}", worker("decode-0"), 1, now_ms=i * 1000)
-        tally.accepted(f"r{i}", handoffs_taken=0)  # a worker that does not count its handoffs
+        tally.accepted(f"r{i}", handoffs_taken=0, entries=[worker("decode-0")])  # a worker not counting handoffs
     assert len(tally) == 3 and tally.counts() == {"decode-0": 3}  # the oldest went first
     tally.settle([worker("decode-0")], now_ms=8500)  # its entry never says: too old now
     assert tally.counts() == {"decode-0": 1}
@@ -140,7 +155,13 @@ def test_a_load_report_newer_than_the_heartbeat_replaces_its_figures():
     assert entry.num_running == 3
     assert num_seqs(fresh) == 0 and num_seqs(entry) == 4
     # Older than the heartbeat, or from another process of the same name: the entry stands.
-    assert with_load(entry, WorkerLoad(**{**msgspec.structs.asdict(report), "sent_ms": 990})) is entry
+    assert with_load(entry, WorkerLoad(**{**msgspec.structs.asdict(report), "sent_ms": 990, "handoffs_taken": 9})) \
+        is entry
+    assert with_load(entry, WorkerLoad(**{**msgspec.structs.asdict(report), "sent_ms": 1000, "handoffs_taken": 9})) \
+        is entry
+    # Made in the heartbeat's millisecond, after a handoff the heartbeat does not count: the report is the newer.
+    same_ms = with_load(entry, WorkerLoad(**{**msgspec.structs.asdict(report), "sent_ms": 1000}))
+    assert (same_ms.handoffs_taken, same_ms.active_requests) == (10, 0)
     assert with_load(entry, WorkerLoad(**{**msgspec.structs.asdict(report), "boot_id": "b2"})) is entry
     assert with_load(entry, None) is entry
     # A prefill worker's entry takes its report's figures as well.
