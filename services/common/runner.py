@@ -5,6 +5,7 @@ from collections.abc import Awaitable, Callable
 from contracts import Subjects
 from services.common.options import bus_credentials, bus_tls
 from services.common.service_settings import ServiceSettings
+from services.common.startup_heap import freeze_startup_heap
 from services.common.status_server import start_status_server
 from shared.bus.connection import ShutdownSignal, connect, drain
 from shared.bus.permissions import inbox_prefix
@@ -41,6 +42,7 @@ async def run_service(settings: ServiceSettings, role: str, build: Callable[...,
     tasks = await service.start()
     if settings.status_port is not None:
         tasks.append(await start_status_server(settings.status_host, settings.status_port, nc, service))
+    freeze_startup_heap()
     log.info(f"{role} ready", instance_id=settings.instance_id)
     # A service with a `drain()` (a model worker) drains while its tasks still run.
     code = await run_until_stopped(*tasks, shutdown=shutdown, on_shutdown=getattr(service, "drain", None))

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from contracts import ServiceInfo, Subjects
 from services.common.identity import ServiceIdentity
 from services.common.sampling_wire import to_wire
+from services.common.startup_heap import freeze_startup_heap
 from services.gateway import readiness, responses
 from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, authorized, check_text, read_body, unauthorized
 from services.gateway.choices import Choices, submit_all
@@ -222,6 +223,7 @@ def create_app(settings: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await gateway.start()
+        freeze_startup_heap()
         yield
         await gateway.stop()
         shutdown_tracing()
