@@ -118,7 +118,7 @@ class Gateway:
         self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
                                       streams=self.streams, migration_limit=self.settings.migration_limit,
                                       idle_timeout_s=self.settings.stream_idle_timeout_s,
-                                      on_move=self.metrics.migrated)
+                                      on_move=self.metrics.migrated, registry_entry=self._entry_of)
         self.heartbeat = Heartbeat(self.registry, self.info)
         self.heartbeat.start()
         await self._refresh_services()
@@ -184,6 +184,9 @@ class Gateway:
                 readings.failed()
             elif readings.absences_count(listed_at):
                 self.streams.fail_orphans(self.services, listed_at)
+
+    def _entry_of(self, instance_id: str) -> ServiceInfo | None:
+        return next((e for e in self.services if e.instance_id == instance_id), None)
 
     async def _refresh_services(self) -> bool:
         try:

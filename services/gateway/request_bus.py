@@ -4,16 +4,18 @@ A request whose worker fails under it (gone from the registry or restarted, a fa
 within the idle deadline) moves to another worker, up to `migration_limit` times: it is submitted again under
 a new bus id with the tokens its client already has, the new worker computes them after the prompt and goes on,
 and the old one is told to cancel (a stalled worker that wakes up drops it). The client sees one stream.
+The failed worker may not take it again, unless what failed was the way to it: a gap in the chunks, a lost
+assignment, or silence from a worker whose registry entry shows it beating meanwhile.
 """
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from contracts import Assignment, CancelRequest, GenerateRequest, Sampling, Subjects, TokenChunk
+from contracts import Assignment, CancelRequest, GenerateRequest, Sampling, ServiceInfo, Subjects, TokenChunk
 from services.common.identity import now_ms
-from services.gateway.streams import RequestStream, StreamError, TokenStreams
+from services.gateway.streams import RequestStream, StreamError, TokenStreams, silence_leaves_worker_intact
 from shared.cancellation import raise_if_cancelled
 from shared.telemetry.logging import get_logger
 
@@ -50,7 +52,8 @@ class Submission:
 class RequestBus:
     def __init__(self, *, nc, subjects: Subjects, gateway_id: str, streams: TokenStreams,
                  assign_timeout_s: float = 30.0, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, on_move=lambda failure_code: None):
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, on_move=lambda failure_code: None,
+                 registry_entry: Callable[[str], ServiceInfo | None] = lambda instance_id: None):
         self.nc = nc
         self.js = nc.jetstream()
         self.subjects = subjects
@@ -60,6 +63,7 @@ class RequestBus:
         self.idle_timeout_s = idle_timeout_s
         self.migration_limit = migration_limit
         self.on_move = on_move  # told the failure code of every move
+        self.registry_entry = registry_entry  # a service's entry as this gateway last read the registry
 
     async def submit(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: Sampling,
                      headers: dict[str, str] | None = None) -> RequestStream:
@@ -134,6 +138,9 @@ class RequestBus:
             except StreamError as exc:
                 if not may_move(exc.code, stream.moves, self.migration_limit):
                     raise
+                if exc.last_word_ms is not None and stream.worker_instance is not None:
+                    exc.worker_intact = silence_leaves_worker_intact(
+                        self.registry_entry(stream.worker_instance), stream.worker_boot_id, exc.last_word_ms)
                 await self._move(stream, exc)
                 continue
             if isinstance(event, TokenChunk):

@@ -26,12 +26,27 @@ class StreamError(Exception):
     """The request ended badly; `code` is a RequestFailed code."""
 
     def __init__(self, code: str, message: str, param: str | None = None, retry_after_s: float | None = None,
-                 worker_intact: bool = False):
+                 worker_intact: bool = False, last_word_ms: int | None = None):
         super().__init__(message)
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
         self.worker_intact = worker_intact  # the worker said it can serve again (RequestFailed.worker_intact)
+        self.last_word_ms = last_word_ms  # went silent: when (unix ms) its worker last said a word for it
+
+
+# A worker says a word for each request it holds at least this often (services.decode.worker's StreamAlive).
+WORKER_WORD_EVERY_MS = 1000
+
+
+def silence_leaves_worker_intact(entry: ServiceInfo | None, worker_boot_id: str | None, last_word_ms: int) -> bool:
+    """Whether a stream that went silent leaves its worker free to take the request again: the worker's registry
+    entry, put by the same process, is newer than its last word for the request by two of its intervals. It
+    was there and beating while it said nothing more of the request, so what went missing is the request's
+    messages (its last chunk, lost with the gateway's NATS node) or the request itself, not the worker; the one
+    worker of a pool must not be ruled out for it. A worker frozen or gone has put no such entry."""
+    return (entry is not None and worker_boot_id is not None and entry.boot_id == worker_boot_id
+            and entry.heartbeat_ms > last_word_ms + 2 * WORKER_WORD_EVERY_MS)
 
 
 @dataclass(slots=True)
@@ -64,9 +79,11 @@ class RequestStream:
             if left <= 0:
                 if self.worker_instance is None:
                     raise StreamError("timeout", f"no worker took the request within {timeout_s:g} s")
-                # A taken request hears from its worker every second: this one is stalled or gone.
+                # A taken request hears from its worker every second: this one is stalled or gone (or the words
+                # were lost on the way: `silence_leaves_worker_intact` tells).
                 raise StreamError("worker_failed", f"worker {self.worker_instance} went silent: no word from it "
-                                                   f"for {timeout_s:g} s")
+                                                   f"for {timeout_s:g} s",
+                                  last_word_ms=int((time.time() - (time.monotonic() - self.heard_at)) * 1000))
             try:
                 async with asyncio.timeout(left):  # unlike 3.11's wait_for, never swallows a cancel
                     event = await self.queue.get()

@@ -1,13 +1,14 @@
 """Which failures move a request to another worker, and what a move does to its stream on this gateway."""
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from contracts import RequestFailed, StreamAlive, TokenChunk
+from contracts import RequestFailed, ServiceInfo, StreamAlive, TokenChunk
 from services.gateway.request_bus import may_move
-from services.gateway.streams import StreamError, TokenStreams
+from services.gateway.streams import StreamError, TokenStreams, silence_leaves_worker_intact
 
 
 @pytest.mark.parametrize("code, moves, limit, moved", [
@@ -138,3 +139,79 @@ def test_a_failure_its_worker_survived_moves_without_ruling_that_worker_out():
 
     asyncio.run(scenario())
 
+
+
+def test_a_silent_stream_says_when_its_worker_last_spoke():
+    async def scenario():
+        streams = TokenStreams()
+        stream = streams.open("r1")
+        stream.worker_instance, stream.worker_boot_id = "decode-0", "boot-a"
+        await streams.on_message(chunk("r1", 0))
+        assert (await stream.next_event(1)).seq == 0
+        await streams.on_message(SimpleNamespace(subject="t", data=StreamAlive(request_id="r1").encode()))
+        spoke_ms = time.time() * 1000
+        with pytest.raises(StreamError) as silent:
+            await stream.next_event(0.2)
+        assert silent.value.code == "worker_failed" and not silent.value.worker_intact
+        assert spoke_ms - 50 <= silent.value.last_word_ms <= spoke_ms + 50
+
+    asyncio.run(scenario())
+
+
+def entry(boot_id: str, heartbeat_ms: int) -> ServiceInfo:
+    return ServiceInfo(instance_id="decode-0", role="decode", boot_id=boot_id, heartbeat_ms=heartbeat_ms)
+
+
+@pytest.mark.parametrize("worker_entry, intact", [
+    (entry("boot-a", 13_000), True),    # it kept beating for 3 s after its last word: the words were lost
+    (entry("boot-a", 11_500), False),   # its beats stopped about when its words did: frozen, or gone
+    (entry("boot-b", 20_000), False),   # another process of the same name: the one that had it restarted
+    (None, False),                      # not in the registry at all
+])
+def test_silence_leaves_the_worker_intact_only_if_its_process_kept_beating(worker_entry, intact):
+    assert silence_leaves_worker_intact(worker_entry, "boot-a", last_word_ms=10_000) is intact
+    assert not silence_leaves_worker_intact(worker_entry, None, last_word_ms=10_000)  # never assigned
+
+
+def test_a_request_gone_silent_on_a_worker_that_kept_beating_may_go_back_to_it(nats_server):
+    """Through the request bus, on a real NATS: the stream goes silent, the registry shows its worker beating
+    since, and the request moves without ruling the worker out (with one worker, the only place it can go)."""
+    import uuid
+
+    import nats
+
+    from contracts import Assignment, Sampling, Subjects
+    from services.common.queues import provision_request_queue
+    from services.gateway.request_bus import RequestBus
+
+    async def scenario():
+        nc = await nats.connect(nats_server.url)
+        subjects = Subjects("t" + uuid.uuid4().hex[:10])
+        await provision_request_queue(nc.jetstream(), subjects)
+        streams = TokenStreams()
+        beating = {}
+        bus = RequestBus(nc=nc, subjects=subjects, gateway_id="gateway-0", streams=streams, idle_timeout_s=0.3,
+                         assign_timeout_s=2.0, registry_entry=beating.get)
+        stream = streams.open("r1")
+        stream.submission = SimpleNamespace(model="m", prompt_token_ids=[1, 2], sampling=Sampling(), headers={})
+        stream.worker_instance, stream.worker_boot_id = "decode-0", "boot-a"
+        beating["decode-0"] = entry("boot-a", int(time.time() * 1000) + 5_000)  # a beat well after any word
+
+        async def assign_the_next_attempt():
+            while stream.bus_id == "r1":
+                await asyncio.sleep(0.02)
+            await streams.on_message(SimpleNamespace(subject="t", data=Assignment(
+                request_id=stream.bus_id, worker_instance="decode-0", worker_boot_id="boot-a").encode()))
+            await streams.on_message(SimpleNamespace(subject="t", data=TokenChunk(
+                request_id=stream.bus_id, seq=0, token_ids=[7], text="x", finished=True).encode()))
+
+        helper = asyncio.create_task(assign_the_next_attempt())
+        try:
+            chunks = [c async for c in bus.chunks(stream)]
+        finally:
+            helper.cancel()
+            await nc.close()
+        assert [c.token_ids for c in chunks] == [[7]] and stream.moves == 1
+        assert stream.failed_on == []  # decode-0 may take it again
+
+    asyncio.run(scenario())
