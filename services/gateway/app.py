@@ -21,6 +21,7 @@ from services.common.identity import ServiceIdentity
 from services.common.sampling_wire import to_wire
 from services.common.startup_heap import freeze_startup_heap
 from services.gateway import readiness, responses
+from services.gateway.beats_seen import BeatsSeen
 from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, authorized, check_text, read_body, unauthorized
 from services.gateway.choices import Choices, submit_all
 from services.gateway.errors import (
@@ -100,6 +101,7 @@ class Gateway:
         self.model = ModelInfo.load(settings.model_dir, settings.served_model_name, settings.chat_template)
         self.streams = TokenStreams()
         self.services: list[ServiceInfo] = []
+        self.beats = BeatsSeen()  # when each service process was last seen alive, on this gateway's clock
         self.metrics = GatewayMetrics(self._scrape_services, self.streams.num_waiting,
                                       model_name=settings.served_model_name, instance=settings.instance_id)
         self.identity = ServiceIdentity(settings.instance_id, "gateway")
@@ -118,7 +120,7 @@ class Gateway:
         self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
                                       streams=self.streams, migration_limit=self.settings.migration_limit,
                                       idle_timeout_s=self.settings.stream_idle_timeout_s,
-                                      on_move=self.metrics.migrated, registry_entry=self._entry_of)
+                                      on_move=self.metrics.migrated, worker_alive_after=self.beats.alive_after)
         self.heartbeat = Heartbeat(self.registry, self.info)
         self.heartbeat.start()
         await self._refresh_services()
@@ -185,12 +187,11 @@ class Gateway:
             elif readings.absences_count(listed_at):
                 self.streams.fail_orphans(self.services, listed_at)
 
-    def _entry_of(self, instance_id: str) -> ServiceInfo | None:
-        return next((e for e in self.services if e.instance_id == instance_id), None)
-
     async def _refresh_services(self) -> bool:
         try:
+            read_at = time.monotonic()
             self.services = await self.registry.list()
+            self.beats.read(self.services, read_at)
             return True
         except Exception as exc:
             log.warning("registry read failed", error=repr(exc))

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from contracts import Assignment, CancelRequest, GenerateRequest, Sampling, ServiceInfo, Subjects, TokenChunk
+from contracts import Assignment, CancelRequest, GenerateRequest, Sampling, Subjects, TokenChunk
 from services.common.identity import now_ms
 from services.gateway.streams import RequestStream, StreamError, TokenStreams, silence_leaves_worker_intact
 from shared.cancellation import raise_if_cancelled
@@ -53,7 +53,7 @@ class RequestBus:
     def __init__(self, *, nc, subjects: Subjects, gateway_id: str, streams: TokenStreams,
                  assign_timeout_s: float = 30.0, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT, on_move=lambda failure_code: None,
-                 registry_entry: Callable[[str], ServiceInfo | None] = lambda instance_id: None):
+                 worker_alive_after: Callable[[str, str | None], float | None] = lambda instance_id, boot_id: None):
         self.nc = nc
         self.js = nc.jetstream()
         self.subjects = subjects
@@ -63,7 +63,7 @@ class RequestBus:
         self.idle_timeout_s = idle_timeout_s
         self.migration_limit = migration_limit
         self.on_move = on_move  # told the failure code of every move
-        self.registry_entry = registry_entry  # a service's entry as this gateway last read the registry
+        self.worker_alive_after = worker_alive_after  # a worker process's latest known sign of life (BeatsSeen)
 
     async def submit(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: Sampling,
                      headers: dict[str, str] | None = None) -> RequestStream:
@@ -138,9 +138,9 @@ class RequestBus:
             except StreamError as exc:
                 if not may_move(exc.code, stream.moves, self.migration_limit):
                     raise
-                if exc.last_word_ms is not None and stream.worker_instance is not None:
+                if exc.last_word_at is not None and stream.worker_instance is not None:
                     exc.worker_intact = silence_leaves_worker_intact(
-                        self.registry_entry(stream.worker_instance), stream.worker_boot_id, exc.last_word_ms)
+                        self.worker_alive_after(stream.worker_instance, stream.worker_boot_id), exc.last_word_at)
                 await self._move(stream, exc)
                 continue
             if isinstance(event, TokenChunk):

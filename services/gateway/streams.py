@@ -26,27 +26,26 @@ class StreamError(Exception):
     """The request ended badly; `code` is a RequestFailed code."""
 
     def __init__(self, code: str, message: str, param: str | None = None, retry_after_s: float | None = None,
-                 worker_intact: bool = False, last_word_ms: int | None = None):
+                 worker_intact: bool = False, last_word_at: float | None = None):
         super().__init__(message)
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
         self.worker_intact = worker_intact  # the worker said it can serve again (RequestFailed.worker_intact)
-        self.last_word_ms = last_word_ms  # went silent: when (unix ms) its worker last said a word for it
+        self.last_word_at = last_word_at  # went silent: when (time.monotonic()) its worker last said a word for it
 
 
 # A worker says a word for each request it holds at least this often (services.decode.worker's StreamAlive).
-WORKER_WORD_EVERY_MS = 1000
+WORKER_WORD_EVERY_S = 1.0
 
 
-def silence_leaves_worker_intact(entry: ServiceInfo | None, worker_boot_id: str | None, last_word_ms: int) -> bool:
-    """Whether a stream that went silent leaves its worker free to take the request again: the worker's registry
-    entry, put by the same process, is newer than its last word for the request by two of its intervals. It
-    was there and beating while it said nothing more of the request, so what went missing is the request's
-    messages (its last chunk, lost with the gateway's NATS node) or the request itself, not the worker; the one
-    worker of a pool must not be ruled out for it. A worker frozen or gone has put no such entry."""
-    return (entry is not None and worker_boot_id is not None and entry.boot_id == worker_boot_id
-            and entry.heartbeat_ms > last_word_ms + 2 * WORKER_WORD_EVERY_MS)
+def silence_leaves_worker_intact(worker_alive_after: float | None, last_word_at: float) -> bool:
+    """Whether a stream that went silent leaves its worker free to take the request again: its process was alive
+    (`BeatsSeen.alive_after`) two of its word intervals after its last word for the request. It was there while
+    it said nothing more of the request, so what went missing is the request's messages (its last chunk, lost
+    with the gateway's NATS node) or the request itself, not the worker; the one worker of a pool must not be
+    ruled out for it. A worker frozen or gone has shown no such sign."""
+    return worker_alive_after is not None and worker_alive_after >= last_word_at + 2 * WORKER_WORD_EVERY_S
 
 
 @dataclass(slots=True)
@@ -83,7 +82,7 @@ class RequestStream:
                 # were lost on the way: `silence_leaves_worker_intact` tells).
                 raise StreamError("worker_failed", f"worker {self.worker_instance} went silent: no word from it "
                                                    f"for {timeout_s:g} s",
-                                  last_word_ms=int((time.time() - (time.monotonic() - self.heard_at)) * 1000))
+                                  last_word_at=self.heard_at)
             try:
                 async with asyncio.timeout(left):  # unlike 3.11's wait_for, never swallows a cancel
                     event = await self.queue.get()

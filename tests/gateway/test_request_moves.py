@@ -8,6 +8,7 @@ import pytest
 
 from contracts import RequestFailed, ServiceInfo, StreamAlive, TokenChunk
 from services.gateway.request_bus import may_move
+from services.gateway.beats_seen import BeatsSeen
 from services.gateway.streams import StreamError, TokenStreams, silence_leaves_worker_intact
 
 
@@ -149,33 +150,48 @@ def test_a_silent_stream_says_when_its_worker_last_spoke():
         await streams.on_message(chunk("r1", 0))
         assert (await stream.next_event(1)).seq == 0
         await streams.on_message(SimpleNamespace(subject="t", data=StreamAlive(request_id="r1").encode()))
-        spoke_ms = time.time() * 1000
+        spoke_at = time.monotonic()
         with pytest.raises(StreamError) as silent:
             await stream.next_event(0.2)
         assert silent.value.code == "worker_failed" and not silent.value.worker_intact
-        assert spoke_ms - 50 <= silent.value.last_word_ms <= spoke_ms + 50
+        assert spoke_at - 0.05 <= silent.value.last_word_at <= spoke_at
 
     asyncio.run(scenario())
 
 
-def entry(boot_id: str, heartbeat_ms: int) -> ServiceInfo:
-    return ServiceInfo(instance_id="decode-0", role="decode", boot_id=boot_id, heartbeat_ms=heartbeat_ms)
+def entry(boot_id: str, heartbeat_ms: int, instance_id: str = "decode-0") -> ServiceInfo:
+    return ServiceInfo(instance_id=instance_id, role="decode", boot_id=boot_id, heartbeat_ms=heartbeat_ms)
 
 
-@pytest.mark.parametrize("worker_entry, intact", [
-    (entry("boot-a", 13_000), True),    # it kept beating for 3 s after its last word: the words were lost
-    (entry("boot-a", 11_500), False),   # its beats stopped about when its words did: frozen, or gone
-    (entry("boot-b", 20_000), False),   # another process of the same name: the one that had it restarted
-    (None, False),                      # not in the registry at all
+def test_a_beat_counts_as_a_sign_of_life_from_the_read_before_the_one_that_showed_it():
+    beats = BeatsSeen()
+    beats.read([entry("boot-a", 1000)], read_at=10.0)
+    assert beats.alive_after("decode-0", "boot-a") is None  # the first read: put at some time before it
+    beats.read([entry("boot-a", 1000)], read_at=11.0)
+    assert beats.alive_after("decode-0", "boot-a") is None  # the same beat again says nothing new
+    beats.read([entry("boot-a", 2000), entry("boot-c", 5, "decode-1")], read_at=12.0)
+    assert beats.alive_after("decode-0", "boot-a") == 11.0  # a new beat: put after the read at 11.0 began
+    assert beats.alive_after("decode-0", "boot-b") is None  # another process of that name: nothing known of it
+    beats.read([entry("boot-a", 2000)], read_at=13.0)
+    assert beats.alive_after("decode-0", "boot-a") == 11.0
+    assert beats.alive_after("decode-1", "boot-c") is None  # it left the registry: forgotten
+    # Wall clocks play no part: a worker whose clock runs behind still shows its new beats.
+    beats.read([entry("boot-a", 1500)], read_at=14.0)
+    assert beats.alive_after("decode-0", "boot-a") == 13.0
+
+
+@pytest.mark.parametrize("alive_after, intact", [
+    (13.0, True),    # alive 3 s after its last word (it says one a second): the words were lost on the way
+    (11.5, False),   # not known alive past its next word or two: frozen, or gone
+    (None, False),   # nothing known of that process since
 ])
-def test_silence_leaves_the_worker_intact_only_if_its_process_kept_beating(worker_entry, intact):
-    assert silence_leaves_worker_intact(worker_entry, "boot-a", last_word_ms=10_000) is intact
-    assert not silence_leaves_worker_intact(worker_entry, None, last_word_ms=10_000)  # never assigned
+def test_silence_leaves_the_worker_intact_only_if_its_process_was_alive_well_after(alive_after, intact):
+    assert silence_leaves_worker_intact(alive_after, last_word_at=10.0) is intact
 
 
 def test_a_request_gone_silent_on_a_worker_that_kept_beating_may_go_back_to_it(nats_server):
-    """Through the request bus, on a real NATS: the stream goes silent, the registry shows its worker beating
-    since, and the request moves without ruling the worker out (with one worker, the only place it can go)."""
+    """Through the request bus, on a real NATS: the stream goes silent, the worker was seen alive since, and the
+    request moves without ruling the worker out (with one worker, the only place it can go)."""
     import uuid
 
     import nats
@@ -189,13 +205,15 @@ def test_a_request_gone_silent_on_a_worker_that_kept_beating_may_go_back_to_it(n
         subjects = Subjects("t" + uuid.uuid4().hex[:10])
         await provision_request_queue(nc.jetstream(), subjects)
         streams = TokenStreams()
-        beating = {}
+
+        def alive_after(instance_id, boot_id):  # decode-0's process, seen beating well after any word
+            return time.monotonic() + 5 if (instance_id, boot_id) == ("decode-0", "boot-a") else None
+
         bus = RequestBus(nc=nc, subjects=subjects, gateway_id="gateway-0", streams=streams, idle_timeout_s=0.3,
-                         assign_timeout_s=2.0, registry_entry=beating.get)
+                         assign_timeout_s=2.0, worker_alive_after=alive_after)
         stream = streams.open("r1")
         stream.submission = SimpleNamespace(model="m", prompt_token_ids=[1, 2], sampling=Sampling(), headers={})
         stream.worker_instance, stream.worker_boot_id = "decode-0", "boot-a"
-        beating["decode-0"] = entry("boot-a", int(time.time() * 1000) + 5_000)  # a beat well after any word
 
         async def assign_the_next_attempt():
             while stream.bus_id == "r1":
