@@ -40,6 +40,7 @@ from services.scheduler.routing import (
     blocks_to_take,
     cached_prefixes,
     decide_prefill,
+    describe_load,
     eligible_workers,
     num_seqs,
     prefill_backlog,
@@ -263,6 +264,11 @@ class Router:
             candidates = rank_by_kv(decode_workers, cached.prompt_blocks, cached.blocks, self.overlap_weight)
         else:
             candidates = rank_by_load(decode_workers)
+        span = trace.get_current_span()
+        if span.is_recording():  # the loads it was routed by, this scheduler's own count of its routing included
+            span.set_attribute("splitserve.candidates", [
+                describe_load(w, cached.blocks.get(w.instance_id, 0) if cached is not None else None)
+                for w in candidates])
         unreached = not self.nc.is_connected or bool(candidates)
         for worker in candidates:
             if lease.lapsed():  # frozen while routing: it may be another scheduler's now

@@ -35,6 +35,13 @@ def num_seqs(worker: ServiceInfo) -> int:
     return max(worker.num_running + worker.num_waiting, worker.active_requests)
 
 
+def describe_load(worker: ServiceInfo, cached_blocks: int | None = None) -> str:
+    """What the scheduler saw of `worker` when it ranked it (its route span lists them, best first)."""
+    described = (f"{worker.instance_id}: {num_seqs(worker)}/{worker.max_num_seqs} seqs, "
+                 f"{worker.kv_blocks_total - worker.kv_blocks_free}/{worker.kv_blocks_total} blocks")
+    return described if cached_blocks is None else f"{described}, {cached_blocks} cached"
+
+
 def load_score(worker: ServiceInfo) -> tuple[float, float]:
     """Lower is better: share of sequence slots in use, then share of KV blocks in use."""
     slots = max(worker.max_num_seqs, 1)

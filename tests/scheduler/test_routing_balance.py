@@ -6,6 +6,7 @@ from contracts import ServiceInfo, WorkerLoad
 from services.scheduler.routed import RoutedTally
 from services.scheduler.routing import (
     blocks_to_take,
+    describe_load,
     kv_cost,
     load_score,
     num_seqs,
@@ -167,3 +168,9 @@ def test_a_load_report_newer_than_the_heartbeat_replaces_its_figures():
     # A prefill worker's entry takes its report's figures as well.
     prefill = ServiceInfo(instance_id="p-0", role="prefill", boot_id="b1", heartbeat_ms=1000, num_running=1)
     assert with_load(prefill, WorkerLoad(**{**msgspec.structs.asdict(report), "instance_id": "p-0"})).num_running == 0
+
+
+def test_a_route_span_describes_each_candidate_as_the_scheduler_saw_it():
+    busy = worker("decode-0", used=30, running=2, active=3)
+    assert describe_load(busy) == "decode-0: 3/8 seqs, 30/100 blocks"
+    assert describe_load(busy, cached_blocks=12) == "decode-0: 3/8 seqs, 30/100 blocks, 12 cached"

@@ -56,6 +56,8 @@ def test_one_request_through_disagg_is_one_trace(nats_server, default_model, tmp
         assert parent("scheduler.route") == "gateway.request"
         assert spans["scheduler.route"].attributes["splitserve.prefill"] == "remote"
         assert spans["scheduler.route"].attributes["splitserve.worker"] == "decode-0"
+        candidates = spans["scheduler.route"].attributes["splitserve.candidates"]  # what it was routed by
+        assert len(candidates) == 1 and candidates[0].startswith("decode-0: 0/") and candidates[0].endswith(" cached")
         assert parent("decode.request") == "scheduler.route"
         assert parent("decode.remote_prefill") == "decode.request"
         assert spans["decode.remote_prefill"].attributes["splitserve.prefill_outcome"] == "remote"

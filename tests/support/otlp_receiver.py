@@ -43,6 +43,8 @@ class _Spans:
 
 def _value(value):
     kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(item) for item in value.array_value.values]
     return getattr(value, kind) if kind else None
 
 
