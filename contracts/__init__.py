@@ -27,6 +27,7 @@ from contracts.messages import (
     StageTicketRequest,
     StatsRequest,
     StepTrace,
+    STREAM_ALIVE_EVERY_S,
     StreamAlive,
     TokenChunk,
     TransferEndpoint,
@@ -40,5 +41,5 @@ __all__ = [
     "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply",
     "LogprobEntry", "Message", "PrefillJob", "PrefillResult", "RequestFailed", "Sampling", "ServiceInfo",
     "ServiceStats", "StageActivation", "StageShipment", "StageTicketReply", "StageTicketRequest", "StatsRequest", "StepTrace",
-    "StreamAlive", "Subjects", "TokenChunk", "TransferEndpoint", "TransferTicket", "WorkerLoad", "check_token", "decode_one_of",
+    "STREAM_ALIVE_EVERY_S", "StreamAlive", "Subjects", "TokenChunk", "TransferEndpoint", "TransferTicket", "WorkerLoad", "check_token", "decode_one_of",
 ]

@@ -162,6 +162,10 @@ class TokenChunk(Message, tag="token_chunk", kw_only=True):
     cached_tokens: int = 0
 
 
+# A worker sends a word (a chunk, or a StreamAlive) for each request it holds at least this often.
+STREAM_ALIVE_EVERY_S = 1.0
+
+
 class StreamAlive(Message, tag="stream_alive", kw_only=True):
     """worker -> gateway, on the reply subject: the worker still holds the request, though it sent nothing for a
     while (queued, or a long prompt): the gateway's idle deadline starts again."""

@@ -30,6 +30,7 @@ from contracts import (
     LogprobEntry,
     PrefillResult,
     RequestFailed,
+    STREAM_ALIVE_EVERY_S,
     StreamAlive,
     TokenChunk,
 )
@@ -47,7 +48,6 @@ from shared.telemetry.tracing import extract, inject, tracer
 
 log = get_logger(__name__)
 
-STREAM_ALIVE_EVERY_S = 1.0  # a request with nothing sent for this long gets a StreamAlive
 REMEMBERED_CANCELS = 4096  # ids cancelled before they reached this worker, refused if they come
 
 

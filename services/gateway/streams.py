@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts import Assignment, ContractError, RequestFailed, ServiceInfo, StreamAlive, TokenChunk, decode_one_of
+from contracts import (STREAM_ALIVE_EVERY_S, Assignment, ContractError, RequestFailed, ServiceInfo, StreamAlive,
+                       TokenChunk, decode_one_of)
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -35,17 +36,13 @@ class StreamError(Exception):
         self.last_word_at = last_word_at  # went silent: when (time.monotonic()) its worker last said a word for it
 
 
-# A worker says a word for each request it holds at least this often (services.decode.worker's StreamAlive).
-WORKER_WORD_EVERY_S = 1.0
-
-
 def silence_leaves_worker_intact(worker_alive_after: float | None, last_word_at: float) -> bool:
     """Whether a stream that went silent leaves its worker free to take the request again: its process was alive
     (`BeatsSeen.alive_after`) two of its word intervals after its last word for the request. It was there while
     it said nothing more of the request, so what went missing is the request's messages (its last chunk, lost
     with the gateway's NATS node) or the request itself, not the worker; the one worker of a pool must not be
     ruled out for it. A worker frozen or gone has shown no such sign."""
-    return worker_alive_after is not None and worker_alive_after >= last_word_at + 2 * WORKER_WORD_EVERY_S
+    return worker_alive_after is not None and worker_alive_after >= last_word_at + 2 * STREAM_ALIVE_EVERY_S
 
 
 @dataclass(slots=True)
