@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.peer_venv import PeerVenv
-from loadtest.up_process import free_port
+from services.common.free_port import free_port
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

