@@ -22,7 +22,8 @@ from services.common.sampling_wire import to_wire
 from services.common.startup_heap import freeze_startup_heap
 from services.gateway import readiness, responses
 from services.gateway.beats_seen import BeatsSeen
-from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES, authorized, check_text, read_body, unauthorized
+from services.gateway.edge import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, authorized, check_text,
+                                   read_body, unauthorized)
 from services.gateway.choices import Choices, submit_all
 from services.gateway.errors import (
     RequestError,
@@ -41,8 +42,11 @@ from services.gateway.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    check_chat_chars,
     check_prompt_chars,
+    check_prompt_tokens,
     check_token_ids,
+    check_vocabulary_fields,
     parse_request,
     resolve_max_tokens,
     to_sampling_kwargs,
@@ -79,6 +83,7 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = ()  # none: the API is open
     protect_metrics: bool = False  # /metrics needs a key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body not all in by then: 408
     migration_limit: int = DEFAULT_MIGRATION_LIMIT  # times a request may move to another worker when its own fails
     stream_idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # this long without word from its worker, a stream moves
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # past this many without a first token: 429 (0: no bound)
@@ -277,7 +282,7 @@ def create_app(settings: GatewayConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        req = parse_request(TokenizeRequest, await read_json(request, settings.max_request_bytes))
+        req = parse_request(TokenizeRequest, await read_json(request, settings))
         if req.model is not None:
             check_model(gateway, req.model)
         model = gateway.model
@@ -287,19 +292,20 @@ def create_app(settings: GatewayConfig) -> FastAPI:
             ids = await run_in_threadpool(model.encode_prompt, req.prompt, add_special)
         else:
             messages = [m.template_dict() for m in req.messages]
-            check_prompt_chars(sum(_text_chars(m.get("content")) for m in messages), gateway.max_model_len,
-                               model.max_chars_per_token, "messages")
+            check_chat_chars(messages, req.tools, req.chat_template_kwargs, gateway.max_model_len,
+                             model.max_chars_per_token)
             # Tools offered may be called (as a chat request without tool_choice has it): the same prompt.
             ids = await run_in_threadpool(model.encode_chat, messages, req.tools, req.chat_template_kwargs,
                                           req.add_generation_prompt, bool(req.tools))
             if req.add_special_tokens and model.tokenizer.bos_token_id is not None:
                 ids = [model.tokenizer.bos_token_id, *ids]
+        check_prompt_tokens(len(ids), gateway.max_model_len, "prompt" if req.prompt is not None else "messages")
         strs = model.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        req = parse_request(DetokenizeRequest, await read_json(request, settings.max_request_bytes))
+        req = parse_request(DetokenizeRequest, await read_json(request, settings))
         if req.model is not None:
             check_model(gateway, req.model)
         if len(req.tokens) > gateway.max_model_len:
@@ -314,7 +320,7 @@ def create_app(settings: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await read_json(request, settings.max_request_bytes))
+        req = parse_request(CompletionRequest, await read_json(request, settings))
         check_model(gateway, req.model)
         if isinstance(req.prompt, str):
             check_prompt_chars(len(req.prompt), gateway.max_model_len, gateway.model.max_chars_per_token, "prompt")
@@ -323,25 +329,16 @@ def create_app(settings: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_request(ChatCompletionRequest, await read_json(request, settings.max_request_bytes))
+        req = parse_request(ChatCompletionRequest, await read_json(request, settings))
         check_model(gateway, req.model)
         messages = req.template_messages()
-        check_prompt_chars(sum(_text_chars(m.get("content")) for m in messages), gateway.max_model_len,
-                           gateway.model.max_chars_per_token, "messages")
+        check_chat_chars(messages, req.tools, req.chat_template_kwargs, gateway.max_model_len,
+                         gateway.model.max_chars_per_token)
         prompt_ids = await run_in_threadpool(gateway.model.encode_chat, messages, req.tools,
                                              req.chat_template_kwargs, True, req.tool_mode is not None)
         return await generate(gateway, request, req, prompt_ids, chat=True)
 
     return app
-
-
-def _text_chars(content) -> int:
-    """Characters of a message's content: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
-    return 0
 
 
 _UNTRACED_PATHS = ("/health", "/ready", "/metrics")
@@ -356,8 +353,8 @@ def _http_telemetry() -> dict:
                           "auto_configure": False}}
 
 
-async def read_json(request: Request, max_bytes: int):
-    raw = await read_body(request, max_bytes)
+async def read_json(request: Request, settings: GatewayConfig):
+    raw = await read_body(request, settings.max_request_bytes, settings.body_timeout_s)
     try:
         document = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -395,8 +392,7 @@ def check_model(gateway: Gateway, name: str) -> None:
 
 async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int], chat: bool):
     endpoint = "chat" if chat else "completions"
-    check_token_ids(req.stop_token_ids or [], gateway.model.vocab_size, "stop_token_ids")
-    check_token_ids(list(req.logit_bias_ids), gateway.model.vocab_size, "logit_bias")
+    check_vocabulary_fields(req, gateway.model.vocab_size)
     _note_ignored(req.ignored_fields)
     sampling = to_sampling_kwargs(req)
     requested = sampling["max_tokens"]

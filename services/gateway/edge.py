@@ -3,11 +3,13 @@
 - API keys: `Authorization: Bearer KEY`, compared in constant time with every configured key; a missing or
   wrong key is a 401 in OpenAI's error shape. Keys are never logged or echoed.
 - Bodies: at most `max_request_bytes`; a larger declared length is refused before anything is read, and a
-  body without one (chunked) stops being read at the limit. Either way a 413.
+  body without one (chunked) stops being read at the limit. Either way a 413. A body not all in within
+  `request_body_timeout` is a 408, and the connection closes: a client trickling its body holds it no longer.
 - Strings: JSON can spell a lone UTF-16 surrogate (`"\\ud800"`), which is not a character: no tokenizer or
   encoder takes it, and echoing it back fails. Such a request is a 400 naming the field.
 """
 
+import asyncio
 import hmac
 from collections.abc import Iterable
 
@@ -16,6 +18,7 @@ from fastapi import Request
 from services.gateway.errors import RequestError
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0  # 4 MiB at 1 Mbit/s, with room
 
 
 def parse_api_keys(flags: Iterable[str] | None, env_value: str | None) -> tuple[str, ...]:
@@ -46,17 +49,27 @@ def _too_large(limit: int) -> RequestError:
                         code="request_too_large")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, or a 413 once it is known to exceed `limit` bytes."""
+def _too_slow(timeout_s: float) -> RequestError:
+    return RequestError(f"The request body did not arrive within {timeout_s:g} s.", status=408,
+                        code="request_timeout", headers={"Connection": "close"})
+
+
+async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
+    """The request's body, or a 413 once it is known to exceed `limit` bytes, or a 408 if it is not all in
+    `timeout_s` seconds after this began reading it."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise _too_slow(timeout_s) from None
     return b"".join(chunks)
 
 

@@ -39,6 +39,8 @@ MAX_CHOICES = 16  # n: completions of one request
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 1024  # per stop sequence: each is matched against the tail of the text every step
 MAX_STOP_TOKEN_IDS = 1024
+MAX_REPETITION_PENALTY = 2.0  # past it every token seen is all but ruled out: no use, only a footgun
+MAX_TOKEN_ID_DIGITS = 10  # a token id as a logit_bias key (vocabularies are < 2**31 tokens); the vocabulary decides
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -132,8 +134,7 @@ class _SamplingRequest(_Strict):
         out_of_range("min_p", self.min_p, 0.0, 1.0)
         out_of_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         out_of_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0.0:
-            raise _invalid("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
+        out_of_range("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
         if self.top_k is not None and self.top_k < -1:
             raise _invalid("top_k", f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
@@ -170,8 +171,9 @@ class _SamplingRequest(_Strict):
         if len(bias) > MAX_LOGIT_BIAS:
             raise _invalid("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
         for key, value in bias.items():
-            if not key.isascii() or not key.isdigit():
-                raise _invalid("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            if not key.isascii() or not key.isdigit() or len(key) > MAX_TOKEN_ID_DIGITS:
+                shown = key if len(key) <= 24 else f"{key[:12]}...({len(key)} characters)"
+                raise _invalid("logit_bias", f"logit_bias keys must be token ids, got {shown!r}")
             if type(value) not in (int, float) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
                 raise _invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {value!r} for "
                                              f"token {key}")
@@ -501,6 +503,52 @@ def check_prompt_chars(num_chars: int, max_model_len: int, max_chars_per_token: 
             f"This model's maximum context length is {max_model_len} tokens. However, your {where} has "
             f"{num_chars} characters, far more than that many tokens can hold. Please reduce the length of the "
             f"{where}.", param, code="context_length_exceeded")
+
+
+def check_prompt_tokens(prompt_len: int, max_model_len: int, param: str) -> None:
+    """Refuse a tokenized prompt longer than the context (/tokenize's bound: no request could send it)."""
+    if prompt_len > max_model_len:
+        where = "messages" if param == "messages" else "prompt"
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, your {where} "
+                           f"resulted in {prompt_len} tokens. Please reduce the length of the {where}.", param,
+                           code="context_length_exceeded")
+
+
+def text_chars(value: Any) -> int:
+    """The characters of a JSON value's text (its strings and keys; a scalar counts as one): what a chat template
+    may render of it, counted without tokenizing. Iterative: as deep as the JSON parser allowed."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(key) for key in item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif item is not None:
+            total += 1
+    return total
+
+
+def check_chat_chars(messages: list[dict], tools: list | None, template_kwargs: dict | None, max_model_len: int,
+                     max_chars_per_token: int) -> None:
+    """`check_prompt_chars` for a chat, before its template renders it: the messages (their names and tool calls
+    too), then with them the tools offered and the template's variables."""
+    chars = text_chars(messages)
+    check_prompt_chars(chars, max_model_len, max_chars_per_token, "messages")
+    chars += text_chars(tools) + text_chars(template_kwargs)
+    check_prompt_chars(chars, max_model_len, max_chars_per_token, "tools" if tools else "chat_template_kwargs")
+
+
+def check_vocabulary_fields(req: "CompletionRequest | ChatCompletionRequest", vocab_size: int) -> None:
+    """The fields bounded by the model's vocabulary: stop_token_ids and logit_bias keys within it, top_k at most
+    its size."""
+    check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
+    check_token_ids(list(req.logit_bias_ids), vocab_size, "logit_bias")
+    if req.top_k is not None and req.top_k > vocab_size:
+        raise _invalid("top_k", f"top_k must be at most the vocabulary's size, {vocab_size}, got {req.top_k}")
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

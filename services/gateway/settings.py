@@ -16,7 +16,7 @@ from services.common.service_settings import (
     Seconds,
 )
 from services.common.settings import option
-from services.gateway.edge import DEFAULT_MAX_REQUEST_BYTES
+from services.gateway.edge import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from services.gateway.request_bus import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
 from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS
 
@@ -52,6 +52,9 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
     protect_metrics: bool = option(False, "require an API key on /metrics too")
     max_request_bytes: PositiveInt = option(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies are refused with 413",
                                             metavar="N", shown_default=f"{DEFAULT_MAX_REQUEST_BYTES >> 20} MiB")
+    request_body_timeout: PositiveSeconds = option(DEFAULT_BODY_TIMEOUT_S, "seconds a client has to send a "
+                                                   "request's body; a slower one gets 408 and its connection closes",
+                                                   metavar="S")
     migration_limit: Count = option(DEFAULT_MIGRATION_LIMIT, "times a request moves to another worker, from the "
                                     "tokens its client has, when its worker fails or stalls under it (0: it fails "
                                     "instead)", metavar="N")
