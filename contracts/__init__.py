@@ -34,12 +34,13 @@ from contracts.messages import (
     TransferTicket,
     WorkerLoad,
 )
-from contracts.subjects import Subjects, check_token
+from contracts.subjects import Sender, Subjects, check_token, from_anyone, sender_of, sent_by
 
 __all__ = [
     "Assignment", "CancelRequest", "ContractError", "ForwardBatch", "GenerateRequest", "HandoffReply",
     "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply",
     "LogprobEntry", "Message", "PrefillJob", "PrefillResult", "RequestFailed", "Sampling", "ServiceInfo",
     "ServiceStats", "StageActivation", "StageShipment", "StageTicketReply", "StageTicketRequest", "StatsRequest", "StepTrace",
-    "STREAM_ALIVE_EVERY_S", "StreamAlive", "Subjects", "TokenChunk", "TransferEndpoint", "TransferTicket", "WorkerLoad", "check_token", "decode_one_of",
+    "STREAM_ALIVE_EVERY_S", "Sender", "StreamAlive", "Subjects", "TokenChunk", "TransferEndpoint", "TransferTicket", "WorkerLoad", "check_token", "decode_one_of",
+    "from_anyone", "sender_of", "sent_by",
 ]

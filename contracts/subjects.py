@@ -3,6 +3,12 @@
 Pools are `{ns}.{service}.{endpoint}`; one instance is
 `{ns}.{service}.{instance}.{endpoint}`. Several deployments can share one NATS
 cluster by using different namespaces.
+
+A message whose receiver must know who sent it (a request's tokens, a prefill
+result, KV events, load reports) goes to its subject with the sender's role and
+instance id appended (`sent_by`): each instance's NATS permissions allow it
+only subjects ending in its own name, so the server vouches for the sender and
+the receiver reads it back with `sender_of`.
 """
 
 import re
@@ -18,6 +24,31 @@ def check_token(value: str, what: str) -> str:
     if not _TOKEN.match(value or ""):
         raise ValueError(f"{what} {value!r} may only contain letters, digits, '_' and '-'")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class Sender:
+    """Who published a message, as its subject says (and the server's permissions vouch for)."""
+
+    role: str
+    instance_id: str
+
+
+def sent_by(subject: str, role: str, instance_id: str) -> str:
+    """`subject` as published by the instance `instance_id` of `role`."""
+    return f"{subject}.{check_token(role, 'role')}.{check_token(instance_id, 'instance id')}"
+
+
+def sender_of(subject: str) -> Sender:
+    """The sender named by the last two tokens of a `sent_by` subject."""
+    head, _, instance_id = subject.rpartition(".")
+    role = head.rpartition(".")[2]
+    return Sender(role, instance_id)
+
+
+def from_anyone(subject: str) -> str:
+    """The pattern matching `subject` as sent by every instance of every role."""
+    return f"{subject}.*.*"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +146,8 @@ class Subjects:
         return f"{self.namespace}.tokens.{check_token(gateway_id, 'gateway id')}.{check_token(request_id, 'request id')}"
 
     def tokens_wildcard(self, gateway_id: str) -> str:
-        return f"{self.namespace}.tokens.{check_token(gateway_id, 'gateway id')}.*"
+        """Every request's events for one gateway, from every sender (`sent_by`)."""
+        return from_anyone(f"{self.namespace}.tokens.{check_token(gateway_id, 'gateway id')}.*")
 
     # JetStream KV bucket of heartbeated service entries.
     @property

@@ -93,7 +93,7 @@ class HostsDeployment:
         tls = self.transfer_tls if role in SIDE_CHANNEL_ROLES else []
         self.start(host, instance, [sys.executable, "-m", "services.cli.main", "serve", role, "--nats", self.nats_url,
                                     "--nats-replicas", str(len(self.hosts.netns)), "--namespace", self.namespace,
-                                    "--nats-creds", str(self.creds / f"{role}.nk"), "--instance-id", instance, *tls,
+                                    "--nats-creds", str(self.creds / f"{instance}.nk"), "--instance-id", instance, *tls,
                                     *args])
 
     def nats_node_of(self, name: str) -> str:

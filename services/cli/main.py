@@ -4,7 +4,7 @@ import argparse
 import os
 import sys
 
-from services.cli import bench, doctor, generate, models, nats_auth, ps, serve, up
+from services.cli import bench, doctor, generate, models, nats_auth, provision, ps, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(subcommands)
     models.add_parser(subcommands)
     nats_auth.add_parser(subcommands)
+    provision.add_parser(subcommands)
     return parser
 
 

@@ -1,11 +1,14 @@
 """`splitserve nats-auth DIR`: credentials and server authorization for a deployment on a NATS you run.
 
 `splitserve up` does this by itself for its embedded server. For a NATS server
-of your own (another host, a cluster, docker compose), run this once: it
-writes DIR/ROLE.nk for every role (0600, in a 0700 directory; existing ones are
-kept unless --rotate), the same key as DIR/ROLE.env (`SPLITSERVE_NATS_NKEY_SEED=`,
-for compose's `env_file`), and DIR/nats-auth.conf, the server's `authorization`
-block. Each service then takes its role's file with `--nats-creds` (or
+of your own (another host, a cluster, docker compose), run this once: it writes
+DIR/ID.nk for every service instance (--instance ROLE:ID; 0600, in a 0700
+directory; existing ones are kept unless --rotate), the same key as DIR/ID.env
+(`SPLITSERVE_NATS_NKEY_SEED=`, for compose's `env_file`), DIR/admin.nk (the
+provisioner's and operator's key: `splitserve provision` makes the deployment's
+streams with it; keep it off the services' hosts), and DIR/nats-auth.conf, the
+server's `authorization` block. Each instance may use only its own subjects and
+registry entry. Each service then takes its own file with `--nats-creds` (or
 `SPLITSERVE_NATS_CREDS`), or the seed in its environment.
 
 With --tls-name, it also makes a CA and a certificate for the server under
@@ -19,6 +22,12 @@ import os
 import shutil
 from pathlib import Path
 
+from services.launcher.nats_auth import Instance
+
+DEFAULT_INSTANCES = (Instance("gateway", "gateway-0"), Instance("scheduler", "scheduler-0"),
+                     Instance("decode", "decode-0"), Instance("prefill", "prefill-0"),
+                     Instance("kvstore", "kvstore-0"), Instance("stage", "stage-0"), Instance("stage", "stage-1"))
+
 
 def add_parser(subcommands) -> None:
     parser = subcommands.add_parser(
@@ -29,7 +38,12 @@ def add_parser(subcommands) -> None:
     )
     parser.add_argument("dir", metavar="DIR", help="where to write ROLE.nk and nats-auth.conf")
     parser.add_argument("--namespace", default="splitserve", help="the deployment's subject prefix (default: splitserve)")
-    parser.add_argument("--rotate", action="store_true", help="new keys for every role (restart the server and services)")
+    parser.add_argument("--rotate", action="store_true", help="new keys for every instance (restart the server and "
+                        "services)")
+    parser.add_argument("--instance", action="append", metavar="ROLE:ID", type=_instance,
+                        help="a service instance that gets its own key (repeatable; default: "
+                             f"{' '.join(f'{i.role}:{i.instance_id}' for i in DEFAULT_INSTANCES)}, what the compose "
+                             "files and `splitserve up`'s default deployments run)")
     parser.add_argument("--tls-name", action="append", metavar="NAME",
                         help="make a CA and a TLS certificate for the NATS server under NAME (repeatable: every "
                              "host name or address clients dial it by, e.g. `nats` in compose)")
@@ -55,7 +69,7 @@ def add_parser(subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from contracts import check_token
-    from services.launcher.nats_auth import creds_path, ensure_credentials, write_server_config
+    from services.launcher.nats_auth import ADMIN_INSTANCE, creds_path, ensure_credentials, write_server_config
     from services.launcher.tls_files import make_deployment_tls
     from shared.bus.credentials import SEED_ENV
     from shared.bus.tls import TLS_ENV
@@ -66,7 +80,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     creds_dir = Path(args.dir)
-    public_keys = ensure_credentials(creds_dir, fresh=args.rotate)
+    instances = list(dict.fromkeys(args.instance or DEFAULT_INSTANCES))
+    duplicate = {i.instance_id for i in instances if sum(j.instance_id == i.instance_id for j in instances) > 1}
+    if duplicate:
+        raise SystemExit(f"error: each instance id names one instance: {', '.join(sorted(duplicate))} is given "
+                         "two roles")
+    public_keys = ensure_credentials(creds_dir, [*instances, ADMIN_INSTANCE], fresh=args.rotate)
     public = creds_dir / "public"  # (made even without TLS: compose mounts it)
     public.mkdir(mode=0o755, exist_ok=True)
     os.chmod(public, 0o755)
@@ -81,11 +100,12 @@ def run(args: argparse.Namespace) -> int:
         server_dir = Path(args.server_dir) if args.server_dir else creds_dir.resolve()
         tls = (server_dir / "tls" / files.cert.name, server_dir / "tls" / files.key.name)
         ca_env = f"{TLS_ENV['ca']}={args.client_ca_path or (public / 'ca.pem').resolve()}\n"
-    for role in public_keys:
-        seed = creds_path(creds_dir, role).read_text().strip()
-        write_private(creds_dir / f"{role}.env", f"{SEED_ENV}={seed}\n{ca_env}".encode())
+    for instance in public_keys:
+        seed = creds_path(creds_dir, instance.instance_id).read_text().strip()
+        write_private(creds_dir / f"{instance.instance_id}.env", f"{SEED_ENV}={seed}\n{ca_env}".encode())
     config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace, tls)
-    print(f"wrote ROLE.nk and ROLE.env for {', '.join(public_keys)}, and {config.name}, in {creds_dir}")
+    print(f"wrote ID.nk and ID.env for {', '.join(i.instance_id for i in public_keys)}, and {config.name}, "
+          f"in {creds_dir}")
     if args.cluster_route:
         cluster = write_cluster_config(creds_dir, args.cluster_route, args.cluster_listen, args.rotate)
         print(f"cluster: each server `nats-server --jetstream --config {cluster.resolve()} --server_name NAME`")
@@ -94,9 +114,21 @@ def run(args: argparse.Namespace) -> int:
     if args.transfer_tls_name:
         print(f"side channel: give each model worker and the kv-store `--transfer-tls-ca {(public / 'ca.pem').resolve()} "
               f"--transfer-tls-cert {files.transfer_cert.resolve()} --transfer-tls-key {files.transfer_key.resolve()}`")
-    print(f"services: `splitserve serve ROLE --nats-creds {creds_dir.resolve()}/ROLE.nk ...`, or "
+    print(f"provision: `splitserve provision --nats URL --nats-creds {creds_dir.resolve()}/admin.nk --namespace "
+          f"{args.namespace}` (once, and after --rotate), then keep admin.nk away from the services")
+    print(f"services: `splitserve serve ROLE --instance-id ID --nats-creds {creds_dir.resolve()}/ID.nk ...`, or "
           f"`splitserve up --nats URL --nats-creds-dir {creds_dir.resolve()}`")
     return 0
+
+
+def _instance(text: str) -> Instance:
+    role, sep, instance_id = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError("expected ROLE:ID, e.g. decode:decode-1")
+        return Instance(role, instance_id)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def write_cluster_config(creds_dir: Path, routes: list[str], listen: str, rotate: bool) -> Path:

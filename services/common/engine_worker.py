@@ -11,7 +11,7 @@ details for the registry entry, and drains its work when the worker stops.
 import asyncio
 from typing import Protocol
 
-from contracts import CancelRequest, ServiceInfo, ServiceStats, StatsRequest, Subjects, WorkerLoad
+from contracts import CancelRequest, ServiceInfo, ServiceStats, StatsRequest, Subjects, WorkerLoad, sent_by
 from services.common.cpu_loan import CpuShare, loan_details
 from services.common.engine_loop import EngineLoop, RequestRejected
 from services.common.engine_thread import EngineThread
@@ -186,7 +186,8 @@ class EngineWorker:
             if figures == last:
                 continue
             try:
-                await self.nc.publish(self.subjects.worker_load, report.encode())
+                await self.nc.publish(sent_by(self.subjects.worker_load, self.identity.role, self.instance_id),
+                                      report.encode())
                 last = figures
             except Exception as exc:  # reconnecting: the next change (or the heartbeat) tells it
                 log.warning("could not report the load", error=repr(exc))

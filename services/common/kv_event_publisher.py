@@ -10,7 +10,7 @@ may be lost: the schedulers' index is a hint, never needed for correctness.
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from contracts import KVEvents, KVSnapshotRequest, Subjects
+from contracts import KVEvents, KVSnapshotRequest, Subjects, sent_by
 from shared.bus.subscribe import subscribe_typed
 from shared.engine.kv_event_log import KVEventLog, PrefixCacheEvents
 from shared.telemetry.logging import get_logger
@@ -87,7 +87,7 @@ class KVEventPublisher:
             self._seq += 1
             first = False
             self.counts["messages"] += 1
-            await self.nc.publish(self.subjects.kv_events, message.encode())
+            await self.nc.publish(sent_by(self.subjects.kv_events, self.role, self.instance_id), message.encode())
 
 
 def engine_kv_events(*, nc, subjects: Subjects, identity, engine, engine_loop) -> KVEventPublisher:

@@ -4,13 +4,14 @@ from collections.abc import Awaitable, Callable
 
 from contracts import Subjects
 from services.common.options import bus_credentials, bus_tls
+from services.common.queues import join_deployment
+from shared.bus.credentials import secured_bus
 from services.common.service_settings import ServiceSettings
 from services.common.startup_heap import freeze_startup_heap
 from services.common.status_server import start_status_server
 from shared.bus.connection import ShutdownSignal, connect, drain
 from shared.bus.permissions import inbox_prefix
 from shared.bus.provision import ProvisionError, replicas_asked
-from shared.bus.registry import Registry
 from shared.bus.service import run_until_stopped
 from shared.telemetry.logging import configure_logging, get_logger
 from shared.telemetry.tracing import configure_tracing, shutdown_tracing
@@ -29,15 +30,16 @@ async def run_service(settings: ServiceSettings, role: str, build: Callable[...,
     log = get_logger(role)
     shutdown = ShutdownSignal()
     subjects = Subjects(settings.namespace)
-    nc = await connect(settings.nats, name=settings.instance_id, credentials=bus_credentials(settings),
-                       tls=bus_tls(settings), inbox_prefix=inbox_prefix(settings.namespace, role))
+    credentials = bus_credentials(settings)
+    nc = await connect(settings.nats, name=settings.instance_id, credentials=credentials,
+                       tls=bus_tls(settings), inbox_prefix=inbox_prefix(settings.namespace, role, settings.instance_id))
     js = nc.jetstream()
     try:
         replicas = replicas_asked(settings.nats_replicas, nc)
     except ProvisionError as exc:
         await nc.close()
         raise SystemExit(f"error: {exc}") from None
-    registry = await Registry.open(js, subjects.registry_bucket, replicas=replicas)
+    registry = await join_deployment(js, subjects, replicas, may_provision=not secured_bus(settings.nats, credentials))
     service = await build(nc=nc, js=js, registry=registry, subjects=subjects, replicas=replicas)
     tasks = await service.start()
     if settings.status_port is not None:

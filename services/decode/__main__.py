@@ -44,10 +44,8 @@ async def serve(settings: DecodeSettings) -> int:
         engine = await engine_thread.run(LLMEngine, engine_config(settings, model_dir))
         receiver = None
         if settings.mode == "disagg":
-            from services.common.queues import provision_prefill_queue
             from shared.transfer import KVReceiver
 
-            await provision_prefill_queue(js, subjects, replicas)
             receiver = KVReceiver(tls=tls)
             host, advertise = side_channel_address(settings, settings.kv_receiver_host, settings.kv_receiver_advertise)
             await receiver.start(host, settings.kv_receiver_port, advertise_host=advertise)

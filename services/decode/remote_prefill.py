@@ -25,11 +25,12 @@ import nats.errors
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from contracts import GenerateRequest, HandoffReply, PrefillJob, PrefillResult, TokenChunk
+from contracts import GenerateRequest, HandoffReply, PrefillJob, PrefillResult, TokenChunk, sender_of
 from services.common.engine_loop import AddRequest
 from services.common.load_reports import LoadReports
 from services.common.sampling_wire import to_wire
 from shared.bus.registry import Registry
+from shared.bus.subscribe import reject_unattributed
 from shared.engine.continuation import Continuation, KVOrigin
 from shared.engine.kv_cache import KVLayout
 from shared.engine.kv_connector import KVConnector, LoadEnd
@@ -83,6 +84,10 @@ class RemotePrefill(KVConnector):
         return {**self.receiver.stats.snapshot(), "seconds_histogram": self.transfer_seconds.snapshot()}
 
     async def on_result(self, result: PrefillResult, msg) -> None:
+        sender = sender_of(msg.subject)
+        if sender.instance_id != result.prefill_instance or sender.role not in ("prefill", "stage"):
+            reject_unattributed(sender, "prefill result", f"it names prefill worker {result.prefill_instance}")
+            return
         future = self.results.get(result.request_id)
         if future is not None and not future.done():
             future.set_result(result)  # later duplicates (a redelivered job) are ignored

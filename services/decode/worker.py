@@ -3,9 +3,10 @@
 In `colocated` mode it also prefills: every request it takes runs start to end
 in its engine's continuous batch; in `disagg` mode a request the scheduler
 marked remote gets its prompt computed by the prefill pool (`RemotePrefill`).
-Per request it first publishes an `Assignment` on the request's reply subject,
-then `TokenChunk`s numbered from 0, so the gateway can tell a gap or a
-duplicate from a healthy stream. A request that has had nothing sent for
+Per request it publishes `TokenChunk`s numbered from 0 on the request's reply
+subject, signed with its own name (`sent_by`), so the gateway can tell a gap or a
+duplicate from a healthy stream, and a forger from its worker (the scheduler
+says which worker took the request). A request that has had nothing sent for
 `STREAM_ALIVE_EVERY_S` (queued here, or a long prompt) gets a `StreamAlive`,
 so the gateway's idle deadline can be seconds. A cancel ends a request with a
 `cancelled` failure on its reply subject (a gateway that asked has forgotten
@@ -23,7 +24,6 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from contracts import (
-    Assignment,
     CancelRequest,
     GenerateRequest,
     HandoffReply,
@@ -33,6 +33,8 @@ from contracts import (
     STREAM_ALIVE_EVERY_S,
     StreamAlive,
     TokenChunk,
+    from_anyone,
+    sent_by,
 )
 from services.common.engine_loop import AddRequest, RequestRejected
 from services.common.engine_worker import EngineWorker
@@ -53,7 +55,7 @@ REMEMBERED_CANCELS = 4096  # ids cancelled before they reached this worker, refu
 
 @dataclass(slots=True)
 class ActiveRequest:
-    reply_subject: str
+    reply_subject: str  # the gateway's, signed by this worker
     span: trace.Span = trace.INVALID_SPAN  # the request's life on this worker, in its trace
     next_seq: int = 0
     sent_at: float = field(default_factory=time.monotonic)  # when its gateway last heard of it from here
@@ -88,7 +90,8 @@ class DecodeRole:
         self._generate_subscription = await w.subscribe(w.subjects.worker_generate(w.instance_id), GenerateRequest,
                                                         self._on_generate)
         if self.remote is not None:
-            await w.subscribe(w.subjects.prefill_results(w.instance_id), PrefillResult, self.remote.on_result)
+            await w.subscribe(from_anyone(w.subjects.prefill_results(w.instance_id)), PrefillResult,
+                              self.remote.on_result)
         return [asyncio.create_task(self._keep_streams_alive(), name="stream-alive")]
 
     async def _keep_streams_alive(self) -> None:
@@ -145,19 +148,14 @@ class DecodeRole:
         w = self.worker
         reply, params = self._admit(request)
         if params is not None:
-            # The assignment goes out before any token, on the same connection, so it arrives first.
-            await w.nc.publish(
-                request.reply_subject,
-                Assignment(request_id=request.request_id, worker_instance=w.instance_id,
-                           worker_boot_id=w.identity.boot_id).encode(),
-            )
+            # (The scheduler tells the gateway it is ours: the gateway holds what is sent here until then.)
             span = tracer().start_span(f"{w.identity.role}.request", context=extract(msg.headers),
                                        kind=SpanKind.CONSUMER, attributes={
                                            "splitserve.request_id": request.request_id,
                                            "splitserve.worker": w.instance_id,
                                            "splitserve.prompt_tokens": len(request.prompt_token_ids),
                                            "splitserve.prefill": request.prefill})
-            active = ActiveRequest(request.reply_subject, span)
+            active = ActiveRequest(sent_by(request.reply_subject, w.identity.role, w.instance_id), span)
             self.requests[request.request_id] = active
             self.handoffs_taken += 1  # with no await in between: a heartbeat counting it shows the request
             # The tasks started here log with the request's ids and hang their spans under its span.
@@ -168,7 +166,7 @@ class DecodeRole:
                     self.remote.start(request, params, active)
                 else:
                     if w.kv_store is not None:  # the engine loads the prefix the store holds when it admits it
-                        w.kv_store.expect(request.request_id, request.prompt_token_ids)
+                        w.kv_store.expect(request.request_id, request.prompt_token_ids, params.cache_salt)
                     w.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params,
                                                  Continuation(output_token_ids=list(resumed)) if resumed else None))
         if msg.reply:

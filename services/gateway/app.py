@@ -18,12 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from contracts import ServiceInfo, Subjects
 from services.common.identity import ServiceIdentity
+from services.common.queues import join_deployment
 from services.common.sampling_wire import to_wire
 from services.common.startup_heap import freeze_startup_heap
 from services.gateway import readiness, responses
 from services.gateway.beats_seen import BeatsSeen
+from services.gateway.cache_salt import cache_salt
 from services.gateway.edge import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, authorized, check_text,
-                                   read_body, unauthorized)
+                                   presented_key, read_body, unauthorized)
 from services.gateway.choices import Choices, submit_all
 from services.gateway.errors import (
     RequestError,
@@ -52,15 +54,15 @@ from services.gateway.protocol import (
     to_sampling_kwargs,
 )
 from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS, StreamError, TokenStreams
+from services.gateway.structured_request import check_constraint
 from services.gateway.tool_calls import ToolCallOutput
 from shared.bus.connection import connect, drain
-from shared.bus.credentials import BusCredentials
+from shared.bus.credentials import BusCredentials, secured_bus
 from shared.bus.permissions import inbox_prefix
 from shared.bus.provision import replicas_asked
-from shared.bus.registry import Heartbeat, Readings, Registry
+from shared.bus.registry import Heartbeat, Readings
 from shared.engine.errors import InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.structured_output import check_structured
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import shutdown_tracing
 from shared.version import VERSION
@@ -82,6 +84,7 @@ class GatewayConfig:
     http_port: int | None = None
     api_keys: tuple[str, ...] = ()  # none: the API is open
     protect_metrics: bool = False  # /metrics needs a key too
+    share_prefix_cache: bool = False  # every API key's requests reuse each other's prefixes (else each key its own)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body not all in by then: 408
     migration_limit: int = DEFAULT_MIGRATION_LIMIT  # times a request may move to another worker when its own fails
@@ -108,7 +111,8 @@ class Gateway:
         self.services: list[ServiceInfo] = []
         self.beats = BeatsSeen()  # when each service process was last seen alive, on this gateway's clock
         self.metrics = GatewayMetrics(self._scrape_services, self.streams.num_waiting,
-                                      model_name=settings.served_model_name, instance=settings.instance_id)
+                                      model_name=settings.served_model_name, instance=settings.instance_id,
+                                      num_forged=lambda: self.streams.num_forged)
         self.identity = ServiceIdentity(settings.instance_id, "gateway")
         self.draining = False
         self._background: set[asyncio.Task] = set()  # short-lived work (releases) that stop() lets finish
@@ -118,9 +122,10 @@ class Gateway:
     async def start(self) -> None:
         self.nc = await connect(self.settings.nats_url, name=self.settings.instance_id,
                                 credentials=self.settings.nats_credentials, tls=self.settings.nats_tls,
-                                inbox_prefix=inbox_prefix(self.settings.namespace, "gateway"))
+                                inbox_prefix=inbox_prefix(self.settings.namespace, "gateway", self.settings.instance_id))
         replicas = replicas_asked(self.settings.nats_replicas, self.nc)
-        self.registry = await Registry.open(self.nc.jetstream(), self.subjects.registry_bucket, replicas=replicas)
+        self.registry = await join_deployment(self.nc.jetstream(), self.subjects, replicas, may_provision=not secured_bus(
+            self.settings.nats_url, self.settings.nats_credentials))
         await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)
         self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
                                       streams=self.streams, migration_limit=self.settings.migration_limit,
@@ -385,6 +390,14 @@ def _note_ignored(fields: list[str]) -> None:
             log.debug("request field accepted and ignored", field=name)
 
 
+def request_cache_salt(gateway: Gateway, request: Request, req) -> str:
+    """Its API key's salt (the tenant's), mixed with the one it asked for; one tenant without keys or when the
+    operator shares prefixes across keys."""
+    settings = gateway.settings
+    shared = settings.share_prefix_cache or not settings.api_keys
+    return cache_salt(None if shared else presented_key(request.headers.get("authorization")), req.cache_salt)
+
+
 def check_model(gateway: Gateway, name: str) -> None:
     if name != gateway.model.served_name:
         raise model_not_found(name)
@@ -395,6 +408,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     check_vocabulary_fields(req, gateway.model.vocab_size)
     _note_ignored(req.ignored_fields)
     sampling = to_sampling_kwargs(req)
+    sampling["cache_salt"] = request_cache_salt(gateway, request, req)
     requested = sampling["max_tokens"]
     if requested is None and not chat:
         requested = COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -423,10 +437,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     except InvalidRequestError as exc:
         raise from_invalid_request(exc) from None
     if req.constraint is not None:  # compiled here first: a bad schema or grammar is this request's 400
-        try:
-            await run_in_threadpool(check_structured, req.constraint.kind, req.constraint.spec)
-        except InvalidRequestError as exc:
-            raise RequestError(str(exc), req.constraint.param, code="invalid_value") from None
+        await check_constraint(req.constraint)
 
     request_id = request.state.request_id
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id

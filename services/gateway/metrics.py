@@ -3,7 +3,7 @@
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.service_metrics import StatsCollector
 from services.gateway.service_stats import ScrapedStats
@@ -19,9 +19,11 @@ class GatewayMetrics:
     dashboards and endpoint pickers built for vLLM read them; every series also names its `service` and
     `instance`."""
 
-    def __init__(self, scrape_services, num_waiting=lambda: 0, model_name: str = "", instance: str = ""):
+    def __init__(self, scrape_services, num_waiting=lambda: 0, model_name: str = "", instance: str = "",
+                 num_forged=lambda: 0):
         """`await scrape_services()` returns every other service's stats now (`ScrapedStats`); `num_waiting()` the
-        gateway's requests without a first token yet; `model_name` and `instance` label this gateway's series."""
+        gateway's requests without a first token yet; `num_forged()` the events it dropped because their sender
+        does not speak for their request; `model_name` and `instance` label this gateway's series."""
         self._scrape_services = scrape_services
         self.registry = CollectorRegistry()
         own = {"model_name": model_name, "service": "gateway", "instance": instance}
@@ -37,6 +39,7 @@ class GatewayMetrics:
         self._own = own
         Gauge("splitserve_gateway_requests_waiting", "Requests at this gateway without a first token yet (what "
               "--max-waiting-requests bounds)", labels, registry=self.registry).labels(**own).set_function(num_waiting)
+        self.registry.register(_ForgedEvents(own, num_forged))
         self._requests = counter("splitserve_requests", "Requests by endpoint and outcome", ("endpoint", "status"))
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token")
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between successive token chunks of a request")
@@ -99,3 +102,17 @@ class _Answered:
             for entry in entries:
                 up.add_metric([entry.role, entry.instance_id], answered)
         yield up
+
+
+class _ForgedEvents:
+    """`splitserve_gateway_forged_events_total`: token-stream events dropped because their sender is not the
+    request's worker (or, before one is assigned, not a scheduler)."""
+
+    def __init__(self, labels: dict[str, str], count):
+        self._labels, self._count = labels, count
+
+    def collect(self):
+        family = CounterMetricFamily("splitserve_gateway_forged_events", "Token-stream events dropped: their sender "
+                                     "does not speak for the request", labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), self._count())
+        yield family

@@ -1,7 +1,9 @@
 """Per-request event streams arriving at this gateway over NATS.
 
 One wildcard subscription receives every event for this gateway's requests;
-each is decoded and routed to its request's bounded queue. A `RequestStream`
+each is decoded, judged by its sender (`attribution`: only the worker the
+scheduler assigned speaks for a request) and routed to its request's bounded
+queue. A `RequestStream`
 checks the chunk sequence numbers, so a gap or a duplicate becomes an error
 instead of wrong text. The worker that owns a request is watched through the
 registry: if it disappears or restarts, its requests fail at once rather than
@@ -13,13 +15,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from contracts import (STREAM_ALIVE_EVERY_S, Assignment, ContractError, RequestFailed, ServiceInfo, StreamAlive,
-                       TokenChunk, decode_one_of)
+from contracts import (STREAM_ALIVE_EVERY_S, Assignment, ContractError, RequestFailed, Sender, ServiceInfo,
+                       StreamAlive, TokenChunk, decode_one_of, sender_of)
+from services.gateway.attribution import judge
+from shared.bus.subscribe import reject_unattributed
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
 
 MAX_QUEUED_EVENTS = 4096  # per request; a consumer this far behind is failed, not buffered forever
+MAX_HELD_EVENTS = 64  # per request: workers' events held until the scheduler's assignment (more: dropped)
 DEFAULT_MAX_WAITING_REQUESTS = 256  # admission: requests without a first token yet, past which new ones get a 429
 
 
@@ -63,6 +68,8 @@ class RequestStream:
     failed_on: list[str] = field(default_factory=list)  # the worker processes (boot ids) it moved away from
     submission: Any = None  # what it was submitted with (the request bus's), submitted again when it moves
     heard_at: float = field(default_factory=time.monotonic)  # the last word for this attempt (sent, or from its worker)
+    routed_to: str | None = None  # the worker the scheduler assigned this attempt to, as soon as its word arrives
+    held: list[tuple[Sender, Any]] = field(default_factory=list)  # workers' events before that word
 
     def __post_init__(self) -> None:
         self.bus_id = self.bus_id or self.request_id
@@ -110,6 +117,7 @@ class TokenStreams:
     def __init__(self):
         self._streams: dict[str, RequestStream] = {}
         self.num_rejected = 0
+        self.num_forged = 0  # events dropped because their sender does not speak for the request
 
     def open(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id)
@@ -129,7 +137,8 @@ class TokenStreams:
         stream.bus_id = f"{stream.request_id}-moved-{stream.moves}"
         while not stream.queue.empty():
             stream.queue.get_nowait()
-        stream.worker_instance = stream.worker_boot_id = None
+        stream.worker_instance = stream.worker_boot_id = stream.routed_to = None
+        stream.held.clear()
         stream.next_seq, stream.finished = 0, False
         stream.heard_at = time.monotonic()
         self._streams[stream.bus_id] = stream
@@ -143,9 +152,12 @@ class TokenStreams:
         return sum(1 for s in self._streams.values() if s.next_seq == 0 and not s.streamed_token_ids)
 
     async def on_message(self, msg) -> None:
-        """Subscription callback for `{ns}.tokens.{gateway}.*`."""
+        """Subscription callback for `{ns}.tokens.{gateway}.*.*.*` (request, then its sender's role and name)."""
         try:
             event = decode_one_of(msg.data, Assignment, TokenChunk, RequestFailed, StreamAlive)
+            if msg.subject.split(".")[-3] != event.request_id:
+                raise ContractError(f"{type(event).__name__} for {event.request_id!r} on another request's subject",
+                                    "wrong_subject")
         except ContractError as exc:
             self.num_rejected += 1
             log.warning("rejected token stream message", subject=msg.subject, reason=exc.reason, error=str(exc))
@@ -153,6 +165,26 @@ class TokenStreams:
         stream = self._streams.get(event.request_id)
         if stream is None:
             return  # the request is gone (finished or client left)
+        sender = sender_of(msg.subject)
+        verdict = judge(sender, event, stream.routed_to)
+        if verdict == "forged":
+            self._forged(sender, event, stream)
+        elif verdict == "hold":
+            if len(stream.held) < MAX_HELD_EVENTS and not isinstance(event, StreamAlive):
+                stream.held.append((sender, event))
+        elif verdict == "accept":
+            if isinstance(event, Assignment):
+                stream.routed_to = event.worker_instance
+            self._deliver(stream, event)
+            if isinstance(event, Assignment):
+                held, stream.held = stream.held, []
+                for held_sender, held_event in held:
+                    if held_sender.instance_id == stream.routed_to:
+                        self._deliver(stream, held_event)
+                    else:
+                        self._forged(held_sender, held_event, stream)
+
+    def _deliver(self, stream: RequestStream, event) -> None:
         stream.heard_at = time.monotonic()
         if isinstance(event, StreamAlive):
             return
@@ -160,6 +192,11 @@ class TokenStreams:
             stream.queue.put_nowait(event)
         except asyncio.QueueFull:
             self._fail(stream, "internal", "the client is reading too slowly; the stream overflowed")
+
+    def _forged(self, sender: Sender, event, stream: RequestStream) -> None:
+        self.num_forged += 1
+        reject_unattributed(sender, type(event).__name__, f"request {stream.bus_id} is "
+                            + (f"{stream.routed_to}'s" if stream.routed_to else "not assigned yet"))
 
     def fail_orphans(self, services: list[ServiceInfo], listed_at: float) -> None:
         """Fail requests whose worker has left the registry or restarted since taking them.

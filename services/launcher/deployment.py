@@ -105,7 +105,7 @@ class NatsRecord:
     start_time: int | None = None
     restarts: int = 0
     log: str | None = None
-    creds_dir: str | None = None  # each role's NATS credentials (ROLE.nk; admin.nk for the operator)
+    creds_dir: str | None = None  # each instance's NATS credentials (ID.nk; admin.nk, if anywhere, with `nats-auth`'s)
     nodes: list[NatsNode] = field(default_factory=list)  # an embedded cluster's other nodes
 
     def alive(self) -> bool:

@@ -11,6 +11,7 @@ timeout. Everything else goes to stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -47,7 +48,15 @@ from services.launcher.deployment import (
     write_deployment,
 )
 from services.launcher.log_files import RotatingLog
-from services.launcher.nats_auth import creds_path, ensure_credentials, write_server_config
+from services.launcher.nats_auth import (
+    ADMIN_INSTANCE,
+    Instance,
+    creds_path,
+    ensure_credentials,
+    new_seed,
+    public_key,
+    write_server_config,
+)
 from services.launcher.nats_server import (
     EmbeddedNats,
     EmbeddedNatsCluster,
@@ -65,8 +74,10 @@ from services.launcher.supervisor import (
 )
 from services.launcher.tls_files import TLSFiles, make_deployment_tls
 from services.launcher.up_settings import UpSettings
-from shared.bus.permissions import ROLES
+from services.launcher.provision import provision
 from shared.bus.connection import nats_endpoints
+from shared.bus.credentials import BusCredentials, credentials_from
+from shared.bus.permissions import ADMIN
 from shared.bus.provision import ProvisionError, replicas_for
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -181,6 +192,7 @@ class Launcher:
         self.deployment: Deployment | None = None
         self._nats_restart_times: dict[str, list[float]] = {}  # per node
         self._snapshot: object = None
+        self._admin: BusCredentials | None = None  # the provisioner's key (with the embedded server: only here)
 
     # -- control ----------------------------------------------------------------
 
@@ -273,10 +285,9 @@ class Launcher:
         if o.nats_creds_dir is not None:
             if o.nats is None:
                 raise LaunchError("--nats-creds-dir is for a --nats server; the embedded one gets its own", 2)
-            missing = [role for role in ROLES if not creds_path(o.nats_creds_dir, role).is_file()]
-            if missing:
-                raise LaunchError(f"--nats-creds-dir {o.nats_creds_dir} lacks credentials of: {', '.join(missing)} "
-                                  "(`splitserve nats-auth DIR` writes them)", 2)
+            if not Path(o.nats_creds_dir).is_dir():
+                raise LaunchError(f"--nats-creds-dir {o.nats_creds_dir} is not a directory "
+                                  "(`splitserve nats-auth DIR` writes one)", 2)
 
     def _run_locked(self) -> int:
         o = self.options
@@ -315,14 +326,34 @@ class Launcher:
             self._shutdown(failure)
         return failure.exit_code
 
-    def _bus_config(self, tls: TLSFiles | None) -> tuple[Path | None, Path]:
-        """The embedded server's config: with --nats-auth new credentials for every role (and `admin`) in
-        RUN_DIR/creds and the users that admit them, with --tls its certificate."""
+    def _bus_config(self, tls: TLSFiles | None, instances: list[Instance]) -> tuple[Path | None, Path]:
+        """The embedded server's config: with --nats-auth new credentials for every service instance in
+        RUN_DIR/creds, an admin key kept in this process only (`self._admin`), and the users that admit them;
+        with --tls its certificate."""
         creds_dir = self.run_dir / "creds" if self.options.nats_auth else None
-        public_keys = ensure_credentials(creds_dir, fresh=True) if creds_dir is not None else {}
+        public_keys = {}
+        if creds_dir is not None:
+            shutil.rmtree(creds_dir, ignore_errors=True)  # an earlier deployment's instances are not admitted
+            public_keys = ensure_credentials(creds_dir, instances, fresh=True)
+            admin_seed = new_seed()
+            public_keys[ADMIN_INSTANCE] = public_key(admin_seed)
+            self._admin = BusCredentials(nkey_seed=admin_seed.decode())
         config = write_server_config(self.run_dir / "nats.conf", public_keys, self.options.namespace,
                                      (tls.cert, tls.key) if tls is not None else None)
         return creds_dir, config
+
+    def _provision(self, nats_url: str, tls_ca: str | None, replicas: int | None) -> None:
+        """The deployment's streams and registry, made with the admin key before any service starts (with none
+        on an open bus). Without one (a --nats server whose DIR holds no admin.nk) the operator provisions:
+        the services wait for it."""
+        if self._admin is None and self.options.nats_creds_dir is not None:
+            self._say("no admin.nk in --nats-creds-dir: the services wait for `splitserve provision` to make the "
+                      "deployment's streams")
+            return
+        try:
+            provision(nats_url, self.options.namespace, self._admin, tls_ca, replicas)
+        except Exception as exc:  # an unreachable or refusing server: nothing can start
+            raise LaunchError(f"could not provision the deployment's streams: {exc}", 1) from None
 
     def _pipeline_split(self, model_dir: str) -> tuple[tuple[int, int], ...]:
         """The pipeline's layer ranges, checked against the model before anything starts (exit 2 if bad)."""
@@ -359,6 +390,34 @@ class Launcher:
                 f"processes of an earlier deployment in {self.run_dir} are still running: {listed}; stop them first", 2
             )
 
+    def _up_config(self, model_dir: str, served_name: str) -> topology.UpConfig:
+        """What the topology plans from (the bus's URL, credentials and TLS filled in once NATS is up)."""
+        o = self.options
+        return topology.UpConfig(
+            model=model_dir, served_model_name=served_name, nats_url="", topology=o.topology,
+            decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill,
+            offload_short_prefills=o.offload_short_prefills, prefill_backlog_factor=o.prefill_backlog_factor,
+            migration_limit=o.migration_limit, max_waiting_requests=o.max_waiting_requests,
+            share_prefix_cache=o.share_prefix_cache,
+            # A file is named by its absolute path: the gateway need not share this process's working directory.
+            chat_template=os.path.abspath(o.chat_template) if o.chat_template and os.path.isfile(o.chat_template)
+            else o.chat_template,
+            drain_timeout_s=stop_budgets(o.stop_timeout_s)[2], kv_transport=o.kv_transport,
+            stage_ranges=self._stage_ranges, microbatches=o.microbatches,
+            max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,
+            prefill_beside_decodes_ms=o.prefill_beside_decodes_ms,
+            kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
+            kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
+            cpus=worker_cpus(o.cpus),
+            # The cluster started here has a known size: every service is told the copies, rather than each going by
+            # the nodes it saw on connecting (fewer, while the routes were forming).
+            nats_replicas=replicas_for(o.nats_replicas, o.nats_cluster) if o.nats is None and o.nats_cluster > 1
+            else o.nats_replicas,
+            cpu_loan_dir=str(self.run_dir / "cpu-loans") if o.lend_idle_cpus else None,
+            device=o.device, prefill_device=o.prefill_device, decode_device=o.decode_device,
+            gpu_memory_utilization=o.gpu_memory_utilization,
+        )
+
     def _child_env(self) -> dict[str, str]:
         path = os.environ.get("PYTHONPATH")
         return {
@@ -393,6 +452,8 @@ class Launcher:
         )
         write_deployment(self.run_dir, self.deployment)
 
+        config = self._up_config(model_dir, served_name)
+        instances = [Instance(spec.role, spec.instance_id) for spec in topology.plan(config)]
         if o.nats is None:
             # A fresh deployment starts from empty streams: what an earlier
             # one left queued has nobody waiting for it any more.
@@ -402,40 +463,26 @@ class Launcher:
             tls = make_deployment_tls(self.run_dir / "tls", names, names) if o.tls else None
             tls_ca = str(tls.ca_cert) if tls is not None else None
             transfer_tls = (str(tls.ca_cert), str(tls.transfer_cert), str(tls.transfer_key)) if tls else None
-            creds_dir, server_config = self._bus_config(tls) if o.nats_auth or tls is not None else (None, None)
+            creds_dir, server_config = (self._bus_config(tls, instances) if o.nats_auth or tls is not None
+                                        else (None, None))
             self.nats = EmbeddedNatsCluster(
                 self.run_dir, o.nats_cluster, config_file=server_config,
                 log_for=lambda name: RotatingLog(self.log_dir / f"{name}.log", o.log_max_bytes, o.log_backups))
-            admin = creds_path(creds_dir, "admin") if creds_dir is not None else None
-            nats_url = self.nats.start(jetstream_ready=lambda url: jetstream_answers(url, admin, tls_ca))
+            nats_url = self.nats.start(jetstream_ready=lambda url: jetstream_answers(url, self._admin, tls_ca))
         else:
             nats_url, creds_dir, tls_ca, transfer_tls = o.nats, o.nats_creds_dir, o.nats_tls_ca, None
+            if creds_dir is not None:
+                missing = [i.instance_id for i in instances if not creds_path(creds_dir, i.instance_id).is_file()]
+                if missing:
+                    raise LaunchError(f"--nats-creds-dir {creds_dir} lacks the credentials of: {', '.join(missing)} "
+                                      "(`splitserve nats-auth DIR --instance ROLE:ID ...` writes them)", 2)
+                admin = creds_path(creds_dir, ADMIN)
+                self._admin = credentials_from(str(admin), environ={}) if admin.is_file() else None
         self.deployment.nats = NatsRecord(url=nats_url, embedded=self.nats is not None,
                                           creds_dir=str(creds_dir) if creds_dir else None)
-
-        config = topology.UpConfig(
-            model=model_dir, served_model_name=served_name, nats_url=nats_url, topology=o.topology,
-            decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill,
-            offload_short_prefills=o.offload_short_prefills, prefill_backlog_factor=o.prefill_backlog_factor,
-            migration_limit=o.migration_limit, max_waiting_requests=o.max_waiting_requests,
-            # A file is named by its absolute path: the gateway need not share this process's working directory.
-            chat_template=os.path.abspath(o.chat_template) if o.chat_template and os.path.isfile(o.chat_template)
-            else o.chat_template,
-            drain_timeout_s=stop_budgets(o.stop_timeout_s)[2], kv_transport=o.kv_transport,
-            stage_ranges=self._stage_ranges, microbatches=o.microbatches,
-            max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,
-            prefill_beside_decodes_ms=o.prefill_beside_decodes_ms,
-            kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
-            kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
-            cpus=worker_cpus(o.cpus), nats_creds_dir=str(creds_dir) if creds_dir else None, nats_tls_ca=tls_ca,
-            # The cluster started here has a known size: every service is told the copies, rather than each going by
-            # the nodes it saw on connecting (fewer, while the routes were forming).
-            nats_replicas=replicas_for(o.nats_replicas, o.nats_cluster) if o.nats is None and o.nats_cluster > 1
-            else o.nats_replicas,
-            transfer_tls=transfer_tls, cpu_loan_dir=str(self.run_dir / "cpu-loans") if o.lend_idle_cpus else None,
-            device=o.device, prefill_device=o.prefill_device, decode_device=o.decode_device,
-            gpu_memory_utilization=o.gpu_memory_utilization,
-        )
+        config = dataclasses.replace(config, nats_url=nats_url, nats_creds_dir=str(creds_dir) if creds_dir else None,
+                                     nats_tls_ca=tls_ca, transfer_tls=transfer_tls)
+        self._provision(nats_url, tls_ca, config.nats_replicas)
         specs = topology.plan(config)
         self.supervisor = Supervisor(self.log_dir, self.policy, log_max_bytes=o.log_max_bytes,
                                      log_backups=o.log_backups)

@@ -1,62 +1,85 @@
 """Per-deployment NATS credentials and the server's authorization config.
 
-One NKey user per role (see `shared.bus.permissions`), plus `admin` for the
-operator. Seeds are written 0600 into a 0700 directory and never leave it; the
-server only learns the public keys. The config is JSON, which nats-server reads
-as its own format: `nats-server -c FILE` (the embedded server), or `include`d
-into an operator's own server config.
+One NKey user per service instance (see `shared.bus.permissions`), plus
+`admin`, the provisioner and operator. Seeds are written 0600 into a 0700
+directory, one file per instance (`ID.nk`); the server only learns the public
+keys. `splitserve up` keeps its admin seed in memory only: no service process
+can read it. The config is JSON, which nats-server reads as its own format:
+`nats-server -c FILE` (the embedded server), or `include`d into an operator's
+own server config.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import nkeys
 
-from contracts import Subjects
-from shared.bus.permissions import ADMIN, ROLES, role_permissions
+from contracts import Subjects, check_token
+from shared.bus.permissions import ADMIN, ROLES, instance_permissions
 from shared.private_files import private_dir, write_private
 
-CREDENTIAL_ROLES = (*ROLES, ADMIN)
+
+@dataclass(frozen=True)
+class Instance:
+    """A service instance that gets its own credential."""
+
+    role: str
+    instance_id: str
+
+    def __post_init__(self) -> None:
+        if self.role not in (*ROLES, ADMIN):
+            raise ValueError(f"unknown role {self.role!r} (known: {', '.join(ROLES)})")
+        check_token(self.instance_id, "instance id")
+        if (self.instance_id == ADMIN) != (self.role == ADMIN):
+            raise ValueError(f"the instance id {ADMIN!r} is the operator's")
 
 
-def creds_path(creds_dir: str | os.PathLike, role: str) -> Path:
-    """The file holding `role`'s NKey seed."""
-    return Path(creds_dir) / f"{role}.nk"
+ADMIN_INSTANCE = Instance(ADMIN, ADMIN)
 
 
-def ensure_credentials(creds_dir: str | os.PathLike, roles: tuple[str, ...] = CREDENTIAL_ROLES,
-                       fresh: bool = False) -> dict[str, str]:
-    """Each role's public key, creating a seed for each role that has none (all anew with `fresh`)."""
+def creds_path(creds_dir: str | os.PathLike, instance_id: str) -> Path:
+    """The file holding one instance's NKey seed."""
+    return Path(creds_dir) / f"{instance_id}.nk"
+
+
+def new_seed() -> bytes:
+    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+
+
+def ensure_credentials(creds_dir: str | os.PathLike, instances: list[Instance],
+                       fresh: bool = False) -> dict[Instance, str]:
+    """Each instance's public key, creating a seed file for each that has none (all anew with `fresh`)."""
     creds_dir = private_dir(creds_dir)
     public = {}
-    for role in roles:
-        path = creds_path(creds_dir, role)
+    for instance in instances:
+        path = creds_path(creds_dir, instance.instance_id)
         if fresh or not path.exists():
-            write_private(path, nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
-        public[role] = public_key(path)
+            write_private(path, new_seed())
+        public[instance] = public_key(path.read_bytes())
     return public
 
 
-def public_key(seed_file: str | os.PathLike) -> str:
-    pair = nkeys.from_seed(bytearray(Path(seed_file).read_bytes().strip()))
+def public_key(seed: bytes) -> str:
+    pair = nkeys.from_seed(bytearray(seed.strip()))
     try:
         return pair.public_key.decode()
     finally:
         pair.wipe()
 
 
-def authorization_config(public_keys: dict[str, str], namespace: str) -> dict:
-    """The server's `authorization` block: one user per role, with that role's permissions."""
+def authorization_config(public_keys: dict[Instance, str], namespace: str) -> dict:
+    """The server's `authorization` block: one user per instance, with that instance's permissions."""
     subjects = Subjects(namespace)
-    users = [{"nkey": key, "permissions": role_permissions(role, subjects).to_config()}
-             for role, key in public_keys.items()]
+    users = [{"nkey": key, "permissions": instance_permissions(i.role, i.instance_id, subjects).to_config()}
+             for i, key in public_keys.items()]
     return {"authorization": {"users": users}}
 
 
-def write_server_config(path: str | os.PathLike, public_keys: dict[str, str], namespace: str,
+def write_server_config(path: str | os.PathLike, public_keys: dict[Instance, str], namespace: str,
                         tls: tuple[Path, Path] | None = None) -> Path:
     """The authorization block, and with `tls` (certificate, key) the server's TLS, required of every client."""
     path = Path(path)

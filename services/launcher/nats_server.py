@@ -370,18 +370,21 @@ def _distinct_free_ports(host: str, count: int) -> list[int]:
     return ports
 
 
-def jetstream_answers(url: str, creds_file: str | os.PathLike | None = None,
-                      tls_ca: str | os.PathLike | None = None) -> bool:
-    """Whether JetStream at `url` answers an API call now (on a cluster: it has a meta leader)."""
+def jetstream_answers(url: str, credentials=None, tls_ca: str | os.PathLike | None = None) -> bool:
+    """Whether JetStream at `url` answers an API call now (on a cluster: it has a meta leader); `credentials`: a
+    `BusCredentials`, or a seed file's path."""
     import asyncio
 
     import nats
 
-    from shared.bus.credentials import credentials_from
+    from shared.bus.credentials import BusCredentials, credentials_from
     from shared.bus.tls import client_tls_context
 
+    if credentials is not None and not isinstance(credentials, BusCredentials):
+        credentials = credentials_from(str(credentials), environ={})
+
     async def ask() -> bool:
-        options = credentials_from(str(creds_file), environ={}).connect_options() if creds_file is not None else {}
+        options = credentials.connect_options() if credentials is not None else {}
         try:
             nc = await nats.connect(servers=server_urls(url), connect_timeout=1, max_reconnect_attempts=0,
                                     allow_reconnect=False, tls=client_tls_context(tls_ca, None, None, environ={}),

@@ -33,6 +33,7 @@ class UpConfig:
     migration_limit: int | None = None  # the gateway's --migration-limit (None: its default)
     max_waiting_requests: int | None = None  # the gateway's --max-waiting-requests (None: its default)
     chat_template: str | None = None  # the gateway's --chat-template (a file's absolute path, or the text)
+    share_prefix_cache: bool = False  # the gateway's --share-prefix-cache: API keys reuse each other's prefixes
     drain_timeout_s: float | None = None  # the gateway's and decode workers' --drain-timeout (None: theirs)
     kv_transport: str = "auto"  # disagg: how prefill workers ship KV
     stage_ranges: tuple[tuple[int, int], ...] = ()  # pipeline (or disagg's prefill pipeline): each stage's layers
@@ -51,7 +52,7 @@ class UpConfig:
     kv_store_disk_bytes: int = 0
     kv_store_dir: str | None = None  # the disk tier's directory (needed with kv_store_disk_bytes)
     cpus: tuple[int, ...] = ()  # shared out among the model workers (decode, prefill, stage); () leaves it to the OS
-    nats_creds_dir: str | None = None  # each service gets `--nats-creds DIR/ROLE.nk` (None: no credentials)
+    nats_creds_dir: str | None = None  # each service gets `--nats-creds DIR/INSTANCE_ID.nk` (None: no credentials)
     nats_tls_ca: str | None = None  # each service talks TLS to NATS, trusting this CA
     nats_replicas: int | None = None  # each service's `--nats-replicas` (None: theirs, by the cluster's size)
     transfer_tls: tuple[str, str, str] | None = None  # (CA, cert, key): every side channel speaks TLS only
@@ -151,7 +152,7 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
                  if s.role in SIDE_CHANNEL_ROLES else s for s in specs]
     if config.nats_creds_dir is None:
         return specs
-    return [dataclasses.replace(s, args=(*s.args, "--nats-creds", str(creds_path(config.nats_creds_dir, s.role))))
+    return [dataclasses.replace(s, args=(*s.args, "--nats-creds", str(creds_path(config.nats_creds_dir, s.instance_id))))
             for s in specs]
 
 
@@ -264,6 +265,8 @@ def _gateway(config: UpConfig, bus: tuple, model: tuple, counts: dict[str, int])
         args += ("--max-waiting-requests", str(config.max_waiting_requests))
     if config.chat_template is not None:
         args += ("--chat-template", config.chat_template)
+    if config.share_prefix_cache:
+        args += ("--share-prefix-cache",)
     args += _drain_flags(config)
     return ServiceSpec("gateway-0", "gateway", "gateway-0", args, url=http_url(config.host, config.port))
 

@@ -45,6 +45,8 @@ class UpSettings(Settings):
                                        "the variable takes KEY,KEY,..., which other local users cannot read as "
                                        "they can a flag; the keys of both count)", flag="--api-key", metavar="KEY",
                                        env="SPLITSERVE_API_KEY", many=True, joined=True, repr=False)
+    share_prefix_cache: bool = option(False, "requests of different API keys reuse each other's cached prompt "
+                                      "prefixes (by default each key's are its own)")
     chat_template: str | None = option(None, "the gateway's chat template instead of the tokenizer's: a Jinja "
                                        "file, or the template itself", metavar="FILE|TEMPLATE")
     migration_limit: Count | None = option(None, "times a request moves to another worker, from the tokens its "
@@ -121,8 +123,9 @@ class UpSettings(Settings):
     nats_creds_dir: str | None = option(None, "with --nats: each service's credentials, DIR/ROLE.nk (`splitserve "
                                         "nats-auth DIR` writes them and the server's authorization config)",
                                         metavar="DIR")
-    nats_auth: bool = option(True, "the embedded NATS server admits only this deployment's services, each role with "
-                             "its own credentials (RUN_DIR/creds) and only the subjects its job needs")
+    nats_auth: bool = option(True, "the embedded NATS server admits only this deployment's services, each instance "
+                             "with its own credentials (RUN_DIR/creds/ID.nk) and only the subjects its job needs; "
+                             "its streams are made by an admin key this launcher keeps in memory only")
     tls: bool = option(False, "the embedded NATS server and every worker's KV side channel speak only TLS, with "
                        "certificates from a CA made for this deployment (RUN_DIR/tls); every service trusts that CA "
                        "alone")

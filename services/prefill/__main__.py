@@ -26,7 +26,6 @@ def settings_of(argv: list[str] | None = None, environ=None) -> PrefillSettings:
 
 async def serve(settings: PrefillSettings) -> int:
     from services.common.cpu_loan import cpu_share_from_settings
-    from services.common.queues import provision_prefill_queue
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.common.kv_memory import kv_cache_allocator
@@ -42,7 +41,6 @@ async def serve(settings: PrefillSettings) -> int:
         engine_thread = EngineThread()
         engine = await engine_thread.run(LLMEngine, engine_config(settings, model_dir),
                                          kv_allocator=kv_cache_allocator(settings.kv_transport, settings.device))
-        await provision_prefill_queue(js, subjects, replicas)
         worker = EngineWorker(nc=nc, registry=registry, subjects=subjects, engine=engine, engine_thread=engine_thread,
                               instance_id=settings.instance_id, role="prefill", model=model_dir,
                               served_model_name=served_name, cpu_share=cpu_share)

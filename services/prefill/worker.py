@@ -23,7 +23,7 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from contracts import CancelRequest, HandoffReply, LogprobEntry, PrefillJob, PrefillResult
+from contracts import CancelRequest, HandoffReply, LogprobEntry, PrefillJob, PrefillResult, sent_by
 from services.common.cpu_loan import CpuLender
 from services.common.engine_loop import AddRequest, RequestRejected
 from services.common.engine_worker import EngineWorker
@@ -228,7 +228,7 @@ class PrefillRole:
         self._first_tokens[job.request_id] = future
         try:
             if self.worker.kv_store is not None:  # the engine starts from the prefix the store holds, if longer
-                self.worker.kv_store.expect(job.request_id, job.prompt_token_ids)
+                self.worker.kv_store.expect(job.request_id, job.prompt_token_ids, params.cache_salt)
             self.worker.engine_loop.add(AddRequest(job.request_id, job.prompt_token_ids, first_only,
                                                    hold_kv=True, stream_prompt_kv=True))
             remaining_s = max(0.0, (job.deadline_ms - now_ms()) / 1000)
@@ -294,7 +294,7 @@ class PrefillRole:
             result.num_cached_tokens = output.num_cached_tokens
             if output.new_logprobs:
                 result.first_logprobs = LogprobEntry.of(output.new_logprobs[0])
-        await w.nc.publish(job.reply_subject, result.encode())
+        await w.nc.publish(sent_by(job.reply_subject, w.identity.role, w.instance_id), result.encode())
 
     async def on_cancel(self, cancel: CancelRequest) -> None:
         task = self.jobs.get(cancel.request_id)

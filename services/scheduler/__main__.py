@@ -19,12 +19,10 @@ def settings_of(argv: list[str] | None = None, environ=None) -> SchedulerSetting
 
 
 async def serve(settings: SchedulerSettings) -> int:
-    from services.common.queues import provision_request_queue
     from services.common.runner import run_service
     from services.scheduler.router import Router
 
     async def build(nc, js, registry, subjects, replicas):
-        await provision_request_queue(js, subjects, replicas)
         return Router(nc=nc, registry=registry, subjects=subjects, instance_id=settings.instance_id,
                       handoff_timeout_s=settings.handoff_timeout, max_local_prefill=settings.max_local_prefill,
                       max_prefill_queue=settings.max_prefill_queue, offload_short_prefills=settings.offload_short_prefills,

@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from contracts import (
+    Assignment,
     CancelRequest,
     ContractError,
     GenerateRequest,
@@ -28,6 +29,9 @@ from contracts import (
     StatsRequest,
     Subjects,
     WorkerLoad,
+    from_anyone,
+    sender_of,
+    sent_by,
 )
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.queues import REQUEST_ACK_WAIT_S
@@ -50,7 +54,7 @@ from services.scheduler.routing import (
     with_load,
 )
 from shared.bus.registry import Heartbeat, Registry
-from shared.bus.subscribe import REJECTED, fetch_loop, subscribe_typed
+from shared.bus.subscribe import REJECTED, fetch_loop, reject_unattributed, subscribe_typed
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import extract, inject, tracer
 
@@ -123,8 +127,8 @@ class Router:
     async def start(self) -> list[asyncio.Task]:
         await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
         if self.router == "kv":
-            await subscribe_typed(self.nc, self.subjects.kv_events, KVEvents, self._on_kv_events)
-        await subscribe_typed(self.nc, self.subjects.worker_load, WorkerLoad, self._on_load)
+            await subscribe_typed(self.nc, from_anyone(self.subjects.kv_events), KVEvents, self._on_kv_events)
+        await subscribe_typed(self.nc, from_anyone(self.subjects.worker_load), WorkerLoad, self._on_load)
         await self.nc.flush()
         await self._refresh()
         self.heartbeat.start()
@@ -260,7 +264,8 @@ class Router:
         prefill_workers = eligible_workers(self.workers, "prefill", request.model)
         cached = None
         if self.router == "kv":
-            cached = cached_prefixes(decode_workers + prefill_workers, prompt, self.index.overlaps)
+            cached = cached_prefixes(decode_workers + prefill_workers, prompt, self.index.overlaps,
+                                     request.sampling.cache_salt)
             candidates = rank_by_kv(decode_workers, cached.prompt_blocks, cached.blocks, self.overlap_weight)
         else:
             candidates = rank_by_load(decode_workers)
@@ -299,6 +304,11 @@ class Router:
                 await self._fail(request, reply.code or "invalid_request", reply.message, reply.param)
                 return "rejected", False
             self._assigned(request, worker, cached, uncached)
+            # The gateway believes the request's events only from the worker this names (its own are not enough:
+            # any worker could claim a request).
+            await self._tell_gateway(request, Assignment(request_id=request.request_id,
+                                                         worker_instance=worker.instance_id,
+                                                         worker_boot_id=worker.boot_id))
             return "assigned", False
         return None, unreached
 
@@ -347,6 +357,8 @@ class Router:
     async def _on_load(self, load: WorkerLoad, msg) -> None:
         """A worker's load between heartbeats: its entry shows it at once (and what it shows is no longer counted
         here). Reports of workers not in the registry are dropped: the registry bounds what is kept."""
+        if not _from_itself(load.instance_id, msg, "load report"):
+            return
         if not any(worker.instance_id == load.instance_id for worker in self.workers):
             return
         self._loads[load.instance_id] = load
@@ -354,6 +366,8 @@ class Router:
         self.routed.settle(self.workers, now_ms())
 
     async def _on_kv_events(self, event: KVEvents, msg) -> None:
+        if not _from_itself(event.instance_id, msg, "KV events"):
+            return
         if not self.index.apply(event):
             await self._ask_snapshot(event.instance_id, "gap" if event.seq else "new")
 
@@ -410,6 +424,17 @@ class Router:
 
     async def _fail(self, request: GenerateRequest, code: str, message: str, param: str | None = None,
                     retry_after_s: float | None = None) -> None:
-        failure = RequestFailed(request_id=request.request_id, code=code, message=message, param=param,
-                                retry_after_s=retry_after_s)
-        await self.nc.publish(request.reply_subject, failure.encode())
+        await self._tell_gateway(request, RequestFailed(request_id=request.request_id, code=code, message=message,
+                                                        param=param, retry_after_s=retry_after_s))
+
+    async def _tell_gateway(self, request: GenerateRequest, event: Assignment | RequestFailed) -> None:
+        await self.nc.publish(sent_by(request.reply_subject, "scheduler", self.instance_id), event.encode())
+
+
+def _from_itself(instance_id: str, msg, what: str) -> bool:
+    """Whether a report about `instance_id` was sent by that instance (no worker speaks for another)."""
+    sender = sender_of(msg.subject)
+    if sender.instance_id == instance_id:
+        return True
+    reject_unattributed(sender, what, f"it is about {instance_id}")
+    return False

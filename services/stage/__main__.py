@@ -123,10 +123,8 @@ async def serve(settings: StageSettings) -> int:
                               instance_id=settings.instance_id, role=settings.head_role, model=model_dir,
                               served_model_name=served_name)
         if settings.head_role == "prefill":
-            from services.common.queues import provision_prefill_queue
             from services.stage.prefill_head import prefill_pipeline_head
 
-            await provision_prefill_queue(js, subjects, replicas)
             return prefill_pipeline_head(worker, driver, max_concurrent_jobs=settings.max_concurrent_jobs,
                                          kv_transport=settings.kv_transport, transfer_tls=tls)
         from services.stage.head import decode_pipeline_head

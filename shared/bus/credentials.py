@@ -63,6 +63,15 @@ class BusCredentials:
         return {"nkeys_seed": str(path)}
 
 
+def secured_bus(url: str, credentials: BusCredentials | None) -> bool:
+    """Whether a service connects to NATS with an identity (a key, or a user in the URL): the bus is then
+    secured, and the deployment's streams are the provisioner's, not the service's."""
+    from urllib.parse import urlsplit
+
+    return bool(credentials is not None and credentials.given) or any(
+        urlsplit(part.strip() if "://" in part else f"nats://{part.strip()}").username for part in url.split(","))
+
+
 def credentials_from(creds_file: str | None, environ: dict | None = None) -> BusCredentials:
     """The file given on the command line, else `SPLITSERVE_NATS_CREDS`, else a seed in `SPLITSERVE_NATS_NKEY_SEED`."""
     environ = os.environ if environ is None else environ

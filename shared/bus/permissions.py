@@ -1,29 +1,36 @@
-"""Which NATS subjects each role may publish and subscribe to: least privilege, as data.
+"""Which NATS subjects each service instance may publish and subscribe to: least privilege, as data.
 
-Pure: `role_permissions(role, subjects)` is what `splitserve up` (and
-`splitserve nats-auth`) write into the server's authorization config, one user
-per role. What a role may do follows from its job:
+Pure: `instance_permissions(role, instance_id, subjects)` is what `splitserve up`
+(and `splitserve nats-auth`) write into the server's authorization config, one
+user per service instance. What an instance may do follows from its job, and
+only as itself:
 
-- every role keeps its own registry entries (`$KV.{bucket}.{role}.>`), reads
-  everyone's, answers stats requests (which only the gateway asks), and takes replies only on its own inbox
-  prefix (`inbox_prefix`), which no other role may subscribe to;
-- replies to requests a role received go back through `allow_responses`, so
-  nobody may publish into another's inbox;
-- JetStream API subjects are granted per stream: the owner of a work queue may
-  create it and pull from it, the producers may only publish into it.
+- it takes only its own work (`worker.<its id>.generate`, its own offers, KV
+  snapshot and stats requests), and replies only on its own inbox prefix
+  (`inbox_prefix`), which no other instance may subscribe to;
+- what a receiver must attribute (a request's tokens, a prefill result, KV
+  events, load reports) it sends only under its own name (`contracts.sent_by`),
+  so the server vouches for the sender;
+- it writes only its own registry entry (`$KV.{bucket}.{role}.{id}`) and reads
+  everyone's; rollups and purges are refused by the bucket itself;
+- JetStream: it binds to the streams and consumers its job uses (info, pull,
+  ack, publish into a queue); creating, changing, purging or deleting a stream
+  or consumer is the provisioner's alone (`ADMIN`: `splitserve up`, or the
+  operator's `splitserve provision`).
 
 A `stage` process may head a pipeline of either pool, so it holds the decode
-and the prefill worker's permissions besides its own.
+and the prefill worker's permissions (under its own name) besides its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts import Subjects
+from contracts import Subjects, check_token, from_anyone
 
 ROLES = ("gateway", "scheduler", "decode", "prefill", "stage", "kvstore")
-ADMIN = "admin"  # the operator: everything (debugging, `splitserve` tools); never given to a service
+ADMIN = "admin"  # the operator and the provisioner: everything; never given to a service
+_ACTS_AS = {"stage": ("stage", "decode", "prefill")}  # a pipeline's head serves as its pool's worker
 
 
 @dataclass(frozen=True)
@@ -38,92 +45,109 @@ class Permissions:
                 "allow_responses": self.allow_responses}
 
 
-def inbox_prefix(namespace: str, role: str) -> str:
-    """Where a role's connections take replies (request/reply, JetStream acks and pulls)."""
-    return f"_INBOX.{namespace}.{role}"
+def acts_as(role: str) -> tuple[str, ...]:
+    """The roles an instance of `role` may speak as (its registry entries, the names it signs with)."""
+    return _ACTS_AS.get(role, (role,))
 
 
-def _stream_owner(stream: str) -> list[str]:
-    return [f"$JS.API.STREAM.{verb}.{stream}" for verb in ("INFO", "CREATE", "UPDATE")]
+def inbox_prefix(namespace: str, role: str, instance_id: str) -> str:
+    """Where one instance's connection takes replies (request/reply, JetStream acks and pulls)."""
+    return f"_INBOX.{namespace}.{check_token(role, 'role')}.{check_token(instance_id, 'instance id')}"
 
 
-def _consumer_provision(stream: str, durable: str) -> list[str]:
-    """Create a durable consumer on `stream` and read its state."""
-    return [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.{durable}",
-            f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
-            f"$JS.API.CONSUMER.INFO.{stream}.{durable}"]
+@dataclass(frozen=True)
+class _Me:
+    """One instance, and the subjects it may sign with its name."""
+
+    s: Subjects
+    role: str
+    id: str
+
+    def signed(self, subject_pattern: str) -> list[str]:
+        return [f"{subject_pattern}.{role}.{self.id}" for role in acts_as(self.role)]
 
 
-def _consumer_owner(stream: str, durable: str) -> list[str]:
-    """Provision a durable pull consumer, pull from it and acknowledge what it delivers."""
-    return [*_consumer_provision(stream, durable), f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
-            f"$JS.ACK.{stream}.{durable}.>"]
+def _consumer_bind(stream: str, durable: str) -> list[str]:
+    """Bind to a durable pull consumer, pull from it and acknowledge what it delivers."""
+    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.{durable}.>"]
 
 
-def _registry(subjects: Subjects, role: str) -> list[str]:
-    """Create and read the registry bucket; write only the entries of the roles `role` may act as."""
-    stream = f"KV_{subjects.registry_bucket}"
-    acts_as = (role, "decode", "prefill") if role == "stage" else (role,)  # a pipeline's head serves as its pool's worker
-    return [*_stream_owner(stream), f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
-            f"$JS.API.STREAM.MSG.GET.{stream}", *(f"$KV.{subjects.registry_bucket}.{r}.>" for r in acts_as)]
+def _registry(me: _Me) -> list[str]:
+    """Read the registry bucket; write only this instance's own entries."""
+    bucket = me.s.registry_bucket
+    stream = f"KV_{bucket}"
+    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
+            f"$JS.API.STREAM.MSG.GET.{stream}", *(f"$KV.{bucket}.{role}.{me.id}" for role in acts_as(me.role))]
 
 
 def _kvstore_client(s: Subjects) -> list[str]:
     return [s.any(lambda i: s.kvstore(i, endpoint)) for endpoint in ("lookup", "get", "put")]
 
 
-def _decode(s: Subjects) -> tuple[list[str], list[str]]:
-    publish = [s.any(s.tokens, 2), s.kv_events, s.worker_load, s.prefill_jobs, s.any(s.prefill_offer),
-               *_kvstore_client(s),
-               *_stream_owner(s.prefill_stream), *_consumer_provision(s.prefill_stream, s.prefill_consumer)]
-    subscribe = [s.any(s.worker_generate), s.cancel, s.any(s.prefill_results), s.any(s.kv_snapshot)]
+def _reports(me: _Me) -> list[str]:
+    """What every engine worker tells the schedulers: its KV events and its load."""
+    return [*me.signed(me.s.kv_events), *me.signed(me.s.worker_load)]
+
+
+def _decode(me: _Me) -> tuple[list[str], list[str]]:
+    s = me.s
+    publish = [*me.signed(f"{s.namespace}.tokens.*.*"), *_reports(me), s.prefill_jobs, s.any(s.prefill_offer),
+               *_kvstore_client(s), f"$JS.API.STREAM.INFO.{s.prefill_stream}"]
+    subscribe = [s.worker_generate(me.id), s.cancel, from_anyone(s.prefill_results(me.id)), s.kv_snapshot(me.id)]
     return publish, subscribe
 
 
-def _prefill(s: Subjects) -> tuple[list[str], list[str]]:
-    publish = [s.any(s.prefill_results), s.kv_events, s.worker_load, *_kvstore_client(s), *_stream_owner(s.prefill_stream),
-               *_consumer_owner(s.prefill_stream, s.prefill_consumer)]
-    subscribe = [s.any(s.prefill_offer), s.cancel, s.any(s.kv_snapshot)]
+def _prefill(me: _Me) -> tuple[list[str], list[str]]:
+    s = me.s
+    publish = [*me.signed(s.any(s.prefill_results)), *_reports(me), *_kvstore_client(s),
+               *_consumer_bind(s.prefill_stream, s.prefill_consumer)]
+    subscribe = [s.prefill_offer(me.id), s.cancel, s.kv_snapshot(me.id)]
     return publish, subscribe
 
 
-def _stage(s: Subjects) -> tuple[list[str], list[str]]:
-    link = [s.any(s.stage_activations), s.any(s.stage_tickets), s.any(s.stage_shipped)]
-    publish, subscribe = list(link), list(link)
+def _stage(me: _Me) -> tuple[list[str], list[str]]:
+    s = me.s
+    publish = [s.any(s.stage_activations), s.any(s.stage_tickets), s.any(s.stage_shipped)]
+    subscribe = [s.stage_activations(me.id), s.stage_tickets(me.id), s.stage_shipped(me.id)]
     for head in (_decode, _prefill):
-        more_publish, more_subscribe = head(s)
+        more_publish, more_subscribe = head(me)
         publish += more_publish
         subscribe += more_subscribe
     return publish, subscribe
 
 
-def _gateway(s: Subjects) -> tuple[list[str], list[str]]:
+def _gateway(me: _Me) -> tuple[list[str], list[str]]:
+    s = me.s
     # It asks every service for its stats when its /metrics is scraped.
-    return [s.submit, s.cancel, s.any(s.stats)], [s.any(s.tokens, 2)]
+    return [s.submit, s.cancel, s.any(s.stats)], [s.tokens_wildcard(me.id)]
 
 
-def _scheduler(s: Subjects) -> tuple[list[str], list[str]]:
-    publish = [s.any(s.worker_generate), s.cancel, s.any(s.kv_snapshot), s.any(s.tokens, 2),
-               *_stream_owner(s.requests_stream), *_consumer_owner(s.requests_stream, s.scheduler_consumer),
+def _scheduler(me: _Me) -> tuple[list[str], list[str]]:
+    s = me.s
+    publish = [s.any(s.worker_generate), s.cancel, s.any(s.kv_snapshot), *me.signed(f"{s.namespace}.tokens.*.*"),
+               *_consumer_bind(s.requests_stream, s.scheduler_consumer),
                f"$JS.API.CONSUMER.INFO.{s.prefill_stream}.{s.prefill_consumer}"]
-    return publish, [s.kv_events, s.worker_load]
+    return publish, [from_anyone(s.kv_events), from_anyone(s.worker_load)]
 
 
-def _kvstore(s: Subjects) -> tuple[list[str], list[str]]:
-    return [s.kv_events], [s.any(s.kvstore, 2), s.any(s.kv_snapshot)]
+def _kvstore(me: _Me) -> tuple[list[str], list[str]]:
+    s = me.s
+    return me.signed(s.kv_events), [f"{s.namespace}.kvstore.{me.id}.>", s.kv_snapshot(me.id)]
 
 
 _JOBS = {"gateway": _gateway, "scheduler": _scheduler, "decode": _decode, "prefill": _prefill, "stage": _stage,
          "kvstore": _kvstore}
 
 
-def role_permissions(role: str, subjects: Subjects) -> Permissions:
-    """What one role's credential may do in the deployment named by `subjects`."""
+def instance_permissions(role: str, instance_id: str, subjects: Subjects) -> Permissions:
+    """What one service instance's credential may do in the deployment named by `subjects`."""
     if role == ADMIN:
         return Permissions(publish=(">",), subscribe=(">",))
     if role not in _JOBS:
         raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
-    publish, subscribe = _JOBS[role](subjects)
-    publish += ["$JS.API.INFO", *_registry(subjects, role)]
-    subscribe += [subjects.any(subjects.stats), f"{inbox_prefix(subjects.namespace, role)}.>"]
+    me = _Me(subjects, role, check_token(instance_id, "instance id"))
+    publish, subscribe = _JOBS[role](me)
+    publish += ["$JS.API.INFO", *_registry(me)]
+    subscribe += [subjects.stats(instance_id), f"{inbox_prefix(subjects.namespace, role, instance_id)}.>"]
     return Permissions(publish=tuple(dict.fromkeys(publish)), subscribe=tuple(dict.fromkeys(subscribe)))

@@ -10,11 +10,19 @@ server deletes messages older than the max age, so an entry whose service stops
 heartbeating disappears about `ttl_s` after its last put. A `Heartbeat` puts
 the entry every `interval_s`, well inside the TTL, so one lost put is harmless.
 Readers never trust an entry blindly: one that does not decode as a
-`ServiceInfo` is skipped and counted in `Registry.num_malformed`.
+`ServiceInfo` is skipped, counted in `Registry.num_malformed`, and said once a
+minute per key (a key names its writer).
+
+The bucket is provisioned (`Registry.open`) by whoever holds the right: the
+deployment's provisioner on a secured bus, any service on an open one. It
+refuses what no service needs and an attacker would use: rollup headers (a
+rollup wipes every other entry), purges, deleting messages, and values over
+`MAX_ENTRY_BYTES`. Services on a secured bus only bind to it (`Registry.bind`).
 """
 
 import asyncio
 import time
+from dataclasses import replace
 from collections.abc import Awaitable, Callable
 
 from nats.js import JetStreamContext
@@ -31,9 +39,14 @@ from nats.js.kv import KeyValue
 from contracts import ContractError, ServiceInfo, check_token
 from shared.bus.provision import STREAM_NAME_IN_USE, Replicas, settling, while_settling
 from shared.bus.service import cancel_and_wait, within
+from shared.telemetry.log_limiter import LogLimiter
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
+
+DEFAULT_TTL_S = 6.0
+MAX_ENTRY_BYTES = 16 * 1024  # a ServiceInfo is well under 1 KiB
+BIND_WAIT_S = 120.0  # how long a service waits for the deployment's provisioner to make the bucket
 
 
 class Registry:
@@ -44,13 +57,32 @@ class Registry:
         self.stream = f"KV_{bucket}"  # the stream behind a KV bucket, by JetStream's convention
         self.ttl_s = ttl_s
         self.num_malformed = 0  # entries skipped because they did not decode, counted on every read
+        self._malformed_log = LogLimiter()
 
     @classmethod
-    async def open(cls, js: JetStreamContext, bucket: str, ttl_s: float = 6.0,
+    async def open(cls, js: JetStreamContext, bucket: str, ttl_s: float = DEFAULT_TTL_S,
                    replicas: Replicas = Replicas()) -> "Registry":
-        """Create the bucket (kept on `replicas.count` nodes of a cluster), or bind to it (setting its TTL, and its
-        replicas if chosen, where they differ); tried again while JetStream is settling."""
+        """Provision: create the bucket (kept on `replicas.count` nodes of a cluster), or bind to it (setting its
+        TTL, its hardening, and its replicas if chosen, where they differ); tried again while JetStream is
+        settling."""
         return await while_settling(cls._open, js, bucket, ttl_s, replicas)
+
+    @classmethod
+    async def bind(cls, js: JetStreamContext, bucket: str, wait_s: float = BIND_WAIT_S) -> "Registry":
+        """Bind to the bucket the provisioner made (its TTL as configured), waiting up to `wait_s` for it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                kv = await while_settling(js.key_value, bucket)
+                break
+            except BucketNotFoundError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the registry bucket {bucket!r} does not exist: the deployment is not "
+                                       "provisioned (`splitserve provision` with the admin key)") from None
+                log.info("waiting for the deployment to be provisioned", bucket=bucket)
+                await asyncio.sleep(1.0)
+        config = (await kv.status()).stream_info.config
+        return cls(js, kv, bucket, config.max_age or DEFAULT_TTL_S)
 
     @classmethod
     async def _open(cls, js: JetStreamContext, bucket: str, ttl_s: float, replicas: Replicas) -> "Registry":
@@ -62,9 +94,9 @@ class Registry:
             try:
                 # Two services creating it at once with the same TTL both succeed.
                 kv = await js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=1,
-                                                              storage=StorageType.FILE, replicas=replicas.count))
+                                                              storage=StorageType.FILE, replicas=replicas.count,
+                                                              max_value_size=MAX_ENTRY_BYTES))
                 log.info("registry bucket created", bucket=bucket, ttl_s=ttl_s, replicas=replicas.count)
-                return cls(js, kv, bucket, ttl_s)
             except APIError as exc:
                 if settling(exc) or exc.err_code != STREAM_NAME_IN_USE:
                     raise
@@ -115,7 +147,10 @@ class Registry:
                 raise ContractError(f"entry under key {key!r} is {info.role} {info.instance_id!r}", "wrong_key")
         except ContractError as exc:
             self.num_malformed += 1
-            log.warning("malformed registry entry skipped", bucket=self.bucket, key=key, reason=exc.reason, error=str(exc))
+            quiet = self._malformed_log.allow(key)
+            if quiet is not None:
+                log.warning("malformed registry entry skipped", bucket=self.bucket, key=key, reason=exc.reason,
+                            error=str(exc), skipped_quietly_since=quiet)
             return None
         return info
 
@@ -242,10 +277,17 @@ class Heartbeat:
             log.warning("heartbeat failed", error=str(exc) or type(exc).__name__, num_failed=self.num_failed)
 
 
+def _hardened(config):
+    """The bucket's stream as the registry needs it: no rollups, purges or deletes; bounded values."""
+    return replace(config, allow_rollup_hdrs=False, deny_purge=True, deny_delete=True, max_msg_size=MAX_ENTRY_BYTES)
+
+
 async def _configure(js: JetStreamContext, bucket: str, kv: KeyValue, ttl_s: float, replicas: Replicas) -> None:
-    config = (await kv.status()).stream_info.config
-    count = replicas.count if replicas.chosen else (config.num_replicas or 1)  # a default does not change it
-    if round((config.max_age or 0) * 1e9) == round(ttl_s * 1e9) and (config.num_replicas or 1) == count:
+    have = (await kv.status()).stream_info.config
+    count = replicas.count if replicas.chosen else (have.num_replicas or 1)  # a default does not change it
+    config = _hardened(have)
+    if (round((have.max_age or 0) * 1e9) == round(ttl_s * 1e9) and (have.num_replicas or 1) == count
+            and config == have):
         return
     config.max_age = ttl_s
     config.duplicate_window = min(config.duplicate_window or ttl_s, ttl_s)

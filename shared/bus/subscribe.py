@@ -25,13 +25,15 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from contracts import ContractError, Message, RequestFailed, decode_one_of
+from contracts import ContractError, Message, RequestFailed, Sender, decode_one_of
 from contracts.codec import unpack
+from shared.telemetry.log_limiter import LogLimiter
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
 
 REJECTED: collections.Counter[str] = collections.Counter()  # rejected messages by ContractError.reason
+_FORGED_LOG = LogLimiter()
 
 MessageTypes = type[Message] | tuple[type[Message], ...]
 Handler = Callable[[Any, Msg], Awaitable[None]]
@@ -123,6 +125,17 @@ def decode(data: bytes, message_cls_or_tuple: MessageTypes) -> Message:
     if isinstance(message_cls_or_tuple, tuple):
         return decode_one_of(data, *message_cls_or_tuple)
     return message_cls_or_tuple.decode(data)
+
+
+def reject_unattributed(sender: Sender, what: str, reason: str) -> None:
+    """A well-formed message its sender may not have sent (a forged token chunk, another worker's load): dropped,
+    counted in `REJECTED["forged"]`, and said once a minute per sender."""
+    REJECTED["forged"] += 1
+    source = f"{sender.role}.{sender.instance_id}"
+    quiet = _FORGED_LOG.allow(source)
+    if quiet is not None:
+        log.warning("message dropped: its sender may not send it", sender=source, message=what, reason=reason,
+                    dropped_quietly_since=quiet)
 
 
 def _count_rejection(subject: str, exc: ContractError, counter: RejectCounter | None) -> None:

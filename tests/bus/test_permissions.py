@@ -1,11 +1,13 @@
-"""The per-role permission table (pure); the server enforcing it is tests/services/test_bus_auth.py."""
+"""The per-instance permission table (pure); the server enforcing it is tests/security/test_bus_identity.py."""
 
 import pytest
 
-from contracts import Subjects
-from shared.bus.permissions import ADMIN, ROLES, inbox_prefix, role_permissions
+from contracts import Subjects, sent_by
+from shared.bus.permissions import ADMIN, ROLES, inbox_prefix, instance_permissions
 
 S = Subjects("ns")
+# One instance of each role, and a second of each (named "-1"): what one may do, the other may not do as it.
+INSTANCES = [(role, f"{role}-{n}") for role in ROLES for n in (0, 1)]
 
 
 def allows(patterns, subject: str) -> bool:
@@ -20,46 +22,78 @@ def allows(patterns, subject: str) -> bool:
     return False
 
 
+def who_publishes(subject: str) -> set[str]:
+    return {iid for role, iid in INSTANCES if allows(instance_permissions(role, iid, S).publish, subject)}
+
+
+def who_subscribes(subject: str) -> set[str]:
+    return {iid for role, iid in INSTANCES if allows(instance_permissions(role, iid, S).subscribe, subject)}
+
+
 def test_only_admin_holds_everything():
-    assert role_permissions(ADMIN, S).publish == (">",)
-    for role in ROLES:
-        permissions = role_permissions(role, S)
+    assert instance_permissions(ADMIN, "admin", S).publish == (">",)
+    for role, iid in INSTANCES:
+        permissions = instance_permissions(role, iid, S)
         assert ">" not in permissions.publish and ">" not in permissions.subscribe
-        assert not allows(permissions.subscribe, "other.tokens.gateway-0.r1")  # another deployment's subjects
+        assert not allows(permissions.subscribe, "other.tokens.gateway-0.r1.decode.decode-0")  # another deployment
 
 
-def test_each_role_reads_only_its_own_inbox():
-    for role in ROLES:
-        subscribe = role_permissions(role, S).subscribe
-        for other in ROLES:
-            assert allows(subscribe, f"{inbox_prefix('ns', other)}.abc.1") == (other == role), (role, other)
-        assert not any(p.startswith("_INBOX") for p in role_permissions(role, S).publish)
+def test_each_instance_reads_only_its_own_inbox():
+    for role, iid in INSTANCES:
+        subscribe = instance_permissions(role, iid, S).subscribe
+        for other_role, other in INSTANCES:
+            assert allows(subscribe, f"{inbox_prefix('ns', other_role, other)}.abc.1") == (other == iid), (iid, other)
+        assert not any(p.startswith("_INBOX") for p in instance_permissions(role, iid, S).publish)
 
 
 @pytest.mark.parametrize("subject, publishers", [
-    (S.submit, {"gateway"}),
-    (S.tokens("gateway-0", "r1"), {"scheduler", "decode", "stage"}),
-    (S.worker_generate("decode-0"), {"scheduler"}),
-    (S.prefill_jobs, {"decode", "stage"}),
-    (S.kvstore("kvstore-0", "put"), {"decode", "prefill", "stage"}),
-    ("$KV.ns-registry.decode.decode-0", {"decode", "stage"}),
-    ("$JS.API.CONSUMER.MSG.NEXT.ns-requests.scheduler", {"scheduler"}),
+    (S.submit, {"gateway-0", "gateway-1"}),
+    # A request's events: each worker only under its own name (a stage as any pool's worker), the scheduler as itself.
+    (sent_by(S.tokens("gateway-0", "r1"), "decode", "decode-0"), {"decode-0"}),
+    (sent_by(S.tokens("gateway-0", "r1"), "decode", "stage-1"), {"stage-1"}),
+    (sent_by(S.tokens("gateway-0", "r1"), "scheduler", "scheduler-0"), {"scheduler-0"}),
+    (sent_by(S.tokens("gateway-0", "r1"), "scheduler", "decode-0"), set()),
+    (S.tokens("gateway-0", "r1"), set()),  # unsigned: nobody
+    (sent_by(S.prefill_results("decode-0"), "prefill", "prefill-1"), {"prefill-1"}),
+    (sent_by(S.kv_events, "decode", "decode-1"), {"decode-1"}),
+    (sent_by(S.kv_events, "kvstore", "kvstore-0"), {"kvstore-0"}),
+    (sent_by(S.worker_load, "prefill", "prefill-0"), {"prefill-0"}),
+    (S.worker_generate("decode-0"), {"scheduler-0", "scheduler-1"}),
+    (S.prefill_jobs, {"decode-0", "decode-1", "stage-0", "stage-1"}),
+    ("$KV.ns-registry.decode.decode-0", {"decode-0"}),
+    ("$KV.ns-registry.prefill.stage-0", {"stage-0"}),
+    ("$KV.ns-registry.scheduler.decode-0", set()),
+    ("$JS.API.CONSUMER.MSG.NEXT.ns-requests.scheduler", {"scheduler-0", "scheduler-1"}),
     ("$JS.API.STREAM.MSG.GET.ns-requests", set()),
 ])
 def test_who_may_publish(subject, publishers):
-    assert {role for role in ROLES if allows(role_permissions(role, S).publish, subject)} == publishers
+    assert who_publishes(subject) == publishers
+
+
+@pytest.mark.parametrize("verb", ["CREATE", "UPDATE", "DELETE", "PURGE"])
+@pytest.mark.parametrize("stream", ["ns-requests", "ns-prefill", "KV_ns-registry"])
+def test_no_service_changes_a_stream(verb, stream):
+    assert who_publishes(f"$JS.API.STREAM.{verb}.{stream}") == set()
+    assert who_publishes(f"$JS.API.CONSUMER.{verb}.{stream}.scheduler") == set()
+    assert who_publishes(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.prefill") == set()
 
 
 @pytest.mark.parametrize("subject, readers", [
-    (S.tokens("gateway-0", "r1"), {"gateway"}),
-    (S.worker_generate("decode-0"), {"decode", "stage"}),
-    (S.kvstore("kvstore-0", "get"), {"kvstore"}),
-    (S.prefill_offer("prefill-0"), {"prefill", "stage"}),
+    (sent_by(S.tokens("gateway-0", "r1"), "decode", "decode-0"), {"gateway-0"}),
+    (S.worker_generate("decode-0"), {"decode-0"}),
+    (S.worker_generate("stage-1"), {"stage-1"}),
+    (S.kvstore("kvstore-0", "get"), {"kvstore-0"}),
+    (S.prefill_offer("prefill-0"), {"prefill-0"}),
+    (sent_by(S.prefill_results("decode-1"), "prefill", "prefill-0"), {"decode-1"}),
+    (S.stats("decode-0"), {"decode-0"}),
+    (S.kv_snapshot("kvstore-1"), {"kvstore-1"}),
 ])
 def test_who_may_subscribe(subject, readers):
-    assert {role for role in ROLES if allows(role_permissions(role, S).subscribe, subject)} == readers
+    assert who_subscribes(subject) == readers
 
 
-def test_an_unknown_role_is_an_error():
+def test_an_unknown_role_or_a_bad_name_is_an_error():
     with pytest.raises(ValueError, match="unknown role"):
-        role_permissions("attacker", S)
+        instance_permissions("attacker", "x", S)
+    with pytest.raises(ValueError, match="instance id"):
+        instance_permissions("decode", "decode.*", S)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from contracts import RequestFailed, ServiceInfo, StreamAlive, TokenChunk
+from contracts import Assignment, RequestFailed, ServiceInfo, StreamAlive, Subjects, TokenChunk, sent_by
 from services.gateway.request_bus import may_move
 from services.gateway.beats_seen import BeatsSeen
 from services.gateway.streams import StreamError, TokenStreams, silence_leaves_worker_intact
@@ -26,14 +26,28 @@ def test_only_a_workers_failure_moves_a_request_up_to_the_limit(code, moves, lim
     assert may_move(code, moves, limit) is moved
 
 
-def chunk(request_id: str, seq: int) -> SimpleNamespace:
-    return SimpleNamespace(subject="t", data=TokenChunk(request_id=request_id, seq=seq, token_ids=[seq], text="x").encode())
+def sent(event, sender: tuple[str, str] = ("decode", "decode-0")) -> SimpleNamespace:
+    """`event` as it reaches the gateway: on its request's subject, signed by `sender` (role, instance)."""
+    return SimpleNamespace(subject=sent_by(Subjects("t").tokens("gateway-0", event.request_id), *sender),
+                           data=event.encode())
+
+
+def chunk(request_id: str, seq: int, sender: tuple[str, str] = ("decode", "decode-0")) -> SimpleNamespace:
+    return sent(TokenChunk(request_id=request_id, seq=seq, token_ids=[seq], text="x"), sender)
+
+
+async def assign(streams: TokenStreams, request_id: str, worker: str = "decode-0") -> None:
+    """The scheduler's word that `worker` took the request (what the gateway believes its events by)."""
+    await streams.on_message(sent(Assignment(request_id=request_id, worker_instance=worker, worker_boot_id="boot-a"),
+                                  ("scheduler", "scheduler-0")))
 
 
 def test_a_moved_stream_takes_its_new_attempts_chunks_from_0_and_drops_the_old_ones():
     async def scenario():
         streams = TokenStreams()
         stream = streams.open("r1")
+        await assign(streams, "r1")
+        assert isinstance(await stream.next_event(1), Assignment)
         await streams.on_message(chunk("r1", 0))
         assert (await stream.next_event(1)).seq == 0
         await streams.on_message(chunk("r1", 1))  # queued, then the worker fails: nobody reads it
@@ -42,7 +56,9 @@ def test_a_moved_stream_takes_its_new_attempts_chunks_from_0_and_drops_the_old_o
         assert stream.failed_on == ["boot-a"]
         assert stream.queue.empty() and stream.next_seq == 0 and stream.worker_instance is None
         await streams.on_message(chunk("r1", 2))  # a late chunk of the first attempt: ignored
-        await streams.on_message(chunk("r1-moved-1", 0))
+        await streams.on_message(chunk("r1-moved-1", 0, ("decode", "decode-1")))  # held until its assignment
+        await assign(streams, "r1-moved-1", "decode-1")
+        assert isinstance(await stream.next_event(1), Assignment)
         assert (await stream.next_event(1)).request_id == "r1-moved-1"
         assert streams.move(stream) == "r1-moved-2" and len(streams) == 1
         streams.close(stream.bus_id)
@@ -80,9 +96,10 @@ def test_the_idle_deadline_counts_from_the_last_word_and_a_stream_alive_is_one()
         async def keep_alive(times: int):
             for _ in range(times):
                 await asyncio.sleep(0.1)
-                await streams.on_message(SimpleNamespace(subject="t", data=StreamAlive(request_id="r1").encode()))
+                await streams.on_message(sent(StreamAlive(request_id="r1")))
 
-        stream.worker_instance = "decode-0"  # taken
+        await assign(streams, "r1")
+        assert isinstance(await stream.next_event(1), Assignment)  # taken
         alive = asyncio.create_task(keep_alive(6))  # 0.6 s of word, twice the deadline
         with pytest.raises(StreamError) as failure:
             await stream.next_event(0.3)
@@ -91,7 +108,8 @@ def test_the_idle_deadline_counts_from_the_last_word_and_a_stream_alive_is_one()
         assert stream.queue.empty()  # a StreamAlive is no event for the reader
         await streams.on_message(chunk("r1", 0))
         assert (await stream.next_event(0.3)).seq == 0
-        waiting = streams.open("r2")  # not taken yet: the request's own deadline
+        waiting = streams.open("r2")  # not taken yet: the request's own deadline (its worker's word is held)
+        await streams.on_message(sent(StreamAlive(request_id="r2")))
         with pytest.raises(StreamError) as failure:
             await waiting.next_event(0.1)
         assert failure.value.code == "timeout"
@@ -103,8 +121,10 @@ def test_a_gap_or_a_duplicate_breaks_the_stream_as_a_movable_failure():
     async def scenario():
         streams = TokenStreams()
         stream = streams.open("r1")
-        await streams.on_message(chunk("r1", 0))
+        await streams.on_message(chunk("r1", 0))  # before the assignment: held, then delivered after it
+        await assign(streams, "r1")
         await streams.on_message(chunk("r1", 2))  # chunk 1 lost in transit
+        assert isinstance(await stream.next_event(1), Assignment)
         assert (await stream.next_event(1)).seq == 0
         with pytest.raises(StreamError) as failure:
             await stream.next_event(1)
@@ -113,8 +133,10 @@ def test_a_gap_or_a_duplicate_breaks_the_stream_as_a_movable_failure():
         assert failure.value.worker_intact  # lost in transit: its worker may take the request again
 
         again = streams.open("r2")
+        await assign(streams, "r2")
         for seq in (0, 1, 1):  # chunk 1 twice: two workers on one attempt
             await streams.on_message(chunk("r2", seq))
+        assert isinstance(await again.next_event(1), Assignment)
         assert [(await again.next_event(1)).seq for _ in range(2)] == [0, 1]
         with pytest.raises(StreamError) as failure:
             await again.next_event(1)
@@ -128,10 +150,11 @@ def test_a_failure_its_worker_survived_moves_without_ruling_that_worker_out():
         streams = TokenStreams()
         for intact, failed_on in ((True, []), (False, ["boot-a"])):
             stream = streams.open(f"r-{intact}")
-            stream.worker_instance, stream.worker_boot_id = "stage-0", "boot-a"
+            await assign(streams, stream.bus_id, "stage-0")
+            assert isinstance(await stream.next_event(1), Assignment)
             failed = RequestFailed(request_id=stream.bus_id, code="worker_failed", message="stage-1 restarted",
                                    worker_intact=intact)
-            await streams.on_message(SimpleNamespace(subject="t", data=failed.encode()))
+            await streams.on_message(sent(failed, ("decode", "stage-0")))
             with pytest.raises(StreamError) as failure:
                 await stream.next_event(1)
             assert failure.value.worker_intact is intact
@@ -146,10 +169,11 @@ def test_a_silent_stream_says_when_its_worker_last_spoke():
     async def scenario():
         streams = TokenStreams()
         stream = streams.open("r1")
-        stream.worker_instance, stream.worker_boot_id = "decode-0", "boot-a"
+        await assign(streams, "r1")
         await streams.on_message(chunk("r1", 0))
+        assert isinstance(await stream.next_event(1), Assignment)
         assert (await stream.next_event(1)).seq == 0
-        await streams.on_message(SimpleNamespace(subject="t", data=StreamAlive(request_id="r1").encode()))
+        await streams.on_message(sent(StreamAlive(request_id="r1")))
         spoke_at = time.monotonic()
         with pytest.raises(StreamError) as silent:
             await stream.next_event(0.2)
@@ -196,7 +220,7 @@ def test_a_request_gone_silent_on_a_worker_that_kept_beating_may_go_back_to_it(n
 
     import nats
 
-    from contracts import Assignment, Sampling, Subjects
+    from contracts import Sampling
     from services.common.queues import provision_request_queue
     from services.gateway.request_bus import RequestBus
 
@@ -214,14 +238,14 @@ def test_a_request_gone_silent_on_a_worker_that_kept_beating_may_go_back_to_it(n
         stream = streams.open("r1")
         stream.submission = SimpleNamespace(model="m", prompt_token_ids=[1, 2], sampling=Sampling(), headers={})
         stream.worker_instance, stream.worker_boot_id = "decode-0", "boot-a"
+        stream.routed_to = "decode-0"
 
         async def assign_the_next_attempt():
             while stream.bus_id == "r1":
                 await asyncio.sleep(0.02)
-            await streams.on_message(SimpleNamespace(subject="t", data=Assignment(
-                request_id=stream.bus_id, worker_instance="decode-0", worker_boot_id="boot-a").encode()))
-            await streams.on_message(SimpleNamespace(subject="t", data=TokenChunk(
-                request_id=stream.bus_id, seq=0, token_ids=[7], text="x", finished=True).encode()))
+            await assign(streams, stream.bus_id)
+            await streams.on_message(sent(TokenChunk(request_id=stream.bus_id, seq=0, token_ids=[7], text="x",
+                                                     finished=True)))
 
         helper = asyncio.create_task(assign_the_next_attempt())
         try:

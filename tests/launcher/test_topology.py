@@ -189,7 +189,7 @@ def _meaning(config: UpConfig, names: tuple[str, ...], name: str, expect: dict[s
     disagg = config.topology == "disagg"
     kv_store = config.kv_store if config.kv_store is not None else disagg
     told = {"nats": config.nats_url, "namespace": config.namespace, "instance_id": name,
-            "nats_creds": f"{config.nats_creds_dir}/{role}.nk" if config.nats_creds_dir else None,
+            "nats_creds": f"{config.nats_creds_dir}/{name}.nk" if config.nats_creds_dir else None,
             "nats_tls_ca": config.nats_tls_ca}
     tls = dict(zip(("transfer_tls_ca", "transfer_tls_cert", "transfer_tls_key"), config.transfer_tls or (None,) * 3))
     model = {"model": config.model, "served_model_name": config.served_model_name}

@@ -56,7 +56,7 @@ def test_a_tls_deployment_serves_and_talks_to_nats_and_moves_kv_only_over_tls(tm
             assert path.stat().st_mode & 0o077 == 0, path
         assert not (run.run_dir / "tls" / "ca-key.pem").exists()  # the CA's key signed one certificate, then went
 
-        seed = str(creds_path(run.run_dir / "creds", "admin"))
+        seed = str(creds_path(run.run_dir / "creds", "gateway-0"))  # any of its keys: the admin key stays in up
         other_ca = make_deployment_tls(tmp_path / "other", ["127.0.0.1"]).ca_cert
 
         async def connects(tls) -> bool:

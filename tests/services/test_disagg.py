@@ -14,7 +14,7 @@ import nats
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from contracts import PrefillResult, Sampling, Subjects
+from contracts import PrefillResult, Sampling, Subjects, from_anyone
 from reference import reference_greedy, reference_logprobs, safe_prompts, safe_seed
 from support.deployment import start_deployment
 from support.kv_workload import wait_until
@@ -265,7 +265,7 @@ def test_a_prefill_worker_killed_mid_job_has_it_redelivered_and_a_failed_transfe
     deployment = start_deployment(nats_server.url, tmp_path, default_model, prefill=2,
                                   scheduler_args=("--max-local-prefill", "0"), decode_args=("--prefill-timeout", "15"),
                                   prefill_args=("--kv-transport", "auto"))
-    results = BusTap(deployment.nats_url, Subjects(deployment.namespace).prefill_results("decode-0"), PrefillResult)
+    results = BusTap(deployment.nats_url, from_anyone(Subjects(deployment.namespace).prefill_results("decode-0")), PrefillResult)
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     try:
         prompt, expected = cases[-1]

@@ -8,7 +8,7 @@ import uuid
 import nats
 import pytest
 
-from contracts import KVEvents, KVSnapshotRequest, Subjects
+from contracts import KVEvents, KVSnapshotRequest, Subjects, from_anyone
 from services.common import kv_event_publisher
 from services.common.kv_event_publisher import KVEventPublisher
 from shared.engine.kv_event_log import KVEventLog
@@ -25,7 +25,7 @@ async def test_publisher_snapshots_deltas_and_splits(nats_server, monkeypatch):
     async def on_event(msg):
         received.put_nowait(KVEvents.decode(msg.data))
 
-    await nc.subscribe(subjects.kv_events, cb=on_event)
+    await nc.subscribe(from_anyone(subjects.kv_events), cb=on_event)
     held = [os.urandom(16) for _ in range(6)]
     log = KVEventLog(max_pending=8)
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from contracts import KVEvents, Subjects
+from contracts import KVEvents, Subjects, from_anyone
 from reference import safe_prompts
 from services.kvstore.placement import place
 from support.deployment import start_deployment
@@ -134,7 +134,7 @@ def test_two_kv_stores_split_the_blocks_a_slow_one_costs_a_miss_and_metrics_show
                                   kvstore_args=("--kv-store-ram-bytes", str(6 * block_bytes),
                                                 "--kv-store-disk-bytes", str(1 << 20)))
     stores = ["kvstore-0", "kvstore-1"]
-    events = BusTap(deployment.nats_url, Subjects(deployment.namespace).kv_events, KVEvents)
+    events = BusTap(deployment.nats_url, from_anyone(Subjects(deployment.namespace).kv_events), KVEvents)
     try:
         body = complete(deployment.base_url, prompt)
         assert deployment.token_ids(body) == expected

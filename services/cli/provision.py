@@ -1,0 +1,38 @@
+"""`splitserve provision`: make a deployment's streams, consumers and registry bucket on a NATS you run.
+
+Services on a secured bus may only bind to these; run this once with the admin
+key `splitserve nats-auth` wrote (and again after a change of version or
+--nats-replicas), before or while the services start: they wait for it.
+"""
+
+import argparse
+
+
+def add_parser(subcommands) -> None:
+    parser = subcommands.add_parser("provision", help="make the deployment's JetStream streams and registry bucket",
+                                    description=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--nats", default="nats://127.0.0.1:4222", help="the NATS server (URL,URL,... for a cluster)")
+    parser.add_argument("--nats-creds", metavar="FILE", help="the admin key (DIR/admin.nk of `splitserve nats-auth`); "
+                        "none on an open bus")
+    parser.add_argument("--nats-tls-ca", metavar="FILE", help="the CA the NATS server's certificate is signed by")
+    parser.add_argument("--namespace", default="splitserve", help="the deployment's subject prefix")
+    parser.add_argument("--nats-replicas", type=int, metavar="N", help="copies of each stream on a NATS cluster "
+                        "(default: 3 on a cluster of 3 nodes or more, else 1)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.launcher.provision import provision
+    from shared.bus.credentials import CredentialsError, credentials_from
+
+    try:
+        credentials = credentials_from(args.nats_creds, environ={}) if args.nats_creds else None
+        if credentials is not None:
+            credentials.connect_options()
+        provision(args.nats, args.namespace, credentials, args.nats_tls_ca, args.nats_replicas)
+    except (CredentialsError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    except Exception as exc:  # the server refused or is not there
+        raise SystemExit(f"error: could not provision {args.namespace!r} on {args.nats}: {exc}") from None
+    print(f"provisioned {args.namespace!r} on {args.nats}")
+    return 0

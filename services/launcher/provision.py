@@ -1,0 +1,44 @@
+"""Provision a deployment's streams, consumers and registry bucket with the admin key (`up`, `splitserve provision`).
+
+Services on a secured bus may only bind to these; this is the one identity that
+makes or changes them (see `services.common.queues`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from contracts import Subjects
+from shared.bus.credentials import BusCredentials
+from shared.bus.provision import Replicas, replicas_asked
+
+PROVISION_TIMEOUT_S = 60.0
+
+
+def provision(nats_url: str, namespace: str, credentials: BusCredentials | None, tls_ca: str | None = None,
+              replicas: int | None = None) -> None:
+    """Make the deployment `namespace` on `nats_url` as declared (idempotent; raises on a refusal). What it logs
+    goes to stderr, warnings only: the launcher's own output is its stdout."""
+    from shared.telemetry.logging import configure_logging
+
+    configure_logging("launcher", "provision", "warning")
+    asyncio.run(asyncio.wait_for(_provision(nats_url, namespace, credentials, tls_ca, replicas),
+                                 PROVISION_TIMEOUT_S))
+
+
+async def _provision(nats_url: str, namespace: str, credentials: BusCredentials | None, tls_ca: str | None,
+                     replicas: int | None) -> None:
+    import nats
+
+    from services.common.queues import provision_deployment
+    from shared.bus.connection import server_urls
+    from shared.bus.tls import client_tls_context
+
+    nc = await nats.connect(servers=server_urls(nats_url), name="splitserve-provision", connect_timeout=5,
+                            allow_reconnect=False, tls=client_tls_context(tls_ca, None, None, environ={}),
+                            **(credentials.connect_options() if credentials is not None else {}))
+    try:
+        copies: Replicas = replicas_asked(replicas, nc)
+        await provision_deployment(nc.jetstream(), Subjects(namespace), copies)
+    finally:
+        await nc.close()
