@@ -5,7 +5,10 @@ steps, runs `engine.step()` while there is work, and hands every step's
 outputs back through `emit` (called on the engine thread: it must only
 schedule work on the event loop). Keeping the model's CPU/GPU work off the
 event loop keeps heartbeats, cancels and stats answered while a long prefill
-runs. If the thread dies, `crashed` is set and the service exits non-zero.
+runs. A request with a structured output constraint is added once the constraint
+has compiled, on the engine's compile threads (`StructuredOutputs.compile`): the
+steps of the others go on meanwhile. If the thread dies, `crashed` is set and the
+service exits non-zero.
 """
 
 import asyncio
@@ -20,8 +23,9 @@ from services.common.cpu_loan import CpuShare
 from services.common.engine_thread import EngineThread
 from shared.engine.continuation import Continuation
 from shared.engine.engine import LLMEngine, RequestOutput
-from shared.engine.errors import EngineError
+from shared.engine.errors import EngineError, InvalidRequestError
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.structured_output import MAX_COMPILE_S
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -61,6 +65,15 @@ class EngineCall:
 
 
 @dataclass(slots=True)
+class _Compiling:
+    """An add that waits for its constraint to compile."""
+
+    command: AddRequest
+    grammar: concurrent.futures.Future
+    deadline: float  # time.monotonic(): refused if it has not compiled by then
+
+
+@dataclass(slots=True)
 class RequestRejected:
     """An add that the engine refused after the handoff was accepted."""
 
@@ -86,6 +99,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self.crashed: BaseException | None = None
         self._running: concurrent.futures.Future | None = None
+        self._compiling: dict[str, _Compiling] = {}  # engine thread only
 
     def start(self) -> None:
         self._running = self._thread.submit(self._run)
@@ -168,22 +182,60 @@ class EngineLoop:
             command = self._commands.get(timeout=wait_s) if wait_s > 0 else self._commands.get_nowait()
             while True:
                 applied += 1
-                if isinstance(command, AddRequest):
-                    try:
-                        self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                                command.continuation, hold_kv=command.hold_kv,
-                                                stream_prompt_kv=command.stream_prompt_kv,
-                                                read_prefix_cache=command.read_prefix_cache)
-                    except EngineError as exc:
-                        rejected.append(RequestRejected(command.request_id, exc))
+                if isinstance(command, AddRequest) and command.params.structured_kind:
+                    self._compile(command)
+                elif isinstance(command, AddRequest):
+                    self._add(command, None, rejected)
                 elif isinstance(command, AbortRequest):
+                    self._compiling.pop(command.request_id, None)
                     self.engine.abort_request(command.request_id)
                 elif isinstance(command, EngineCall):
                     _resolve(command, self.engine)
                 command = self._commands.get_nowait()
         except queue.Empty:
             pass
+        if self._compiling:
+            rejected += self._take_compiled()
         return rejected, applied
+
+    def _add(self, command: AddRequest, grammar, rejected: list[RequestRejected]) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    command.continuation, hold_kv=command.hold_kv,
+                                    stream_prompt_kv=command.stream_prompt_kv,
+                                    read_prefix_cache=command.read_prefix_cache, grammar=grammar)
+        except EngineError as exc:
+            rejected.append(RequestRejected(command.request_id, exc))
+
+    def _compile(self, command: AddRequest) -> None:
+        """Have the request's constraint compiled off this thread; it is added once it has (`_take_compiled`)."""
+        grammar = self.engine.structured.compile(command.params.structured_kind, command.params.structured_spec)
+        self._compiling[command.request_id] = _Compiling(command, grammar, time.monotonic() + MAX_COMPILE_S)
+        grammar.add_done_callback(lambda _: self._commands.put(None))  # wake the loop
+
+    def _take_compiled(self) -> list[RequestRejected]:
+        """Add the requests whose constraints have compiled; refuse those that did not compile, or not within
+        MAX_COMPILE_S."""
+        rejected: list[RequestRejected] = []
+        now = time.monotonic()
+        for request_id, waiting in list(self._compiling.items()):
+            if waiting.grammar.done():
+                del self._compiling[request_id]
+                try:
+                    grammar = waiting.grammar.result()
+                except EngineError as exc:
+                    rejected.append(RequestRejected(request_id, exc))
+                except Exception as exc:  # (not the constraint's fault, but the request's end all the same)
+                    rejected.append(RequestRejected(request_id, InvalidRequestError(
+                        f"the constraint did not compile: {exc!r}", "structured_outputs")))
+                else:
+                    self._add(waiting.command, grammar, rejected)
+            elif now > waiting.deadline:
+                del self._compiling[request_id]
+                rejected.append(RequestRejected(request_id, InvalidRequestError(
+                    f"the {waiting.command.params.structured_kind} constraint did not compile within "
+                    f"{MAX_COMPILE_S:g} s", "structured_outputs")))
+        return rejected
 
 
 def _resolve(call: EngineCall, engine: LLMEngine) -> None:

@@ -3,19 +3,27 @@
 OpenAI's `response_format` (json_object, json_schema), vLLM's `structured_outputs` (json, regex, choice,
 grammar, json_object) and its older `guided_json`/`guided_regex`/`guided_choice`/`guided_grammar` all name one
 constraint: a kind and a spec (shared/engine/structured_output.py). `constraint_of` reads them (at most one may
-be given) and says which field it came from, so that an error names what the client sent.
+be given) and says which field it came from, so that an error names what the client sent. `check_constraint`
+compiles it, on threads of its own and within MAX_COMPILE_S, before the request goes anywhere.
 """
 
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.errors import RequestError
+from shared.engine.errors import InvalidRequestError
+from shared.engine.structured_output import MAX_COMPILE_S, check_structured
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
+# Compiles that outlive their deadline run on here to their end (a thread cannot be stopped): a few threads, so
+# that they hold a few CPUs at most.
+_COMPILERS = ThreadPoolExecutor(4, thread_name_prefix="grammar-check")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,3 +137,15 @@ def constraint_of(response_format: dict[str, Any] | None, structured_outputs: St
     if len(found) > 1:
         raise _invalid(found[1].param, f"{found[0].param} and {found[1].param} both constrain the output; give one")
     return found[0] if found else None
+
+
+async def check_constraint(constraint: Constraint, timeout_s: float = MAX_COMPILE_S) -> None:
+    """A 400 naming the constraint's field unless it compiles within `timeout_s` (off the event loop)."""
+    compiling = asyncio.wrap_future(_COMPILERS.submit(check_structured, constraint.kind, constraint.spec))
+    try:
+        await asyncio.wait_for(compiling, timeout_s)
+    except InvalidRequestError as exc:
+        raise _invalid(constraint.param, str(exc)) from None
+    except TimeoutError:
+        raise _invalid(constraint.param, f"the {constraint.kind} constraint did not compile within "
+                                         f"{timeout_s:g} s") from None

@@ -170,14 +170,15 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     continuation: Continuation | None = None, *, hold_kv: bool = False,
-                    stream_prompt_kv: bool = False, read_prefix_cache: bool = True) -> None:
+                    stream_prompt_kv: bool = False, read_prefix_cache: bool = True, grammar=None) -> None:
         """Queue a request, from its start or from a `continuation`.
 
         With `hold_kv`, the request's blocks outlive it until `release_held` (a prefill worker ships them).
         With `stream_prompt_kv`, the connectors get the prompt's KV one layer at a time during the step that
         completes the prompt (`prompt_layer_computed`). Without `read_prefix_cache`, its prefix is not looked
         up here: a connector is to load all of it (if none does, or its load fails, the request computes as
-        any other). A continuation's tokens are computed again here, after the prompt.
+        any other). A continuation's tokens are computed again here, after the prompt. `grammar`: its constraint
+        as `structured.compile` compiled it (else it is compiled here, on this thread).
         """
         continuation = continuation or Continuation()
         in_use = request_id in self._sequences or any(request_id in s.abandoned for s in self.schedulers)
@@ -185,7 +186,7 @@ class LLMEngine:
             if in_use:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
             self._add_request(request_id, prompt_token_ids, params, continuation, hold_kv, stream_prompt_kv,
-                              read_prefix_cache)
+                              read_prefix_cache, grammar)
         except BaseException:
             if not in_use:
                 self.connectors.request_finished(request_id)
@@ -193,7 +194,7 @@ class LLMEngine:
 
     def _add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      continuation: Continuation, hold_kv: bool, stream_prompt_kv: bool,
-                     read_prefix_cache: bool) -> None:
+                     read_prefix_cache: bool, grammar) -> None:
         output_token_ids = continuation.output_token_ids
         if self.num_waiting + self.num_loading >= self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{self.num_waiting + self.num_loading} requests are already waiting")
@@ -227,7 +228,8 @@ class LLMEngine:
             virtual_engine=min(range(len(self.schedulers)), key=lambda i: self._load_of(i)),
         )
         if params.structured_kind:
-            self.structured.add(request_id, params.structured_kind, params.structured_spec, output_token_ids)
+            self.structured.add(request_id, params.structured_kind, params.structured_spec, output_token_ids,
+                                grammar)
         self._arrivals += 1
         self._sequences[request_id] = seq
         if detok is not None:

@@ -2,8 +2,10 @@
 
 The grammars are llguidance's (chosen over xgrammar by measurement: loadtest/results/grammar_backends.md).
 A request names its constraint as a kind and a spec (`SamplingParams.structured_kind/_spec`); `grammar_of`
-turns that into an llguidance grammar and `check_structured` refuses one that does not compile. On an engine,
-`StructuredOutputs` keeps one matcher per constrained request: before a step samples, it fills each such row's
+turns that into an llguidance grammar and `check_structured` refuses one that does not compile, is nested past
+MAX_SPEC_DEPTH or is longer than MAX_SPEC_CHARS. On an engine, `StructuredOutputs` compiles a constraint on a thread
+of its own (`compile`: once for the choices that share it), and keeps one matcher per constrained request, a copy of
+the compiled one: before a step samples, it fills each such row's
 mask of allowed tokens (in a thread of its own, while the step's forward pass runs), and after it each
 sampled token advances that request's matcher. A matcher's state is a function of the request's output tokens
 alone, so a request that arrives with some (sampled by a prefill worker, or moved from a failed worker) has its
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -25,11 +28,39 @@ from shared.engine.sampling_params import STRUCTURED_KINDS
 # runs out, and the text parses the same.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 MAX_SPEC_CHARS = 200_000  # a schema or grammar past this is refused before it is compiled
+MAX_SPEC_DEPTH = 100  # brackets nested deeper than this are refused before compiling (the parsers recurse)
+MAX_COMPILE_S = 5.0  # a constraint that takes longer to compile is refused
+_COMPILED_KEPT = 8  # constraints whose compiled matchers an engine keeps for the next request that asks for one
+
+
+def nesting_depth(text: str) -> int:
+    """How deep the brackets ((, [ and {) of `text` nest, escaped ones aside: a bound, in one pass, on how deep a
+    parser of it recurses."""
+    depth = deepest = 0
+    escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+    return deepest
 
 
 def grammar_of(kind: str, spec: str) -> str:
     """The llguidance grammar for a constraint; InvalidRequestError (param "structured_outputs") for a spec
     that is not one of its kind."""
+    try:
+        return _grammar_of(kind, spec)
+    except RecursionError:  # (a parser in Python, nested past the interpreter's stack)
+        raise InvalidRequestError(f"the {kind} constraint is nested too deeply", "structured_outputs") from None
+
+
+def _grammar_of(kind: str, spec: str) -> str:
     import llguidance
 
     if kind == "json_object":
@@ -75,6 +106,10 @@ def check_structured(kind: str, spec: str) -> None:
     if len(spec) > MAX_SPEC_CHARS:
         raise InvalidRequestError(f"the structured output spec has {len(spec)} characters; at most "
                                   f"{MAX_SPEC_CHARS}", "structured_outputs")
+    depth = nesting_depth(spec)
+    if depth > MAX_SPEC_DEPTH:
+        raise InvalidRequestError(f"the structured output spec nests {depth} brackets deep; at most "
+                                  f"{MAX_SPEC_DEPTH}", "structured_outputs")
     error = llguidance.LLMatcher.validate_grammar(grammar_of(kind, spec))
     if error:
         raise InvalidRequestError(f"invalid {kind} constraint: {error}", "structured_outputs")
@@ -102,6 +137,9 @@ class StructuredOutputs:
         self._executor = None
         self._matchers: dict[str, object] = {}
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._compiler = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # the latest _COMPILED_KEPT
+        self._compiled_lock = threading.Lock()
         if hf_tokenizer is not None:  # built beside the engine's start, not on its thread at the first request
             self._masker.submit(self._llg_tokenizer)
 
@@ -127,14 +165,35 @@ class StructuredOutputs:
                                               "structured_outputs") from None
             return self._tokenizer
 
-    def add(self, request_id: str, kind: str, spec: str, output_token_ids: Iterable[int] = ()) -> None:
-        """A matcher for the request, fed the output tokens it already has; InvalidRequestError if the constraint
-        does not compile or those tokens break it."""
+    def compile(self, kind: str, spec: str) -> Future:
+        """The constraint's matcher, compiled on a thread of its own (any thread may ask): a Future whose result
+        `add` takes, or whose exception is the InvalidRequestError `add` would raise. Choices of one request (and
+        requests alike) share one compile."""
+        key = (kind, spec)
+        with self._compiled_lock:
+            future = self._compiled.get(key)
+            if future is None:
+                future = self._compiled[key] = self._compiler.submit(self._compile, kind, spec)
+                while len(self._compiled) > _COMPILED_KEPT:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(key)
+            return future
+
+    def _compile(self, kind: str, spec: str):
         import llguidance
 
+        # (llguidance lets go of the GIL while it builds a matcher)
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar_of(kind, spec), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {kind} constraint: {matcher.get_error()}", "structured_outputs")
+        return matcher
+
+    def add(self, request_id: str, kind: str, spec: str, output_token_ids: Iterable[int] = (),
+            compiled=None) -> None:
+        """A matcher for the request, fed the output tokens it already has: a copy of `compiled` (what `compile`
+        made of this constraint), else compiled here; InvalidRequestError if the constraint does not compile or
+        those tokens break it."""
+        matcher = compiled.deep_copy() if compiled is not None else self._compile(kind, spec)
         output_token_ids = list(output_token_ids)
         if output_token_ids and not matcher.consume_tokens(output_token_ids):
             raise InvalidRequestError(f"the output so far does not follow its constraint: {matcher.get_error()}",
@@ -181,3 +240,4 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self._masker.shutdown(wait=False, cancel_futures=True)
+        self._compiler.shutdown(wait=False, cancel_futures=True)

@@ -150,3 +150,104 @@ def test_a_body_sent_slowly_is_a_408_and_its_connection_closes(default_model):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def _nested(kind: str, depth: int) -> dict:
+    if kind == "guided_grammar":  # GBNF, turned into Lark by a recursive parser
+        return {kind: "root ::= " + "(" * depth + '"a"' + ")" * depth}
+    if kind == "guided_regex":
+        return {kind: "(" * depth + "a" + ")" * depth}
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return {kind: schema}
+
+
+def test_deeply_nested_constraints_are_400s(http):
+    for kind in ("guided_grammar", "guided_regex", "guided_json"):
+        for depth in (150, 400):  # (the JSON parser takes up to about 1000 levels)
+            body = {"model": MODEL, "prompt": "Hello", **_nested(kind, depth)}
+            error = assert_error(http.post("/v1/completions", json=body), 400, kind, "invalid_value")
+            assert "deep" in error["message"]
+
+
+def test_a_constraint_that_does_not_compile_in_time_is_a_400(monkeypatch):
+    import asyncio
+
+    import services.gateway.structured_request as structured_request
+    from services.gateway.errors import RequestError
+    from services.gateway.structured_request import Constraint, check_constraint
+
+    release = threading.Event()
+    monkeypatch.setattr(structured_request, "check_structured", lambda kind, spec: release.wait(60))
+    try:
+        with pytest.raises(RequestError) as refused:
+            asyncio.run(check_constraint(Constraint("regex", "a+", "guided_regex"), timeout_s=0.2))
+    finally:
+        release.set()
+    assert (refused.value.status, refused.value.param, refused.value.code) == (400, "guided_regex", "invalid_value")
+    assert "did not compile within 0.2 s" in refused.value.message
+
+
+def test_a_constraint_compiles_off_the_engine_step(default_model, monkeypatch):
+    """While a constraint compiles, the engine's other requests go on stepping; the request is added once it has
+    compiled (one compile for requests alike), and not at all if it was cancelled meanwhile."""
+    from services.common.engine_loop import AddRequest, EngineLoop, RequestRejected
+    from services.common.engine_thread import EngineThread
+    from shared.engine import structured_output
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+
+    thread = EngineThread()
+    engine = thread.submit(LLMEngine, EngineConfig(model=default_model, max_num_seqs=8)).result(120)
+    release, compiles = threading.Event(), []
+    grammar_of = structured_output.grammar_of
+
+    def slow_grammar_of(kind, spec):
+        compiles.append(kind)
+        assert release.wait(60)
+        return grammar_of(kind, spec)
+
+    monkeypatch.setattr(structured_output, "grammar_of", slow_grammar_of)
+    tokens: dict[str, list] = {}
+    finished: set[str] = set()
+    rejected: dict[str, str] = {}
+
+    def emit(items):
+        for item in items:
+            if isinstance(item, RequestRejected):
+                rejected[item.request_id] = str(item.error)
+            else:
+                tokens.setdefault(item.request_id, []).extend(item.new_token_ids)
+                if item.finished:
+                    finished.add(item.request_id)
+
+    loop = EngineLoop(engine, emit, thread)
+    loop.start()
+    prompt = list(range(5, 30))
+    try:
+        loop.add(AddRequest("free", prompt, SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)))
+        wait_until(lambda: tokens.get("free"), 30, "the free request did not start", poll_s=0.01)
+        constrained = SamplingParams(max_tokens=4, temperature=0.0, structured_kind="json_object")
+        for request_id in ("json-0", "json-1", "gone"):
+            loop.add(AddRequest(request_id, prompt, constrained))
+        loop.add(AddRequest("bad", prompt, SamplingParams(max_tokens=4, structured_kind="regex", structured_spec="(")))
+        loop.abort("gone")
+        wait_until(lambda: len(compiles) == 2, 30, "the constraints did not start compiling", poll_s=0.01)
+        seen = len(tokens["free"])
+        wait_until(lambda: len(tokens["free"]) >= seen + 20, 30, "the free request stopped while a constraint compiled",
+                   poll_s=0.01)
+        assert "json-0" not in tokens and not engine.structured._matchers  # (added once compiled)
+        release.set()
+        wait_until(lambda: {"json-0", "json-1"} <= finished, 30, "the constrained requests did not run once compiled",
+                   poll_s=0.01)
+        assert tokens["json-0"] == tokens["json-1"]
+        wait_until(lambda: "bad" in rejected, 30, "the constraint that does not compile was not refused", poll_s=0.01)
+        assert "regex" in rejected["bad"] and "gone" not in tokens and "gone" not in rejected
+        assert sorted(compiles) == ["json_object", "regex"]  # json-0, json-1 (and gone) shared one compile
+        loop.abort("free")
+    finally:
+        release.set()
+        loop.stop()
+    assert loop.crashed is None
