@@ -245,11 +245,13 @@ def create_app(settings: GatewayConfig) -> FastAPI:
     app = FastAPI(title="splitserve", lifespan=lifespan, **_http_telemetry())
     app.state.gateway = gateway
     install_error_handlers(app)
+    # The API's description (what it takes, which extensions) is the API's too.
+    docs = {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url} - {None}
 
     @app.middleware("http")
     async def api_key(request: Request, call_next):
         path = request.url.path
-        guarded = (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        guarded = (path.startswith("/v1/") or path in ("/tokenize", "/detokenize") or path in docs
                    or (path == "/metrics" and settings.protect_metrics))
         if settings.api_keys and guarded and not authorized(request.headers.get("authorization"), settings.api_keys):
             return unauthorized().response()

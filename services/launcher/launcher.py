@@ -398,7 +398,7 @@ class Launcher:
             decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill,
             offload_short_prefills=o.offload_short_prefills, prefill_backlog_factor=o.prefill_backlog_factor,
             migration_limit=o.migration_limit, max_waiting_requests=o.max_waiting_requests,
-            share_prefix_cache=o.share_prefix_cache,
+            share_prefix_cache=o.share_prefix_cache, protect_metrics=o.protect_metrics,
             # A file is named by its absolute path: the gateway need not share this process's working directory.
             chat_template=os.path.abspath(o.chat_template) if o.chat_template and os.path.isfile(o.chat_template)
             else o.chat_template,

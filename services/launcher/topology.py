@@ -34,6 +34,7 @@ class UpConfig:
     max_waiting_requests: int | None = None  # the gateway's --max-waiting-requests (None: its default)
     chat_template: str | None = None  # the gateway's --chat-template (a file's absolute path, or the text)
     share_prefix_cache: bool = False  # the gateway's --share-prefix-cache: API keys reuse each other's prefixes
+    protect_metrics: bool = False  # the gateway's --protect-metrics: /metrics needs an API key too
     drain_timeout_s: float | None = None  # the gateway's and decode workers' --drain-timeout (None: theirs)
     kv_transport: str = "auto"  # disagg: how prefill workers ship KV
     stage_ranges: tuple[tuple[int, int], ...] = ()  # pipeline (or disagg's prefill pipeline): each stage's layers
@@ -267,6 +268,8 @@ def _gateway(config: UpConfig, bus: tuple, model: tuple, counts: dict[str, int])
         args += ("--chat-template", config.chat_template)
     if config.share_prefix_cache:
         args += ("--share-prefix-cache",)
+    if config.protect_metrics:
+        args += ("--protect-metrics",)
     args += _drain_flags(config)
     return ServiceSpec("gateway-0", "gateway", "gateway-0", args, url=http_url(config.host, config.port))
 

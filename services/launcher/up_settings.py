@@ -47,6 +47,7 @@ class UpSettings(Settings):
                                        env="SPLITSERVE_API_KEY", many=True, joined=True, repr=False)
     share_prefix_cache: bool = option(False, "requests of different API keys reuse each other's cached prompt "
                                       "prefixes (by default each key's are its own)")
+    protect_metrics: bool = option(False, "with --api-key, the gateway's /metrics requires a key too")
     chat_template: str | None = option(None, "the gateway's chat template instead of the tokenizer's: a Jinja "
                                        "file, or the template itself", metavar="FILE|TEMPLATE")
     migration_limit: Count | None = option(None, "times a request moves to another worker, from the tokens its "

@@ -251,3 +251,29 @@ def test_a_constraint_compiles_off_the_engine_step(default_model, monkeypatch):
         release.set()
         loop.stop()
     assert loop.crashed is None
+
+
+def test_with_api_keys_the_docs_need_one_and_up_can_protect_metrics(default_model, tmp_path):
+    from services.cli.main import build_parser
+    from services.common.settings import settings_from
+    from services.gateway.__main__ import settings_of
+    from services.launcher.launcher import Launcher
+    from services.launcher.topology import plan
+    from services.launcher.up_settings import UpSettings
+
+    guarded = TestClient(create_app(_config(default_model, api_keys=(KEY,), protect_metrics=True)),
+                         raise_server_exceptions=False)
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/metrics"):
+        assert_error(guarded.get(path), 401, None, "invalid_api_key")
+    assert guarded.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()["info"]["title"]
+    assert guarded.get("/docs", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert TestClient(create_app(_config(default_model))).get("/openapi.json").status_code == 200  # no keys: open
+
+    def gateway_settings(*up_flags: str):
+        options = settings_from(UpSettings, build_parser().parse_args(["up", "--run-dir", str(tmp_path), *up_flags]),
+                                None, {})
+        spec = next(s for s in plan(Launcher(options)._up_config(default_model, MODEL)) if s.role == "gateway")
+        return settings_of(list(spec.args), environ={})
+
+    assert gateway_settings("--protect-metrics").protect_metrics is True
+    assert gateway_settings().protect_metrics is False
