@@ -24,6 +24,7 @@ from contracts import ServiceStats, StatsRequest, Subjects
 from loadtest.netns import Hosts
 from services.launcher.nats_server import ClusterRoutes, find_nats_server, host_port, jetstream_answers
 from services.launcher.procs import signal_group
+from services.launcher.provision import provision
 from services.launcher.tls_files import make_deployment_tls
 from services.launcher.topology import SIDE_CHANNEL_ROLES
 from shared.bus.credentials import credentials_from
@@ -88,6 +89,9 @@ class HostsDeployment:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the NATS cluster had no JetStream leader within {timeout_s:g} s")
             time.sleep(0.3)
+        # The operator's step: the streams and registry, with the admin key (the services only bind to them).
+        self.on(self.client_host, provision, self.nats_url, self.namespace,
+                credentials_from(str(self.creds / "admin.nk"), environ={}), None, len(self.hosts.netns))
 
     def serve(self, host: str, role: str, instance: str, *args: str) -> None:
         tls = self.transfer_tls if role in SIDE_CHANNEL_ROLES else []

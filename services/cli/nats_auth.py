@@ -18,12 +18,14 @@ ROLE.env names the CA (SPLITSERVE_NATS_TLS_CA).
 """
 
 import argparse
+import json
 import os
 import shutil
 from pathlib import Path
 
 from services.launcher.nats_auth import Instance
 
+INSTANCES_FILE = "instances.json"  # which instance each key is for, and its role
 DEFAULT_INSTANCES = (Instance("gateway", "gateway-0"), Instance("scheduler", "scheduler-0"),
                      Instance("decode", "decode-0"), Instance("prefill", "prefill-0"),
                      Instance("kvstore", "kvstore-0"), Instance("stage", "stage-0"), Instance("stage", "stage-1"))
@@ -41,9 +43,10 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--rotate", action="store_true", help="new keys for every instance (restart the server and "
                         "services)")
     parser.add_argument("--instance", action="append", metavar="ROLE:ID", type=_instance,
-                        help="a service instance that gets its own key (repeatable; default: "
+                        help="a service instance that gets its own key (repeatable), added to those DIR already "
+                             "admits (DIR/instances.json); the first time, without it: "
                              f"{' '.join(f'{i.role}:{i.instance_id}' for i in DEFAULT_INSTANCES)}, what the compose "
-                             "files and `splitserve up`'s default deployments run)")
+                             "files, the k8s manifests and `splitserve up`'s default deployments run")
     parser.add_argument("--tls-name", action="append", metavar="NAME",
                         help="make a CA and a TLS certificate for the NATS server under NAME (repeatable: every "
                              "host name or address clients dial it by, e.g. `nats` in compose)")
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     creds_dir = Path(args.dir)
-    instances = list(dict.fromkeys(args.instance or DEFAULT_INSTANCES))
+    known = _known_instances(creds_dir)
+    instances = list(dict.fromkeys([*known, *(args.instance or ([] if known else DEFAULT_INSTANCES))]))
     duplicate = {i.instance_id for i in instances if sum(j.instance_id == i.instance_id for j in instances) > 1}
     if duplicate:
         raise SystemExit(f"error: each instance id names one instance: {', '.join(sorted(duplicate))} is given "
@@ -104,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         seed = creds_path(creds_dir, instance.instance_id).read_text().strip()
         write_private(creds_dir / f"{instance.instance_id}.env", f"{SEED_ENV}={seed}\n{ca_env}".encode())
     config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace, tls)
+    write_private(creds_dir / INSTANCES_FILE, (json.dumps({i.instance_id: i.role for i in instances}, indent=1)
+                                               + "\n").encode())
     print(f"wrote ID.nk and ID.env for {', '.join(i.instance_id for i in public_keys)}, and {config.name}, "
           f"in {creds_dir}")
     if args.cluster_route:
@@ -119,6 +125,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"services: `splitserve serve ROLE --instance-id ID --nats-creds {creds_dir.resolve()}/ID.nk ...`, or "
           f"`splitserve up --nats URL --nats-creds-dir {creds_dir.resolve()}`")
     return 0
+
+
+def _known_instances(creds_dir: Path) -> list[Instance]:
+    """The instances an earlier run wrote keys for (DIR/instances.json)."""
+    try:
+        known = json.loads((creds_dir / INSTANCES_FILE).read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: cannot read {creds_dir / INSTANCES_FILE}: {exc}") from None
+    return [Instance(role, instance_id) for instance_id, role in known.items()]
 
 
 def _instance(text: str) -> Instance:

@@ -12,9 +12,10 @@ def add_parser(subcommands) -> None:
     parser = subcommands.add_parser("provision", help="make the deployment's JetStream streams and registry bucket",
                                     description=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--nats", default="nats://127.0.0.1:4222", help="the NATS server (URL,URL,... for a cluster)")
-    parser.add_argument("--nats-creds", metavar="FILE", help="the admin key (DIR/admin.nk of `splitserve nats-auth`); "
-                        "none on an open bus")
-    parser.add_argument("--nats-tls-ca", metavar="FILE", help="the CA the NATS server's certificate is signed by")
+    parser.add_argument("--nats-creds", metavar="FILE", help="the admin key (DIR/admin.nk of `splitserve nats-auth`; "
+                        "or its seed in SPLITSERVE_NATS_NKEY_SEED, as DIR/admin.env sets it); none on an open bus")
+    parser.add_argument("--nats-tls-ca", metavar="FILE", help="the CA the NATS server's certificate is signed by "
+                        "(default: SPLITSERVE_NATS_TLS_CA)")
     parser.add_argument("--namespace", default="splitserve", help="the deployment's subject prefix")
     parser.add_argument("--nats-replicas", type=int, metavar="N", help="copies of each stream on a NATS cluster "
                         "(default: 3 on a cluster of 3 nodes or more, else 1)")
@@ -22,14 +23,20 @@ def add_parser(subcommands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from services.launcher.provision import provision
     from shared.bus.credentials import CredentialsError, credentials_from
+    from shared.bus.tls import TLS_ENV
+    from shared.telemetry.logging import configure_logging
+
+    configure_logging("provision", "provision", "warning")
 
     try:
-        credentials = credentials_from(args.nats_creds, environ={}) if args.nats_creds else None
-        if credentials is not None:
-            credentials.connect_options()
-        provision(args.nats, args.namespace, credentials, args.nats_tls_ca, args.nats_replicas)
+        credentials = credentials_from(args.nats_creds)
+        credentials.connect_options()
+        provision(args.nats, args.namespace, credentials if credentials.given else None,
+                  args.nats_tls_ca or os.environ.get(TLS_ENV["ca"]), args.nats_replicas)
     except (CredentialsError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
     except Exception as exc:  # the server refused or is not there

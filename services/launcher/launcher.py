@@ -350,6 +350,9 @@ class Launcher:
             self._say("no admin.nk in --nats-creds-dir: the services wait for `splitserve provision` to make the "
                       "deployment's streams")
             return
+        from shared.telemetry.logging import configure_logging
+
+        configure_logging("launcher", "provision", "warning")  # to stderr: the launcher's own output is its stdout
         try:
             provision(nats_url, self.options.namespace, self._admin, tls_ca, replicas)
         except Exception as exc:  # an unreachable or refusing server: nothing can start

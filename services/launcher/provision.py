@@ -17,11 +17,7 @@ PROVISION_TIMEOUT_S = 60.0
 
 def provision(nats_url: str, namespace: str, credentials: BusCredentials | None, tls_ca: str | None = None,
               replicas: int | None = None) -> None:
-    """Make the deployment `namespace` on `nats_url` as declared (idempotent; raises on a refusal). What it logs
-    goes to stderr, warnings only: the launcher's own output is its stdout."""
-    from shared.telemetry.logging import configure_logging
-
-    configure_logging("launcher", "provision", "warning")
+    """Make the deployment `namespace` on `nats_url` as declared (idempotent; raises on a refusal)."""
     asyncio.run(asyncio.wait_for(_provision(nats_url, namespace, credentials, tls_ca, replicas),
                                  PROVISION_TIMEOUT_S))
 

@@ -19,6 +19,7 @@ from launcher_helpers import ROOT
 from services.cli import main as cli_main
 from services.cli import serve
 from shared.engine.default_model import DEFAULT_MODEL_NAME
+from services.launcher.nats_auth import public_key
 
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
 PROJECT_SERVICES = ("scheduler", "kvstore", "prefill", "decode", "gateway")
@@ -50,7 +51,7 @@ def _service_main(role: str):
 def test_the_compose_file_is_sane_compose_yaml(compose):
     assert set(compose) <= {"name", "services", "volumes", "networks"} | {k for k in compose if k.startswith("x-")}
     services = compose["services"]
-    assert set(services) == {*NATS_NODES, "jaeger", "prometheus", "grafana", *PROJECT_SERVICES}
+    assert set(services) == {*NATS_NODES, "jaeger", "prometheus", "grafana", "provision", *PROJECT_SERVICES}
     for name, svc in services.items():
         assert isinstance(svc, dict), name
         assert set(svc) <= {"image", "build", "command", "ports", "volumes", "environment", "depends_on",
@@ -136,7 +137,7 @@ def test_the_commands_describe_one_consistent_deployment(compose):
 
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 @pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.pipeline.yml"])
-def test_nats_admits_each_service_with_its_roles_key_from_nats_auth(compose_file, tls, tmp_path):
+def test_nats_admits_each_service_with_its_own_key_from_nats_auth(compose_file, tls, tmp_path):
     services = yaml.safe_load((COMPOSE.parent / compose_file).read_text())["services"]
     secrets = tmp_path / "secrets"
     nodes = [name for name in services if name.startswith("nats")]
@@ -167,14 +168,19 @@ def test_nats_admits_each_service_with_its_roles_key_from_nats_auth(compose_file
     checked = subprocess.run([find_nats_server(), "-t", "--config", str(secrets / config), "--server_name", "nats-0"],
                              capture_output=True, text=True, timeout=30)
     assert checked.returncode == 0, checked.stderr
+    users = json.loads((secrets / "nats-auth.conf").read_text())["authorization"]["users"]
     for name, svc in services.items():
-        if "command" not in svc or svc["command"][:1] != ["serve"]:
+        if "command" not in svc or svc["command"][:1] not in (["serve"], ["provision"]):
             continue
-        role = svc["command"][1]
-        assert svc["env_file"] == [f"secrets/{role}.env"], name  # its own role's key, no other
-        written = (secrets / f"{role}.env").read_text()
-        assert written.startswith("SPLITSERVE_NATS_NKEY_SEED=SU") and (secrets / f"{role}.env").stat().st_mode & 0o077 == 0
+        # Its own instance's key, no other (the admin key: the one-shot provisioner's only).
+        instance = _flag(svc["command"], "--instance-id") if svc["command"][0] == "serve" else "admin"
+        assert svc["env_file"] == [f"secrets/{instance}.env"], name
+        written = (secrets / f"{instance}.env").read_text()
+        assert written.startswith("SPLITSERVE_NATS_NKEY_SEED=SU") and (secrets / f"{instance}.env").stat().st_mode & 0o077 == 0
         assert (f"SPLITSERVE_NATS_TLS_CA={client_ca}/ca.pem" in written) == tls
+        seed = written.split("\n")[0].split("=", 1)[1]
+        assert any(u["nkey"] == public_key(seed.encode()) for u in users), name  # the server admits it
+    assert sum(svc.get("env_file") == ["secrets/admin.env"] for svc in services.values()) == 1
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert "compose" in ignored  # the keys never go into an image
     assert "compose/secrets/" in (ROOT / ".gitignore").read_text()
@@ -212,6 +218,14 @@ def test_each_compose_command_is_a_real_cli_invocation(compose, name):
     assert parsed.nats == _flag(command, "--nats")
     assert parsed.namespace == _flag(command, "--namespace")
     assert parsed.instance_id == _flag(command, "--instance-id")
+
+
+def test_the_provisioner_makes_the_streams_with_the_admin_key_before_the_services(compose):
+    provision = compose["services"]["provision"]
+    args = cli_main.build_parser().parse_args(provision["command"])
+    assert args.command == "provision" and args.namespace == "splitserve" and args.nats_replicas == 3
+    assert sorted(args.nats.split(",")) == sorted(f"nats://{node}:4222" for node in NATS_NODES)
+    assert provision["depends_on"] == list(NATS_NODES) and provision["restart"] == "on-failure"
 
 
 def test_prometheus_scrapes_the_gateway_and_the_dashboard_reads_metrics_it_serves(compose):

@@ -4,6 +4,7 @@ the NATS chart's values a JetStream cluster. No Kubernetes cluster exists here: 
 
 import copy
 import importlib
+import json
 
 import kubernetes_validate
 import pytest
@@ -65,7 +66,7 @@ def test_every_manifest_is_valid_kubernetes_in_strict_mode(kustomization, resour
                                                          "nats-values.yaml"}
     for doc in resources:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    assert {doc["kind"] for doc in resources} == {"Namespace", "Deployment", "StatefulSet", "Service"}
+    assert {doc["kind"] for doc in resources} == {"Namespace", "Deployment", "StatefulSet", "Service", "Job"}
     assert set(workloads(resources)) == set(ROLES)
 
 
@@ -79,12 +80,18 @@ def test_each_container_is_its_service_run_as_the_image_runs_it(resources):
         assert parsed.name == name
         env = env_of(container)
         service = importlib.import_module(f"services.{name}.__main__").settings_of(args[2:], environ=values_of(env))
-        # Its bus settings from the environment the services read (SPLITSERVE_*), its own role's key only.
+        # Its bus settings from the environment the services read (SPLITSERVE_*), its own instance's key only: one
+        # pod per instance name (a StatefulSet's first pod, or a Deployment of one that never runs two at once).
         assert env["SPLITSERVE_NATS_URL"]["value"] == "nats://nats:4222"
         assert env["SPLITSERVE_NATS_REPLICAS"]["value"] == "3"  # the chart's cluster of three: one copy on each
-        assert env["SPLITSERVE_INSTANCE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        instance = f"{name}-0"
+        assert service.instance_id == instance or (env["SPLITSERVE_INSTANCE_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+                                                   == "metadata.name" and workload["kind"] == "StatefulSet")
+        assert workload["spec"]["replicas"] == 1
+        if workload["kind"] == "Deployment":
+            assert workload["spec"]["strategy"]["type"] == "Recreate"
         secret = env["SPLITSERVE_NATS_NKEY_SEED"]["valueFrom"]["secretKeyRef"]
-        assert secret == {"name": f"splitserve-nats-{name}", "key": "SPLITSERVE_NATS_NKEY_SEED"}
+        assert secret == {"name": f"splitserve-nats-{instance}", "key": "SPLITSERVE_NATS_NKEY_SEED"}
         # Probes on what it serves: the gateway's port, the others' status endpoint on all interfaces.
         ports = {port["name"]: port["containerPort"] for port in container["ports"]}
         if name == "gateway":
@@ -124,12 +131,22 @@ def test_the_gateway_has_a_service_and_the_expected_counts_match(resources):
 def test_credentials_come_from_secrets_nats_auth_writes(kustomization, tmp_path):
     secrets = {s["name"]: s for s in kustomization["secretGenerator"]}
     assert cli_main.main(["nats-auth", str(tmp_path / "secrets"), "--namespace", "splitserve"]) == 0
-    for role in ROLES:
-        (env_file,) = secrets[f"splitserve-nats-{role}"]["envs"]
-        assert env_file == f"secrets/{role}.env" and (tmp_path / env_file).is_file()
+    for instance in [f"{role}-0" for role in ROLES] + ["admin"]:
+        (env_file,) = secrets[f"splitserve-nats-{instance}"]["envs"]
+        assert env_file == f"secrets/{instance}.env" and (tmp_path / env_file).is_file()
     (auth_file,) = secrets["splitserve-nats-auth"]["files"]
     assert (tmp_path / auth_file).is_file()
     assert "deploy/k8s/secrets/" in (ROOT / ".gitignore").read_text()  # never committed
+
+
+def test_a_job_provisions_the_streams_with_the_admin_key_no_service_holds(resources):
+    (job,) = [doc for doc in resources if doc["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    parsed = cli_main.build_parser().parse_args(container["args"])
+    assert parsed.command == "provision" and parsed.nats == "nats://nats:4222" and parsed.nats_replicas == 3
+    assert env_of(container)["SPLITSERVE_NATS_NKEY_SEED"]["valueFrom"]["secretKeyRef"]["name"] == "splitserve-nats-admin"
+    for workload in workloads(resources).values():
+        assert "splitserve-nats-admin" not in json.dumps(workload)
 
 
 def test_nats_is_the_official_chart_as_a_jetstream_cluster_admitting_only_the_roles(kustomization):
