@@ -70,6 +70,7 @@ class Sampling(Part, kw_only=True):
     structured_kind: str = ""  # structured output: "" (none), "json", "json_object", "regex", "choice", "grammar"
     structured_spec: str = ""  # its JSON schema, regex, JSON list of choices or grammar
     prompt_logprobs: int | None = None  # the prompt's tokens' logprobs, with this many top alternatives
+    cache_salt: str = ""  # prefix reuse only among requests with the same salt (the gateway's, per tenant)
 
 
 class GenerateRequest(Message, tag="generate_request", kw_only=True):

@@ -100,10 +100,10 @@ class KVStoreTier(KVConnector):
         return instances
 
     # ---- before a request runs: the engine's admission hooks -----------------------------------
-    def expect(self, request_id: str, prompt: list[int]) -> None:
+    def expect(self, request_id: str, prompt: list[int], cache_salt: str = "") -> None:
         """The request is about to be added to the engine: look its prefix up in the store now (traced under the
         current span), so that the answer is there, or close, when the engine admits it."""
-        hashes = self.engine.prefix_block_hashes(prompt)
+        hashes = self.engine.prefix_block_hashes(prompt, cache_salt)
         with self._lock:
             if not hashes or request_id in self._prefixes:
                 return  # nothing to load (or a duplicate request id, which the engine refuses)

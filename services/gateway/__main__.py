@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     config = GatewayConfig(nats_url=settings.nats, namespace=settings.namespace, instance_id=settings.instance_id,
                            model_dir=model_dir, served_model_name=served_name, expect=settings.expect,
                            http_port=settings.port, api_keys=settings.api_keys, protect_metrics=settings.protect_metrics,
+                           share_prefix_cache=settings.share_prefix_cache,
                            max_request_bytes=settings.max_request_bytes,
                            body_timeout_s=settings.request_body_timeout, migration_limit=settings.migration_limit,
                            max_waiting_requests=settings.max_waiting_requests,

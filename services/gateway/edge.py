@@ -27,12 +27,20 @@ def parse_api_keys(flags: Iterable[str] | None, env_value: str | None) -> tuple[
     return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
 
 
+def presented_key(header: str | None) -> str | None:
+    """The key of an `Authorization: Bearer KEY` header (None: no bearer key)."""
+    scheme, _, presented = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return presented.strip() or None
+
+
 def authorized(header: str | None, keys: tuple[str, ...]) -> bool:
     """Whether an Authorization header carries one of `keys` (every key is compared: no early exit)."""
-    scheme, _, presented = (header or "").partition(" ")
-    if scheme.lower() != "bearer" or not presented:
+    presented = presented_key(header)
+    if presented is None:
         return False
-    given = presented.strip().encode()
+    given = presented.encode()
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(given, key.encode())

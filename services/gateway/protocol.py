@@ -3,8 +3,8 @@
 Fields and defaults follow the OpenAI API reference; extensions that vLLM also
 accepts (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos,
 min_tokens, include_stop_str_in_output, skip_special_tokens,
-spaces_between_special_tokens, chat_template_kwargs, structured_outputs and
-guided_*) sit beside them. Values are
+spaces_between_special_tokens, chat_template_kwargs, structured_outputs,
+guided_* and cache_salt) sit beside them. Values are
 checked strictly (no "0.5" strings for numbers, no 0/1 for booleans, no NaN or
 infinity) and every bad value becomes a `RequestError` 400 naming its field:
 pydantic's type errors through `from_validation_errors`, range and support
@@ -96,6 +96,8 @@ class _SamplingRequest(_Strict):
     user: str | None = None  # accepted and ignored
     logit_bias: dict[str, Any] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
     prompt_logprobs: int | None = None  # extension: the prompt tokens' logprobs, with this many alternatives
+    # extension (vLLM's): prefix reuse only among requests with the same salt (mixed with the API key's own)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # Structured output (services/gateway/structured_request.py): at most one of these.
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None  # extension

@@ -50,6 +50,9 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
                                        flag="--api-key", metavar="KEY", env="SPLITSERVE_API_KEY", many=True, joined=True,
                                        repr=False)
     protect_metrics: bool = option(False, "require an API key on /metrics too")
+    share_prefix_cache: bool = option(False, "requests of different API keys reuse each other's cached prompt "
+                                      "prefixes (by default each key's are its own: a shared prefix's "
+                                      "cached_tokens would tell one tenant what another asked)")
     max_request_bytes: PositiveInt = option(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies are refused with 413",
                                             metavar="N", shown_default=f"{DEFAULT_MAX_REQUEST_BYTES >> 20} MiB")
     request_body_timeout: PositiveSeconds = option(DEFAULT_BODY_TIMEOUT_S, "seconds a client has to send a "

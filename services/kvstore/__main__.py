@@ -46,7 +46,9 @@ async def serve(settings: KVStoreSettings) -> int:
         host, advertise = side_channel_address(settings, settings.transfer_host, settings.transfer_advertise)
         await receiver.start(host, 0, advertise_host=advertise)
         return KVStoreService(nc=nc, registry=registry, subjects=subjects, instance_id=settings.instance_id, store=store,
-                              receiver=receiver, sender=KVSender(tls=tls))
+                              receiver=receiver, sender=KVSender(tls=tls),
+                              max_put_bytes=settings.kv_store_max_put_bytes,
+                              max_put_bytes_in_flight=settings.kv_store_max_put_bytes_in_flight)
 
     return await run_service(settings, "kvstore", build)
 

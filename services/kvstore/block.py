@@ -1,21 +1,24 @@
-"""One stored KV block: its bytes and what they hold."""
+"""One stored KV block: its bytes, what they hold, and their checksum, fixed when the block is first made."""
 
 from dataclasses import dataclass
 
 import torch
 
+from shared.transfer.checksum import fold64
 from shared.transfer.wire import DTYPES
 
 
 @dataclass(frozen=True, slots=True)
 class StoredBlock:
     """A block's KV, all layers (`[layers, 2, block_size, kv_heads, head_dim]`), as raw bytes, and the model
-    (its fingerprint) that computed it."""
+    (its fingerprint) that computed it. `checksum` (fold64 of the bytes) is computed when the block arrives and
+    travels with it through both tiers; a block made with one (read back from disk) must match it."""
 
     dtype: str
     shape: tuple[int, ...]
     data: bytes
     model_fingerprint: bytes = b""
+    checksum: int | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -27,6 +30,11 @@ class StoredBlock:
             numel *= dim
         if numel * DTYPES[self.dtype].itemsize != len(self.data):
             raise ValueError(f"{len(self.data)} bytes are not a {self.dtype} block of shape {list(self.shape)}")
+        total = content_sum(self.data)
+        if self.checksum is None:
+            object.__setattr__(self, "checksum", total)
+        elif self.checksum != total:
+            raise ValueError("the block's bytes fail its checksum")
 
     @property
     def nbytes(self) -> int:
@@ -40,3 +48,7 @@ class StoredBlock:
 
     def tensor(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(self.data), dtype=DTYPES[self.dtype]).view(self.shape)
+
+
+def content_sum(data: bytes) -> int:
+    return fold64(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else 0

@@ -1,33 +1,58 @@
 """The kv-store's disk tier: one file per block under a directory, bounded in bytes, least recently used out first.
 
-A file is `<dir>/<first two hex digits>/<hash hex>.kvb`: a magic line, a
+A file is `<dir>/<first two hex digits>/<hash hex>.kvb`: a magic line, a tag, a
 length-prefixed msgpack header (the block's hash, the model fingerprint, dtype,
-shape, payload checksum) and the raw payload. A file whose header names another
-hash than the one asked for (copied or renamed) is dropped and counted, as is
-one that does not read back. Files are written to a temporary name and renamed, so a crash never
+shape, the checksum the block got when it first arrived) and the raw payload.
+The tag is an HMAC of the rest keyed by this store's secret (`<dir>/store.key`,
+made 0600 on first use): a file this store did not write (planted, or another
+store's) is dropped and counted, as is one whose header names another hash than
+the one asked for (copied or renamed) and one that does not read back. A block
+already on disk is never replaced: the first write stands. Files are written to a temporary name and renamed, so a crash never
 leaves a half-written block under a real name. A restarted store finds its
 blocks again by scanning the directory (their order of use from the files'
 access times); a file that does not read back (truncated, corrupted, foreign)
 is deleted and counts as a miss.
 """
 
+import hashlib
+import hmac
 import os
+import secrets
 import struct
 import time
 from collections import OrderedDict
 from pathlib import Path
 
 import msgpack
-import torch
 
 from services.kvstore.block import StoredBlock
-from shared.private_files import private_dir
-from shared.transfer.checksum import fold64
+from shared.private_files import private_dir, write_private
 
-MAGIC = b"splitserve-kv-block/2\n"
+MAGIC = b"splitserve-kv-block/3\n"
 SUFFIX = ".kvb"
+KEY_FILE = "store.key"
+_TAG_BYTES = hashlib.sha256().digest_size
 _LENGTH = struct.Struct("!I")
 _MAX_HEADER = 4096
+
+
+class ForgedBlockFile(ValueError):
+    """A block file whose tag this store's secret did not make."""
+
+
+def store_key(root: Path) -> bytes:
+    """The store's secret, kept beside its blocks (a restart reads them back with it); made on first use."""
+    path = root / KEY_FILE
+    if not path.exists():
+        write_private(path, secrets.token_bytes(32))
+    return path.read_bytes()
+
+
+def _tag(key: bytes, *parts: bytes) -> bytes:
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.digest()
 
 
 class DiskTier:
@@ -42,6 +67,8 @@ class DiskTier:
         self.evictions = 0
         self.dropped_corrupt = 0
         self.dropped_misnamed = 0  # a file holding another block than its name says
+        self.dropped_forged = 0  # a file this store did not write
+        self._key = store_key(self.root)
         self._scan()
 
     # ---- the index ---------------------------------------------------------------------------
@@ -76,21 +103,19 @@ class DiskTier:
 
     # ---- blocks -------------------------------------------------------------------------------
     def put(self, key: bytes, block: StoredBlock) -> list[bytes]:
-        """Store `block` (replacing any older copy); returns the keys evicted to make room."""
+        """Store `block` unless a block is there under `key` already; returns the keys evicted to make room."""
         header = msgpack.packb({"hash": key, "model": block.model_fingerprint, "dtype": block.dtype,
-                                "shape": list(block.shape),
-                                "sum": fold64(torch.frombuffer(bytearray(block.data), dtype=torch.uint8))
-                                if block.data else 0})
-        size = len(MAGIC) + _LENGTH.size + len(header) + block.nbytes
-        if size > self.capacity_bytes:
-            return []  # does not fit at all
-        self.discard(key)
+                                "shape": list(block.shape), "sum": block.checksum})
+        body = _LENGTH.pack(len(header)) + header
+        size = len(MAGIC) + _TAG_BYTES + len(body) + block.nbytes
+        if size > self.capacity_bytes or key in self._sizes:
+            return []  # does not fit at all, or the first write stands
         evicted = self._evict_to(self.capacity_bytes - size)
         path = self._path(key)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(MAGIC + _LENGTH.pack(len(header)) + header)
+            f.write(MAGIC + _tag(self._key, body, block.data) + body)
             f.write(block.data)
         os.replace(tmp, path)
         self._sizes[key] = size
@@ -104,7 +129,11 @@ class DiskTier:
         try:
             with open(path, "rb") as f:
                 raw = f.read()
-            stored_key, block = _parse(raw)
+            stored_key, block = _parse(raw, self._key)
+        except ForgedBlockFile:
+            self.dropped_forged += 1
+            self.discard(key)
+            return None
         except (OSError, ValueError, TypeError, struct.error):
             self.dropped_corrupt += 1
             self.discard(key)
@@ -138,21 +167,21 @@ class DiskTier:
         return evicted
 
 
-def _parse(raw: bytes) -> tuple[bytes, StoredBlock]:
-    """(the hash the file says it holds, the block)."""
+def _parse(raw: bytes, key: bytes) -> tuple[bytes, StoredBlock]:
+    """(the hash the file says it holds, the block): a ValueError if the file does not read back (corrupt), a
+    ForgedBlockFile if it does but this store did not write it."""
     if not raw.startswith(MAGIC):
         raise ValueError("not a kv block file")
-    offset = len(MAGIC)
+    offset = len(MAGIC) + _TAG_BYTES
     (length,) = _LENGTH.unpack_from(raw, offset)
     if length > _MAX_HEADER:
         raise ValueError("block file header too long")
-    offset += _LENGTH.size
-    header = msgpack.unpackb(raw[offset : offset + length])
-    data = raw[offset + length :]
-    if not isinstance(header, dict):
-        raise ValueError("block file header is not a map")
-    total = fold64(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else 0
-    if total != header.get("sum"):
-        raise ValueError("block file payload fails its checksum")
-    return header.get("hash"), StoredBlock(header.get("dtype"), tuple(header.get("shape") or ()), data,
-                                           bytes(header.get("model") or b""))
+    header = msgpack.unpackb(raw[offset + _LENGTH.size : offset + _LENGTH.size + length])
+    data = raw[offset + _LENGTH.size + length :]
+    if not isinstance(header, dict) or not isinstance(header.get("sum"), int):
+        raise ValueError("block file header is not a map with the block's checksum")
+    block = StoredBlock(header.get("dtype"), tuple(header.get("shape") or ()), data, bytes(header.get("model") or b""),
+                        header["sum"])
+    if not hmac.compare_digest(raw[len(MAGIC) : offset], _tag(key, memoryview(raw)[offset:])):
+        raise ForgedBlockFile("the block file's tag is not this store's")
+    return header.get("hash"), block

@@ -7,12 +7,13 @@
 
 Data arrives only through an authenticated side-channel transfer this store
 expects (its ticket); a put is stored once the whole transfer arrived, never in
-part. Bounds: blocks per request, bytes per block, puts in flight, and the
-tiers' own (see `store.py`). Disk work runs off the event loop.
+part, and never over a block already held (the first write stands). Bounds:
+blocks per request, bytes per block, bytes per put and puts in flight (their
+count and their bytes), each refused up front with its reason, and the tiers'
+own (see `store.py`). Disk work runs off the event loop.
 """
 
 import asyncio
-import dataclasses
 import math
 import secrets
 import time
@@ -37,8 +38,9 @@ log = get_logger(__name__)
 
 class KVStoreService:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str, store: TieredBlockStore,
-                 receiver: KVReceiver, sender: KVSender, max_blocks_per_request: int = 4096,
-                 max_block_bytes: int = 64 << 20, max_puts_in_flight: int = 64, transfer_timeout_s: float = 30.0):
+                 receiver: KVReceiver, sender: KVSender, max_put_bytes: int, max_put_bytes_in_flight: int,
+                 max_blocks_per_request: int = 4096, max_block_bytes: int = 64 << 20, max_puts_in_flight: int = 64,
+                 transfer_timeout_s: float = 30.0):
         self.nc = nc
         self.registry = registry
         self.subjects = subjects
@@ -49,12 +51,15 @@ class KVStoreService:
         self.max_blocks_per_request = max_blocks_per_request
         self.max_block_bytes = max_block_bytes
         self.max_puts_in_flight = max_puts_in_flight
+        self.max_put_bytes = max_put_bytes
+        self.max_put_bytes_in_flight = max_put_bytes_in_flight
         self.transfer_timeout_s = transfer_timeout_s
         self.identity = ServiceIdentity(instance_id, "kvstore")
         self.state = "starting"
         self.counts: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._puts_in_flight = 0
+        self._put_bytes_in_flight = 0  # declared by the puts in flight: what their blocks will take here
         self.heartbeat = Heartbeat(registry, self.info)
         self.kv_events = KVEventPublisher(nc=nc, subjects=subjects, instance_id=instance_id, role="kvstore",
                                           boot_id=self.identity.boot_id, events=store.kv_events,
@@ -86,6 +91,7 @@ class KVStoreService:
     def stats(self) -> ServiceStats:
         return ServiceStats.of(self.info(), {
             "store": self.store.snapshot(), "requests": dict(self.counts), "puts_in_flight": self._puts_in_flight,
+            "put_bytes_in_flight": self._put_bytes_in_flight,
             "kv_transfer_in": self.receiver.stats.snapshot(), "kv_transfer_out": self.sender.stats.snapshot(),
             "rejected_messages": dict(REJECTED), "kv_events": dict(self.kv_events.counts)})
 
@@ -119,7 +125,8 @@ class KVStoreService:
             span.set_attributes({"splitserve.blocks_held": count, "splitserve.blocks_on_disk": tiers.count("disk")})
             await self._answer(msg, KVStoreReply(ok=True, num_hit=count, tiers=tiers), "lookup")
 
-    async def _on_put(self, request: KVStorePut, msg) -> None:
+    def _put_problem(self, request: KVStorePut) -> tuple[str, str] | None:
+        """Why a put is refused before anything is received (the outcome counted, the reason), or None."""
         problem = self._bad_hashes(request.hashes)
         if problem is None and request.dtype not in DTYPES:
             problem = f"dtype {request.dtype!r} is not one of {', '.join(DTYPES)}"
@@ -127,10 +134,27 @@ class KVStoreService:
             problem = "block_shape must be a list of positive sizes"
         if problem is None and math.prod(request.block_shape) * DTYPES[request.dtype].itemsize > self.max_block_bytes:
             problem = f"blocks of more than {self.max_block_bytes} bytes"
-        if problem is None and self._puts_in_flight >= self.max_puts_in_flight:
-            problem = "too many puts in flight"  # the worker computes instead; nothing is lost but a cache entry
-        if problem:
-            return await self._answer(msg, KVStoreReply(ok=False, error=problem), "put_refused")
+        if problem is not None:
+            return "put_refused", problem
+        nbytes = put_bytes(request)
+        if nbytes > self.max_put_bytes:
+            return "put_over_budget", f"a put of {nbytes} bytes; this store takes at most {self.max_put_bytes} per put"
+        if self._put_bytes_in_flight + nbytes > self.max_put_bytes_in_flight:
+            return "put_over_budget", (f"{self._put_bytes_in_flight} bytes of puts in flight; this store takes at "
+                                       f"most {self.max_put_bytes_in_flight}")
+        if self._puts_in_flight >= self.max_puts_in_flight:
+            # The worker computes instead; nothing is lost but a cache entry.
+            return "put_refused", "too many puts in flight"
+        return None
+
+    async def _on_put(self, request: KVStorePut, msg) -> None:
+        # TODO(issue 35): once the bus names each message's sending instance, take puts (lookups and gets too)
+        # only from model workers of the model whose fingerprint they name, checked against the sending instance's
+        # registry entry.
+        refused = self._put_problem(request)
+        if refused is not None:
+            outcome, problem = refused
+            return await self._answer(msg, KVStoreReply(ok=False, error=problem), outcome)
         received: dict[int, StoredBlock] = {}
         shape = tuple(request.block_shape)
         dtype = DTYPES[request.dtype]
@@ -140,7 +164,7 @@ class KVStoreService:
                 raise ValueError(f"a {part.dtype} part of shape {list(part.shape)} for {request.dtype} blocks of "
                                  f"shape {list(shape)}")
             for offset in range(end - start):
-                received[start + offset] = StoredBlock.from_tensor(part[offset])
+                received[start + offset] = StoredBlock.from_tensor(part[offset], request.model_fingerprint)
 
         deadline_s = max(0.1, min(self.transfer_timeout_s, (request.deadline_ms - now_ms()) / 1000))
         transfer_id = f"put-{request.transfer_id}-{secrets.token_hex(4)}"
@@ -149,25 +173,23 @@ class KVStoreService:
                                           deadline_s=deadline_s)
         except ValueError as exc:
             return await self._answer(msg, KVStoreReply(ok=False, error=str(exc)), "put_refused")
+        nbytes = put_bytes(request)
         self._puts_in_flight += 1
-        self._spawn(self._finish_put(transfer_id, request.hashes, received, request.model_fingerprint))
+        self._put_bytes_in_flight += nbytes
+        self._spawn(self._finish_put(transfer_id, request.hashes, received, nbytes))
         await self._answer(msg, KVStoreReply(ok=True, ticket=ticket), "put")
 
     async def _finish_put(self, transfer_id: str, hashes: list[bytes], received: dict[int, StoredBlock],
-                          model_fingerprint: bytes) -> None:
+                          nbytes: int) -> None:
         try:
             result = await self.receiver.wait(transfer_id)
             if not result.ok:
                 self.counts["put_failed"] = self.counts.get("put_failed", 0) + 1
                 return  # stored nothing: a put is all or none
-
-            def store_all() -> None:
-                for index, block_hash in enumerate(hashes):
-                    self.store.put(block_hash, dataclasses.replace(received[index], model_fingerprint=model_fingerprint))
-
-            await asyncio.to_thread(store_all)
+            await asyncio.to_thread(lambda: [self.store.put(h, received[i]) for i, h in enumerate(hashes)])
         finally:
             self._puts_in_flight -= 1
+            self._put_bytes_in_flight -= nbytes
 
     async def _on_get(self, request: KVStoreGet, msg) -> None:
         span = tracer().start_span("kvstore.get", context=extract(msg.headers), kind=SpanKind.SERVER,
@@ -216,3 +238,8 @@ class KVStoreService:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def put_bytes(request: KVStorePut) -> int:
+    """The bytes a put declares: its blocks', as they would be held here."""
+    return len(request.hashes) * math.prod(request.block_shape) * DTYPES[request.dtype].itemsize

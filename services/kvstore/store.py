@@ -3,7 +3,9 @@
 A block put in goes to RAM; when RAM is over its bound, its least recently
 used blocks move to the disk tier (or are dropped without one), and the disk
 tier drops its least recently used when over its own. A block read from disk
-comes back into RAM. Every eviction is counted per tier. Safe to call from
+comes back into RAM. Every eviction is counted per tier. A put never replaces
+a block held in either tier: the first write stands (and its checksum with it),
+so a later put cannot swap what a prefix's readers get. Safe to call from
 several threads (the service does disk work off its event loop).
 """
 
@@ -21,6 +23,7 @@ RAM, DISK = "ram", "disk"
 @dataclass
 class StoreStats:
     puts: int = 0
+    kept_first: int = 0  # puts of a block already held: refused, the first write stands
     hits: dict[str, int] = field(default_factory=lambda: {RAM: 0, DISK: 0})
     misses: int = 0
     evictions: dict[str, int] = field(default_factory=lambda: {RAM: 0, DISK: 0})  # RAM: spilled or dropped
@@ -45,17 +48,21 @@ class TieredBlockStore:
             self.kv_events.restart()
             return [*self._ram, *(self.disk.keys() if self.disk is not None else ())]
 
-    def put(self, key: bytes, block: StoredBlock) -> None:
+    def put(self, key: bytes, block: StoredBlock) -> bool:
+        """Store `block` under `key`; False (and nothing changes) when a block is held under it already."""
         with self._lock:
+            if key in self._ram or (self.disk is not None and key in self.disk):
+                self.stats.kept_first += 1
+                return False
             self.stats.puts += 1
-            self._drop_ram(key)
             self.kv_events.stored(key)
             if block.nbytes > self.ram_bytes:
                 self._to_disk(key, block)  # too big for RAM at all
-                return
+                return True
             self._ram[key] = block
             self.ram_used += block.nbytes
             self._spill()
+            return True
 
     def get(self, key: bytes) -> tuple[StoredBlock, str] | None:
         """The block and the tier it was found in, or None."""
@@ -105,18 +112,15 @@ class TieredBlockStore:
                 "ram": {"bytes": self.ram_used, "capacity_bytes": self.ram_bytes, "blocks": len(self._ram)},
                 "disk": {"bytes": disk.bytes_used if disk else 0, "capacity_bytes": disk.capacity_bytes if disk else 0,
                          "blocks": len(disk) if disk else 0, "corrupt_dropped": disk.dropped_corrupt if disk else 0,
-                         "misnamed_dropped": disk.dropped_misnamed if disk else 0},
-                "puts": self.stats.puts, "hits": dict(self.stats.hits), "misses": self.stats.misses,
+                         "misnamed_dropped": disk.dropped_misnamed if disk else 0,
+                         "forged_dropped": disk.dropped_forged if disk else 0},
+                "puts": self.stats.puts, "kept_first": self.stats.kept_first, "hits": dict(self.stats.hits),
+                "misses": self.stats.misses,
                 "evictions": {RAM: self.stats.evictions[RAM], DISK: disk.evictions if disk else 0},
                 "dropped": self.stats.dropped,
             }
 
     # ---- internals (lock held) ---------------------------------------------------------------------
-    def _drop_ram(self, key: bytes) -> None:
-        old = self._ram.pop(key, None)
-        if old is not None:
-            self.ram_used -= old.nbytes
-
     def _spill(self) -> None:
         while self.ram_used > self.ram_bytes and self._ram:
             key, block = self._ram.popitem(last=False)

@@ -67,18 +67,18 @@ class CachedPrefixes:
 
 
 def cached_prefixes(workers: list[ServiceInfo], prompt: list[int],
-                    overlaps_of: Callable[[list[bytes]], dict[str, int]]) -> CachedPrefixes:
+                    overlaps_of: Callable[[list[bytes]], dict[str, int]], cache_salt: str = "") -> CachedPrefixes:
     """How much of `prompt` each worker can start from, given `overlaps_of(hashes)` (the prefix index).
 
-    The prompt is hashed once per block size and model fingerprint the workers report; a worker that
-    reports none is taken to hold nothing."""
+    The prompt is hashed (with its request's cache salt) once per block size and model fingerprint the workers
+    report; a worker that reports none is taken to hold nothing."""
     cached = CachedPrefixes()
     by_hashing: dict[tuple[int, bytes], list[ServiceInfo]] = {}
     for worker in workers:
         if worker.kv_block_size and worker.kv_fingerprint:
             by_hashing.setdefault((worker.kv_block_size, worker.kv_fingerprint), []).append(worker)
     for (block_size, fingerprint), group in by_hashing.items():
-        overlaps = overlaps_of(cacheable_block_hashes(prompt, block_size, fingerprint))
+        overlaps = overlaps_of(cacheable_block_hashes(prompt, block_size, fingerprint, cache_salt))
         cached.prompt_blocks = max(cached.prompt_blocks, -(-len(prompt) // block_size))
         for worker in group:
             cached.blocks[worker.instance_id] = cached_blocks(worker, overlaps, overlaps.get(KVSTORE, 0))

@@ -58,7 +58,7 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------
     def update_hashes(self, seq: Sequence) -> None:
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.fingerprint)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.fingerprint, seq.params.cache_salt)
 
     def find_prefix_hit(self, seq: Sequence) -> PrefixHit:
         """Longest run of cached blocks matching the start of `seq`.

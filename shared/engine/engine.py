@@ -596,9 +596,9 @@ class LLMEngine:
 
         self.connectors.blocks_computed(list(seq.block_hashes[start:end]), export)
 
-    def prefix_block_hashes(self, prompt_token_ids: list[int]) -> list[bytes]:
+    def prefix_block_hashes(self, prompt_token_ids: list[int], cache_salt: str = "") -> list[bytes]:
         """The hashes of the prompt's full blocks that a cached prefix may cover."""
-        return cacheable_block_hashes(prompt_token_ids, self.config.block_size, self.fingerprint)
+        return cacheable_block_hashes(prompt_token_ids, self.config.block_size, self.fingerprint, cache_salt)
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Write whole blocks' KV ([n, layers, 2, block_size, kv_heads, head_dim], as the kv-store keeps them)

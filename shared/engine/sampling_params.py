@@ -49,6 +49,8 @@ class SamplingParams:
     # The prompt's tokens' logprobs (and this many top alternatives at each position); the prompt is then computed
     # whole, not read from a prefix cache.
     prompt_logprobs: int | None = None
+    # Prefix reuse only among requests with the same salt (shared/engine/block_hash.py): the gateway's, per tenant.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +97,8 @@ class SamplingParams:
                                       f"{', '.join(STRUCTURED_KINDS)}", "structured_outputs")
         if self.structured_spec and not self.structured_kind:
             raise InvalidRequestError("a structured output spec needs its kind", "structured_outputs")
+        if not isinstance(self.cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a string, got {self.cache_salt!r}", "cache_salt")
         self.logit_bias = dict(self.logit_bias)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",

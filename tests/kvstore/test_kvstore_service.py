@@ -1,89 +1,26 @@
 """The kv-store service over a real nats-server: lookups over NATS, blocks over the side channel, tiers bounded,
 the disk tier found again after kill -9, and a store that is down or refuses costs a miss, never an error."""
 
-import asyncio
 import os
 import signal
 import time
-import uuid
 
-import nats
 import pytest
 import pytest_asyncio
 import torch
 
-from contracts import KVStoreLookup, KVStoreReply, ServiceStats, StatsRequest, Subjects
-from services.kvstore.client import KVStoreClient
+from contracts import KVStoreLookup, KVStoreReply
 from services.kvstore.placement import group_by_instance, place
-from shared.transfer import KVReceiver, KVSender
-from support.processes import start_service, stop_process
+from support.kvstore import BLOCK_BYTES, Collect, blocks, hashes, kvstore_client, start_kvstore, stored, wait_ready
+from support.processes import stop_process
 
 pytestmark = pytest.mark.timeout(120)
-
-BLOCK_SHAPE = (4, 2, 16, 2, 8)  # layers, K/V, block size, kv heads, head dim (float32: 8 KiB)
-BLOCK_BYTES = 4 * 2 * 16 * 2 * 8 * 4
-
-
-def blocks(n: int, seed: int) -> torch.Tensor:
-    return torch.randn(n, *BLOCK_SHAPE, generator=torch.Generator().manual_seed(seed))
-
-
-def hashes(n: int, prefix: int) -> list[bytes]:
-    return [bytes([prefix]) + i.to_bytes(15, "big") for i in range(n)]
-
-
-def start_kvstore(nats_url: str, namespace: str, tmp_path, instance: str = "kvstore-0", ram_blocks: int = 4,
-                  disk_blocks: int = 8):
-    args = ["--nats", nats_url, "--namespace", namespace, "--instance-id", instance,
-            "--kv-store-ram-bytes", str(ram_blocks * BLOCK_BYTES),
-            "--kv-store-disk-bytes", str(disk_blocks * (BLOCK_BYTES + 256)), "--kv-store-dir", str(tmp_path / "disk")]
-    return start_service("kvstore", args, tmp_path)
-
-
-async def wait_ready(nc, subjects: Subjects, instance: str, timeout_s: float = 60) -> ServiceStats:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            reply = await nc.request(subjects.stats(instance), StatsRequest().encode(), timeout=1)
-            info = ServiceStats.decode(reply.data)
-            if info.state == "ready":
-                return info
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            pass
-        assert time.monotonic() < deadline, f"{instance} not ready"
-        await asyncio.sleep(0.2)
 
 
 @pytest_asyncio.fixture
 async def client(nats_server):
-    nc = await nats.connect(nats_server.url)
-    receiver, sender = KVReceiver(), KVSender()
-    await receiver.start()
-    subjects = Subjects("t" + uuid.uuid4().hex[:10])
-    yield (KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=sender, model_fingerprint=b"model-a",
-                         timeout_s=5), nc, subjects)
-    await receiver.stop()
-    sender.close()
-    await nc.close()
-
-
-async def stored(nc, subjects: Subjects, puts: int) -> ServiceStats:
-    """The store's stats once it has stored `puts` blocks (a put is acked once its transfer is in, stored after)."""
-    deadline = time.monotonic() + 10
-    while True:
-        info = await wait_ready(nc, subjects, "kvstore-0")
-        if info.details["store"]["puts"] >= puts:
-            return info
-        assert time.monotonic() < deadline, info.details
-        await asyncio.sleep(0.05)
-
-
-class Collect:
-    def __init__(self, n: int):
-        self.out = torch.zeros(n, *BLOCK_SHAPE)
-
-    def __call__(self, first: int, end: int, tensor) -> None:
-        self.out[first:end].copy_(tensor)
+    async with kvstore_client(nats_server.url) as connected:
+        yield connected
 
 
 @pytest.mark.asyncio

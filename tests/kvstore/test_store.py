@@ -124,7 +124,7 @@ def test_a_smaller_disk_bound_at_restart_evicts_down_to_it(tmp_path):
 
 
 def test_kv_events_say_which_blocks_the_store_holds_in_any_tier(tmp_path):
-    store = TieredBlockStore(ram_bytes=2 * SIZE, disk_bytes=2 * SIZE + 200, disk_dir=tmp_path)
+    store = TieredBlockStore(ram_bytes=2 * SIZE, disk_bytes=2 * (SIZE + 200), disk_dir=tmp_path)
     for i in range(3):
         store.put(key(i), block(i))  # key 0 spills to disk: still held
     batch = store.kv_events.drain()
