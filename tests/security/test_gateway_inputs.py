@@ -1,7 +1,8 @@
 """The gateway's last input holes (issue 35): every number bounded, logit_bias keys parsed safely, tools counted
 before tokenizing, bodies read within a deadline, grammars compiled within bounds and off the engine's step, and
 the keys guarding the docs. The gateway runs in this process, without NATS: every request here is refused (or
-answered) before anything would reach the bus."""
+answered) before anything would reach the bus. The engine's loop runs a real engine.
+(`loadtest/bench_schema_stall.py` measures what a large schema costs another user's stream.)"""
 
 import json
 import socket
