@@ -331,6 +331,7 @@ class KVStoreLookup(Message, tag="kvstore_lookup", kw_only=True):
     """worker -> kv-store: how many of these chained block hashes, from the first, do you hold?"""
 
     hashes: list[bytes]
+    model_fingerprint: bytes = b""  # the asking worker's model (the store serves only its registered workers)
 
 
 class KVStorePut(Message, tag="kvstore_put", kw_only=True):

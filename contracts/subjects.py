@@ -33,6 +33,10 @@ class Sender:
     role: str
     instance_id: str
 
+    def signs(self, subject: str) -> str:
+        """`subject` as this sender publishes it (`sent_by`)."""
+        return sent_by(subject, self.role, self.instance_id)
+
 
 def sent_by(subject: str, role: str, instance_id: str) -> str:
     """`subject` as published by the instance `instance_id` of `role`."""

@@ -30,8 +30,10 @@ class UpProcess:
     """
 
     def __init__(self, label: str, topology_args: list[str], *, model_dir: str, served_name: str, run_dir: Path,
-                 dtype: str, worker_threads: int, ready_timeout_s: float, stop_timeout_s: float):
+                 dtype: str, worker_threads: int, ready_timeout_s: float, stop_timeout_s: float, root: Path = ROOT):
+        """`root`: the checkout whose `splitserve` runs (another version's, to compare with it)."""
         self.topology = label
+        self.root = root
         self.run_dir = run_dir
         self.worker_threads = worker_threads
         self.stop_timeout_s = stop_timeout_s
@@ -53,9 +55,9 @@ class UpProcess:
         env = dict(os.environ)
         threads = str(self.worker_threads)
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = str(self.root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(self.cmd, cwd=self.root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self._reader = threading.Thread(target=self._read, name=f"up-{self.topology}", daemon=True)
         self._reader.start()
@@ -224,11 +226,11 @@ def write_deployment_results(args, model_dir: str, config: dict, runs: list[dict
 
 
 @contextlib.contextmanager
-def serving(label: str, up_args: list[str], *, model_dir: str, run_dir: Path, dtype: str):
-    """A ready `splitserve up` deployment (served as "bench", its workers on one thread each) for the block; it
-    says what it runs and is stopped however the block ends."""
+def serving(label: str, up_args: list[str], *, model_dir: str, run_dir: Path, dtype: str, root: Path = ROOT):
+    """A ready `splitserve up` deployment (served as "bench", its workers on one thread each; of the checkout at
+    `root`) for the block; it says what it runs and is stopped however the block ends."""
     deployment = UpProcess(label, up_args, model_dir=model_dir, served_name="bench", run_dir=run_dir, dtype=dtype,
-                           worker_threads=1, ready_timeout_s=600, stop_timeout_s=30)
+                           worker_threads=1, ready_timeout_s=600, stop_timeout_s=30, root=root)
     print(f"\n== {label}: splitserve up {' '.join(deployment.cmd[4:])}", flush=True)
     try:
         deployment.start()

@@ -38,7 +38,7 @@ def add_parser(subcommands) -> None:
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("dir", metavar="DIR", help="where to write ROLE.nk and nats-auth.conf")
+    parser.add_argument("dir", metavar="DIR", help="where to write ID.nk, admin.nk and nats-auth.conf")
     parser.add_argument("--namespace", default="splitserve", help="the deployment's subject prefix (default: splitserve)")
     parser.add_argument("--rotate", action="store_true", help="new keys for every instance (restart the server and "
                         "services)")

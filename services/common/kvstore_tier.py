@@ -20,6 +20,7 @@ from collections import Counter, OrderedDict
 import torch
 from opentelemetry import trace
 
+from contracts import Sender
 from services.common.load_reports import LoadReports
 from services.common.service_settings import KVStoreTierSettings
 from services.kvstore.client import KVStoreClient
@@ -284,8 +285,9 @@ class KVStoreTier(KVConnector):
 
 
 async def start_kv_store_tier(settings: KVStoreTierSettings, *, nc, subjects, registry: Registry, engine,
-                               engine_loop) -> KVStoreTier:
-    """The worker's use of the kv-store, from its settings (with `--kv-store`; the side channel's too)."""
+                               engine_loop, me: Sender) -> KVStoreTier:
+    """The worker's use of the kv-store, from its settings (with `--kv-store`; the side channel's too); `me`: the
+    worker, as it signs its requests."""
     from services.common.options import side_channel_address, transfer_tls_of
     from shared.transfer import KVReceiver, KVSender
 
@@ -294,5 +296,5 @@ async def start_kv_store_tier(settings: KVStoreTierSettings, *, nc, subjects, re
     host, advertise = side_channel_address(settings, settings.kv_store_receiver_host, settings.kv_store_receiver_advertise)
     await receiver.start(host, 0, advertise_host=advertise)
     client = KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=KVSender(tls=tls),
-                           model_fingerprint=engine.fingerprint, timeout_s=settings.kv_store_timeout)
+                           model_fingerprint=engine.fingerprint, me=me, timeout_s=settings.kv_store_timeout)
     return KVStoreTier(client=client, registry=registry, engine=engine, engine_loop=engine_loop)

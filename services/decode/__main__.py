@@ -57,10 +57,12 @@ async def serve(settings: DecodeSettings) -> int:
                                  receiver=receiver, prefill_timeout_s=settings.prefill_timeout,
                                  drain_timeout_s=settings.drain_timeout)
         if settings.kv_store:
+            from contracts import Sender
             from services.common.kvstore_tier import start_kv_store_tier
 
             worker.kv_store = await start_kv_store_tier(settings, nc=nc, subjects=subjects, registry=registry,
-                                                         engine=engine, engine_loop=worker.engine_loop)
+                                                         engine=engine, engine_loop=worker.engine_loop,
+                                                         me=Sender(worker.identity.role, worker.instance_id))
         return worker
 
     return await run_service(settings, "decode", build)

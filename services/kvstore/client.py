@@ -14,7 +14,7 @@ import nats.errors
 from opentelemetry import trace
 import torch
 
-from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, Subjects
+from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, Sender, Subjects
 from contracts.codec import ContractError
 from shared.bus.subscribe import decode
 from shared.telemetry.tracing import inject
@@ -23,8 +23,10 @@ from shared.transfer import KVReceiver, KVSender
 
 class KVStoreClient:
     def __init__(self, *, nc, subjects: Subjects, receiver: KVReceiver, sender: KVSender, model_fingerprint: bytes,
-                 timeout_s: float = 5.0):
+                 me: Sender, timeout_s: float = 5.0):
+        """`me`: the worker, as its requests are signed (the store serves only registered workers)."""
         self.nc = nc
+        self.me = me
         self.model_fingerprint = model_fingerprint  # the worker's model: what it puts is stored as that model's
         self.subjects = subjects
         self.receiver = receiver
@@ -34,7 +36,7 @@ class KVStoreClient:
 
     async def _ask(self, instance: str, endpoint: str, message) -> KVStoreReply | None:
         try:
-            reply = await self.nc.request(self.subjects.kvstore(instance, endpoint), message.encode(),
+            reply = await self.nc.request(self.me.signs(self.subjects.kvstore(instance, endpoint)), message.encode(),
                                           timeout=self.timeout_s, headers=inject())
             answer = decode(reply.data, KVStoreReply)
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
@@ -52,7 +54,8 @@ class KVStoreClient:
         """How many of `hashes`, from the first, the instance holds (0 when it cannot say)."""
         if not hashes:
             return 0
-        answer = await self._ask(instance, "lookup", KVStoreLookup(hashes=list(hashes)))
+        answer = await self._ask(instance, "lookup", KVStoreLookup(hashes=list(hashes),
+                                                                   model_fingerprint=self.model_fingerprint))
         return answer.num_hit if answer is not None else 0
 
     async def put(self, instance: str, hashes: list[bytes], blocks: torch.Tensor) -> bool:

@@ -20,13 +20,15 @@ import time
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from contracts import KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, ServiceInfo, ServiceStats, StatsRequest, Subjects
+from contracts import (KVStoreGet, KVStoreLookup, KVStorePut, KVStoreReply, ServiceInfo, ServiceStats, StatsRequest,
+                       Subjects, from_anyone, sender_of)
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_event_publisher import KVEventPublisher
 from services.kvstore.block import StoredBlock
+from services.kvstore.clients import ModelWorkers
 from services.kvstore.store import TieredBlockStore
 from shared.bus.registry import Heartbeat, Registry
-from shared.bus.subscribe import REJECTED, subscribe_typed
+from shared.bus.subscribe import REJECTED, reject_unattributed, subscribe_typed
 from shared.engine.block_hash import BLOCK_HASH_BYTES
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import extract, tracer
@@ -61,6 +63,7 @@ class KVStoreService:
         self._puts_in_flight = 0
         self._put_bytes_in_flight = 0  # declared by the puts in flight: what their blocks will take here
         self.heartbeat = Heartbeat(registry, self.info)
+        self.workers = ModelWorkers(registry.list)
         self.kv_events = KVEventPublisher(nc=nc, subjects=subjects, instance_id=instance_id, role="kvstore",
                                           boot_id=self.identity.boot_id, events=store.kv_events,
                                           held_hashes=lambda: asyncio.to_thread(store.held_hashes))
@@ -69,7 +72,8 @@ class KVStoreService:
         event_tasks = await self.kv_events.start()
         for endpoint, cls, handler in (("lookup", KVStoreLookup, self._on_lookup), ("put", KVStorePut, self._on_put),
                                        ("get", KVStoreGet, self._on_get)):
-            await subscribe_typed(self.nc, self.subjects.kvstore(self.instance_id, endpoint), cls, handler)
+            await subscribe_typed(self.nc, from_anyone(self.subjects.kvstore(self.instance_id, endpoint)), cls,
+                                  self._from_model_worker(endpoint, handler))
         await subscribe_typed(self.nc, self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
         await self.nc.flush()
         self.state = "ready"
@@ -108,6 +112,19 @@ class KVStoreService:
         if any(len(h) != BLOCK_HASH_BYTES for h in hashes):
             return f"block hashes are {BLOCK_HASH_BYTES} bytes"
         return None
+
+    def _from_model_worker(self, endpoint: str, handler):
+        """`handler`, for requests from a registered worker of the model they name; others refused and counted."""
+
+        async def checked(request, msg) -> None:
+            sender = sender_of(msg.subject)
+            reason = await self.workers.refusal(sender, request.model_fingerprint)
+            if reason is not None:
+                reject_unattributed(sender, f"kv-store {endpoint}", reason)
+                return await self._answer(msg, KVStoreReply(ok=False, error=reason), f"{endpoint}_not_a_worker")
+            await handler(request, msg)
+
+        return checked
 
     async def _answer(self, msg, reply: KVStoreReply, outcome: str) -> None:
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
@@ -148,9 +165,6 @@ class KVStoreService:
         return None
 
     async def _on_put(self, request: KVStorePut, msg) -> None:
-        # TODO(issue 35): once the bus names each message's sending instance, take puts (lookups and gets too)
-        # only from model workers of the model whose fingerprint they name, checked against the sending instance's
-        # registry entry.
         refused = self._put_problem(request)
         if refused is not None:
             outcome, problem = refused

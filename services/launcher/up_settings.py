@@ -121,9 +121,10 @@ class UpSettings(Settings):
                                        "replicated; 3 rides out the loss of one) instead of one", metavar="N")
     nats_replicas: PositiveInt | None = option(None, "copies of each JetStream stream and bucket", metavar="N",
                                                shown_default="3 on a cluster of 3 nodes or more, else 1")
-    nats_creds_dir: str | None = option(None, "with --nats: each service's credentials, DIR/ROLE.nk (`splitserve "
-                                        "nats-auth DIR` writes them and the server's authorization config)",
-                                        metavar="DIR")
+    nats_creds_dir: str | None = option(None, "with --nats: each service instance's credentials, DIR/ID.nk, and "
+                                        "the admin key that provisions the streams, DIR/admin.nk, if the operator "
+                                        "has not (`splitserve nats-auth DIR` writes them and the server's "
+                                        "authorization config)", metavar="DIR")
     nats_auth: bool = option(True, "the embedded NATS server admits only this deployment's services, each instance "
                              "with its own credentials (RUN_DIR/creds/ID.nk) and only the subjects its job needs; "
                              "its streams are made by an admin key this launcher keeps in memory only")

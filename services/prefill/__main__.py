@@ -47,10 +47,12 @@ async def serve(settings: PrefillSettings) -> int:
         worker.role = PrefillRole(worker, max_concurrent_jobs=settings.max_concurrent_jobs, kv_transport=settings.kv_transport,
                                   transfer_tls=tls)
         if settings.kv_store:
+            from contracts import Sender
             from services.common.kvstore_tier import start_kv_store_tier
 
             worker.kv_store = await start_kv_store_tier(settings, nc=nc, subjects=subjects, registry=registry,
-                                                         engine=engine, engine_loop=worker.engine_loop)
+                                                         engine=engine, engine_loop=worker.engine_loop,
+                                                         me=Sender(worker.identity.role, worker.instance_id))
         return worker
 
     return await run_service(settings, "prefill", build)

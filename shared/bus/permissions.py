@@ -81,8 +81,10 @@ def _registry(me: _Me) -> list[str]:
             f"$JS.API.STREAM.MSG.GET.{stream}", *(f"$KV.{bucket}.{role}.{me.id}" for role in acts_as(me.role))]
 
 
-def _kvstore_client(s: Subjects) -> list[str]:
-    return [s.any(lambda i: s.kvstore(i, endpoint)) for endpoint in ("lookup", "get", "put")]
+def _kvstore_client(me: _Me) -> list[str]:
+    """Ask any kv-store, under its own name (a store serves only registered workers of the model they name)."""
+    s = me.s
+    return [p for endpoint in ("lookup", "get", "put") for p in me.signed(s.any(lambda i: s.kvstore(i, endpoint)))]
 
 
 def _reports(me: _Me) -> list[str]:
@@ -93,14 +95,14 @@ def _reports(me: _Me) -> list[str]:
 def _decode(me: _Me) -> tuple[list[str], list[str]]:
     s = me.s
     publish = [*me.signed(f"{s.namespace}.tokens.*.*"), *_reports(me), s.prefill_jobs, s.any(s.prefill_offer),
-               *_kvstore_client(s), f"$JS.API.STREAM.INFO.{s.prefill_stream}"]
+               *_kvstore_client(me), f"$JS.API.STREAM.INFO.{s.prefill_stream}"]
     subscribe = [s.worker_generate(me.id), s.cancel, from_anyone(s.prefill_results(me.id)), s.kv_snapshot(me.id)]
     return publish, subscribe
 
 
 def _prefill(me: _Me) -> tuple[list[str], list[str]]:
     s = me.s
-    publish = [*me.signed(s.any(s.prefill_results)), *_reports(me), *_kvstore_client(s),
+    publish = [*me.signed(s.any(s.prefill_results)), *_reports(me), *_kvstore_client(me),
                *_consumer_bind(s.prefill_stream, s.prefill_consumer)]
     subscribe = [s.prefill_offer(me.id), s.cancel, s.kv_snapshot(me.id)]
     return publish, subscribe

@@ -11,7 +11,8 @@ import torch
 
 from contracts import KVStoreLookup, KVStoreReply
 from services.kvstore.placement import group_by_instance, place
-from support.kvstore import BLOCK_BYTES, Collect, blocks, hashes, kvstore_client, start_kvstore, stored, wait_ready
+from support.kvstore import (BLOCK_BYTES, WORKER, Collect, blocks, hashes, kvstore_client, start_kvstore, stored,
+                             wait_ready)
 from support.processes import stop_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,8 +91,8 @@ async def test_a_store_that_is_down_or_refuses_is_a_counted_miss(nats_server, cl
         await wait_ready(nc, subjects, "kvstore-0")
         assert not await kv.get("kvstore-0", hashes(2, 5), Collect(2))  # not stored: refused, nothing sent
         assert kv.misses["get_refused"] == 1
-        reply = await nc.request(subjects.kvstore("kvstore-0", "lookup"),
-                                 KVStoreLookup(hashes=[b"short"]).encode(), timeout=5)
+        reply = await nc.request(WORKER.signs(subjects.kvstore("kvstore-0", "lookup")),
+                                 KVStoreLookup(hashes=[b"short"], model_fingerprint=b"model-a").encode(), timeout=5)
         answer = KVStoreReply.decode(reply.data)
         assert not answer.ok and "16 bytes" in answer.error
         with pytest.raises(ValueError):

@@ -48,4 +48,7 @@ def test_every_command_parses_with_the_cli(services):
             assert "--jetstream" in svc["command"]
             continue
         args = cli_main.build_parser().parse_args(svc["command"])
+        if name == "provision":  # the one-shot provisioner, with the admin key
+            assert args.command == "provision" and svc["env_file"] == ["secrets/admin.env"]
+            continue
         assert args.name == svc["command"][1]

@@ -20,8 +20,8 @@ import nats
 import nats.js.errors
 import pytest
 
-from contracts import (KVEvents, PrefillResult, RequestFailed, ServiceInfo, ServiceStats, StatsRequest, Subjects,
-                       TokenChunk, sent_by)
+from contracts import (KVEvents, KVStoreLookup, KVStoreReply, PrefillResult, RequestFailed, ServiceInfo, ServiceStats,
+                       StatsRequest, Subjects, TokenChunk, sent_by)
 from services.cli.nats_auth import DEFAULT_INSTANCES
 from services.launcher.nats_auth import creds_path, ensure_credentials
 from shared.bus.permissions import inbox_prefix
@@ -318,3 +318,29 @@ def test_doctor_checks_the_operators_server_with_the_admin_key_and_is_refused_wi
     assert checks["nats"]["status"] == "ok", checks["nats"]
     result = subprocess.run(doctor, capture_output=True, text=True, env=service_env(), cwd=ROOT, timeout=60)
     assert "Authorization Violation" in result.stdout  # without credentials, refused
+
+
+def test_the_kv_store_serves_only_registered_workers_of_the_model_they_name(secured):
+    subjects = secured.subjects
+    lookup = subjects.kvstore("kvstore-0", "lookup")
+
+    async def main():
+        async with Client(secured, "admin") as admin, Client(secured, "stage-0") as stage, \
+                Client(secured, "decode-0") as decode, Client(secured, "gateway-0") as gateway:
+            model = (await stats_of(admin, "decode-0")).kv_fingerprint
+            assert model
+
+            async def ask(client: Client, role: str, fingerprint: bytes) -> KVStoreReply:
+                reply = await client.nc.request(sent_by(lookup, role, client.instance_id), KVStoreLookup(
+                    hashes=[b"\x00" * 16], model_fingerprint=fingerprint).encode(), timeout=5)
+                return KVStoreReply.decode(reply.data)
+
+            stranger = await ask(stage, "decode", model)  # an admitted key, but no model worker of the deployment
+            assert not stranger.ok and "not a registered model worker" in stranger.error
+            other_model = await ask(decode, "decode", b"\x01" * 16)
+            assert not other_model.ok and "another model" in other_model.error
+            assert (await ask(decode, "decode", model)).ok  # control: the worker, naming its own model
+            await gateway.nc.publish(sent_by(lookup, "gateway", "gateway-0"), b"")
+            assert await gateway.refused("publish", sent_by(lookup, "gateway", "gateway-0"))
+
+    asyncio.run(main())

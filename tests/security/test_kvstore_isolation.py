@@ -21,8 +21,8 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from support.deployment import start_deployment
-from support.kvstore import (BLOCK_BYTES, BLOCK_SHAPE, Collect, blocks, hashes, kvstore_client, start_kvstore, stored,
-                             wait_ready)
+from support.kvstore import (BLOCK_BYTES, BLOCK_SHAPE, WORKER, Collect, blocks, hashes, kvstore_client, start_kvstore,
+                             stored, wait_ready)
 from support.processes import stop_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,7 +68,7 @@ async def test_puts_over_the_byte_budgets_are_refused_up_front_with_the_reason(k
         put = KVStorePut(transfer_id=f"put-{prefix}", hashes=hashes(n, prefix), dtype="float32",
                          block_shape=list(BLOCK_SHAPE), deadline_ms=int((time.time() + 2) * 1000),
                          model_fingerprint=b"model-a")
-        reply = await nc.request(subjects.kvstore("kvstore-0", "put"), put.encode(), timeout=5)
+        reply = await nc.request(WORKER.signs(subjects.kvstore("kvstore-0", "put")), put.encode(), timeout=5)
         return KVStoreReply.decode(reply.data)
 
     too_big = await ask_put(PUT_BLOCKS + 1, 5)

@@ -134,7 +134,7 @@ def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):
     async def offer(fingerprint: bytes, request_id: str) -> PrefillResult:
         nc = await nats.connect(disagg.nats_url)
         try:
-            results = await nc.subscribe(f"{disagg.namespace}.test.{request_id}")
+            results = await nc.subscribe(from_anyone(f"{disagg.namespace}.test.{request_id}"))  # (signed by its sender)
             ticket = TransferTicket(transfer_id=request_id, token=b"t" * 32, deadline_unix_s=time.time() + 5,
                                     endpoint=TransferEndpoint(host="127.0.0.1", port=9, host_id="elsewhere"))
             job = PrefillJob(request_id=request_id, model=MODEL, prompt_token_ids=list(range(100, 140)),

@@ -8,8 +8,9 @@ from contextlib import asynccontextmanager
 import nats
 import torch
 
-from contracts import ServiceStats, StatsRequest, Subjects
+from contracts import Sender, ServiceInfo, ServiceStats, StatsRequest, Subjects
 from services.kvstore.client import KVStoreClient
+from shared.bus.registry import Heartbeat, Registry
 from shared.transfer import KVReceiver, KVSender
 from support.processes import start_service
 
@@ -68,17 +69,26 @@ class Collect:
         self.out[first:end].copy_(tensor)
 
 
+WORKER = Sender("decode", "test-worker")  # the client's name: registered as a worker of its model, as stores require
+
+
 @asynccontextmanager
 async def kvstore_client(nats_url: str, model_fingerprint: bytes = b"model-a"):
-    """(a worker's client, its NATS connection, a fresh namespace's subjects)."""
+    """(a worker's client, its NATS connection, a fresh namespace's subjects); the worker is registered (and kept
+    so by a heartbeat) as a decode worker of `model_fingerprint`, the model a store then serves it."""
     nc = await nats.connect(nats_url)
     receiver, sender = KVReceiver(), KVSender()
     await receiver.start()
     subjects = Subjects("t" + uuid.uuid4().hex[:10])
+    registry = await Registry.open(nc.jetstream(), subjects.registry_bucket)
+    heartbeat = Heartbeat(registry, lambda: ServiceInfo(instance_id=WORKER.instance_id, role=WORKER.role,
+                                                        state="ready", kv_fingerprint=model_fingerprint))
+    heartbeat.start()
     try:
         yield (KVStoreClient(nc=nc, subjects=subjects, receiver=receiver, sender=sender,
-                             model_fingerprint=model_fingerprint, timeout_s=5), nc, subjects)
+                             model_fingerprint=model_fingerprint, me=WORKER, timeout_s=5), nc, subjects)
     finally:
+        await heartbeat.stop()
         await receiver.stop()
         sender.close()
         await nc.close()
