@@ -123,6 +123,7 @@ class PrefillResult(Message, tag="prefill_result", kw_only=True):
     will_transfer: bool = True  # False when the request already ended at its first token
     kv_written_back: bool = False  # the prefill worker writes the prompt's full blocks to the kv-store
     model_fingerprint: bytes = b""  # the prefill worker's model; the decode worker uses a result only from its own
+    job_token: bytes = b""  # the job's ticket token, echoed: the decode worker believes only the worker that took it
     error: str = ""
 
 

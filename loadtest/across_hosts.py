@@ -28,6 +28,7 @@ from services.launcher.provision import provision
 from services.launcher.tls_files import make_deployment_tls
 from services.launcher.topology import SIDE_CHANNEL_ROLES
 from shared.bus.credentials import credentials_from
+from shared.bus.permissions import ADMIN, inbox_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,7 +140,9 @@ class HostsDeployment:
         """The roles the scheduler sees ready (asked over NATS as the operator)."""
         async def ask():
             options = credentials_from(str(self.creds / "admin.nk"), environ={}).connect_options()
-            nc = await nats.connect(servers=self.nats_url.split(","), **options)
+            # (its answers go only into inboxes the services may answer: the operator's is the admin's prefix)
+            nc = await nats.connect(servers=self.nats_url.split(","),
+                                    inbox_prefix=inbox_prefix(self.namespace, ADMIN, ADMIN), **options)
             try:
                 reply = await nc.request(Subjects(self.namespace).stats(scheduler), StatsRequest().encode(), timeout=5)
                 return ServiceStats.decode(reply.data).details["workers_seen"]

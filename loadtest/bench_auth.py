@@ -28,10 +28,12 @@ from pathlib import Path
 from loadtest.up_process import ROOT, serving
 
 
-def bench(url: str, args: argparse.Namespace, out: Path) -> dict:
+def bench(url: str, args: argparse.Namespace, out: Path, num_prompts: int | None = None,
+          output_len: int | None = None) -> dict:
     command = [sys.executable, "-m", "services.cli.main", "bench", "--url", url.removesuffix("/v1"), "--model",
-               "bench", "--dataset", "random", "--num-prompts", str(args.num_prompts), "--input-len",
-               str(args.input_len), "--output-len", str(args.output_len), "--range-ratio", "0", "--ignore-eos",
+               "bench", "--dataset", "random", "--num-prompts", str(num_prompts or args.num_prompts), "--input-len",
+               str(args.input_len), "--output-len", str(output_len or args.output_len), "--range-ratio", "0",
+               "--ignore-eos",
                "--temperature", "0", "--request-rate", "inf", "--max-concurrency", str(args.concurrency),
                "--no-progress", "--out", str(out)]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=1800)
@@ -51,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
             for name, (root, flags) in variants.items():
                 with serving(f"{name}-{rep}", [*args.up_args.split(), *flags], model_dir=args.model,
                              run_dir=work / f"run-{name}-{rep}", dtype=args.dtype, root=root) as deployment:
-                    bench(deployment.base_url, args, work / f"warm-{name}-{rep}.json")  # first steps, caches
+                    # The first steps of each batch size, and the caches: a short run first.
+                    bench(deployment.base_url, args, work / f"warm-{name}-{rep}.json", args.concurrency, 16)
                     figures = bench(deployment.base_url, args, work / f"{name}-{rep}.json")
                 runs[name].append(figures)
                 print(f"   {name} #{rep}: {figures['output_throughput']:.1f} tok/s, "

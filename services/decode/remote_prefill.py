@@ -15,6 +15,7 @@ token was its last) ends its load, and the engine frees the blocks once it has.
 
 import asyncio
 import dataclasses
+import hmac
 import random
 import threading
 import time
@@ -71,7 +72,7 @@ class RemotePrefill(KVConnector):
         self.timeout_s = timeout_s
         self.publish_chunk = publish_chunk
         self.forget = forget
-        self.results: dict[str, asyncio.Future] = {}
+        self.results: dict[str, tuple[asyncio.Future, bytes]] = {}  # request id -> (its result, its job's token)
         self.counts: dict[str, int] = {}  # how the prompts were computed, by outcome
         self.transfer_seconds = CumulativeHistogram(TRANSFER_BUCKETS_S)
         self._loop = asyncio.get_running_loop()
@@ -88,8 +89,14 @@ class RemotePrefill(KVConnector):
         if sender.instance_id != result.prefill_instance or sender.role not in ("prefill", "stage"):
             reject_unattributed(sender, "prefill result", f"it names prefill worker {result.prefill_instance}")
             return
-        future = self.results.get(result.request_id)
-        if future is not None and not future.done():
+        waiting = self.results.get(result.request_id)
+        if waiting is None:
+            return  # over (or never asked for here)
+        future, job_token = waiting
+        if not hmac.compare_digest(result.job_token, job_token):  # only the worker that took the job knows it
+            reject_unattributed(sender, "prefill result", "it does not carry its job's token")
+            return
+        if not future.done():
             future.set_result(result)  # later duplicates (a redelivered job) are ignored
 
     def _count(self, outcome: str) -> None:
@@ -180,7 +187,7 @@ class RemotePrefill(KVConnector):
             deadline_s=self.timeout_s,
         )
         result_future = asyncio.get_running_loop().create_future()
-        self.results[rid] = result_future
+        self.results[rid] = (result_future, ticket.token)
         job = PrefillJob(
             request_id=rid, model=request.model, prompt_token_ids=prompt, sampling=to_wire(params),
             ticket=ticket, reply_subject=worker.subjects.prefill_results(worker.instance_id),

@@ -24,7 +24,9 @@ from shared.telemetry.logging import get_logger
 log = get_logger(__name__)
 
 MAX_QUEUED_EVENTS = 4096  # per request; a consumer this far behind is failed, not buffered forever
-MAX_HELD_EVENTS = 64  # per request: workers' events held until the scheduler's assignment (more: dropped)
+# Per request: workers' events held until the scheduler's assignment (its connection may lag the worker's by a NATS
+# node's failover, seconds of tokens); past this they are dropped and counted, and the gap moves the request.
+MAX_HELD_EVENTS = MAX_QUEUED_EVENTS
 DEFAULT_MAX_WAITING_REQUESTS = 256  # admission: requests without a first token yet, past which new ones get a 429
 
 
@@ -118,6 +120,7 @@ class TokenStreams:
         self._streams: dict[str, RequestStream] = {}
         self.num_rejected = 0
         self.num_forged = 0  # events dropped because their sender does not speak for the request
+        self.num_held_dropped = 0  # workers' events dropped while their request waited for its assignment
 
     def open(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id)
@@ -170,8 +173,15 @@ class TokenStreams:
         if verdict == "forged":
             self._forged(sender, event, stream)
         elif verdict == "hold":
-            if len(stream.held) < MAX_HELD_EVENTS and not isinstance(event, StreamAlive):
+            if isinstance(event, StreamAlive):
+                return
+            if len(stream.held) < MAX_HELD_EVENTS:
                 stream.held.append((sender, event))
+                return
+            self.num_held_dropped += 1
+            if self.num_held_dropped in (1, 10, 100) or self.num_held_dropped % 1000 == 0:
+                log.warning("events dropped while their request waited for its assignment", request_id=stream.bus_id,
+                            dropped_in_all=self.num_held_dropped)
         elif verdict == "accept":
             if isinstance(event, Assignment):
                 stream.routed_to = event.worker_instance

@@ -287,7 +287,7 @@ class PrefillRole:
         w = self.worker
         result = PrefillResult(request_id=job.request_id, ok=ok, prefill_instance=w.instance_id, error=error,
                                will_transfer=will_transfer, kv_written_back=w.kv_store is not None,
-                               model_fingerprint=w.engine.fingerprint)
+                               model_fingerprint=w.engine.fingerprint, job_token=job.ticket.token)
         if output is not None:
             result.first_token_id = output.new_token_ids[0]
             result.num_prompt_tokens = output.num_prompt_tokens

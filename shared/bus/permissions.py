@@ -6,8 +6,13 @@ user per service instance. What an instance may do follows from its job, and
 only as itself:
 
 - it takes only its own work (`worker.<its id>.generate`, its own offers, KV
-  snapshot and stats requests), and replies only on its own inbox prefix
+  snapshot and stats requests), and takes replies only on its own inbox prefix
   (`inbox_prefix`), which no other instance may subscribe to;
+- it answers requests only into the inboxes of the roles whose requests it
+  serves (`_ANSWERS`), not wherever a request's reply subject points: NATS's
+  `allow_responses` would let an asker name any subject (another's registry
+  entry, a signed token subject) and have the answer published there under the
+  responder's name;
 - what a receiver must attribute (a request's tokens, a prefill result, KV
   events, load reports) it sends only under its own name (`contracts.sent_by`),
   so the server vouches for the sender;
@@ -31,13 +36,19 @@ from contracts import Subjects, check_token, from_anyone
 ROLES = ("gateway", "scheduler", "decode", "prefill", "stage", "kvstore")
 ADMIN = "admin"  # the operator and the provisioner: everything; never given to a service
 _ACTS_AS = {"stage": ("stage", "decode", "prefill")}  # a pipeline's head serves as its pool's worker
+# Whose requests each role answers, besides stats requests (every gateway's, and the operator's from an admin
+# connection whose inbox is `inbox_prefix(ns, "admin", "admin")`): the kv-store the model workers' lookups, puts
+# and gets; a prefill worker the decode workers' offers; a decode worker the scheduler's handoffs; a
+# stage all of those as a pipeline's head, and the other stages' ticket requests.
+_ANSWERS = {"kvstore": ("decode", "prefill", "stage"), "prefill": ("decode", "stage"), "decode": ("scheduler",),
+            "stage": ("scheduler", "decode", "stage")}
 
 
 @dataclass(frozen=True)
 class Permissions:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
-    allow_responses: bool = True
+    allow_responses: bool = False
 
     def to_config(self) -> dict:
         """The `permissions` block of a nats-server user."""
@@ -150,6 +161,7 @@ def instance_permissions(role: str, instance_id: str, subjects: Subjects) -> Per
         raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
     me = _Me(subjects, role, check_token(instance_id, "instance id"))
     publish, subscribe = _JOBS[role](me)
-    publish += ["$JS.API.INFO", *_registry(me)]
+    publish += ["$JS.API.INFO", *_registry(me),
+                *(f"_INBOX.{subjects.namespace}.{asker}.*.>" for asker in (*_ANSWERS.get(role, ()), "gateway", ADMIN))]
     subscribe += [subjects.stats(instance_id), f"{inbox_prefix(subjects.namespace, role, instance_id)}.>"]
     return Permissions(publish=tuple(dict.fromkeys(publish)), subscribe=tuple(dict.fromkeys(subscribe)))

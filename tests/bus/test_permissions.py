@@ -43,7 +43,22 @@ def test_each_instance_reads_only_its_own_inbox():
         subscribe = instance_permissions(role, iid, S).subscribe
         for other_role, other in INSTANCES:
             assert allows(subscribe, f"{inbox_prefix('ns', other_role, other)}.abc.1") == (other == iid), (iid, other)
-        assert not any(p.startswith("_INBOX") for p in instance_permissions(role, iid, S).publish)
+
+
+@pytest.mark.parametrize("asker, answerers", [
+    ("gateway", {iid for _, iid in INSTANCES}),  # its stats requests: everyone answers
+    ("admin", {iid for _, iid in INSTANCES}),  # the operator's too
+    ("scheduler", {"decode-0", "decode-1", "stage-0", "stage-1"}),  # its handoffs
+    ("decode", {"prefill-0", "prefill-1", "kvstore-0", "kvstore-1", "stage-0", "stage-1"}),  # offers, the kv-store
+    ("prefill", {"kvstore-0", "kvstore-1"}),
+    ("kvstore", set()),  # it asks nobody
+])
+def test_answers_go_only_into_the_inboxes_of_those_whose_requests_an_instance_serves(asker, answerers):
+    """Not wherever a request's reply subject says: NATS's allow_responses would let an asker have the answer
+    published on any subject (another's registry entry, a signed token subject) under the answerer's name."""
+    assert who_publishes(f"{inbox_prefix('ns', asker, f'{asker}-0')}.nuid.1") == answerers
+    for role, iid in INSTANCES:
+        assert not instance_permissions(role, iid, S).allow_responses
 
 
 @pytest.mark.parametrize("subject, publishers", [

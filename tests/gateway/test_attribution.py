@@ -1,4 +1,5 @@
-"""Whom the gateway believes about a request (issue 35, item 1): the scheduler's assignment, then that worker only."""
+"""Whom the gateway believes about a request (issue 35, item 1): the scheduler's assignment, then that worker only; and
+whom a decode worker believes about a prefill."""
 
 import asyncio
 
@@ -73,7 +74,7 @@ def test_what_is_held_before_the_assignment_is_bounded():
         stream = streams.open("r1")
         for seq in range(MAX_HELD_EVENTS + 10):
             await streams.on_message(chunk("r1", seq, ("decode", "decode-1")))
-        assert len(stream.held) == MAX_HELD_EVENTS
+        assert len(stream.held) == MAX_HELD_EVENTS and streams.num_held_dropped == 10
         await assign(streams, "r1")
         assert not stream.held and streams.num_forged == MAX_HELD_EVENTS and stream.queue.qsize() == 1
 
@@ -88,5 +89,34 @@ def test_an_event_for_another_request_than_its_subject_names_is_rejected():
         message.subject = message.subject.replace(".r1.", ".r2.")
         await streams.on_message(message)
         assert streams.num_rejected == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_decode_worker_believes_a_prefill_result_only_from_the_worker_that_took_its_job():
+    """Signed by the prefill worker it names, and carrying the job's token (only the worker that took the job from
+    the queue, or was offered it, knows it)."""
+    from types import SimpleNamespace
+
+    from contracts import PrefillResult, Subjects, sent_by
+    from services.decode.remote_prefill import RemotePrefill
+
+    async def scenario():
+        remote = RemotePrefill.__new__(RemotePrefill)  # its results table alone: no engine behind it
+        future = asyncio.get_running_loop().create_future()
+        remote.results = {"r1": (future, b"t" * 32)}
+        subject = Subjects("t").prefill_results("decode-0")
+
+        async def deliver(result: PrefillResult, sender: str) -> None:
+            await remote.on_result(result, SimpleNamespace(subject=sent_by(subject, "prefill", sender)))
+
+        await deliver(PrefillResult(request_id="r1", ok=True, prefill_instance="prefill-0", job_token=b"t" * 32),
+                      "prefill-1")  # names another worker than its sender
+        await deliver(PrefillResult(request_id="r1", ok=True, prefill_instance="prefill-1", job_token=b"x" * 32),
+                      "prefill-1")  # a worker that never took the job
+        assert not future.done()
+        taken = PrefillResult(request_id="r1", ok=True, prefill_instance="prefill-0", job_token=b"t" * 32)
+        await deliver(taken, "prefill-0")
+        assert future.result() is taken
 
     asyncio.run(scenario())

@@ -32,7 +32,7 @@ from support.up import MODEL, UpRun, start_up
 from support.waiting import eventually, server_has, wait_until
 
 pytestmark = [pytest.mark.timeout(300)]
-ROLE_OF = {i.instance_id: i.role for i in DEFAULT_INSTANCES}
+ROLE_OF = {i.instance_id: i.role for i in DEFAULT_INSTANCES} | {"admin": "admin"}
 RUNNING = ("gateway-0", "scheduler-0", "decode-0", "prefill-0", "kvstore-0")  # what the deployment starts
 
 
@@ -342,5 +342,37 @@ def test_the_kv_store_serves_only_registered_workers_of_the_model_they_name(secu
             assert (await ask(decode, "decode", model)).ok  # control: the worker, naming its own model
             await gateway.nc.publish(sent_by(lookup, "gateway", "gateway-0"), b"")
             assert await gateway.refused("publish", sent_by(lookup, "gateway", "gateway-0"))
+
+    asyncio.run(main())
+
+
+def test_an_answer_goes_only_to_the_askers_inbox_not_where_the_request_points(secured):
+    """The confused deputy: a request whose reply subject is another's registry entry or a signed token subject
+    would have the answer published there under the answerer's name."""
+    subjects = secured.subjects
+    bucket = subjects.registry_bucket
+
+    async def main():
+        async with Client(secured, "admin") as watcher, Client(secured, "decode-0") as decode:
+            seen: list[str] = []
+
+            async def on_any(msg):
+                seen.append(msg.subject)
+
+            await watcher.nc.subscribe(">", cb=on_any)
+            await server_has(watcher.nc)
+            model = (await stats_of(watcher, "decode-0")).kv_fingerprint
+            lookup = sent_by(subjects.kvstore("kvstore-0", "lookup"), "decode", "decode-0")
+            body = KVStoreLookup(hashes=[b"\x00" * 16], model_fingerprint=model).encode()
+            targets = [f"$KV.{bucket}.scheduler.scheduler-0",
+                       sent_by(subjects.tokens("gateway-0", "r-" + uuid.uuid4().hex), "decode", "decode-1")]
+            for target in targets:
+                await decode.nc.publish(lookup, body, reply=target)
+            control = await decode.nc.request(lookup, body, timeout=5)  # answered after those, in order
+            assert KVStoreReply.decode(control.data).ok
+            await eventually(lambda: control.subject in seen, what="the watcher never saw the control's answer")
+            assert not set(targets) & set(seen)
+            entry = await (await watcher.nc.jetstream().key_value(bucket)).get("scheduler.scheduler-0")
+            assert ServiceInfo.decode(entry.value).instance_id == "scheduler-0"  # still the scheduler's own
 
     asyncio.run(main())
