@@ -57,6 +57,11 @@ def test_a_tls_deployment_serves_and_talks_to_nats_and_moves_kv_only_over_tls(tm
         assert not (run.run_dir / "tls" / "ca-key.pem").exists()  # the CA's key signed one certificate, then went
 
         seed = str(creds_path(run.run_dir / "creds", "gateway-0"))  # any of its keys: the admin key stays in up
+        # A key per instance on disk, and none that could do more: the admin (provisioner) key is in `up` only.
+        instances = {s["instance_id"] for s in json.loads((run.run_dir / "deployment.json").read_text())["services"]}
+        assert {p.name for p in (run.run_dir / "creds").iterdir()} == {f"{i}.nk" for i in instances}
+        users = json.loads((run.run_dir / "nats.conf").read_text())["authorization"]["users"]
+        assert len(users) == len(instances) + 1  # and the admin, whose seed is nowhere on disk
         other_ca = make_deployment_tls(tmp_path / "other", ["127.0.0.1"]).ca_cert
 
         async def connects(tls) -> bool:
