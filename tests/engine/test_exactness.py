@@ -139,11 +139,11 @@ def test_layer_range_holds_only_its_weights(default_model, model_zoo, name):
 def test_every_float32_linear_kernel_is_exact(cases, monkeypatch, packed_min_rows, native_max_rows):
     """Whichever kernels start-up timing picks on a CPU (packed from 1 row; plain below 4 rows; the native
     kernel for 1-3 rows, which a batch-1 decode and the batch's last sequences run)."""
-    from shared.engine.kernels import native_library
     from shared.engine.packed_linear import NATIVE_MAX_ROWS_ENV, PACKED_MIN_ROWS_ENV, LinearLayouts
+    from support.kernels import require_native
 
-    if native_max_rows != "0" and native_library("small_linear") is None:
-        pytest.skip("no native kernels here")
+    if native_max_rows != "0":
+        require_native("small_linear")
     monkeypatch.setenv(PACKED_MIN_ROWS_ENV, packed_min_rows)
     monkeypatch.setenv(NATIVE_MAX_ROWS_ENV, native_max_rows)
     path, prompts = cases["default"]

@@ -6,8 +6,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from shared.engine.kernels import native_library
 from shared.engine.layer_ops import NativeLayerOps, TorchLayerOps
+from support.kernels import needs_native
 
-pytestmark = pytest.mark.skipif(native_library("layer_ops") is None, reason="no C compiler: the native ops are not built")
+pytestmark = needs_native("layer_ops")
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 

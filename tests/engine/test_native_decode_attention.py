@@ -8,6 +8,7 @@ import torch
 
 from shared.engine.kv_cache import PagedKVCache
 from shared.engine.paged_attention import DecodeGroup, PagedAttentionMetadata, native_decode_library, paged_attention
+from support.kernels import needs_native
 
 
 def _decode_step(dtype, num_heads, num_kv_heads, head_dim, context_lens, window, native: bool, seed: int = 0,
@@ -34,8 +35,7 @@ def _decode_step(dtype, num_heads, num_kv_heads, head_dim, context_lens, window,
     return paged_attention(meta, 0, qk[:, :num_heads], qk[:, num_heads:], value, head_dim ** -0.5, window)
 
 
-needs_kernel = pytest.mark.skipif(native_decode_library(PagedKVCache(0, 1, 1, 16, 1, 8, torch.float32, "cpu")) is None,
-                                  reason="no C compiler on this machine: the native kernel is not built")
+needs_kernel = needs_native("paged_decode")
 
 
 # Head counts and sizes that reach every register blocking of the AVX-512 path (head_dim 32/64/128/256, query

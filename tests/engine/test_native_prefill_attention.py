@@ -10,10 +10,9 @@ import torch
 from shared.engine.kv_cache import PagedKVCache
 from shared.engine.paged_attention import (PagedAttentionMetadata, PrefillGroup, PrefillSpan, native_prefill_library,
                                            paged_attention)
+from support.kernels import needs_native
 
-needs_kernel = pytest.mark.skipif(
-    native_prefill_library(PagedKVCache(0, 1, 1, 16, 1, 8, torch.float32, "cpu")) is None,
-    reason="no C compiler on this machine: the native kernel is not built")
+needs_kernel = needs_native("paged_prefill")
 
 
 def _prefill_step(dtype, num_heads, num_kv_heads, head_dim, spans, window, native: bool, seed: int = 0,

@@ -4,9 +4,9 @@ choice of kernel per number of rows made per CPU."""
 import pytest
 import torch
 
-from shared.engine.kernels import native_library
 from shared.engine.packed_linear import (FLOAT32_PACKED_MIN_ROWS, NATIVE_MAX_ROWS_ENV, PACKED_MIN_ROWS_ENV, LinearLayouts,
                                          PackedLinear, packs_on_cpu, tune_linear_layouts)
+from support.kernels import needs_native, require_native
 
 pytestmark = pytest.mark.skipif(not packs_on_cpu(torch.float32), reason="no oneDNN packing on this CPU")
 
@@ -20,8 +20,8 @@ def _linears(seed: int = 0) -> list[PackedLinear]:
 
 @pytest.mark.parametrize("forced,native", [("1", "0"), ("2", "0"), ("4", "0"), ("4", "3"), ("2", "1"), ("1", "9")])
 def test_every_layout_choice_computes_the_same_products(monkeypatch, forced, native):
-    if native != "0" and native_library("small_linear") is None:
-        pytest.skip("no native kernels here")
+    if native != "0":
+        require_native("small_linear")
     monkeypatch.setenv(PACKED_MIN_ROWS_ENV, forced)
     monkeypatch.setenv(NATIVE_MAX_ROWS_ENV, native)
     linears = _linears()
@@ -72,8 +72,7 @@ def test_the_native_kernel_serves_the_rows_up_to_its_first_loss(monkeypatch, nat
                                                                 expected_packed):
     import shared.engine.packed_linear as packed_linear
 
-    if native_library("small_linear") is None:
-        pytest.skip("no native kernels here")
+    require_native("small_linear")
     monkeypatch.delenv(PACKED_MIN_ROWS_ENV, raising=False)
     monkeypatch.delenv(NATIVE_MAX_ROWS_ENV, raising=False)
 
@@ -113,8 +112,8 @@ def test_linears_without_both_layouts_are_left_alone(monkeypatch):
     assert tune_linear_layouts(packed_only) is None and tune_linear_layouts([]) is None
 
 
-@pytest.mark.skipif(not packs_on_cpu(torch.bfloat16) or native_library("small_linear") is None,
-                    reason="no bfloat16 packing or no native kernels here")
+@pytest.mark.skipif(not packs_on_cpu(torch.bfloat16), reason="torch cannot pack bfloat16 weights on this CPU")
+@needs_native("small_linear")
 @pytest.mark.parametrize("native", ["0", "2", None])
 def test_bfloat16_linears_are_packed_but_for_the_native_kernels_rows(monkeypatch, native):
     monkeypatch.delenv(PACKED_MIN_ROWS_ENV, raising=False)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from shared.engine.kernels import bf16_flag, native_library
+from support.kernels import needs_native
 
-pytestmark = pytest.mark.skipif(native_library("small_linear") is None, reason="no native kernels here")
+pytestmark = needs_native("small_linear")
 
 
 def _small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int,

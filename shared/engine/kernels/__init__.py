@@ -73,13 +73,27 @@ def _build(compiler: str, name: str, flags: list[str], out_dir: Path) -> None:
     objects.unlink()
 
 
+DISABLED = "turned off (SPLITSERVE_NATIVE_KERNELS=0)"
+NO_COMPILER = "no C compiler on this machine"
+_unavailable: dict[str, str] = {}  # kernels' name -> why `native_library` gave None for them last
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why `native_library(name)` gives None (`DISABLED`, `NO_COMPILER`, or the build's error), None if it does
+    not: where the platform lacks what the kernels need, the torch path serves; a build that fails is a bug."""
+    return None if native_library(name) is not None else _unavailable.get(name)
+
+
 @cache
 def native_library(name: str) -> ctypes.CDLL | None:
-    """The compiled kernels of `<name>.c`, or None (disabled, no compiler, or the build failed)."""
+    """The compiled kernels of `<name>.c`, or None (disabled, no compiler, or the build failed: `unavailable_reason`
+    says which)."""
     if os.environ.get("SPLITSERVE_NATIVE_KERNELS", "1") == "0":
+        _unavailable[name] = DISABLED
         return None
     compiler = _compiler()
     if compiler is None:
+        _unavailable[name] = NO_COMPILER
         log.warning("no C compiler found: the slower torch path runs instead of native kernels", kernels=name)
         return None
     flags = _FLAGS
@@ -90,6 +104,7 @@ def native_library(name: str) -> ctypes.CDLL | None:
         directory = build_once(cache_root() / "kernels" / f"{name}-{key}", lambda tmp: _build(compiler, name, flags, tmp))
         library = ctypes.CDLL(str(directory / f"{name}.so"))
     except (OSError, subprocess.SubprocessError) as exc:
+        _unavailable[name] = f"the build failed: {exc}"
         log.warning("native kernels unavailable, using the torch path", kernels=name, error=str(exc))
         return None
     for function, argtypes in _SIGNATURES.items():
