@@ -43,3 +43,27 @@ def test_the_default_model_answers_like_transformers_and_knows_paris(smollm2):
         expected, _ = reference_greedy(smollm2, prompt, MAX_TOKENS, ignore_eos=False)
         assert result.token_ids == expected, (tokenizer.decode(result.token_ids), tokenizer.decode(expected))
     assert "Paris" in results[0].text, results[0].text
+
+
+@pytest.mark.timeout(300)
+def test_the_readmes_first_request_to_the_default_deployment(smollm2, tmp_path):
+    """`splitserve up` as the README runs it (its default model and topology), asked the README's curl question
+    over HTTP, streamed: the answer knows Paris."""
+    import json
+
+    import httpx
+    from support.up import start_up
+
+    run = start_up(tmp_path / "run", model=None)  # (the session's cache holds the model: nothing is fetched again)
+    try:
+        assert "topology disagg" in run.output[-1] and "smollm2-135m-instruct" in run.output[-1], run.output[-1]
+        body = {"model": "smollm2-135m-instruct", "stream": True, "max_tokens": 32, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        with httpx.stream("POST", f"{run.url}/v1/chat/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            events = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                      if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        assert "Paris" in text, text
+    finally:
+        run.stop()

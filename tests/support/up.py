@@ -35,12 +35,13 @@ class UpRun:
 
 
 def start_up(run_dir: Path, *args: str, env: dict | None = None, namespace: str | None = None,
-             ready_timeout_s: float = 180) -> UpRun:
-    """`splitserve up --model MODEL ARGS...` on a free port and its own namespace; returns once it is ready."""
+             ready_timeout_s: float = 180, model: str | None = MODEL) -> UpRun:
+    """`splitserve up --model MODEL ARGS...` (no --model with `model=None`: up's default) on a free port and its own
+    namespace; returns once it is ready."""
     port, namespace = free_port(), namespace or "up" + uuid.uuid4().hex[:8]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--model", MODEL, "--port", str(port), "--run-dir",
-         str(run_dir), "--namespace", namespace, *args],
+        [sys.executable, "-m", "services.cli.main", "up", *(["--model", model] if model else []), "--port", str(port),
+         "--run-dir", str(run_dir), "--namespace", namespace, *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or service_env(), cwd=ROOT,
         start_new_session=True)
     run = UpRun(proc, f"http://127.0.0.1:{port}", run_dir, namespace, [])
