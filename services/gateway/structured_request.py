@@ -9,13 +9,14 @@ compiles it, on threads of its own and within MAX_COMPILE_S, before the request 
 
 import asyncio
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.errors import RequestError
+from services.gateway.errors import RequestError, from_failure
 from shared.engine.errors import InvalidRequestError
 from shared.engine.structured_output import MAX_COMPILE_S, check_structured
 
@@ -23,7 +24,12 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 # Compiles that outlive their deadline run on here to their end (a thread cannot be stopped): a few threads, so
 # that they hold a few CPUs at most.
-_COMPILERS = ThreadPoolExecutor(4, thread_name_prefix="grammar-check")
+COMPILE_THREADS = 4
+_COMPILERS = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-check")
+# A compile holds its thread to its end, its deadline past or not. With every thread held, a constraint is refused
+# at once as the server's condition (503, retry), never queued behind others until its own deadline passes: one
+# client's slow schemas cannot make everyone else's valid ones 400s.
+_FREE_COMPILERS = threading.BoundedSemaphore(COMPILE_THREADS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +146,23 @@ def constraint_of(response_format: dict[str, Any] | None, structured_outputs: St
 
 
 async def check_constraint(constraint: Constraint, timeout_s: float = MAX_COMPILE_S) -> None:
-    """A 400 naming the constraint's field unless it compiles within `timeout_s` (off the event loop)."""
-    compiling = asyncio.wrap_future(_COMPILERS.submit(check_structured, constraint.kind, constraint.spec))
+    """A 400 naming the constraint's field unless it compiles within `timeout_s` (off the event loop, on a thread
+    of its own: a 503 when none is free)."""
+    if not _FREE_COMPILERS.acquire(blocking=False):
+        raise from_failure("overloaded", f"every constraint compiler ({COMPILE_THREADS}) is busy; try again",
+                           retry_after_s=1.0)
+
+    def compile_then_free() -> None:
+        try:
+            check_structured(constraint.kind, constraint.spec)
+        finally:
+            _FREE_COMPILERS.release()
+
+    try:
+        compiling = asyncio.wrap_future(_COMPILERS.submit(compile_then_free))
+    except BaseException:
+        _FREE_COMPILERS.release()
+        raise
     try:
         await asyncio.wait_for(compiling, timeout_s)
     except InvalidRequestError as exc:

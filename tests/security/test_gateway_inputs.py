@@ -190,6 +190,33 @@ def test_a_constraint_that_does_not_compile_in_time_is_a_400(monkeypatch):
     assert "did not compile within 0.2 s" in refused.value.message
 
 
+def test_with_every_compiler_busy_a_constraint_is_a_503_not_a_400_after_the_deadline(monkeypatch):
+    """One client's slow constraints hold the gateway's compile threads: another's valid one is told to retry at
+    once (the server's condition), not queued behind them into a 'did not compile' 400."""
+    import asyncio
+
+    import services.gateway.structured_request as structured_request
+    from services.gateway.errors import RequestError
+    from services.gateway.structured_request import COMPILE_THREADS, Constraint, check_constraint
+
+    release = threading.Event()
+    monkeypatch.setattr(structured_request, "check_structured", lambda kind, spec: release.wait(60))
+    slow = Constraint("regex", "a+", "guided_regex")
+
+    async def scenario():
+        held = [asyncio.create_task(check_constraint(slow, timeout_s=30)) for _ in range(COMPILE_THREADS)]
+        await asyncio.sleep(0)  # (each took its thread)
+        with pytest.raises(RequestError) as refused:
+            await check_constraint(slow, timeout_s=30)
+        release.set()
+        await asyncio.gather(*held)
+        await check_constraint(slow, timeout_s=30)  # the threads are free again
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert (refused.status, refused.code, refused.headers.get("Retry-After")) == (503, "overloaded", "1")
+
+
 def test_a_constraint_compiles_off_the_engine_step(default_model, monkeypatch):
     """While a constraint compiles, the engine's other requests go on stepping; the request is added once it has
     compiled (one compile for requests alike), and not at all if it was cancelled meanwhile."""
