@@ -23,9 +23,12 @@ import os
 import shutil
 from pathlib import Path
 
+from contracts import check_token
 from services.launcher.nats_auth import Instance
+from shared.bus.permissions import Pipeline
 
-INSTANCES_FILE = "instances.json"  # which instance each key is for, and its role
+INSTANCES_FILE = "instances.json"  # which instance each key is for, its role, and the pipelines
+DEFAULT_PIPELINES = (Pipeline("stage-0", ("stage-1",)),)
 DEFAULT_INSTANCES = (Instance("gateway", "gateway-0"), Instance("scheduler", "scheduler-0"),
                      Instance("decode", "decode-0"), Instance("prefill", "prefill-0"),
                      Instance("kvstore", "kvstore-0"), Instance("stage", "stage-0"), Instance("stage", "stage-1"))
@@ -47,6 +50,10 @@ def add_parser(subcommands) -> None:
                              "admits (DIR/instances.json); the first time, without it: "
                              f"{' '.join(f'{i.role}:{i.instance_id}' for i in DEFAULT_INSTANCES)}, what the compose "
                              "files, the k8s manifests and `splitserve up`'s default deployments run")
+    parser.add_argument("--pipeline", action="append", metavar="HEAD:STAGE[,STAGE...]", type=_pipeline,
+                        help="a pipeline's head and its stages in layer order (repeatable; kept in "
+                             "DIR/instances.json): a stage may send steps only to the next stage and back to its "
+                             "head (the first time, without it: stage-0:stage-1, the pipeline compose file's)")
     parser.add_argument("--tls-name", action="append", metavar="NAME",
                         help="make a CA and a TLS certificate for the NATS server under NAME (repeatable: every "
                              "host name or address clients dial it by, e.g. `nats` in compose)")
@@ -83,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     creds_dir = Path(args.dir)
-    known = _known_instances(creds_dir)
+    known, known_pipelines = _known(creds_dir)
     instances = list(dict.fromkeys([*known, *(args.instance or ([] if known else DEFAULT_INSTANCES))]))
+    pipelines = tuple(dict.fromkeys([*known_pipelines,
+                                     *(args.pipeline or ([] if known else DEFAULT_PIPELINES))]))
     duplicate = {i.instance_id for i in instances if sum(j.instance_id == i.instance_id for j in instances) > 1}
     if duplicate:
         raise SystemExit(f"error: each instance id names one instance: {', '.join(sorted(duplicate))} is given "
@@ -107,9 +116,10 @@ def run(args: argparse.Namespace) -> int:
     for instance in public_keys:
         seed = creds_path(creds_dir, instance.instance_id).read_text().strip()
         write_private(creds_dir / f"{instance.instance_id}.env", f"{SEED_ENV}={seed}\n{ca_env}".encode())
-    config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace, tls)
-    write_private(creds_dir / INSTANCES_FILE, (json.dumps({i.instance_id: i.role for i in instances}, indent=1)
-                                               + "\n").encode())
+    config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace, tls, pipelines)
+    known_now = {"instances": {i.instance_id: i.role for i in instances},
+                 "pipelines": [[p.head, list(p.stages)] for p in pipelines]}
+    write_private(creds_dir / INSTANCES_FILE, (json.dumps(known_now, indent=1) + "\n").encode())
     print(f"wrote ID.nk and ID.env for {', '.join(i.instance_id for i in public_keys)}, and {config.name}, "
           f"in {creds_dir}")
     if args.cluster_route:
@@ -127,15 +137,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _known_instances(creds_dir: Path) -> list[Instance]:
-    """The instances an earlier run wrote keys for (DIR/instances.json)."""
+def _known(creds_dir: Path) -> tuple[list[Instance], list[Pipeline]]:
+    """The instances an earlier run wrote keys for, and the pipelines it declared (DIR/instances.json)."""
     try:
         known = json.loads((creds_dir / INSTANCES_FILE).read_text())
+        return ([Instance(role, instance_id) for instance_id, role in known["instances"].items()],
+                [Pipeline(head, tuple(stages)) for head, stages in known["pipelines"]])
     except FileNotFoundError:
-        return []
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"error: cannot read {creds_dir / INSTANCES_FILE}: {exc}") from None
-    return [Instance(role, instance_id) for instance_id, role in known.items()]
+        return [], []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"error: cannot read {creds_dir / INSTANCES_FILE}: {exc!r}") from None
+
+
+def _pipeline(text: str) -> Pipeline:
+    head, sep, stages = text.partition(":")
+    names = [name for name in stages.split(",") if name]
+    try:
+        if not sep or not names:
+            raise ValueError("expected HEAD:STAGE[,STAGE...], e.g. stage-0:stage-1")
+        for name in (head, *names):
+            check_token(name, "instance id")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return Pipeline(head, tuple(names))
 
 
 def _instance(text: str) -> Instance:

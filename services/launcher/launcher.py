@@ -326,7 +326,7 @@ class Launcher:
             self._shutdown(failure)
         return failure.exit_code
 
-    def _bus_config(self, tls: TLSFiles | None, instances: list[Instance]) -> tuple[Path | None, Path]:
+    def _bus_config(self, tls: TLSFiles | None, specs: list[topology.ServiceSpec]) -> tuple[Path | None, Path]:
         """The embedded server's config: with --nats-auth new credentials for every service instance in
         RUN_DIR/creds, an admin key kept in this process only (`self._admin`), and the users that admit them;
         with --tls its certificate."""
@@ -334,12 +334,12 @@ class Launcher:
         public_keys = {}
         if creds_dir is not None:
             shutil.rmtree(creds_dir, ignore_errors=True)  # an earlier deployment's instances are not admitted
-            public_keys = ensure_credentials(creds_dir, instances, fresh=True)
+            public_keys = ensure_credentials(creds_dir, [Instance(s.role, s.instance_id) for s in specs], fresh=True)
             admin_seed = new_seed()
             public_keys[ADMIN_INSTANCE] = public_key(admin_seed)
             self._admin = BusCredentials(nkey_seed=admin_seed.decode())
         config = write_server_config(self.run_dir / "nats.conf", public_keys, self.options.namespace,
-                                     (tls.cert, tls.key) if tls is not None else None)
+                                     (tls.cert, tls.key) if tls is not None else None, topology.pipelines_of(specs))
         return creds_dir, config
 
     def _provision(self, nats_url: str, tls_ca: str | None, replicas: int | None) -> None:
@@ -456,7 +456,7 @@ class Launcher:
         write_deployment(self.run_dir, self.deployment)
 
         config = self._up_config(model_dir, served_name)
-        instances = [Instance(spec.role, spec.instance_id) for spec in topology.plan(config)]
+        planned = topology.plan(config)
         if o.nats is None:
             # A fresh deployment starts from empty streams: what an earlier
             # one left queued has nobody waiting for it any more.
@@ -466,7 +466,7 @@ class Launcher:
             tls = make_deployment_tls(self.run_dir / "tls", names, names) if o.tls else None
             tls_ca = str(tls.ca_cert) if tls is not None else None
             transfer_tls = (str(tls.ca_cert), str(tls.transfer_cert), str(tls.transfer_key)) if tls else None
-            creds_dir, server_config = (self._bus_config(tls, instances) if o.nats_auth or tls is not None
+            creds_dir, server_config = (self._bus_config(tls, planned) if o.nats_auth or tls is not None
                                         else (None, None))
             self.nats = EmbeddedNatsCluster(
                 self.run_dir, o.nats_cluster, config_file=server_config,
@@ -475,7 +475,7 @@ class Launcher:
         else:
             nats_url, creds_dir, tls_ca, transfer_tls = o.nats, o.nats_creds_dir, o.nats_tls_ca, None
             if creds_dir is not None:
-                missing = [i.instance_id for i in instances if not creds_path(creds_dir, i.instance_id).is_file()]
+                missing = [s.instance_id for s in planned if not creds_path(creds_dir, s.instance_id).is_file()]
                 if missing:
                     raise LaunchError(f"--nats-creds-dir {creds_dir} lacks the credentials of: {', '.join(missing)} "
                                       "(`splitserve nats-auth DIR --instance ROLE:ID ...` writes them)", 2)

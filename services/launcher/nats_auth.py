@@ -19,7 +19,7 @@ from pathlib import Path
 import nkeys
 
 from contracts import Subjects, check_token
-from shared.bus.permissions import ADMIN, ROLES, instance_permissions
+from shared.bus.permissions import ADMIN, ROLES, Pipeline, instance_permissions
 from shared.private_files import private_dir, write_private
 
 
@@ -71,19 +71,22 @@ def public_key(seed: bytes) -> str:
         pair.wipe()
 
 
-def authorization_config(public_keys: dict[Instance, str], namespace: str) -> dict:
-    """The server's `authorization` block: one user per instance, with that instance's permissions."""
+def authorization_config(public_keys: dict[Instance, str], namespace: str,
+                         pipelines: tuple[Pipeline, ...] = ()) -> dict:
+    """The server's `authorization` block: one user per instance, with that instance's permissions (a stage's along
+    `pipelines`)."""
     subjects = Subjects(namespace)
-    users = [{"nkey": key, "permissions": instance_permissions(i.role, i.instance_id, subjects).to_config()}
+    users = [{"nkey": key, "permissions": instance_permissions(i.role, i.instance_id, subjects, pipelines).to_config()}
              for i, key in public_keys.items()]
     return {"authorization": {"users": users}}
 
 
 def write_server_config(path: str | os.PathLike, public_keys: dict[Instance, str], namespace: str,
-                        tls: tuple[Path, Path] | None = None) -> Path:
+                        tls: tuple[Path, Path] | None = None, pipelines: tuple[Pipeline, ...] = ()) -> Path:
     """The authorization block, and with `tls` (certificate, key) the server's TLS, required of every client."""
     path = Path(path)
-    config = authorization_config(public_keys, namespace) if public_keys else {}  # none: no authorization at all
+    # none: no authorization at all
+    config = authorization_config(public_keys, namespace, pipelines) if public_keys else {}
     if tls is not None:
         config["tls"] = {"cert_file": str(tls[0]), "key_file": str(tls[1]), "timeout": 2}
     write_private(path, (json.dumps(config, indent=1) + "\n").encode())

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from services.common.cpus import format_cpu_list, pair_cpu_loans, share_cpus
 from services.launcher.nats_auth import creds_path
+from shared.bus.permissions import Pipeline
 
 TOPOLOGIES = ("colocated", "disagg", "pipeline")
 
@@ -155,6 +156,12 @@ def plan(config: UpConfig) -> list[ServiceSpec]:
         return specs
     return [dataclasses.replace(s, args=(*s.args, "--nats-creds", str(creds_path(config.nats_creds_dir, s.instance_id))))
             for s in specs]
+
+
+def pipelines_of(specs: list[ServiceSpec]) -> tuple[Pipeline, ...]:
+    """The pipelines the planned services form: each head (a stage given `--stages`) and its stages in order."""
+    return tuple(Pipeline(s.instance_id, tuple(s.args[s.args.index("--stages") + 1].split(",")))
+                 for s in specs if s.role == "stage" and "--stages" in s.args)
 
 
 def device_of(config: UpConfig, spec: ServiceSpec) -> str:

@@ -24,7 +24,10 @@ only as itself:
   operator's `splitserve provision`).
 
 A `stage` process may head a pipeline of either pool, so it holds the decode
-and the prefill worker's permissions (under its own name) besides its own.
+and the prefill worker's permissions (under its own name) besides its own. A
+stage sends steps only along the pipelines it is part of (`Pipeline`): to the
+next stage, and back to the head (logits, a step's failure, KV shipped); a
+stage of no declared pipeline sends none.
 """
 
 from __future__ import annotations
@@ -67,12 +70,30 @@ def inbox_prefix(namespace: str, role: str, instance_id: str) -> str:
 
 
 @dataclass(frozen=True)
+class Pipeline:
+    """A head and its stages, in layer order: steps go head -> stages[0] -> ... -> the last, then back."""
+
+    head: str
+    stages: tuple[str, ...]
+
+    def sends_to(self, instance_id: str) -> tuple[set[str], set[str]]:
+        """(whom `instance_id` sends steps to here, the heads it reports to): nothing where it is not a member."""
+        chain = (self.head, *self.stages)
+        if instance_id not in chain:
+            return set(), set()
+        position = chain.index(instance_id)
+        after = {chain[position + 1]} if position + 1 < len(chain) else set()
+        return after | ({self.head} if instance_id != self.head else set()), {self.head} - {instance_id}
+
+
+@dataclass(frozen=True)
 class _Me:
     """One instance, and the subjects it may sign with its name."""
 
     s: Subjects
     role: str
     id: str
+    pipelines: tuple[Pipeline, ...] = ()
 
     def signed(self, subject_pattern: str) -> list[str]:
         return [f"{subject_pattern}.{role}.{self.id}" for role in acts_as(self.role)]
@@ -121,7 +142,13 @@ def _prefill(me: _Me) -> tuple[list[str], list[str]]:
 
 def _stage(me: _Me) -> tuple[list[str], list[str]]:
     s = me.s
-    publish = [s.any(s.stage_activations), s.any(s.stage_tickets), s.any(s.stage_shipped)]
+    steps_to, heads = set(), set()
+    for pipeline in me.pipelines:
+        more_steps, more_heads = pipeline.sends_to(me.id)
+        steps_to |= more_steps
+        heads |= more_heads
+    publish = [*(subject for to in sorted(steps_to) for subject in (s.stage_activations(to), s.stage_tickets(to))),
+               *(s.stage_shipped(head) for head in sorted(heads))]
     subscribe = [s.stage_activations(me.id), s.stage_tickets(me.id), s.stage_shipped(me.id)]
     for head in (_decode, _prefill):
         more_publish, more_subscribe = head(me)
@@ -153,13 +180,15 @@ _JOBS = {"gateway": _gateway, "scheduler": _scheduler, "decode": _decode, "prefi
          "kvstore": _kvstore}
 
 
-def instance_permissions(role: str, instance_id: str, subjects: Subjects) -> Permissions:
-    """What one service instance's credential may do in the deployment named by `subjects`."""
+def instance_permissions(role: str, instance_id: str, subjects: Subjects,
+                         pipelines: tuple[Pipeline, ...] = ()) -> Permissions:
+    """What one service instance's credential may do in the deployment named by `subjects` (a stage's: along
+    `pipelines`)."""
     if role == ADMIN:
         return Permissions(publish=(">",), subscribe=(">",))
     if role not in _JOBS:
         raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
-    me = _Me(subjects, role, check_token(instance_id, "instance id"))
+    me = _Me(subjects, role, check_token(instance_id, "instance id"), tuple(pipelines))
     publish, subscribe = _JOBS[role](me)
     publish += ["$JS.API.INFO", *_registry(me),
                 *(f"_INBOX.{subjects.namespace}.{asker}.*.>" for asker in (*_ANSWERS.get(role, ()), "gateway", ADMIN))]

@@ -3,7 +3,7 @@
 import pytest
 
 from contracts import Subjects, sent_by
-from shared.bus.permissions import ADMIN, ROLES, inbox_prefix, instance_permissions
+from shared.bus.permissions import ADMIN, ROLES, Pipeline, inbox_prefix, instance_permissions
 
 S = Subjects("ns")
 # One instance of each role, and a second of each (named "-1"): what one may do, the other may not do as it.
@@ -112,3 +112,23 @@ def test_an_unknown_role_or_a_bad_name_is_an_error():
         instance_permissions("attacker", "x", S)
     with pytest.raises(ValueError, match="instance id"):
         instance_permissions("decode", "decode.*", S)
+
+
+def test_a_stage_sends_steps_only_along_its_pipelines():
+    """Head -> stage-1 -> stage-2 -> back to the head; another pipeline's stage, or a stage of none, reaches none
+    of them."""
+    pipelines = (Pipeline("head", ("stage-1", "stage-2")), Pipeline("other-head", ("other-1",)))
+
+    def reaches(iid: str) -> set[tuple[str, str]]:
+        publish = instance_permissions("stage", iid, S, pipelines).publish
+        return {(to, what) for to in ("head", "stage-1", "stage-2", "other-head", "other-1", "lone")
+                for what, subject in (("steps", S.stage_activations(to)), ("tickets", S.stage_tickets(to)),
+                                      ("shipped", S.stage_shipped(to)))
+                if allows(publish, subject)}
+
+    assert reaches("head") == {("stage-1", "steps"), ("stage-1", "tickets")}
+    assert reaches("stage-1") == {("stage-2", "steps"), ("stage-2", "tickets"), ("head", "steps"),
+                                  ("head", "tickets"), ("head", "shipped")}
+    assert reaches("stage-2") == {("head", "steps"), ("head", "tickets"), ("head", "shipped")}
+    assert reaches("other-1") == {("other-head", "steps"), ("other-head", "tickets"), ("other-head", "shipped")}
+    assert reaches("lone") == set()

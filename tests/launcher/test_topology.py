@@ -132,6 +132,15 @@ def test_disagg_with_a_prefill_pipeline_plan():
                       stage_ranges=((0, 2), (2, 4))))
 
 
+def test_the_planned_pipelines_are_what_each_stage_may_send_along():
+    from services.launcher.topology import pipelines_of
+    from shared.bus.permissions import Pipeline
+
+    assert pipelines_of(plan(PIPELINE)) == (Pipeline("stage-0", ("stage-1", "stage-2")),)
+    assert pipelines_of(plan(PREFILL_PIPELINE)) == (Pipeline("prefill-0", ("prefill-stage-1",)),)
+    assert pipelines_of(plan(DISAGG)) == ()
+
+
 WITH_KV_STORE = UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", decode=2,
                          kv_store=True, kv_store_ram_bytes=1 << 20, kv_store_disk_bytes=1 << 24, kv_store_dir="/tmp/kv",
                          namespace="ns1")

@@ -376,3 +376,28 @@ def test_an_answer_goes_only_to_the_askers_inbox_not_where_the_request_points(se
             assert ServiceInfo.decode(entry.value).instance_id == "scheduler-0"  # still the scheduler's own
 
     asyncio.run(main())
+
+
+def test_a_stage_sends_steps_only_along_its_pipeline(secured):
+    """nats-auth's default pipeline is stage-0 (head) -> stage-1: stage-1 reaches its head, not another stage."""
+    subjects = secured.subjects
+
+    async def main():
+        async with Client(secured, "admin") as watcher, Client(secured, "stage-1") as stage:
+            seen: list[str] = []
+
+            async def on_any(msg):
+                seen.append(msg.subject)
+
+            await watcher.nc.subscribe(f"{subjects.namespace}.stage.>", cb=on_any)
+            await server_has(watcher.nc)
+            for elsewhere in (subjects.stage_activations("stage-7"), subjects.stage_activations("decode-0"),
+                              subjects.stage_tickets("stage-7")):
+                await stage.nc.publish(elsewhere, b"x")
+                assert await stage.refused("publish", elsewhere), elsewhere
+            allowed = subjects.stage_activations("stage-0")  # control: logits back to its head
+            await stage.nc.publish(allowed, b"x")
+            await eventually(lambda: allowed in seen, what="the watcher never saw the allowed step")
+            assert seen == [allowed]
+
+    asyncio.run(main())
