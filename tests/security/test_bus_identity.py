@@ -110,6 +110,18 @@ async def stats_of(admin: Client, instance_id: str) -> ServiceStats:
     return ServiceStats.decode(reply.data)
 
 
+async def subjects_seen(watcher: Client, pattern: str) -> list[str]:
+    """The subjects of what `watcher` hears on `pattern` from now on, in order (filled as it arrives)."""
+    seen: list[str] = []
+
+    async def on_message(msg):
+        seen.append(msg.subject)
+
+    await watcher.nc.subscribe(pattern, cb=on_message)
+    await server_has(watcher.nc)
+    return seen
+
+
 def forged_count(deployment: Deployment) -> float:
     return value(samples(deployment.run.url), "splitserve_gateway_forged_events_total")
 
@@ -354,13 +366,7 @@ def test_an_answer_goes_only_to_the_askers_inbox_not_where_the_request_points(se
 
     async def main():
         async with Client(secured, "admin") as watcher, Client(secured, "decode-0") as decode:
-            seen: list[str] = []
-
-            async def on_any(msg):
-                seen.append(msg.subject)
-
-            await watcher.nc.subscribe(">", cb=on_any)
-            await server_has(watcher.nc)
+            seen = await subjects_seen(watcher, ">")
             model = (await stats_of(watcher, "decode-0")).kv_fingerprint
             lookup = sent_by(subjects.kvstore("kvstore-0", "lookup"), "decode", "decode-0")
             body = KVStoreLookup(hashes=[b"\x00" * 16], model_fingerprint=model).encode()
@@ -384,13 +390,7 @@ def test_a_stage_sends_steps_only_along_its_pipeline(secured):
 
     async def main():
         async with Client(secured, "admin") as watcher, Client(secured, "stage-1") as stage:
-            seen: list[str] = []
-
-            async def on_any(msg):
-                seen.append(msg.subject)
-
-            await watcher.nc.subscribe(f"{subjects.namespace}.stage.>", cb=on_any)
-            await server_has(watcher.nc)
+            seen = await subjects_seen(watcher, f"{subjects.namespace}.stage.>")
             for elsewhere in (subjects.stage_activations("stage-7"), subjects.stage_activations("decode-0"),
                               subjects.stage_tickets("stage-7")):
                 await stage.nc.publish(elsewhere, b"x")
