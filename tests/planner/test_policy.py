@@ -1,0 +1,153 @@
+"""The SLO planner's policy, as tables: what it predicts, what it wants, and when it changes the pools."""
+
+import math
+
+import pytest
+
+from services.planner.policy import (
+    DecodePool,
+    Observation,
+    PlannerState,
+    Policy,
+    PrefillPool,
+    Slo,
+    decide,
+    desired,
+    predicted_itl_ms,
+    predicted_ttft_ms,
+)
+
+SLO = Slo(ttft_ms=1000, itl_ms=50)
+
+
+def prefill(workers=1, tokens_per_s=500.0, capacity=2000.0, prompt=256.0, queued=0) -> PrefillPool:
+    return PrefillPool(workers, tokens_per_s, capacity, prompt, queued)
+
+
+def decode(workers=1, running=8, fixed=20.0, per_seq=2.0) -> DecodePool:
+    return DecodePool(workers, running, fixed, per_seq)
+
+
+def observe(p=None, d=None, at_s=100.0, ttft=None, itl=None) -> Observation:
+    return Observation(at_s, p or prefill(), d or decode(), ttft, itl)
+
+
+@pytest.mark.parametrize("pool, workers, expected", [
+    (prefill(tokens_per_s=0, capacity=1000, prompt=500), 1, 500.0),  # idle: just the prompt's own time
+    (prefill(tokens_per_s=500, capacity=1000, prompt=500), 1, 1000.0),  # half busy: stretched by 1 / (1 - 0.5)
+    (prefill(tokens_per_s=500, capacity=1000, prompt=500), 2, 500 / 0.75),
+    (prefill(tokens_per_s=0, capacity=1000, prompt=0, queued=2000), 2, 1000.0),  # a backlog drains over both
+    (prefill(tokens_per_s=1000, capacity=1000), 1, math.inf),  # saturated
+    (prefill(capacity=0), 3, math.inf),  # not measured
+    (prefill(), 0, math.inf),
+])
+def test_predicted_ttft(pool, workers, expected):
+    assert predicted_ttft_ms(pool, workers) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("pool, workers, expected", [
+    (decode(running=8, fixed=20, per_seq=2), 1, 36.0),
+    (decode(running=8, fixed=20, per_seq=2), 2, 28.0),
+    (decode(running=0, fixed=20, per_seq=2), 4, 20.0),
+    (decode(fixed=0), 2, math.inf),
+])
+def test_predicted_itl(pool, workers, expected):
+    assert predicted_itl_ms(pool, workers) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("obs, policy, expected", [
+    # Light load: one of each meets both SLOs.
+    (observe(prefill(workers=2), decode(workers=2)), Policy(budget=4), (1, 1)),
+    # Long prompts arriving fast: prefill needs 3 (800 ms at headroom 0.8 of 1000 ms).
+    (observe(prefill(tokens_per_s=3000, capacity=2000, prompt=512)), Policy(budget=8), (3, 1)),
+    # Many streams: decode needs 3 for 20 + 2 * 24 / n <= 40.
+    (observe(d=decode(running=24)), Policy(budget=8), (1, 3)),
+    # Both want more than 4 cores hold: shared so the worse ratio is smallest.
+    (observe(prefill(tokens_per_s=3000, capacity=2000, prompt=512), decode(running=48)), Policy(budget=4), (2, 2)),
+    # Colocated: no prefill pool, the budget is decode's.
+    (observe(prefill(workers=0, capacity=0), decode(running=24)), Policy(budget=4, min_prefill=0), (0, 3)),
+])
+def test_desired(obs, policy, expected):
+    assert desired(obs, SLO, policy)[:2] == expected
+
+
+def test_a_measured_miss_adds_a_worker_where_the_model_says_enough():
+    obs = observe(d=decode(workers=2, running=2), itl=80.0)  # the fit says 22 ms; the workers say 80
+    want_p, want_d, why = desired(obs, SLO, Policy(budget=4))
+    assert (want_p, want_d) == (1, 3)
+    assert "itl p90 80 ms over its slo" in why
+
+
+def test_a_pool_near_its_slo_does_not_shrink_on_the_models_word():
+    obs = observe(d=decode(workers=3, running=2), itl=45.0)  # past 0.8 * 50, under 50
+    assert desired(obs, SLO, Policy(budget=4))[1] == 3
+
+
+def test_unmeasured_pools_stay_as_they_are():
+    obs = observe(prefill(workers=2, capacity=0), decode(workers=2, fixed=0))
+    want_p, want_d, why = desired(obs, SLO, Policy(budget=4))
+    assert (want_p, want_d) == (2, 2)
+    assert "not measured" in why
+
+
+def run(observations, policy, state=PlannerState()):
+    decisions = []
+    for obs in observations:
+        decision, state = decide(obs, SLO, policy, state)
+        decisions.append(decision)
+    return decisions, state
+
+
+def test_a_change_waits_for_patience_then_moves_one_worker():
+    busy = [observe(d=decode(running=48), at_s=t) for t in (100, 105, 110)]
+    decisions, _ = run(busy, Policy(budget=8, patience=3, cooldown_s=0))
+    assert [d.action for d in decisions] == ["hold", "hold", "add"]
+    assert "waiting (1/3)" in decisions[0].reason
+    assert (decisions[-1].prefill, decisions[-1].decode) == (1, 2)  # one step of the two it wants
+
+
+def test_a_streak_breaks_when_the_want_goes_away():
+    busy, calm = observe(d=decode(running=48)), observe()
+    decisions, state = run([busy, busy, calm, busy, busy], Policy(budget=8, patience=3, cooldown_s=0))
+    assert [d.action for d in decisions] == ["hold"] * 5
+    assert state.streak == 2
+
+
+def test_cooldown_holds_the_next_change():
+    policy = Policy(budget=8, patience=1, cooldown_s=30)
+    obs = [observe(d=decode(workers=w, running=48), at_s=t) for w, t in ((1, 100), (2, 110), (2, 131))]
+    decisions, _ = run(obs, policy)
+    assert [d.action for d in decisions] == ["add", "hold", "add"]
+    assert decisions[1].reason.startswith("cooling down")
+
+
+def test_a_full_budget_switches_a_worker_between_roles():
+    obs = observe(prefill(workers=1, tokens_per_s=3000, capacity=2000, prompt=512), decode(workers=3, running=4))
+    decision, _ = decide(obs, SLO, Policy(budget=4, patience=1, cooldown_s=0), PlannerState())
+    assert (decision.action, decision.prefill, decision.decode) == ("switch", 2, 2)
+
+
+def test_idle_pools_shrink_to_their_minimum():
+    obs = observe(prefill(workers=3, tokens_per_s=0), decode(workers=3, running=0))
+    decision, _ = decide(obs, SLO, Policy(budget=6, patience=1, cooldown_s=0), PlannerState())
+    assert (decision.action, decision.prefill, decision.decode) == ("remove", 2, 2)
+
+
+def test_over_the_budget_gives_back_prefill_first():
+    obs = observe(prefill(workers=2), decode(workers=3))
+    decision, _ = decide(obs, SLO, Policy(budget=4, patience=1, cooldown_s=0), PlannerState())
+    assert (decision.prefill, decision.decode) == (1, 3)
+    assert "over the budget" in decision.reason
+
+
+def test_a_minimum_pool_never_gives_a_worker_away():
+    obs = observe(prefill(workers=1, tokens_per_s=0), decode(workers=1, running=48))
+    decision, _ = decide(obs, SLO, Policy(budget=2, patience=1, cooldown_s=0), PlannerState())
+    assert (decision.prefill, decision.decode) == (1, 1)
+
+
+@pytest.mark.parametrize("kwargs", [dict(budget=1), dict(budget=4, headroom=0), dict(budget=4, patience=0),
+                                    dict(budget=4, min_decode=0)])
+def test_a_policy_that_cannot_hold_is_refused(kwargs):
+    with pytest.raises(ValueError):
+        Policy(**kwargs)
