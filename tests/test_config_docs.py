@@ -18,6 +18,7 @@ def test_the_page_covers_up_and_every_service():
     assert roles >= {"gateway", "scheduler", "decode", "prefill", "stage", "kvstore"}, roles
     text = PAGE.read_text()
     for module in modules:
+        assert settings_classes(module), f"{module} defines no settings class to document"
         for settings in settings_classes(module):
             for name, field in settings.model_fields.items():
                 assert field.description, f"{settings.__name__}.{name} has no description to document"
