@@ -4,7 +4,7 @@ import argparse
 import os
 import sys
 
-from services.cli import bench, doctor, generate, models, nats_auth, provision, ps, serve, up
+from services.cli import bench, config_docs, doctor, generate, models, nats_auth, provision, ps, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_parser(subcommands)
     nats_auth.add_parser(subcommands)
     provision.add_parser(subcommands)
+    config_docs.add_parser(subcommands)
     return parser
 
 

@@ -77,7 +77,8 @@ def _many(field: FieldInfo) -> bool:
     return bool(_extra(field).get("many"))
 
 
-def _shown(name: str, field: FieldInfo) -> str:
+def shown_default(name: str, field: FieldInfo) -> str:
+    """How a setting's default is written for people (--help, docs/configuration.md)."""
     shown = _extra(field).get("shown_default")
     if shown:
         return shown
@@ -95,7 +96,7 @@ def add_flags(parser: argparse.ArgumentParser, settings: type[Settings]) -> None
     for name, field in settings.model_fields.items():
         description = field.description or ""
         if "default" not in description:
-            description += f" (default: {_shown(name, field)})"
+            description += f" (default: {shown_default(name, field)})"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
                                   "help": f"{description} [{env_of(name, field)}]".strip().replace("%", "%%")}
         kind = _bare(field.annotation)

@@ -152,7 +152,7 @@ MIN_OFFLOADED_PREFILL = 32
 # A long prompt is computed where it decodes when each prefill worker has more than this many times its tokens
 # queued ahead of it (see `decide_prefill`); 0: never. Off by default: at 0.5 on 2 cores it cut the worst
 # long-prompt TTFT of the mixed benchmark (12.3 -> 6.6 s) but lengthened its wall time in each of three runs
-# (BENCHMARKS.md, issue 12, 2026-12-04).
+# (docs/bench-log/peer-epyc-2026-12-04.md).
 DEFAULT_PREFILL_BACKLOG_FACTOR = 0.0
 
 

@@ -45,6 +45,26 @@ def test_the_default_model_answers_like_transformers_and_knows_paris(smollm2):
     assert "Paris" in results[0].text, results[0].text
 
 
+def readme_first_request() -> tuple[str, dict]:
+    """The path and JSON body of the README's first curl command."""
+    import json
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    curl = next(block for block in re.findall(r"```bash\n(.*?)```", readme, re.S) if "curl" in block)
+    url = re.search(r"curl -N (http://127\.0\.0\.1:8000\S+)", curl).group(1)
+    body = re.search(r"-d '(.*?)'", curl, re.S).group(1)
+    return url.removeprefix("http://127.0.0.1:8000"), json.loads(body)
+
+
+def test_the_readmes_first_request_asks_the_default_deployment():
+    path, body = readme_first_request()
+    assert path == "/v1/chat/completions"
+    assert body["model"] == DEFAULT_MODEL and body["stream"] is True and body["temperature"] == 0, body
+    assert body["messages"] == [{"role": "user", "content": "What is the capital of France?"}], body
+
+
 @pytest.mark.timeout(300)
 def test_the_readmes_first_request_to_the_default_deployment(smollm2, tmp_path):
     """`splitserve up` as the README runs it (its default model and topology), asked the README's curl question
@@ -57,9 +77,8 @@ def test_the_readmes_first_request_to_the_default_deployment(smollm2, tmp_path):
     run = start_up(tmp_path / "run", model=None)  # (the session's cache holds the model: nothing is fetched again)
     try:
         assert "topology disagg" in run.output[-1] and "smollm2-135m-instruct" in run.output[-1], run.output[-1]
-        body = {"model": "smollm2-135m-instruct", "stream": True, "max_tokens": 32, "temperature": 0,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-        with httpx.stream("POST", f"{run.url}/v1/chat/completions", json=body, timeout=120) as response:
+        path, body = readme_first_request()
+        with httpx.stream("POST", f"{run.url}{path}", json=body, timeout=120) as response:
             assert response.status_code == 200, response.read()
             events = [json.loads(line[len("data: "):]) for line in response.iter_lines()
                       if line.startswith("data: {")]
