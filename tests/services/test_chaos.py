@@ -1,14 +1,18 @@
 """The chaos suite: faults injected with real signals under steady streaming load, counting requests lost.
 
 Two of every role (schedulers, prefill workers, decode workers, kv-stores) behind one gateway, on a NATS server
-of its own. Four clients stream greedy requests back to back while, one after another, each role gets a kill -9
-(and is started again, as a supervisor would) or a SIGSTOP long enough for its registry entry to lapse (a decode
-worker both), then NATS restarts, then the workers restart in turn (SIGTERM, drain, start again). The claim: no
-request is lost (every one is served, its stream ending without an error event, after at most a few retries where
-the gateway said to retry: a 429/503 with Retry-After before the first byte, as the `openai` client retries) and
-every text is the uninterrupted run's.
+of its own. Four clients stream greedy requests back to back while, one after another: a decode worker is killed
+(kill -9, and started again, as a supervisor would) and the other frozen (SIGSTOP past its streams' idle deadline),
+each while it streams; a prefill worker is killed holding a job it pulled from the queue; a scheduler is frozen
+past its requests' ack wait holding one; a kv-store is killed; then NATS restarts, then the workers restart in
+turn (SIGTERM, drain, start again). Each fault is checked to have done what it does, by the services' own
+counters: the streams moved, the job redelivered, the request taken over by the other scheduler, the kv-store
+missed. The claim: no request is lost (every one is served, its stream ending without an error event, after at
+most a few retries where the gateway said to retry: a 429/503 with Retry-After before the first byte, as the
+`openai` client retries) and every text is the uninterrupted run's.
 """
 
+import asyncio
 import json
 import os
 import signal
@@ -16,8 +20,6 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-
-import asyncio
 
 import httpx
 import nats
@@ -28,6 +30,7 @@ from support.deployment import start_deployment
 from support.kv_workload import wait_until
 from support.metrics import matching, samples, value
 from support.processes import NatsServer
+from support.waiting import became
 from contracts import Subjects
 from services.common.queues import REQUEST_ACK_WAIT_S
 from services.gateway.readiness import fully_ready
@@ -160,16 +163,6 @@ def kill_once_pulled(deployment, name: str, stream: str, consumer: str) -> bool:
         finally:
             await nc.close()
     return asyncio.run(watch())
-
-
-def became(predicate, timeout_s: float, poll_s: float = 0.3) -> bool:
-    """Whether `predicate()` turned true within `timeout_s` (for a fault tried again when it missed)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
-    return True
 
 
 def migrations(deployment) -> float:
