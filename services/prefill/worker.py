@@ -119,6 +119,8 @@ class PrefillRole:
                          room=lambda: self.max_concurrent_jobs - len(self.jobs))
 
     async def _on_job(self, job: PrefillJob, msg) -> None:
+        if msg.metadata.num_delivered > 1:  # another worker (or this one, earlier) pulled it and never settled it
+            self._count("redelivered")
         if job.request_id not in self.jobs:  # else a redelivery of a job this worker is still running
             self._start_job(job, msg, msg.headers)
 

@@ -89,6 +89,7 @@ class Router:
         self.heartbeat = Heartbeat(registry, self.info)
         self.identity = ServiceIdentity(instance_id, "scheduler")
         self.counts: dict[str, int] = {}
+        self.redelivered = 0  # requests taken that an earlier delivery left unacked
         self.decisions: dict[str, int] = {}
         self.max_local_prefill = max_local_prefill
         self.offload_short_prefills = offload_short_prefills
@@ -112,7 +113,7 @@ class Router:
 
     def stats(self) -> ServiceStats:
         return ServiceStats.of(self.info(), {
-            "routed": dict(self.counts), "rejected_messages": dict(REJECTED),
+            "routed": dict(self.counts), "redelivered": self.redelivered, "rejected_messages": dict(REJECTED),
             "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth,
             "queue_depths": {"requests": self.request_queue_depth, "prefill": self.prefill_queue_depth},
             "workers_seen": dict(Counter(w.role for w in self.workers if w.state == "ready")),
@@ -191,6 +192,8 @@ class Router:
     async def on_request(self, request: GenerateRequest, msg) -> None:
         """Called by the fetch loop; routes concurrently, bounded by the handoff slots."""
         lease = Lease(msg, REQUEST_ACK_WAIT_S)  # from now: waiting for a slot counts too
+        if msg.metadata.num_delivered > 1:  # a scheduler pulled it and never acked it (it died, or its lease lapsed)
+            self.redelivered += 1
         await self._slots.acquire()
         task = asyncio.create_task(self._route(request, msg, lease))
         task.add_done_callback(lambda _: self._slots.release())

@@ -50,7 +50,7 @@ async def test_sigterm_drains_and_exits_0(nc, js, nats_url, unique):
 
     assert code == 0
     assert await registry.get("test", "tiny-1") is None  # removed on the way out, not left to expire
-    assert all(line["service"] == "tiny" and line["instance"] == "tiny-1" for line in lines)
+    assert lines and all(line["service"] == "tiny" and line["instance"] == "tiny-1" for line in lines), lines
     events = {line["event"]: line for line in lines}
     assert events["handling cancel"]["request_id"] == "req-7"
     assert events["shutdown requested"]["signal"] == "SIGTERM"

@@ -132,7 +132,12 @@ async def test_fetch_loop_terms_malformed_messages_and_hands_over_good_ones(js, 
     task = asyncio.create_task(fetch_loop(sub, GenerateRequest, handler, batch=4, fetch_timeout_s=0.2,
                                           counter=lambda s, r: counted.append(r)))
     try:
-        await asyncio.sleep(1.5)  # three ack waits: anything not terminated would be back by now
+        # Settled: every message delivered and acked or terminated (one left alone would stay pending, then be
+        # delivered again, and again, its ack wait at a time).
+        async def settled():
+            consumer = await js.consumer_info(stream, "workers")
+            return len(handled) == 4 and consumer.num_ack_pending == 0 and consumer.num_pending == 0
+        await eventually(settled, 10, "every message acked or terminated")
         assert not task.done()
     finally:
         assert await cancel_and_wait(task, timeout_s=2)

@@ -10,6 +10,7 @@ from contracts import Assignment, RequestFailed, ServiceInfo, StreamAlive, Subje
 from services.gateway.request_bus import may_move
 from services.gateway.beats_seen import BeatsSeen
 from services.gateway.streams import StreamError, TokenStreams, silence_leaves_worker_intact
+from support.waiting import eventually
 
 
 @pytest.mark.parametrize("code, moves, limit, moved", [
@@ -241,8 +242,7 @@ def test_a_request_gone_silent_on_a_worker_that_kept_beating_may_go_back_to_it(n
         stream.routed_to = "decode-0"
 
         async def assign_the_next_attempt():
-            while stream.bus_id == "r1":
-                await asyncio.sleep(0.02)
+            await eventually(lambda: stream.bus_id != "r1", 5, "the request submitted again")
             await assign(streams, stream.bus_id)
             await streams.on_message(sent(TokenChunk(request_id=stream.bus_id, seq=0, token_ids=[7], text="x",
                                                      finished=True)))

@@ -235,7 +235,8 @@ def test_prometheus_scrapes_the_gateway_and_the_dashboard_reads_metrics_it_serve
     gateway_port = _flag(services["gateway"]["command"], "--port")
     assert job["static_configs"][0]["targets"] == [f"gateway:{gateway_port}"] and job["metrics_path"] == "/metrics"
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
-    assert all(port.startswith("127.0.0.1:") for name in ("prometheus", "grafana") for port in services[name]["ports"])
+    assert {name: services[name]["ports"] for name in ("prometheus", "grafana")} == {
+        "prometheus": ["127.0.0.1:9090:9090"], "grafana": ["127.0.0.1:3000:3000"]}  # the host's loopback only
     for name in ("prometheus", "grafana", *NATS_NODES, *PROJECT_SERVICES):  # every service but jaeger checks itself
         assert services[name].get("healthcheck") or compose["x-splitserve"].get("healthcheck"), name
     # The dashboard: provisioned from the repo, every query on a metric the gateway exports.

@@ -47,7 +47,7 @@ def complete(across: HostsDeployment, prompt, max_tokens: int, retries: int = 0)
         response = across.on("a", httpx.post, GATEWAY + "/v1/completions", json=body, timeout=120)
         if response.status_code != 503:
             break
-        time.sleep(float(response.headers.get("retry-after", 1)))
+        time.sleep(float(response.headers.get("retry-after", 1)))  # as long as the gateway said, as a client would
     return response
 
 

@@ -5,6 +5,7 @@ from transformers import AutoTokenizer
 
 from support.deployment import start_deployment
 from support.kv_workload import conversation, run_conversation, wait_until
+from support.waiting import eventually
 
 
 @pytest.mark.timeout(300)
@@ -64,6 +65,19 @@ def test_a_prefill_job_goes_to_the_prefill_worker_holding_its_prefix(nats_server
         deployment.stop()
 
 
+class Watched:
+    """A registry, its reads of one entry counted (each once answered)."""
+
+    def __init__(self, registry):
+        self.registry = registry
+        self.reads = 0
+
+    async def get(self, role: str, instance_id: str):
+        entry = await self.registry.get(role, instance_id)
+        self.reads += 1
+        return entry
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_job_offered_to_a_prefill_worker_that_leaves_is_given_up_at_once(nats_server):
@@ -82,9 +96,11 @@ async def test_a_job_offered_to_a_prefill_worker_that_leaves_is_given_up_at_once
     try:
         registry = await Registry.open(nc.jetstream(), Subjects("t" + uuid.uuid4().hex[:8]).registry_bucket)
         await registry.put(ServiceInfo(instance_id="prefill-7", role="prefill", boot_id="boot-1", state="ready"))
-        waiting = asyncio.create_task(_result_unless_gone(registry, asyncio.get_running_loop().create_future(),
+        watched = Watched(registry)
+        waiting = asyncio.create_task(_result_unless_gone(watched, asyncio.get_running_loop().create_future(),
                                                           "prefill-7"))
-        await asyncio.sleep(2.5)
+        # It looked twice and found the same worker both times (the second read compares boot ids).
+        await eventually(lambda: watched.reads >= 2, 10, "the registry read twice")
         assert not waiting.done()  # still there: keep waiting
         await registry.put(ServiceInfo(instance_id="prefill-7", role="prefill", boot_id="boot-2", state="ready"))
         assert await asyncio.wait_for(waiting, 5) is None  # restarted: the job died with the old process

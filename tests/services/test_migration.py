@@ -165,7 +165,8 @@ def test_a_stalled_or_stopped_workers_stream_moves_and_the_worker_lets_it_go(nat
         idle = wait_until(lambda: (info := deployment.stats(owner)).num_running + info.active_requests == 0 and info,
                           10, "the woken worker still runs the moved request")
         assert idle.state == "ready"
-        time.sleep(1.0)
+        # Idle, it streams no more; what it streamed before saying so reached the server before its answer did.
+        deployment.tap.caught_up()
         # At most a step or two between waking and dropping it (unfenced, it would stream ~1,500 tokens more).
         assert streamed_by_the_stalled_worker() - before_waking <= 4
         deployment.wait_scheduler_sees("decode", 2)
@@ -220,6 +221,7 @@ def test_a_cancel_the_client_did_not_send_ends_its_stream_at_once_and_one_before
         assert deployment.stats("decode-0").active_requests == 0
 
         taken = deployment.stats("decode-0").handoffs_taken
+        rejected = deployment.stats("scheduler-0").details["routed"].get("rejected", 0)
         os.kill(deployment.procs["scheduler"].pid, signal.SIGSTOP)
         try:
             with pytest.raises(httpx.TimeoutException):
@@ -229,8 +231,9 @@ def test_a_cancel_the_client_did_not_send_ends_its_stream_at_once_and_one_before
                        "the gateway never saw the client leave")
         finally:
             os.kill(deployment.procs["scheduler"].pid, signal.SIGCONT)
-        # The scheduler offers it once it wakes; give that time, then check the worker never took it.
-        time.sleep(2.0)
+        # The scheduler offers it once it wakes, and the worker refuses it.
+        wait_until(lambda: deployment.stats("scheduler-0").details["routed"].get("rejected", 0) > rejected, 20,
+                   "the woken scheduler's handoff was never refused")
         info = deployment.stats("decode-0")
         assert (info.handoffs_taken, info.active_requests, info.num_running) == (taken, 0, 0)
         response = httpx.post(f"{deployment.base_url}/v1/completions", json={**body, "max_tokens": 4}, timeout=30)

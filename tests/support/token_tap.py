@@ -57,6 +57,11 @@ class BusTap:
             assert found is not None, f"{what}: {self._messages}"
             return found
 
+    def caught_up(self) -> None:
+        """Until the tap holds every message the server took before now (from a publisher that has since answered
+        the test, say): a round trip on its connection comes back after them."""
+        asyncio.run_coroutine_threadsafe(server_has(self._nc), self._loop).result(10)
+
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self._nc.close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -1,4 +1,5 @@
-"""Waiting on a condition with a deadline: `eventually()` in asyncio tests, `wait_until()` in plain ones."""
+"""Waiting on a condition with a deadline: `eventually()` in asyncio tests, `wait_until()` in plain ones, `became()`
+where a miss is not yet a failure."""
 
 import asyncio
 import inspect
@@ -27,6 +28,16 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.3):
             return value
         assert time.monotonic() < deadline, f"{what} (waited {timeout_s} s)"
         time.sleep(poll_s)
+
+
+def became(predicate, timeout_s: float, poll_s: float = 0.3) -> bool:
+    """Whether `predicate()` turned true within `timeout_s` (a fault tried again when it missed, say)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 async def server_has(nc) -> None:
