@@ -204,9 +204,10 @@ class PrefillRole:
             await self._report(job, ok=False, error="the job is for another model (or dtype) than this worker's")
             return "refused"
         try:
-            job.sampling.validate()  # the bus's decode checked its types, not its values
+            params = job.sampling
+            params.validate()  # the bus's decode checked its types, not its values
             # Only the first token is drawn here (min_tokens kept for it: its EOS stays suppressed if it was).
-            first_only = msgspec.structs.replace(job.sampling, max_tokens=1, min_tokens=min(job.sampling.min_tokens, 1))
+            first_only = msgspec.structs.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         except EngineError as exc:
             await self._report(job, ok=False, error=f"bad sampling parameters: {exc}")
             return "refused"
