@@ -4,7 +4,6 @@ from contracts.codec import ContractError, Message, decode_one_of
 from contracts.messages import (
     Assignment,
     CancelRequest,
-    ForwardBatch,
     GenerateRequest,
     HandoffReply,
     KVEvents,
@@ -18,7 +17,6 @@ from contracts.messages import (
     PrefillJob,
     PrefillResult,
     RequestFailed,
-    Sampling,
     ServiceInfo,
     ServiceStats,
     StageActivation,
@@ -37,9 +35,9 @@ from contracts.messages import (
 from contracts.subjects import Sender, Subjects, check_token, from_anyone, sender_of, sent_by
 
 __all__ = [
-    "Assignment", "CancelRequest", "ContractError", "ForwardBatch", "GenerateRequest", "HandoffReply",
+    "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply",
     "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply",
-    "LogprobEntry", "Message", "PrefillJob", "PrefillResult", "RequestFailed", "Sampling", "ServiceInfo",
+    "LogprobEntry", "Message", "PrefillJob", "PrefillResult", "RequestFailed", "ServiceInfo",
     "ServiceStats", "StageActivation", "StageShipment", "StageTicketReply", "StageTicketRequest", "StatsRequest", "StepTrace",
     "STREAM_ALIVE_EVERY_S", "Sender", "StreamAlive", "Subjects", "TokenChunk", "TransferEndpoint", "TransferTicket", "WorkerLoad", "check_token", "decode_one_of",
     "from_anyone", "sender_of", "sent_by",

@@ -5,6 +5,9 @@ from typing import Annotated, Any
 from msgspec import Meta, field
 
 from contracts.codec import Message, Part
+# The engine's own sampling and step types travel as parts, as they are (light modules: msgspec only).
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.step_batch import StepBatch
 
 
 class LogprobEntry(Part, kw_only=True):
@@ -46,40 +49,13 @@ class TransferTicket(Part, frozen=True, kw_only=True):
         return f"TransferTicket(transfer_id={self.transfer_id!r}, endpoint={self.endpoint!r}, token=<secret>)"
 
 
-class Sampling(Part, kw_only=True):
-    """How the request samples and stops: the engine's SamplingParams, field for field (checked there)."""
-
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    min_tokens: int = 0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    structured_kind: str = ""  # structured output: "" (none), "json", "json_object", "regex", "choice", "grammar"
-    structured_spec: str = ""  # its JSON schema, regex, JSON list of choices or grammar
-    prompt_logprobs: int | None = None  # the prompt's tokens' logprobs, with this many top alternatives
-    cache_salt: str = ""  # prefix reuse only among requests with the same salt (the gateway's, per tenant)
-
-
 class GenerateRequest(Message, tag="generate_request", kw_only=True):
     """gateway -> scheduler (JetStream, de-duplicated by request_id) -> worker."""
 
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     reply_subject: str  # where the token stream and request events go
     deadline_ms: int  # unix epoch ms after which nobody waits for the answer
     created_ms: int
@@ -101,7 +77,7 @@ class PrefillJob(Message, tag="prefill_job", kw_only=True):
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: Sampling  # the request's, seed always set
+    sampling: SamplingParams  # the request's, seed always set
     ticket: TransferTicket  # where and how to ship the KV
     reply_subject: str  # where the PrefillResult goes (the decode worker)
     block_size: int  # the decode worker's KV block size; a prefill worker with another one refuses
@@ -242,21 +218,6 @@ class StatsRequest(Message, tag="stats_request", kw_only=True):
     """anyone -> a service: reply with your ServiceStats."""
 
 
-class ForwardBatch(Part, kw_only=True):
-    """One forward step, as the engine's StepBatch has it (field for field): every scheduled token with its
-    position, and per sequence its query length, context length and block table; which sequences sample."""
-
-    request_ids: list[str]
-    token_ids: list[int]
-    positions: list[int]
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    sample_indices: list[int]
-    block_size: int
-    extra_logit_indices: list[int] = field(default_factory=list)  # tokens whose logits come back too (prompt logprobs)
-
-
 class StageShipment(Part, kw_only=True):
     """A prompt completing in a pipeline step whose KV each stage ships, its own layers, straight to the decode
     worker: where (the ticket), its blocks and tokens, and the head's attempt at the job (for its reports)."""
@@ -288,7 +249,7 @@ class StageActivation(Message, tag="stage_activation", kw_only=True):
     route: list[str]  # the stages still to run this step, in order; the receiver is the first
     stage_boot_ids: dict[str, str] = field(default_factory=dict)  # the stage processes the head means (a
     # restarted stage has lost the KV of earlier steps, so it must refuse steps meant for its previous boot)
-    batch: ForwardBatch
+    batch: StepBatch
     kind: str  # "hidden" | "logits" | "error"
     dtype: str = ""
     shape: list[int] = field(default_factory=list)

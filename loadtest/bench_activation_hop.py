@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from contracts import ForwardBatch, StageActivation, Subjects
+from contracts import StageActivation, Subjects
 from loadtest.bench_transfer import human, parse_size
 from services.launcher.nats_server import EmbeddedNats
 from services.stage.link import ActivationLink
+from shared.engine.step_batch import StepBatch
 from shared.transfer import KVReceiver, KVSender
 
 RESULT_KEYS = ("settings", "results")
@@ -45,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The hop carries the tensor only: the step it belongs to is empty.
-_NO_BATCH = ForwardBatch(request_ids=[], token_ids=[], positions=[], query_lens=[], context_lens=[], block_tables=[],
-                         sample_indices=[], block_size=16)
+_NO_BATCH = StepBatch.empty(block_size=16)
 
 
 async def measure(args) -> list[dict]:

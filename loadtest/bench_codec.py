@@ -11,7 +11,8 @@ import json
 import statistics
 import time
 
-from contracts import GenerateRequest, Sampling, TokenChunk
+from contracts import GenerateRequest, TokenChunk
+from shared.engine.sampling_params import SamplingParams
 
 
 def _time_us(fn, number: int, repeats: int) -> float:
@@ -30,7 +31,7 @@ def samples() -> list[tuple[str, object]]:
     for num_tokens in (16, 1024, 8192, 32768):
         out.append((f"GenerateRequest, {num_tokens} prompt tokens", GenerateRequest(
             request_id="cmpl-" + "0" * 32, model="smollm2-135m-instruct", prompt_token_ids=list(range(num_tokens)),
-            sampling=Sampling(temperature=0.7, top_p=0.9, max_tokens=64, seed=3), reply_subject="a.b.tokens.gw.r",
+            sampling=SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, seed=3), reply_subject="a.b.tokens.gw.r",
             deadline_ms=1, created_ms=2)))
     out.append(("TokenChunk, 1 token", TokenChunk(request_id="cmpl-" + "0" * 32, seq=7, token_ids=[1234], text=" the",
                                                   prompt_tokens=128, completion_tokens=8)))

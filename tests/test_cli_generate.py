@@ -1,5 +1,6 @@
 """`splitserve generate` on the built-in random model (by name) and on another local model directory."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -7,6 +8,9 @@ import sys
 
 from reference import reference_greedy, safe_seed
 from transformers import AutoTokenizer
+
+from services.cli.generate import add_parser
+from shared.engine.sampling_params import SamplingParams
 
 
 def run_cli(*args, env_cache):
@@ -17,9 +21,18 @@ def run_cli(*args, env_cache):
     )
 
 
+def test_the_sampling_options_default_to_the_sampling_params_defaults():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args, defaults = parser.parse_args(["generate", "--prompt", "x"]), SamplingParams()
+    assert ((args.max_tokens, args.temperature, args.top_p, args.top_k, args.min_p, args.seed, args.logprobs)
+            == (defaults.max_tokens, defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p,
+                defaults.seed, defaults.logprobs))
+
+
 def test_generate_json_on_default_model_matches_transformers(cache_dir, default_model):
     result = run_cli("--model", "splitserve-default-llama", "--prompt", "The old clock in the hall",
-                     "--max-tokens", "24", "--json", env_cache=cache_dir)
+                     "--max-tokens", "24", "--temperature", "0", "--json", env_cache=cache_dir)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     prompt = AutoTokenizer.from_pretrained(default_model)("The old clock in the hall").input_ids
@@ -57,7 +70,7 @@ def test_generate_reports_bad_parameters(cache_dir, default_model):
 
 def test_generate_chat_wraps_the_prompt_as_a_user_message(cache_dir, default_model):
     result = run_cli("--model", "splitserve-default-llama", "--prompt", "What is the capital of France?", "--chat",
-                     "--max-tokens", "12", "--json", env_cache=cache_dir)
+                     "--max-tokens", "12", "--temperature", "0", "--json", env_cache=cache_dir)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     tokenizer = AutoTokenizer.from_pretrained(default_model)
@@ -71,12 +84,13 @@ def test_generate_chat_wraps_the_prompt_as_a_user_message(cache_dir, default_mod
 
 def test_generate_stops_at_a_stop_string(cache_dir):
     full = json.loads(run_cli("--model", "splitserve-default-llama", "--prompt", "The old clock in the hall",
-                              "--max-tokens", "24", "--ignore-eos", "--json", env_cache=cache_dir).stdout)
+                              "--max-tokens", "24", "--temperature", "0", "--ignore-eos", "--json",
+                              env_cache=cache_dir).stdout)
     text = full["text"]
     stop = text[len(text) // 2:len(text) // 2 + 3]  # three characters from the middle of the full answer
     assert stop.strip(), text
     result = run_cli("--model", "splitserve-default-llama", "--prompt", "The old clock in the hall", "--max-tokens",
-                     "24", "--ignore-eos", "--stop", stop, "--json", env_cache=cache_dir)
+                     "24", "--temperature", "0", "--ignore-eos", "--stop", stop, "--json", env_cache=cache_dir)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     # The text ends just before the stop string's first occurrence, which it does not include.

@@ -1,19 +1,16 @@
 """The contracts' codec: every message round-trips; anything not what the class declares is refused, with a reason."""
 
 import msgpack
-import msgspec
 import pytest
 
 import contracts
 from contracts import (
     CancelRequest,
     ContractError,
-    ForwardBatch,
     GenerateRequest,
     LogprobEntry,
     Message,
     RequestFailed,
-    Sampling,
     ServiceInfo,
     ServiceStats,
     StageActivation,
@@ -21,12 +18,13 @@ from contracts import (
     TokenChunk,
     decode_one_of,
 )
+from shared.engine.sampling_params import SamplingParams
 from shared.engine.step_batch import StepBatch
 
 
 def generate_request(**fields) -> GenerateRequest:
     return GenerateRequest(**{"request_id": "r-1", "model": "m", "prompt_token_ids": [1, 2, 3],
-                              "sampling": Sampling(temperature=0.5), "reply_subject": "x.y", "deadline_ms": 5,
+                              "sampling": SamplingParams(temperature=0.5), "reply_subject": "x.y", "deadline_ms": 5,
                               "created_ms": 4, **fields})
 
 
@@ -56,13 +54,14 @@ def test_every_message_class_has_its_own_type_name_and_round_trips_its_defaults(
     assert ServiceStats.decode(stats.encode()) == stats and stats.num_running == 2
     with pytest.raises(ContractError, match="service_info"):  # a registry entry carries no counters
         ServiceInfo.decode(stats.encode())
-    batch = StepBatch(["a", "b"], [5, 6, 7], [3, 0, 1], [1, 2], [4, 2], [[0], [1]], [0, 1], 16)
-    step = StageActivation(step_id=1, head="h", route=["s1"], batch=ForwardBatch(**batch.to_dict()), kind="hidden",
+    batch = StepBatch(request_ids=["a", "b"], token_ids=[5, 6, 7], positions=[3, 0, 1], query_lens=[1, 2],
+                      context_lens=[4, 2], block_tables=[[0], [1]], sample_indices=[0, 1], block_size=16)
+    step = StageActivation(step_id=1, head="h", route=["s1"], batch=batch, kind="hidden",
                            deadline_ms=9, data=b"\x00\x01",
                            traces=[StepTrace(request_id="a", tokens=1, traceparent="00-ab-cd-01")])
     decoded = StageActivation.decode(step.encode())
     assert decoded == step and decoded.data == b"\x00\x01"
-    assert StepBatch.from_dict(msgspec.structs.asdict(decoded.batch)) == batch  # the engine's batch, field for field
+    assert type(decoded.batch) is StepBatch and decoded.batch == batch  # the engine's own batch
     assert msgpack.unpackb(request.encode())["type"] == "generate_request"
     assert msgpack.unpackb(request.encode())["v"] == 1
 

@@ -7,6 +7,9 @@ import sys
 from contracts import LogprobEntry
 from contracts.codec import to_builtins
 from shared.engine.errors import EngineError
+from shared.engine.sampling_params import SamplingParams
+
+DEFAULTS = SamplingParams()  # the options' defaults are the engine's (a light import: msgspec only)
 
 
 def add_parser(subcommands) -> None:
@@ -21,11 +24,12 @@ def add_parser(subcommands) -> None:
                              "(default: smollm2-135m-instruct)")
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, help="default: %(default)s")
+    parser.add_argument("--temperature", type=float, default=DEFAULTS.temperature,
+                        help="0 is greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=DEFAULTS.top_p, help="default: %(default)s")
+    parser.add_argument("--top-k", type=int, default=DEFAULTS.top_k, help="default: %(default)s (off)")
+    parser.add_argument("--min-p", type=float, default=DEFAULTS.min_p, help="default: %(default)s (off)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
@@ -42,7 +46,6 @@ def run(args: argparse.Namespace) -> int:
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
     from shared.engine.model_registry import resolve_model
-    from shared.engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(
@@ -56,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
             logprobs=args.logprobs,
         )
+        params.validate()  # before the model loads: a bad value fails at once
         model_dir = str(resolve_model(args.model).model_dir)
         engine = LLMEngine(EngineConfig(model=model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len))
         prompt_ids = encode_prompt(engine.tokenizer, args.prompt, args.chat)

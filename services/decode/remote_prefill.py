@@ -22,6 +22,7 @@ import time
 
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import nats.errors
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -29,7 +30,6 @@ from opentelemetry import trace
 from contracts import GenerateRequest, HandoffReply, PrefillJob, PrefillResult, TokenChunk, sender_of
 from services.common.engine_loop import AddRequest
 from services.common.load_reports import LoadReports
-from services.common.sampling_wire import to_wire
 from shared.bus.registry import Registry
 from shared.bus.subscribe import reject_unattributed
 from shared.engine.continuation import Continuation, KVOrigin
@@ -108,7 +108,7 @@ class RemotePrefill(KVConnector):
     def start(self, request: GenerateRequest, params: SamplingParams, active) -> None:
         """Hand the request to the engine, whose admission starts the remote prefill (under the current span)."""
         if params.seed is None:  # fix the seed here, so prefill, decode and any fallback sample alike
-            params = dataclasses.replace(params, seed=random.getrandbits(63))
+            params = msgspec.structs.replace(params, seed=random.getrandbits(63))
         with self._lock:
             self._remotes[request.request_id] = _Remote(request, params, active, otel_context.get_current())
         self.worker.engine_loop.add(AddRequest(request.request_id, request.prompt_token_ids, params,
@@ -189,7 +189,7 @@ class RemotePrefill(KVConnector):
         result_future = asyncio.get_running_loop().create_future()
         self.results[rid] = (result_future, ticket.token)
         job = PrefillJob(
-            request_id=rid, model=request.model, prompt_token_ids=prompt, sampling=to_wire(params),
+            request_id=rid, model=request.model, prompt_token_ids=prompt, sampling=params,
             ticket=ticket, reply_subject=worker.subjects.prefill_results(worker.instance_id),
             block_size=engine.config.block_size, model_fingerprint=engine.fingerprint,
             deadline_ms=int((time.time() + self.timeout_s) * 1000), created_ms=int(time.time() * 1000),

@@ -39,7 +39,6 @@ from contracts import (
 from services.common.engine_loop import AddRequest, RequestRejected
 from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
-from services.common.sampling_wire import from_wire
 from services.decode.remote_prefill import RemotePrefill
 from shared.engine.continuation import Continuation
 from shared.engine.engine import RequestOutput
@@ -192,10 +191,10 @@ class DecodeRole:
         if len(self.requests) >= self.max_active_requests:
             return refuse("overloaded", f"worker {w.instance_id} holds {len(self.requests)} requests")
         try:
-            params = from_wire(request.sampling)
+            request.sampling.validate()  # the bus's decode checked its types, not its values
         except InvalidRequestError as exc:
             return refuse("invalid_request", str(exc), exc.param)
-        return HandoffReply(request_id=request.request_id, accepted=True), params
+        return HandoffReply(request_id=request.request_id, accepted=True), request.sampling
 
     async def on_cancel(self, cancel: CancelRequest) -> None:
         active = self.requests.pop(cancel.request_id, None)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -19,7 +20,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from contracts import ServiceInfo, Subjects
 from services.common.identity import ServiceIdentity
 from services.common.queues import join_deployment
-from services.common.sampling_wire import to_wire
 from services.common.startup_heap import freeze_startup_heap
 from services.gateway import readiness, responses
 from services.gateway.beats_seen import BeatsSeen
@@ -51,7 +51,7 @@ from services.gateway.protocol import (
     check_vocabulary_fields,
     parse_request,
     resolve_max_tokens,
-    to_sampling_kwargs,
+    to_sampling_params,
 )
 from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS, StreamError, TokenStreams
 from services.gateway.structured_request import check_constraint
@@ -62,7 +62,6 @@ from shared.bus.permissions import inbox_prefix
 from shared.bus.provision import replicas_asked
 from shared.bus.registry import Heartbeat, Readings
 from shared.engine.errors import InvalidRequestError
-from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import shutdown_tracing
 from shared.version import VERSION
@@ -409,47 +408,47 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     endpoint = "chat" if chat else "completions"
     check_vocabulary_fields(req, gateway.model.vocab_size)
     _note_ignored(req.ignored_fields)
-    sampling = to_sampling_kwargs(req)
-    sampling["cache_salt"] = request_cache_salt(gateway, request, req)
-    requested = sampling["max_tokens"]
+    sampling = to_sampling_params(req)  # this request's own: filled in here, then validated
+    sampling.cache_salt = request_cache_salt(gateway, request, req)
+    requested = sampling.max_tokens
     if requested is None and not chat:
         requested = COMPLETIONS_DEFAULT_MAX_TOKENS
-    sampling["max_tokens"] = resolve_max_tokens(
+    sampling.max_tokens = resolve_max_tokens(
         requested, len(prompt_ids), gateway.max_model_len,
         prompt_param="messages" if chat else "prompt", max_tokens_param=req.max_tokens_param,
     )
     echo_logprobs = not chat and req.echo_logprobs
-    if echo_logprobs and sampling["prompt_logprobs"] is None:
-        sampling["prompt_logprobs"] = req.logprobs  # the echoed prompt's logprobs head the completion's
-    if sampling["prompt_logprobs"] is not None:
-        check_prompt_logprobs_size(len(prompt_ids), sampling["prompt_logprobs"], gateway.nc.max_payload,
+    if echo_logprobs and sampling.prompt_logprobs is None:
+        sampling.prompt_logprobs = req.logprobs  # the echoed prompt's logprobs head the completion's
+    if sampling.prompt_logprobs is not None:
+        check_prompt_logprobs_size(len(prompt_ids), sampling.prompt_logprobs, gateway.nc.max_payload,
                                    "echo" if req.prompt_logprobs is None else "prompt_logprobs")
     returned, n = req.n or 1, req.candidates  # best_of: n candidates, the `returned` most likely returned
-    if n > returned and sampling["logprobs"] is None:
-        sampling["logprobs"] = 0  # each token's logprob ranks the candidates (not returned unless asked for)
+    if n > returned and sampling.logprobs is None:
+        sampling.logprobs = 0  # each token's logprob ranks the candidates (not returned unless asked for)
     bound = gateway.settings.max_waiting_requests
     if bound and n > bound:
         raise RequestError(f"{n} choices would never be admitted: this gateway takes at most {bound} requests "
                            "waiting for their first token", "best_of" if n > returned else "n", code="invalid_value")
     try:
-        # (the prompt's logprobs are the same for every choice: the first computes them, the others share its KV)
-        params = [SamplingParams(**{**sampling, "seed": choice_seed(sampling["seed"], i),
-                                    "prompt_logprobs": sampling["prompt_logprobs"] if i == 0 else None})
-                  for i in range(n)]
+        sampling.validate()
     except InvalidRequestError as exc:
         raise from_invalid_request(exc) from None
+    # (the prompt's logprobs are the same for every choice: the first computes them, the others share its KV)
+    params = [sampling] + [msgspec.structs.replace(sampling, seed=choice_seed(sampling.seed, i), prompt_logprobs=None)
+                           for i in range(1, n)]
     if req.constraint is not None:  # compiled here first: a bad schema or grammar is this request's 400
         await check_constraint(req.constraint)
 
     request_id = request.state.request_id
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
-    telemetry = RequestTelemetry(gateway.metrics, endpoint, request_id, len(prompt_ids), sampling["max_tokens"],
+    telemetry = RequestTelemetry(gateway.metrics, endpoint, request_id, len(prompt_ids), sampling.max_tokens,
                                  bool(req.stream))
     request.state.trace_id = telemetry.trace_id
     bus_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
     def submit(i: int):
-        return gateway.request_bus.submit(bus_ids[i], req.model, prompt_ids, to_wire(params[i]),
+        return gateway.request_bus.submit(bus_ids[i], req.model, prompt_ids, params[i],
                                           headers=telemetry.headers({}))
 
     with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):

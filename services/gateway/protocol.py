@@ -28,7 +28,7 @@ from pydantic_core import PydanticCustomError
 from services.gateway.errors import RequestError, from_validation_errors
 from services.gateway.structured_request import GUIDED_FIELDS, Constraint, StructuredOutputsParams, constraint_of
 from services.gateway.tool_calls import calls_grammar, check_tools, tool_mode
-from shared.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from shared.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
 IGNORED_FIELDS = ("user",)  # accepted and ignored (logged once, at debug level)
 # Keys of chat_template_kwargs that would change how the template is called rather than what it renders.
@@ -440,34 +440,34 @@ def parse_request(model_cls: type[RequestT], body: Any) -> RequestT:
         raise from_validation_errors(exc.errors()) from None
 
 
-def to_sampling_kwargs(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
-    """Keyword arguments for `SamplingParams(**kwargs)` (plain types: they also cross the bus).
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """The request's sampling parameters, not yet validated (the caller fills in max_tokens and the rest first).
 
     max_tokens is None when the client gave none; `resolve_max_tokens` fills it in.
     """
-    return {
-        "max_tokens": req.requested_max_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": max(req.top_k or 0, 0),
-        "min_p": req.min_p or 0.0,
-        "presence_penalty": req.presence_penalty or 0.0,
-        "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        "seed": req.seed,
-        "stop": list(req.stop),
-        "stop_token_ids": list(req.stop_token_ids or []),
-        "ignore_eos": req.ignore_eos,
-        "logprobs": req.sampling_logprobs,
-        "skip_special_tokens": req.skip_special_tokens,
-        "spaces_between_special_tokens": req.spaces_between_special_tokens,
-        "include_stop_str_in_output": req.include_stop_str_in_output,
-        "min_tokens": req.min_tokens,
-        "logit_bias": req.logit_bias_ids,
-        "structured_kind": req.constraint.kind if req.constraint else "",
-        "structured_spec": req.constraint.spec if req.constraint else "",
-        "prompt_logprobs": req.prompt_logprobs,
-    }
+    return SamplingParams(
+        max_tokens=req.requested_max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        stop=list(req.stop),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=req.sampling_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        min_tokens=req.min_tokens,
+        logit_bias=req.logit_bias_ids,
+        structured_kind=req.constraint.kind if req.constraint else "",
+        structured_spec=req.constraint.spec if req.constraint else "",
+        prompt_logprobs=req.prompt_logprobs,
+    )
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, *,

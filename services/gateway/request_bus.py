@@ -13,10 +13,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from contracts import Assignment, CancelRequest, GenerateRequest, Sampling, Subjects, TokenChunk
+from contracts import Assignment, CancelRequest, GenerateRequest, Subjects, TokenChunk
 from services.common.identity import now_ms
 from services.gateway.streams import RequestStream, StreamError, TokenStreams, silence_leaves_worker_intact
 from shared.cancellation import raise_if_cancelled
+from shared.engine.sampling_params import SamplingParams
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -45,7 +46,7 @@ class Submission:
     """What a request was submitted with: what it is submitted with again when it moves."""
     model: str
     prompt_token_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     headers: dict[str, str]
 
 
@@ -65,7 +66,7 @@ class RequestBus:
         self.on_move = on_move  # told the failure code of every move
         self.worker_alive_after = worker_alive_after  # a worker process's latest known sign of life (BeatsSeen)
 
-    async def submit(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: Sampling,
+    async def submit(self, request_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      headers: dict[str, str] | None = None) -> RequestStream:
         """Queue the request for the scheduler (with `headers`, e.g. its trace context) and wait until a
         worker owns it.

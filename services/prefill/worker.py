@@ -15,9 +15,9 @@ straight into its own cache: one copy in all.
 """
 
 import asyncio
-import dataclasses
 from typing import Protocol
 
+import msgspec
 import nats.errors
 import structlog
 from opentelemetry import trace
@@ -28,7 +28,6 @@ from services.common.cpu_loan import CpuLender
 from services.common.engine_loop import AddRequest, RequestRejected
 from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
-from services.common.sampling_wire import from_wire
 from services.prefill.prompt_kv_stream import PromptKVStream
 from shared.bus.subscribe import fetch_loop
 from shared.engine.engine import RequestOutput
@@ -207,8 +206,10 @@ class PrefillRole:
             await self._report(job, ok=False, error="the job is for another model (or dtype) than this worker's")
             return "refused"
         try:
-            params = from_wire(job.sampling)
-            first_only = dataclasses.replace(params, max_tokens=1)
+            params = job.sampling
+            params.validate()  # the bus's decode checked its types, not its values
+            # Only the first token is drawn here (min_tokens kept for it: its EOS stays suppressed if it was).
+            first_only = msgspec.structs.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         except EngineError as exc:
             await self._report(job, ok=False, error=f"bad sampling parameters: {exc}")
             return "refused"

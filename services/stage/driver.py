@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from contracts import ForwardBatch, StageActivation, StageShipment, StepTrace, TransferTicket
+from contracts import StageActivation, StageShipment, StepTrace, TransferTicket
 from services.common.engine_loop import EngineLoop
 from services.common.identity import now_ms
 from services.stage.link import ActivationLink
@@ -138,7 +138,7 @@ class PipelineDriver:
                                           attempt=shipment.attempt, block_ids=list(item.block_ids),
                                           num_tokens=item.num_tokens))
         step = StageActivation(step_id=step_id, head=self.instance_id, head_boot_id=self.boot_id,
-                               route=list(self.stages), batch=ForwardBatch(**batch.to_dict()), stage_boot_ids=boots,
+                               route=list(self.stages), batch=batch, stage_boot_ids=boots,
                                kind="hidden", ship=ship, traces=traces,
                                deadline_ms=now_ms() + int(self.engine.step_timeout_s * 1000))
         task = asyncio.create_task(self._send(step, hidden))

@@ -109,7 +109,7 @@ class StageWorker:
                 continue
             shipments = [self._start_shipment(step, entry) for entry in step.ship]
             try:
-                batch = StepBatch.from_dict(msgspec.structs.asdict(step.batch))
+                batch = step.batch
                 started, started_ns = time.monotonic(), time.time_ns()
                 # One step at a time, in arrival order; the event loop keeps receiving the next ones meanwhile.
                 output = await self.engine_thread.run(self.runner.execute, batch, incoming.tensor,

@@ -648,6 +648,7 @@ class LLMEngine:
     def _validate(self, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling parameters must be a SamplingParams", "params")
+        params.validate()  # for direct engine users: the services' are checked where they came in, and here again
         if len(prompt_token_ids) == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
         for token_id in list(prompt_token_ids) + output_token_ids:
@@ -668,7 +669,7 @@ def _profile_batch(num_tokens: int, max_num_seqs: int, block_size: int) -> StepB
     sampled, as a step of that many sequences samples), each with blocks of its own."""
     num_seqs = max(1, min(max_num_seqs, num_tokens))
     lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-    batch = StepBatch([], [], [], [], [], [], [], block_size)
+    batch = StepBatch.empty(block_size)
     next_block = 0
     for i, length in enumerate(lengths):
         blocks = -(-length // block_size)

@@ -1,6 +1,16 @@
-"""Per-request sampling parameters, validated where they are made."""
+"""Per-request sampling parameters: one msgspec struct that the engine takes and the wire carries.
 
-from dataclasses import dataclass, field
+It lives here, beside the engine's rules for it, and `contracts` carries it as a part of its messages (as vLLM's
+`EngineCoreRequest` carries its `SamplingParams`). This module imports only msgspec and the engine's errors, so
+`contracts` stays light (no torch), and the engine never imports `contracts` (no import cycle). It is configured as
+`contracts.codec.Part` is (keyword-only, unknown fields refused) without subclassing it, for that same reason.
+
+Decoding checks only the fields' types; `validate()` checks their values. It runs where a request enters (the
+gateway, `splitserve generate`, the engine's `add_request`) and where a worker takes one off the bus.
+"""
+
+import msgspec
+from msgspec import field
 
 from shared.engine.errors import InvalidRequestError
 
@@ -10,8 +20,7 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 LOGIT_BIAS_RANGE = 100.0  # each bias is within [-100, 100], as OpenAI's
 
 
-@dataclass(slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How one request turns logits into tokens and when it stops.
 
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 switch
@@ -52,10 +61,10 @@ class SamplingParams:
     # Prefix reuse only among requests with the same salt (shared/engine/block_hash.py): the gateway's, per tenant.
     cache_salt: str = ""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first field whose value is out of range. A lone stop string
+        becomes a list of one, and the lists and the dict are copied (the caller's stay theirs)."""
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")

@@ -3,18 +3,19 @@ import asyncio
 import msgpack
 import pytest
 
-from contracts import CancelRequest, GenerateRequest, RequestFailed, Sampling, StatsRequest
+from contracts import CancelRequest, GenerateRequest, RequestFailed, StatsRequest
 from shared.bus import subscribe
 from shared.bus.provision import ensure_pull_consumer, ensure_stream
 from shared.bus.service import cancel_and_wait
 from shared.bus.subscribe import fetch_loop, subscribe_typed
+from shared.engine.sampling_params import SamplingParams
 from support.waiting import eventually
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 
 def generate_request(request_id: str) -> GenerateRequest:
-    return GenerateRequest(request_id=request_id, model="m", prompt_token_ids=[1, 2], sampling=Sampling(),
+    return GenerateRequest(request_id=request_id, model="m", prompt_token_ids=[1, 2], sampling=SamplingParams(),
                            reply_subject="r", deadline_ms=0, created_ms=0)
 
 

@@ -29,7 +29,7 @@ def test_invalid_sampling_params_name_the_parameter():
     ]
     for kwargs, param in cases:
         with pytest.raises(InvalidRequestError) as info:
-            SamplingParams(**kwargs)
+            SamplingParams(**kwargs).validate()
         assert info.value.param == param, kwargs
         assert param in str(info.value)
 
@@ -46,6 +46,7 @@ def test_bad_requests_are_rejected_while_others_run(engine):
         ([engine.vocab_size + 7], GREEDY, "prompt", "vocabulary"),
         (prompt, SamplingParams(stop_token_ids=[engine.vocab_size]), "stop_token_ids", "vocabulary"),
         (prompt, SamplingParams(stop_token_ids=[-1]), "stop_token_ids", "vocabulary"),
+        (prompt, SamplingParams(top_p=1.5), "top_p", "top_p"),  # a direct engine user's, checked on the way in
     ]
     for i, (bad_prompt, params, param, words) in enumerate(bad):
         with pytest.raises(InvalidRequestError, match=words) as info:

@@ -30,7 +30,7 @@ from services.gateway.protocol import (
     check_token_ids,
     parse_request,
     resolve_max_tokens,
-    to_sampling_kwargs,
+    to_sampling_params,
 )
 from services.gateway.responses import (
     SSE_DONE,
@@ -130,7 +130,7 @@ def test_bad_completion_only_values(param, value):
 
 def test_prompt_logprobs_are_not_streamed():
     for make, cls in ((completion, CompletionRequest), (chat, ChatCompletionRequest)):
-        assert to_sampling_kwargs(parse_request(cls, make(prompt_logprobs=3)))["prompt_logprobs"] == 3
+        assert to_sampling_params(parse_request(cls, make(prompt_logprobs=3))).prompt_logprobs == 3
         refused = rejected(cls, make(prompt_logprobs=1, stream=True))
         assert (refused.param, refused.code) == ("prompt_logprobs", "unsupported_value")
 
@@ -311,30 +311,26 @@ def test_chat_content_parts_and_template_messages():
 
 def test_max_completion_tokens_wins_over_max_tokens():
     req = parse_request(ChatCompletionRequest, chat(max_tokens=10, max_completion_tokens=20))
-    assert to_sampling_kwargs(req)["max_tokens"] == 20 and req.max_tokens_param == "max_completion_tokens"
+    assert to_sampling_params(req).max_tokens == 20 and req.max_tokens_param == "max_completion_tokens"
     req = parse_request(ChatCompletionRequest, chat(max_tokens=10))
-    assert to_sampling_kwargs(req)["max_tokens"] == 10 and req.max_tokens_param == "max_tokens"
-    assert to_sampling_kwargs(parse_request(ChatCompletionRequest, chat()))["max_tokens"] is None
-    assert to_sampling_kwargs(parse_request(CompletionRequest, completion()))["max_tokens"] is None
+    assert to_sampling_params(req).max_tokens == 10 and req.max_tokens_param == "max_tokens"
+    assert to_sampling_params(parse_request(ChatCompletionRequest, chat())).max_tokens is None
+    assert to_sampling_params(parse_request(CompletionRequest, completion())).max_tokens is None
 
 
-def test_sampling_kwargs_build_sampling_params():
+def test_the_request_builds_its_sampling_params():
     req = parse_request(CompletionRequest, completion(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.1,
         frequency_penalty=0.2, repetition_penalty=1.1, seed=3, stop=["x", "y"], stop_token_ids=[2],
         ignore_eos=True, logprobs=3, skip_special_tokens=False))
-    kwargs = to_sampling_kwargs(req)
-    assert kwargs == {
-        "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.1,
-        "frequency_penalty": 0.2, "repetition_penalty": 1.1, "seed": 3, "stop": ["x", "y"], "stop_token_ids": [2],
-        "ignore_eos": True, "logprobs": 3, "skip_special_tokens": False, "spaces_between_special_tokens": True,
-        "include_stop_str_in_output": False, "min_tokens": 0, "logit_bias": {}, "structured_kind": "",
-        "structured_spec": "", "prompt_logprobs": None,
-    }
-    SamplingParams(**kwargs)
-    defaults = to_sampling_kwargs(parse_request(CompletionRequest, completion(top_k=-1)))
-    params = SamplingParams(**{**defaults, "max_tokens": 5})
-    assert (params.temperature, params.top_p, params.top_k, params.logprobs, params.stop) == (1.0, 1.0, 0, None, [])
+    params = to_sampling_params(req)
+    assert params == SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.1, frequency_penalty=0.2,
+        repetition_penalty=1.1, seed=3, stop=["x", "y"], stop_token_ids=[2], ignore_eos=True, logprobs=3,
+        skip_special_tokens=False)
+    params.validate()
+    defaults = to_sampling_params(parse_request(CompletionRequest, completion(top_k=-1)))
+    assert defaults == SamplingParams(max_tokens=None)  # the type's own defaults; max_tokens is filled in later
 
 
 @pytest.mark.parametrize("fields,expected", [
@@ -342,7 +338,7 @@ def test_sampling_kwargs_build_sampling_params():
     ({"logprobs": True, "top_logprobs": 20}, 20),
 ])
 def test_chat_logprobs_map_to_sampling(fields, expected):
-    assert to_sampling_kwargs(parse_request(ChatCompletionRequest, chat(**fields)))["logprobs"] == expected
+    assert to_sampling_params(parse_request(ChatCompletionRequest, chat(**fields))).logprobs == expected
 
 
 # --- max_tokens against the context -----------------------------------------
@@ -590,10 +586,10 @@ def test_the_vllm_extensions_reach_the_sampling_parameters():
     req = parse_request(CompletionRequest, completion(
         min_tokens=3, include_stop_str_in_output=True, spaces_between_special_tokens=False,
         logit_bias={"7": -100, "12": 5.5}))
-    sampling = to_sampling_kwargs(req)
-    assert (sampling["min_tokens"], sampling["include_stop_str_in_output"],
-            sampling["spaces_between_special_tokens"]) == (3, True, False)
-    assert sampling["logit_bias"] == {7: -100.0, 12: 5.5}
+    sampling = to_sampling_params(req)
+    assert (sampling.min_tokens, sampling.include_stop_str_in_output,
+            sampling.spaces_between_special_tokens) == (3, True, False)
+    assert sampling.logit_bias == {7: -100.0, 12: 5.5}
 
 
 def test_echo_is_honoured_and_with_logprobs_only_whole():

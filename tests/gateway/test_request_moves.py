@@ -221,7 +221,7 @@ def test_a_request_gone_silent_on_a_worker_that_kept_beating_may_go_back_to_it(n
 
     import nats
 
-    from contracts import Sampling
+    from shared.engine.sampling_params import SamplingParams
     from services.common.queues import provision_request_queue
     from services.gateway.request_bus import RequestBus
 
@@ -237,7 +237,7 @@ def test_a_request_gone_silent_on_a_worker_that_kept_beating_may_go_back_to_it(n
         bus = RequestBus(nc=nc, subjects=subjects, gateway_id="gateway-0", streams=streams, idle_timeout_s=0.3,
                          assign_timeout_s=2.0, worker_alive_after=alive_after)
         stream = streams.open("r1")
-        stream.submission = SimpleNamespace(model="m", prompt_token_ids=[1, 2], sampling=Sampling(), headers={})
+        stream.submission = SimpleNamespace(model="m", prompt_token_ids=[1, 2], sampling=SamplingParams(), headers={})
         stream.worker_instance, stream.worker_boot_id = "decode-0", "boot-a"
         stream.routed_to = "decode-0"
 

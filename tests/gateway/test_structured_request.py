@@ -5,7 +5,7 @@ import json
 import pytest
 
 from services.gateway.errors import RequestError
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request, to_sampling_kwargs
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request, to_sampling_params
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -31,8 +31,8 @@ def test_each_way_of_asking_is_one_constraint(fields, kind, spec, param):
                                                               {"messages": [{"role": "user", "content": "hi"}]})):
         req = parse_request(cls, {"model": "m", **base, **fields})
         assert (req.constraint.kind, req.constraint.spec, req.constraint.param) == (kind, spec, param)
-        kwargs = to_sampling_kwargs(req)
-        assert (kwargs["structured_kind"], kwargs["structured_spec"]) == (kind, spec)
+        params = to_sampling_params(req)
+        assert (params.structured_kind, params.structured_spec) == (kind, spec)
 
 
 def test_text_and_nothing_are_free_text_and_two_constraints_are_refused():

@@ -9,7 +9,8 @@ import httpx
 import msgpack
 import nats
 
-from contracts import GenerateRequest, RequestFailed, Sampling, ServiceStats, StatsRequest, Subjects
+from contracts import GenerateRequest, RequestFailed, ServiceStats, StatsRequest, Subjects
+from shared.engine.sampling_params import SamplingParams
 from support.token_tap import request_id_of
 from support.waiting import eventually
 
@@ -61,7 +62,7 @@ def test_malformed_and_wrong_version_messages_are_rejected(colocated):
         subjects = Subjects(colocated.namespace)
         try:
             generate = subjects.worker_generate("decode-0")
-            good = GenerateRequest(request_id="r1", model=MODEL, prompt_token_ids=[1, 2], sampling=Sampling(),
+            good = GenerateRequest(request_id="r1", model=MODEL, prompt_token_ids=[1, 2], sampling=SamplingParams(),
                                    reply_subject="_INBOX.none", deadline_ms=0, created_ms=0)
             wrong_version = msgpack.packb({**msgpack.unpackb(good.encode()), "v": 99})
             for payload in (b"\xc1\x00garbage", msgpack.packb([1, 2, 3]), wrong_version,

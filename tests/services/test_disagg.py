@@ -14,7 +14,7 @@ import nats
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from contracts import PrefillResult, Sampling, Subjects, from_anyone
+from contracts import PrefillResult, Subjects, from_anyone
 from reference import reference_greedy, reference_logprobs, safe_prompts, safe_seed
 from support.deployment import start_deployment
 from support.kv_workload import wait_until
@@ -128,6 +128,7 @@ def test_logprobs_come_from_both_workers_as_transformers_computes_them(disagg, d
 def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):
     from contracts import PrefillJob, PrefillResult
     from contracts import TransferEndpoint, TransferTicket
+    from shared.engine.sampling_params import SamplingParams
 
     subjects = Subjects(disagg.namespace)
 
@@ -138,7 +139,7 @@ def test_a_prefill_job_for_another_model_is_refused_not_computed(disagg):
             ticket = TransferTicket(transfer_id=request_id, token=b"t" * 32, deadline_unix_s=time.time() + 5,
                                     endpoint=TransferEndpoint(host="127.0.0.1", port=9, host_id="elsewhere"))
             job = PrefillJob(request_id=request_id, model=MODEL, prompt_token_ids=list(range(100, 140)),
-                             sampling=Sampling(max_tokens=4, temperature=0.0, seed=1), ticket=ticket,
+                             sampling=SamplingParams(max_tokens=4, temperature=0.0, seed=1), ticket=ticket,
                              reply_subject=f"{disagg.namespace}.test.{request_id}", block_size=16,
                              model_fingerprint=fingerprint, deadline_ms=int((time.time() + 5) * 1000),
                              created_ms=int(time.time() * 1000))
