@@ -5,7 +5,7 @@ import dataclasses
 import msgspec
 
 from contracts import Sampling
-from shared.engine.sampling_params import SamplingParams
+from shared.engine import SamplingParams
 
 
 def to_wire(params: SamplingParams) -> Sampling:
