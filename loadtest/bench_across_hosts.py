@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from loadtest.across_hosts import HostsDeployment
-from loadtest.bench_serve import add_workload_options, format_report, measure, resolve_tokenizer
-from loadtest.datasets import build_dataset
+from services.bench.serve import add_workload_options, format_report, measure, resolve_tokenizer
+from services.bench.datasets import build_dataset
 from loadtest.netns import Hosts, netns_unavailable
 
 GATEWAY = "http://127.0.0.1:8000"

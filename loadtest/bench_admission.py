@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.up_process import serving
+from services.bench.up_process import serving
 
 
 async def one_request(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int) -> dict:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loadtest.up_process import ROOT, serving
+from services.bench.up_process import ROOT, serving
 
 
 def bench(url: str, args: argparse.Namespace, out: Path, num_prompts: int | None = None,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.up_process import UpProcess, serving
+from services.bench.up_process import UpProcess, serving
 from services.gateway.readiness import fully_ready
 
 FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}

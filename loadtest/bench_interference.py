@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.up_process import UpProcess, pin_process
+from services.bench.up_process import UpProcess, pin_process
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -68,8 +68,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest import bench_serve
-from loadtest.datasets import BenchRequest, build_dataset
+from services.bench import serve as bench_serve
+from services.bench.datasets import BenchRequest, build_dataset
 
 SPLITSERVE_FLAGS = {
     "colocated": ["--topology", "colocated", "--decode", "1"],
@@ -342,7 +342,7 @@ def plot(summary: dict, servers: list[str], path: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 def make_server(name: str, dtype: str, args, model_dir: str, max_model_len: int, venv, run_dir: Path):
     from loadtest.peer_server import transformers_server, vllm_server
-    from loadtest.up_process import UpProcess
+    from services.bench.up_process import UpProcess
 
     if name == "vllm":
         return vllm_server(venv, model_dir, dtype=dtype, max_model_len=max_model_len, log_dir=run_dir)

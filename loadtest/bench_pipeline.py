@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_interference import prepare_model, send_request
-from loadtest.up_process import UpProcess, fetch_metrics, write_deployment_results
+from services.bench.up_process import UpProcess, fetch_metrics, write_deployment_results
 
 RESULT_KEYS = ("machine", "model", "settings", "runs")
 RUN_KEYS = ("stages", "microbatches", "ok", "output_tokens_per_s", "tpot_ms", "ttft_ms", "bubble_measured",

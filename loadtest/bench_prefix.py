@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_interference import prepare_model, send_request
-from loadtest.up_process import UpProcess, fetch_metrics, write_deployment_results
+from services.bench.up_process import UpProcess, fetch_metrics, write_deployment_results
 
 CONFIGS = {
     "load": ["--topology", "colocated", "--decode", "2", "--no-kv-store", "--router", "load"],

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.up_process import ROOT, serving
+from services.bench.up_process import ROOT, serving
 
 STALL_AT = 30  # the stream's token at which the constrained requests are sent
 

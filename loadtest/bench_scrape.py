@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 
 from loadtest.bench_faults import run_streams
-from loadtest.up_process import serving
+from services.bench.up_process import serving
 
 
 def _percentiles_ms(seconds: list[float]) -> dict:

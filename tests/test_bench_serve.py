@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from loadtest.bench_metrics import RequestRecord, compute_metrics, summary_ms
-from loadtest.bench_serve import arrival_times
-from loadtest.datasets import build_dataset
+from services.bench.metrics import RequestRecord, compute_metrics, summary_ms
+from services.bench.serve import arrival_times
+from services.bench.datasets import build_dataset
 from support.deployment import start_deployment
 from support.processes import ROOT
 

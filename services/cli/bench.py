@@ -1,5 +1,5 @@
 """`splitserve bench` (a load generator for any OpenAI-compatible server) and `splitserve bench compare`
-(one workload against several topologies started in turn). The code lives in loadtest/."""
+(one workload against several topologies started in turn). The code lives in services/bench/."""
 
 import argparse
 import importlib.util
@@ -26,7 +26,7 @@ def _with_extra(run):
 
 
 def add_parser(subcommands) -> None:
-    from loadtest import bench_compare, bench_serve
+    from services.bench import compare as bench_compare, serve as bench_serve
 
     parser = subcommands.add_parser(
         "bench", help="measure a server: TTFT, TPOT, ITL, E2E latency, throughput, goodput",

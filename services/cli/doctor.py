@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from services.common.settings import SettingsError
     from services.doctor import checks
     from services.launcher.deployment import resolve_run_dir
-    from shared.engine.default_model import cache_root
+    from shared.engine import cache_root
 
     try:
         up = up_settings_of(args)

@@ -6,8 +6,7 @@ import sys
 
 from contracts import LogprobEntry
 from contracts.codec import to_builtins
-from shared.engine.errors import EngineError
-from shared.engine.sampling_params import SamplingParams
+from shared.engine import EngineError, SamplingParams
 
 DEFAULTS = SamplingParams()  # the options' defaults are the engine's (a light import: msgspec only)
 
@@ -43,9 +42,7 @@ def add_parser(subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Heavy imports stay here so `splitserve --help` is instant.
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import LLMEngine
-    from shared.engine.model_registry import resolve_model
+    from shared.engine import EngineConfig, LLMEngine, resolve_model
 
     try:
         params = SamplingParams(

@@ -28,8 +28,7 @@ def add_parser(subcommands) -> None:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from shared.engine.default_model import cache_root
-    from shared.engine.model_registry import DEFAULT_MODEL, KNOWN_MODELS, cached_dir, model_names
+    from shared.engine import DEFAULT_MODEL, KNOWN_MODELS, cache_root, cached_dir, model_names
 
     rows = []
     for name in model_names():
@@ -51,8 +50,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from shared.engine.errors import ModelFetchError, ModelLoadError
-    from shared.engine.model_registry import resolve_model
+    from shared.engine import ModelFetchError, ModelLoadError, resolve_model
 
     for value in args.models:
         try:

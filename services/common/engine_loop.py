@@ -21,11 +21,9 @@ from dataclasses import dataclass
 
 from services.common.cpu_loan import CpuShare
 from services.common.engine_thread import EngineThread
-from shared.engine.continuation import Continuation
-from shared.engine.engine import LLMEngine, RequestOutput
-from shared.engine.errors import EngineError, InvalidRequestError
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.structured_output import MAX_COMPILE_S
+from shared.engine import (
+    Continuation, EngineError, InvalidRequestError, LLMEngine, MAX_COMPILE_S, RequestOutput, SamplingParams
+)
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)

@@ -19,7 +19,7 @@ from services.common.identity import ServiceIdentity, now_ms
 from services.common.kv_event_publisher import engine_kv_events, kv_hashing
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
-from shared.engine.engine import LLMEngine, RequestOutput
+from shared.engine import LLMEngine, RequestOutput
 from shared.telemetry.logging import get_logger
 from shared.transfer.shm import segments_held
 
@@ -84,7 +84,7 @@ class EngineWorker:
         self.lifecycle = "starting"  # then "ready", then "draining"
         self.role: WorkerRole | None = None
         self.parts: list[WorkerPart] = []
-        self.kv_store = None  # services.common.kvstore_tier.KVStoreTier, with --kv-store
+        self.kv_store = None  # services.kvstore.tier.KVStoreTier, with --kv-store
         self._loop = asyncio.get_running_loop()
         self._outputs: asyncio.Queue = asyncio.Queue()  # one engine step's outputs per item, in order
         self.engine_loop = EngineLoop(engine, self._from_engine_thread, engine_thread, cpu_share, gather_s)

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from contracts import KVEvents, KVSnapshotRequest, Subjects, sent_by
 from shared.bus.subscribe import subscribe_typed
-from shared.engine.kv_event_log import KVEventLog, PrefixCacheEvents
+from shared.engine import KVEventLog, PrefixCacheEvents
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)

@@ -3,7 +3,7 @@
 import threading
 from collections.abc import Callable
 
-from shared.engine.kv_connector import LoadEnd
+from shared.engine import LoadEnd
 
 
 class LoadReports:

@@ -43,8 +43,7 @@ def transfer_tls_of(settings: SideChannelSettings):
 
 def resolve_model(settings: ModelSettings) -> tuple[str, str]:
     """(model directory, served model name) of --model (see `shared.engine.model_registry`); exits if it names none."""
-    from shared.engine.errors import ModelLoadError
-    from shared.engine.model_registry import resolve_model as resolve
+    from shared.engine import ModelLoadError, resolve_model as resolve
 
     try:
         resolved = resolve(settings.model)
@@ -84,7 +83,7 @@ def apply_engine_placement(settings: EngineSettings) -> None:
 
 
 def engine_config(settings: EngineSettings, model_dir: str):
-    from shared.engine.config import EngineConfig
+    from shared.engine import EngineConfig
 
     return EngineConfig(
         model=model_dir,

@@ -4,6 +4,60 @@ routing and pipeline figures, labelled by service and instance (and model_name w
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+Gauge, Counter, Histogram = GaugeMetricFamily, CounterMetricFamily, HistogramMetricFamily
+ENGINE = ["model_name", "service", "instance"]  # a model worker's engine series, labelled as vLLM's are
+BY = ["service", "instance"]  # every other series
+
+# key -> (family, name, help, labels), in the order a scrape shows them.
+SERIES = {
+    "num_running": (Gauge, "vllm:num_requests_running", "Sequences in the running batch", ENGINE),
+    "num_waiting": (Gauge, "vllm:num_requests_waiting", "Sequences waiting to be scheduled", ENGINE),
+    "kv_blocks_total": (Gauge, "splitserve_kv_blocks_total", "KV cache blocks", ENGINE),
+    "kv_blocks_free": (Gauge, "splitserve_kv_blocks_free", "KV cache blocks free", ENGINE),
+    "usage": (Gauge, "vllm:kv_cache_usage_perc", "Share of the KV cache blocks in use (1: all)", ENGINE),
+    "transfer_bytes": (Counter, "splitserve_kv_transfer_bytes", "KV bytes received over the side channel",
+                       [*BY, "backend"]),
+    "transfer_seconds": (Histogram, "splitserve_kv_transfer_seconds", "Duration of KV transfers", BY),
+    "decisions": (Counter, "splitserve_disagg_decisions", "Remote or local prefill, as the scheduler decided",
+                  [*BY, "decision"]),
+    "outcomes": (Counter, "splitserve_prefill_outcomes", "How a decode worker's requests were prefilled",
+                 [*BY, "outcome"]),
+    "idle": (Gauge, "splitserve_pipeline_stage_idle_fraction",
+             "Share of a pipeline stage's time spent waiting for input while there was work "
+             "(the bubble; gaps over 1 s count as no work)", BY),
+    "busy": (Counter, "splitserve_pipeline_stage_busy_seconds", "Time a pipeline stage spent computing", BY),
+    "idle_seconds": (Counter, "splitserve_pipeline_stage_idle_seconds",
+                     "Time a pipeline stage waited for input between steps (gaps up to 1 s)", BY),
+    "hop_bytes": (Counter, "splitserve_pipeline_activation_bytes",
+                  "Activation bytes a pipeline stage sent on, inline on NATS or over the side channel",
+                  [*BY, "path"]),
+    "queue_depth": (Gauge, "splitserve_queue_depth", "Jobs waiting in a JetStream work queue, as the "
+                    "scheduler last saw it", [*BY, "queue"]),
+    "routed": (Counter, "splitserve_scheduler_routed", "Requests the scheduler handled, by outcome",
+               [*BY, "outcome"]),
+    "routed_blocks": (Counter, "splitserve_kv_router_blocks", "Prompt blocks of the requests the KV "
+                      "router placed, and how many the chosen worker held", [*BY, "kind"]),
+    "index_blocks": (Gauge, "splitserve_kv_router_index_blocks", "Block hashes in the scheduler's "
+                     "prefix index", BY),
+    "loan_events": (Counter, "splitserve_cpu_loan_events", "An idle prefill worker's CPUs lent to its "
+                    "decode worker: lent, returned (at the lender's demand), claimed back, "
+                    "overdue (claims that passed their deadline)", [*BY, "event"]),
+    "loan_wait": (Counter, "splitserve_cpu_loan_claim_wait_seconds", "Time a prefill worker waited for "
+                  "its lent CPUs back before computing", BY),
+    "query_tokens": (Counter, "splitserve_prefix_cache_query_tokens",
+                     "Prompt tokens a worker looked up in the prefix caches (full blocks)", BY),
+    "hit_tokens": (Counter, "splitserve_prefix_cache_hit_tokens",
+                   "Prompt tokens found cached: in the worker's own cache or in the kv-store", [*BY, "tier"]),
+    "computed": (Counter, "splitserve_prompt_tokens_computed",
+                 "Prompt tokens a worker ran through the model: not found in any cache (or computed again "
+                 "after a preemption)", BY),
+    "store_bytes": (Gauge, "splitserve_kvstore_bytes", "KV bytes a kv-store holds, per tier", [*BY, "tier"]),
+    "store_blocks": (Gauge, "splitserve_kvstore_blocks", "KV blocks a kv-store holds, per tier", [*BY, "tier"]),
+    "store_evictions": (Counter, "splitserve_kvstore_evictions",
+                        "Blocks a kv-store tier let go of (RAM: spilled to disk or dropped)", [*BY, "tier"]),
+}
+ENGINE_FIELDS = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free")  # ServiceInfo's own
+
 
 class StatsCollector:
     """Per-instance series from services' stats (`ServiceStats`), read as of the scrape: one service's own on its
@@ -14,128 +68,86 @@ class StatsCollector:
         self._snapshot = stats_snapshot
 
     def collect(self):
-        fields = {
-            "num_running": ("vllm:num_requests_running", "Sequences in the running batch"),
-            "num_waiting": ("vllm:num_requests_waiting", "Sequences waiting to be scheduled"),
-            "kv_blocks_total": ("splitserve_kv_blocks_total", "KV cache blocks"),
-            "kv_blocks_free": ("splitserve_kv_blocks_free", "KV cache blocks free"),
-        }
-        # A model worker's engine series, labelled as vLLM's are (model_name) and as every series here is.
-        families = {name: GaugeMetricFamily(metric, doc, labels=["model_name", "service", "instance"])
-                    for name, (metric, doc) in fields.items()}
-        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the KV cache blocks in use (1: all)",
-                                  labels=["model_name", "service", "instance"])
-        transfer_bytes = CounterMetricFamily("splitserve_kv_transfer_bytes", "KV bytes received over the side channel",
-                                             labels=["service", "instance", "backend"])
-        transfer_seconds = HistogramMetricFamily("splitserve_kv_transfer_seconds", "Duration of KV transfers",
-                                                 labels=["service", "instance"])
-        decisions = CounterMetricFamily("splitserve_disagg_decisions", "Remote or local prefill, as the scheduler decided",
-                                        labels=["service", "instance", "decision"])
-        outcomes = CounterMetricFamily("splitserve_prefill_outcomes", "How a decode worker's requests were prefilled",
-                                       labels=["service", "instance", "outcome"])
-        idle = GaugeMetricFamily("splitserve_pipeline_stage_idle_fraction",
-                                 "Share of a pipeline stage's time spent waiting for input while there was work "
-                                 "(the bubble; gaps over 1 s count as no work)", labels=["service", "instance"])
-        busy = CounterMetricFamily("splitserve_pipeline_stage_busy_seconds", "Time a pipeline stage spent computing",
-                                   labels=["service", "instance"])
-        idle_seconds = CounterMetricFamily("splitserve_pipeline_stage_idle_seconds",
-                                           "Time a pipeline stage waited for input between steps (gaps up to 1 s)",
-                                           labels=["service", "instance"])
-        query_tokens = CounterMetricFamily("splitserve_prefix_cache_query_tokens",
-                                           "Prompt tokens a worker looked up in the prefix caches (full blocks)",
-                                           labels=["service", "instance"])
-        hit_tokens = CounterMetricFamily("splitserve_prefix_cache_hit_tokens",
-                                         "Prompt tokens found cached: in the worker's own cache or in the kv-store",
-                                         labels=["service", "instance", "tier"])
-        computed = CounterMetricFamily("splitserve_prompt_tokens_computed",
-                                       "Prompt tokens a worker ran through the model: not found in any cache (or computed again "
-                                       "after a preemption)",
-                                       labels=["service", "instance"])
-        store_bytes = GaugeMetricFamily("splitserve_kvstore_bytes", "KV bytes a kv-store holds, per tier",
-                                        labels=["service", "instance", "tier"])
-        store_blocks = GaugeMetricFamily("splitserve_kvstore_blocks", "KV blocks a kv-store holds, per tier",
-                                         labels=["service", "instance", "tier"])
-        store_evictions = CounterMetricFamily("splitserve_kvstore_evictions",
-                                              "Blocks a kv-store tier let go of (RAM: spilled to disk or dropped)",
-                                              labels=["service", "instance", "tier"])
-        queue_depth = GaugeMetricFamily("splitserve_queue_depth", "Jobs waiting in a JetStream work queue, as the "
-                                        "scheduler last saw it", labels=["service", "instance", "queue"])
-        routed = CounterMetricFamily("splitserve_scheduler_routed", "Requests the scheduler handled, by outcome",
-                                     labels=["service", "instance", "outcome"])
-        routed_blocks = CounterMetricFamily("splitserve_kv_router_blocks", "Prompt blocks of the requests the KV "
-                                            "router placed, and how many the chosen worker held",
-                                            labels=["service", "instance", "kind"])
-        index_blocks = GaugeMetricFamily("splitserve_kv_router_index_blocks", "Block hashes in the scheduler's "
-                                         "prefix index", labels=["service", "instance"])
-        hop_bytes = CounterMetricFamily("splitserve_pipeline_activation_bytes",
-                                        "Activation bytes a pipeline stage sent on, inline on NATS or over the side channel",
-                                        labels=["service", "instance", "path"])
-        loan_events = CounterMetricFamily("splitserve_cpu_loan_events", "An idle prefill worker's CPUs lent to its "
-                                          "decode worker: lent, returned (at the lender's demand), claimed back, "
-                                          "overdue (claims that passed their deadline)",
-                                          labels=["service", "instance", "event"])
-        loan_wait = CounterMetricFamily("splitserve_cpu_loan_claim_wait_seconds", "Time a prefill worker waited for "
-                                        "its lent CPUs back before computing", labels=["service", "instance"])
+        series = {key: family(name, doc, labels=labels) for key, (family, name, doc, labels) in SERIES.items()}
         for entry in self._snapshot():
             labels = [entry.role, entry.instance_id]
-            details = entry.details
-            for decision, count in details.get("disagg_decisions", {}).items():
-                decisions.add_metric([*labels, decision], count)
+            for decision, count in entry.details.get("disagg_decisions", {}).items():
+                series["decisions"].add_metric([*labels, decision], count)
             if entry.role == "scheduler":
-                for queue, depth in details.get("queue_depths", {}).items():
-                    queue_depth.add_metric([*labels, queue], depth)
-                for outcome, count in details.get("routed", {}).items():
-                    routed.add_metric([*labels, outcome], count)
-                hits = details.get("prefix_hits")
-                if hits:
-                    routed_blocks.add_metric([*labels, "prompt"], hits["prompt_blocks"])
-                    routed_blocks.add_metric([*labels, "cached"], hits["cached_blocks"])
-                    index_blocks.add_metric(labels, details["prefix_index"]["blocks"])
-            if entry.role in ("gateway", "scheduler"):
-                continue
-            if entry.kv_blocks_total:  # a model worker (a kv-store has no engine)
-                engine_labels = [entry.served_model_name, *labels]
-                for name, family in families.items():
-                    family.add_metric(engine_labels, getattr(entry, name))
-                usage.add_metric(engine_labels, 1 - entry.kv_blocks_free / entry.kv_blocks_total)
-            for outcome, count in details.get("prefill_decisions", {}).items():
-                outcomes.add_metric([*labels, outcome], count)
-            transfer = details.get("kv_transfer", {})
-            for backend, count in transfer.get("bytes_by_backend", {}).items():
-                transfer_bytes.add_metric([*labels, backend], count)
-            prefix = details.get("prefix_cache")
-            if prefix:
-                query_tokens.add_metric(labels, prefix["query_tokens"])
-                # Every worker shows the local and kv-store tiers (0 without a kv-store), and any other it reports.
-                for tier, tokens in {"local": 0, "kvstore": 0, **prefix["hit_tokens"]}.items():
-                    hit_tokens.add_metric([*labels, tier], tokens)
-                computed.add_metric(labels, prefix["prompt_tokens_computed"])
-            store = details.get("store")
-            if entry.role == "kvstore" and store:
-                for tier in ("ram", "disk"):
-                    store_bytes.add_metric([*labels, tier], store[tier]["bytes"])
-                    store_blocks.add_metric([*labels, tier], store[tier]["blocks"])
-                    store_evictions.add_metric([*labels, tier], store["evictions"][tier])
-            utilization = details.get("utilization")
-            if utilization:
-                idle.add_metric(labels, utilization["idle_fraction"])
-                busy.add_metric(labels, utilization["busy_seconds"])
-                idle_seconds.add_metric(labels, utilization["idle_seconds"])
-            link = details.get("link")
-            if link:
-                hop_bytes.add_metric([*labels, "inline"], link.get("inline_bytes_sent", 0))
-                hop_bytes.add_metric([*labels, "side_channel"], link.get("side_channel_bytes_sent", 0))
-            loan = details.get("cpu_loan")
-            if loan:
-                events = ("lent", "returned") if loan["role"] == "borrower" else ("claims", "overdue")
-                for event in events:
-                    loan_events.add_metric([*labels, event], loan[event])
-                if loan["role"] == "lender":
-                    loan_wait.add_metric(labels, loan["claim_wait_s"])
-            histogram = transfer.get("seconds_histogram")
-            if histogram:
-                transfer_seconds.add_metric(labels, [(str(le), n) for le, n in histogram["buckets"]], histogram["sum"])
-        yield from families.values()
-        yield from (usage, transfer_bytes, transfer_seconds, decisions, outcomes, idle, busy, idle_seconds, hop_bytes,
-                    queue_depth, routed, routed_blocks, index_blocks, loan_events, loan_wait,
-                    query_tokens, hit_tokens, computed, store_bytes, store_blocks, store_evictions)
+                _add_scheduler(series, labels, entry.details)
+            if entry.role not in ("gateway", "scheduler"):
+                _add_worker(series, labels, entry)
+        yield from series.values()
+
+
+def _add_scheduler(series: dict, labels: list[str], details: dict) -> None:
+    for queue, depth in details.get("queue_depths", {}).items():
+        series["queue_depth"].add_metric([*labels, queue], depth)
+    for outcome, count in details.get("routed", {}).items():
+        series["routed"].add_metric([*labels, outcome], count)
+    hits = details.get("prefix_hits")
+    if hits:
+        series["routed_blocks"].add_metric([*labels, "prompt"], hits["prompt_blocks"])
+        series["routed_blocks"].add_metric([*labels, "cached"], hits["cached_blocks"])
+        series["index_blocks"].add_metric(labels, details["prefix_index"]["blocks"])
+
+
+def _add_worker(series: dict, labels: list[str], entry) -> None:
+    """A model worker's, a pipeline stage's or a kv-store's series."""
+    details = entry.details
+    if entry.kv_blocks_total:  # a model worker (a kv-store has no engine)
+        engine_labels = [entry.served_model_name, *labels]
+        for name in ENGINE_FIELDS:
+            series[name].add_metric(engine_labels, getattr(entry, name))
+        series["usage"].add_metric(engine_labels, 1 - entry.kv_blocks_free / entry.kv_blocks_total)
+    for outcome, count in details.get("prefill_decisions", {}).items():
+        series["outcomes"].add_metric([*labels, outcome], count)
+    _add_transfer(series, labels, details.get("kv_transfer", {}))
+    _add_prefix_cache(series, labels, details.get("prefix_cache"))
+    store = details.get("store")
+    if entry.role == "kvstore" and store:
+        for tier in ("ram", "disk"):
+            series["store_bytes"].add_metric([*labels, tier], store[tier]["bytes"])
+            series["store_blocks"].add_metric([*labels, tier], store[tier]["blocks"])
+            series["store_evictions"].add_metric([*labels, tier], store["evictions"][tier])
+    _add_pipeline(series, labels, details.get("utilization"), details.get("link"))
+    _add_cpu_loan(series, labels, details.get("cpu_loan"))
+
+
+def _add_transfer(series: dict, labels: list[str], transfer: dict) -> None:
+    for backend, count in transfer.get("bytes_by_backend", {}).items():
+        series["transfer_bytes"].add_metric([*labels, backend], count)
+    histogram = transfer.get("seconds_histogram")
+    if histogram:
+        series["transfer_seconds"].add_metric(labels, [(str(le), n) for le, n in histogram["buckets"]],
+                                              histogram["sum"])
+
+
+def _add_prefix_cache(series: dict, labels: list[str], prefix: dict | None) -> None:
+    if not prefix:
+        return
+    series["query_tokens"].add_metric(labels, prefix["query_tokens"])
+    # Every worker shows the local and kv-store tiers (0 without a kv-store), and any other it reports.
+    for tier, tokens in {"local": 0, "kvstore": 0, **prefix["hit_tokens"]}.items():
+        series["hit_tokens"].add_metric([*labels, tier], tokens)
+    series["computed"].add_metric(labels, prefix["prompt_tokens_computed"])
+
+
+def _add_pipeline(series: dict, labels: list[str], utilization: dict | None, link: dict | None) -> None:
+    if utilization:
+        series["idle"].add_metric(labels, utilization["idle_fraction"])
+        series["busy"].add_metric(labels, utilization["busy_seconds"])
+        series["idle_seconds"].add_metric(labels, utilization["idle_seconds"])
+    if link:
+        series["hop_bytes"].add_metric([*labels, "inline"], link.get("inline_bytes_sent", 0))
+        series["hop_bytes"].add_metric([*labels, "side_channel"], link.get("side_channel_bytes_sent", 0))
+
+
+def _add_cpu_loan(series: dict, labels: list[str], loan: dict | None) -> None:
+    if not loan:
+        return
+    events = ("lent", "returned") if loan["role"] == "borrower" else ("claims", "overdue")
+    for event in events:
+        series["loan_events"].add_metric([*labels, event], loan[event])
+    if loan["role"] == "lender":
+        series["loan_wait"].add_metric(labels, loan["claim_wait_s"])

@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from services.common.settings import Settings, option
-from shared.engine.defaults import (
+from shared.engine import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -42,7 +42,7 @@ MemoryShare = Annotated[float, Field(gt=0, le=1)]
 
 
 def _keys(keys: tuple[str, ...]) -> tuple[str, ...]:
-    from services.gateway.edge import parse_api_keys
+    from services.common.api_keys import parse_api_keys
 
     return parse_api_keys(keys, None)  # blanks dropped, each once
 

@@ -32,7 +32,7 @@ async def serve(settings: DecodeSettings) -> int:
     from services.common.runner import run_service
     from services.common.engine_worker import EngineWorker
     from services.decode.worker import DecodeRole
-    from shared.engine.engine import LLMEngine
+    from shared.engine import LLMEngine
 
     model_dir, served_name = resolve_model(settings)
 
@@ -58,7 +58,7 @@ async def serve(settings: DecodeSettings) -> int:
                                  drain_timeout_s=settings.drain_timeout)
         if settings.kv_store:
             from contracts import Sender
-            from services.common.kvstore_tier import start_kv_store_tier
+            from services.kvstore.tier import start_kv_store_tier
 
             worker.kv_store = await start_kv_store_tier(settings, nc=nc, subjects=subjects, registry=registry,
                                                          engine=engine, engine_loop=worker.engine_loop,

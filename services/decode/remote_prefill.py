@@ -32,10 +32,7 @@ from services.common.engine_loop import AddRequest
 from services.common.load_reports import LoadReports
 from shared.bus.registry import Registry
 from shared.bus.subscribe import reject_unattributed
-from shared.engine.continuation import Continuation, KVOrigin
-from shared.engine.kv_cache import KVLayout
-from shared.engine.kv_connector import KVConnector, LoadEnd
-from shared.engine.sampling_params import SamplingParams
+from shared.engine import FirstToken, KVConnector, KVOrigin, LoadEnd, SamplingParams
 from shared.telemetry.histogram import CumulativeHistogram
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import inject, tracer
@@ -56,8 +53,7 @@ class _Remote:
     active: object  # the decode role's ActiveRequest: where its tokens stream
     context: otel_context.Context  # the request's span, for the remote prefill's
     task: asyncio.Task | None = None
-    first_token: int | None = None
-    detok: object = None
+    first: FirstToken | None = None  # the first token, once it came and the engine judged it
 
 
 class RemotePrefill(KVConnector):
@@ -179,10 +175,9 @@ class RemotePrefill(KVConnector):
         rid = request.request_id
         prompt = request.prompt_token_ids
         deadline = time.monotonic() + self.timeout_s
-        layout_of = _layout_factory(engine, len(block_ids), len(prompt))
         ticket = self.receiver.expect(
             rid,
-            on_part=lambda start, end, data: engine.write_kv(block_ids, data, layout_of(start, end)),
+            on_part=lambda start, end, data: engine.write_layers(block_ids, len(prompt), start, end, data),
             total_layers=(0, engine.model_config.num_hidden_layers),
             deadline_s=self.timeout_s,
         )
@@ -213,19 +208,18 @@ class RemotePrefill(KVConnector):
         trace.get_current_span().set_attributes({"splitserve.prefill_worker": result.prefill_instance,
                                                  "splitserve.cached_tokens": result.num_cached_tokens})
 
-        # The first token: streamed now, before the KV arrives.
-        remote.first_token = result.first_token_id
-        remote.detok = engine.new_detokenizer(prompt, params)
-        text, finish_reason, _ = engine.judge_token(params, remote.first_token, remote.detok, len(prompt) + 1,
-                                                    engine.max_total_tokens(len(prompt), params))
+        # The first token: judged by the engine (its text, its stop) and streamed now, before the KV arrives.
+        origin = KVOrigin.WRITTEN_BACK if result.kv_written_back else KVOrigin.COMPUTED
+        first = remote.first = engine.remote_first_token(prompt, params, result.first_token_id,
+                                                         num_cached_tokens=result.num_cached_tokens, kv_origin=origin)
         active = remote.active
         await self.publish_chunk(active, TokenChunk(
-            request_id=rid, seq=active.next_seq, token_ids=[remote.first_token], text=text,
+            request_id=rid, seq=active.next_seq, token_ids=[result.first_token_id], text=first.text,
             logprobs=[result.first_logprobs] if result.first_logprobs else None,
-            finished=finish_reason is not None, finish_reason=finish_reason, prompt_tokens=len(prompt),
+            finished=first.finish_reason is not None, finish_reason=first.finish_reason, prompt_tokens=len(prompt),
             completion_tokens=1, cached_tokens=result.num_cached_tokens,
         ))
-        if finish_reason is not None:
+        if first.finish_reason is not None:
             self._count("remote_finished_at_first_token")
             self.forget(rid)
             return LoadEnd(rid, False, request_over=True)
@@ -242,9 +236,7 @@ class RemotePrefill(KVConnector):
         self.transfer_seconds.observe(transfer.seconds)
         trace.get_current_span().set_attributes(transfer.span_attributes())
         self._count("remote")
-        return LoadEnd(rid, True, Continuation(
-            output_token_ids=[remote.first_token], detokenizer=remote.detok, num_cached_tokens=result.num_cached_tokens,
-            kv_origin=KVOrigin.WRITTEN_BACK if result.kv_written_back else KVOrigin.COMPUTED))
+        return LoadEnd(rid, True, first.continuation)
 
     async def _hand_out(self, request: GenerateRequest, job: PrefillJob) -> str:
         """Offer the job to the prefill worker the scheduler picked (its cache holds the prompt's prefix); if there
@@ -270,10 +262,8 @@ class RemotePrefill(KVConnector):
     @staticmethod
     def _locally(remote: _Remote) -> LoadEnd:
         """The load failed: the engine computes the prompt (and goes on after a first token already streamed)."""
-        if remote.first_token is None:
-            return LoadEnd(remote.request.request_id, False)
-        return LoadEnd(remote.request.request_id, False,
-                       Continuation(output_token_ids=[remote.first_token], detokenizer=remote.detok))
+        continuation = None if remote.first is None else remote.first.continuation
+        return LoadEnd(remote.request.request_id, False, continuation)
 
 
 def _cancel(remote: _Remote) -> None:
@@ -302,9 +292,3 @@ async def _result_unless_gone(registry: Registry, result: asyncio.Future, target
             return None
         boot_id = entry.boot_id
 
-
-def _layout_factory(engine, num_blocks: int, num_tokens: int):
-    def layout(layer_start: int, layer_end: int) -> KVLayout:
-        return engine.executor.kv_layout(layer_start, layer_end, num_blocks, num_tokens)
-
-    return layout

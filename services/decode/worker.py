@@ -40,10 +40,7 @@ from services.common.engine_loop import AddRequest, RequestRejected
 from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
 from services.decode.remote_prefill import RemotePrefill
-from shared.engine.continuation import Continuation
-from shared.engine.engine import RequestOutput
-from shared.engine.errors import InvalidRequestError
-from shared.engine.sampling_params import SamplingParams
+from shared.engine import Continuation, InvalidRequestError, RequestOutput, SamplingParams
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import extract, inject, tracer
 

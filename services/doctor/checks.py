@@ -183,9 +183,9 @@ def gpu_memory(share: float | None) -> list[Check]:
 
 def model(value: str | None) -> list[Check]:
     """The model `--model VALUE` names (the default one without it), as far as it can be checked offline."""
-    from shared.engine.errors import ModelLoadError
-    from shared.engine.model_loader import read_config
-    from shared.engine.model_registry import DEFAULT_MODEL, KNOWN_MODELS, RANDOM_MODEL, cached_dir, resolve_model
+    from shared.engine import (
+        DEFAULT_MODEL, KNOWN_MODELS, ModelLoadError, RANDOM_MODEL, cached_dir, read_config, resolve_model
+    )
 
     name = value or DEFAULT_MODEL
     if name in KNOWN_MODELS and not cached_dir(name).is_dir():

@@ -61,7 +61,7 @@ from shared.bus.credentials import BusCredentials, secured_bus
 from shared.bus.permissions import inbox_prefix
 from shared.bus.provision import replicas_asked
 from shared.bus.registry import Heartbeat, Readings
-from shared.engine.errors import InvalidRequestError
+from shared.engine import InvalidRequestError, SamplingParams
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import shutdown_tracing
 from shared.version import VERSION

@@ -11,7 +11,6 @@
 
 import asyncio
 import hmac
-from collections.abc import Iterable
 
 from fastapi import Request
 
@@ -19,12 +18,6 @@ from services.gateway.errors import RequestError
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0  # 4 MiB at 1 Mbit/s, with room
-
-
-def parse_api_keys(flags: Iterable[str] | None, env_value: str | None) -> tuple[str, ...]:
-    """Keys from `--api-key` (repeatable) and SPLITSERVE_API_KEY (comma-separated); blanks dropped."""
-    keys = [*(flags or ()), *(env_value or "").split(",")]
-    return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
 
 
 def presented_key(header: str | None) -> str | None:

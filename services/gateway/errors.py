@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from shared.engine.errors import InvalidRequestError
+from shared.engine import InvalidRequestError
 
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing your request."
 

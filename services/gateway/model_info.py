@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from services.gateway.errors import RequestError
 from services.gateway.protocol import check_token_ids
 from services.gateway.tool_calls import describe_tools
-from shared.engine.model_loader import read_config
+from shared.engine import read_config
 
 
 @dataclass(slots=True)

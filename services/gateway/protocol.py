@@ -28,7 +28,7 @@ from pydantic_core import PydanticCustomError
 from services.gateway.errors import RequestError, from_validation_errors
 from services.gateway.structured_request import GUIDED_FIELDS, Constraint, StructuredOutputsParams, constraint_of
 from services.gateway.tool_calls import calls_grammar, check_tools, tool_mode
-from shared.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
+from shared.engine import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 
 IGNORED_FIELDS = ("user",)  # accepted and ignored (logged once, at debug level)
 # Keys of chat_template_kwargs that would change how the template is called rather than what it renders.

@@ -17,8 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.errors import RequestError, from_failure
-from shared.engine.errors import InvalidRequestError
-from shared.engine.structured_output import MAX_COMPILE_S, check_structured
+from shared.engine import InvalidRequestError, MAX_COMPILE_S, check_structured
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}

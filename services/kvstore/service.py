@@ -29,7 +29,7 @@ from services.kvstore.clients import ModelWorkers
 from services.kvstore.store import TieredBlockStore
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, reject_unattributed, subscribe_typed
-from shared.engine.block_hash import BLOCK_HASH_BYTES
+from shared.engine import BLOCK_HASH_BYTES
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import extract, tracer
 from shared.transfer import KVReceiver, KVSender, TransferTicket

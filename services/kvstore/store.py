@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from services.kvstore.block import StoredBlock
 from services.kvstore.disk_tier import DiskTier
-from shared.engine.kv_event_log import KVEventLog
+from shared.engine import KVEventLog
 
 RAM, DISK = "ram", "disk"
 

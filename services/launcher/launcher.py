@@ -140,8 +140,7 @@ def resolve_model(model: str | None, served_model_name: str | None, say) -> tupl
     A known name is fetched into the cache on first use, a .gguf file
     converted once (`shared.engine.model_registry`); `say` tells what it does.
     """
-    from shared.engine.errors import ModelFetchError, ModelLoadError
-    from shared.engine.model_registry import resolve_model as resolve
+    from shared.engine import ModelFetchError, ModelLoadError, resolve_model as resolve
 
     try:
         resolved = resolve(model, say=say)
@@ -360,8 +359,7 @@ class Launcher:
 
     def _pipeline_split(self, model_dir: str) -> tuple[tuple[int, int], ...]:
         """The pipeline's layer ranges, checked against the model before anything starts (exit 2 if bad)."""
-        from shared.engine.model_loader import read_config
-        from shared.engine.pipeline import LayerSplitError, even_split, parse_layer_split
+        from shared.engine import LayerSplitError, even_split, parse_layer_split, read_config
 
         o = self.options
         stages = o.prefill_stages if o.topology == "disagg" else o.stages

@@ -31,7 +31,7 @@ async def serve(settings: PrefillSettings) -> int:
     from services.common.kv_memory import kv_cache_allocator
     from services.common.engine_worker import EngineWorker
     from services.prefill.worker import PrefillRole
-    from shared.engine.engine import LLMEngine
+    from shared.engine import LLMEngine
 
     model_dir, served_name = resolve_model(settings)
     tls = transfer_tls_of(settings)
@@ -48,7 +48,7 @@ async def serve(settings: PrefillSettings) -> int:
                                   transfer_tls=tls)
         if settings.kv_store:
             from contracts import Sender
-            from services.common.kvstore_tier import start_kv_store_tier
+            from services.kvstore.tier import start_kv_store_tier
 
             worker.kv_store = await start_kv_store_tier(settings, nc=nc, subjects=subjects, registry=registry,
                                                          engine=engine, engine_loop=worker.engine_loop,

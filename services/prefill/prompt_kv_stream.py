@@ -7,9 +7,7 @@ goes onto the job's queue on the event loop, where the sender reads it while the
 
 import asyncio
 
-from shared.engine.block_slice import BlockSlice
-from shared.engine.kv_cache import KVLayout
-from shared.engine.kv_connector import KVConnector
+from shared.engine import BlockSlice, KVConnector, KVLayout
 
 # What a job's queue holds, per layer: (layer_start, layer_end, data), data a view of the cache's blocks.
 LayerPart = tuple[int, int, BlockSlice]

@@ -30,8 +30,7 @@ from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
 from services.prefill.prompt_kv_stream import PromptKVStream
 from shared.bus.subscribe import fetch_loop
-from shared.engine.engine import RequestOutput
-from shared.engine.errors import EngineError
+from shared.engine import EngineError, RequestOutput
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import extract, inject, tracer
 from shared.transfer import KVSender

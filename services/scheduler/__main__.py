@@ -20,7 +20,7 @@ def settings_of(argv: list[str] | None = None, environ=None) -> SchedulerSetting
 
 async def serve(settings: SchedulerSettings) -> int:
     from services.common.runner import run_service
-    from services.scheduler.router import Router
+    from services.scheduler.request_loop import Router
 
     async def build(nc, js, registry, subjects, replicas):
         return Router(nc=nc, registry=registry, subjects=subjects, instance_id=settings.instance_id,

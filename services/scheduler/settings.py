@@ -4,7 +4,7 @@ from typing import Literal
 
 from services.common.service_settings import Count, NonNegative, PositiveInt, PositiveSeconds, ServiceSettings
 from services.common.settings import option
-from services.scheduler.routing import DEFAULT_PREFILL_BACKLOG_FACTOR
+from services.scheduler.worker_choice import DEFAULT_PREFILL_BACKLOG_FACTOR
 
 
 class SchedulerSettings(ServiceSettings):

@@ -31,8 +31,7 @@ def settings_of(argv: list[str] | None = None, environ=None) -> StageSettings:
 
 
 def head_bytes_per_block(model_dir: str, settings: StageSettings) -> int:
-    from shared.engine.kv_cache import PagedKVCache
-    from shared.engine.model_loader import read_config, resolve_dtype
+    from shared.engine import PagedKVCache, read_config, resolve_dtype
 
     config = read_config(model_dir)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -47,8 +46,7 @@ async def build_head(settings: StageSettings, registry, link, model_dir: str, nu
 
     from services.common.kv_memory import kv_cache_allocator
     from services.stage.driver import PipelineDriver, wait_for_stages
-    from shared.engine.model_loader import LayerRange
-    from shared.engine.pipeline import LayerSplitError, PipelineHeadEngine, check_layer_split
+    from shared.engine import LayerRange, LayerSplitError, PipelineHeadEngine, check_layer_split
 
     stages = await wait_for_stages(registry, settings.stages, settings.stage_wait)
     ranges = [settings.layers] + [LayerRange(*stages[iid].layer_range) for iid in settings.stages]
@@ -77,7 +75,7 @@ async def serve(settings: StageSettings) -> int:
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.stage.link import ActivationLink
-    from shared.engine.model_loader import read_config
+    from shared.engine import read_config
     from shared.transfer import KVReceiver, KVSender
 
     model_dir, served_name = resolve_model(settings)
@@ -106,7 +104,7 @@ async def serve(settings: StageSettings) -> int:
         if not is_head:
             from services.common.kv_memory import kv_cache_allocator
             from services.stage.worker import StageWorker
-            from shared.engine.stage import StageRunner
+            from shared.engine import StageRunner
 
             runner = await engine_thread.run(
                 StageRunner, model_dir, settings.layers, dtype=settings.dtype, device=settings.device,

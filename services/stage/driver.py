@@ -18,9 +18,7 @@ from services.common.engine_loop import EngineLoop
 from services.common.identity import now_ms
 from services.stage.link import ActivationLink
 from shared.bus.registry import Readings, Registry
-from shared.engine.engine import RequestOutput
-from shared.engine.pipeline import PipelineHeadEngine, ShipKV, StepResult
-from shared.engine.step_batch import StepBatch
+from shared.engine import PipelineHeadEngine, RequestOutput, ShipKV, StepBatch, StepResult
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)

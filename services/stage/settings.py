@@ -15,7 +15,7 @@ from services.common.service_settings import (
     Transport,
 )
 from services.common.settings import option
-from shared.engine.model_loader import LayerRange
+from shared.engine import LayerRange
 
 
 def _layer_range(value: Any) -> Any:

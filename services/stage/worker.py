@@ -25,8 +25,7 @@ from services.stage.link import ActivationLink
 from shared.telemetry.utilization import Utilization
 from shared.bus.registry import Heartbeat, Registry
 from shared.bus.subscribe import REJECTED, subscribe_typed
-from shared.engine.stage import StageRunner
-from shared.engine.step_batch import StepBatch
+from shared.engine import StageRunner, StepBatch
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import extract, tracer
 

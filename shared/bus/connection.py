@@ -17,7 +17,7 @@ import nats
 from nats.aio.client import Client
 
 from shared.bus.credentials import BusCredentials
-from shared.bus.service import within
+from shared.bus.waits import within
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)

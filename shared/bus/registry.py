@@ -38,7 +38,7 @@ from nats.js.kv import KeyValue
 
 from contracts import ContractError, ServiceInfo, check_token
 from shared.bus.provision import STREAM_NAME_IN_USE, Replicas, settling, while_settling
-from shared.bus.service import cancel_and_wait, within
+from shared.bus.waits import cancel_and_wait, within
 from shared.telemetry.log_limiter import LogLimiter
 from shared.telemetry.logging import get_logger
 

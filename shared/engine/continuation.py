@@ -27,3 +27,14 @@ class Continuation:
     num_cached_tokens: int = 0
     kv_origin: KVOrigin = KVOrigin.COMPUTED
     detokenizer: IncrementalDetokenizer | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class FirstToken:
+    """A first token sampled elsewhere, judged here before its KV arrives (`LLMEngine.remote_first_token`): the
+    `text` it releases, whether it ends the request (`finish_reason`), and the `continuation` that carries it
+    (and the detokenizer it advanced) into the request's `LoadEnd`."""
+
+    text: str
+    finish_reason: str | None
+    continuation: Continuation

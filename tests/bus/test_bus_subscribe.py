@@ -6,7 +6,7 @@ import pytest
 from contracts import CancelRequest, GenerateRequest, RequestFailed, StatsRequest
 from shared.bus import subscribe
 from shared.bus.provision import ensure_pull_consumer, ensure_stream
-from shared.bus.service import cancel_and_wait
+from shared.bus.waits import cancel_and_wait
 from shared.bus.subscribe import fetch_loop, subscribe_typed
 from shared.engine.sampling_params import SamplingParams
 from support.waiting import eventually

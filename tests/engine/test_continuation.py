@@ -8,6 +8,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.continuation import Continuation
 from shared.engine.engine import LLMEngine
 from shared.engine.errors import InvalidRequestError
+from shared.engine.kv_connector import KVConnector, LoadEnd
 from shared.engine.sampling_params import SamplingParams
 
 
@@ -60,3 +61,45 @@ def test_a_move_past_a_stop_string_is_refused(engine):
         engine.add_request("moved-past-stop", prompt, SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]),
                            Continuation(output_token_ids=[t for t, _ in whole[:6]]))
     assert not engine.has_unfinished_requests()
+
+
+class _FirstTokenElsewhere(KVConnector):
+    """A remote prefill whose KV never comes: the engine computes the prompt, and goes on after the first token
+    judged by `remote_first_token` (its load's continuation)."""
+
+    def __init__(self):
+        self.firsts, self._ended = {}, []
+
+    def external_prefix(self, request_id, token_ids, num_local_tokens):
+        return len(token_ids) - num_local_tokens if request_id in self.firsts else 0
+
+    def start_load(self, request_id, block_ids, first_token, num_tokens):
+        self._ended.append(LoadEnd(request_id, False, self.firsts.pop(request_id).continuation))
+
+    def finished_loads(self):
+        ended, self._ended = self._ended, []
+        return ended
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_a_first_token_sampled_elsewhere_streams_as_if_sampled_here(engine, name):
+    prompt = engine.tokenizer("Once upon a time, in a quiet valley, there lived").input_ids
+    plain = run(engine, f"plain-first-{name}", prompt, SamplingParams(**PARAMS[name]))
+    # A stop string that starts with the first token's text: the engine holds that text back, here as there.
+    params = SamplingParams(**PARAMS[name], stop=[engine.tokenizer.decode([plain[0][0]]) + "\u00a7\u00b6"])
+    whole = run(engine, f"whole-first-{name}", prompt, params)
+    first = engine.remote_first_token(prompt, params, whole[0][0])
+    assert (first.text, first.finish_reason) == (whole[0][1], None)
+    connector = _FirstTokenElsewhere()
+    engine.connect(connector)
+    connector.firsts[f"remote-{name}"] = first
+    rest = run(engine, f"remote-{name}", prompt, params)
+    assert [whole[0][0]] + [t for t, _ in rest] == [t for t, _ in whole]
+    assert first.text + "".join(text for _, text in rest) == "".join(text for _, text in whole)
+
+
+def test_a_first_token_sampled_elsewhere_can_end_the_request(engine):
+    prompt = engine.tokenizer("Once upon a time").input_ids
+    first = engine.remote_first_token(prompt, SamplingParams(temperature=0.0, max_tokens=1), 42, num_cached_tokens=16)
+    assert first.finish_reason == "length"
+    assert (first.continuation.output_token_ids, first.continuation.num_cached_tokens) == ([42], 16)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.scheduler.routing import MIN_OFFLOADED_PREFILL, decide_prefill, prefill_backlog
+from services.scheduler.worker_choice import MIN_OFFLOADED_PREFILL, decide_prefill, prefill_backlog
 
 
 @pytest.mark.parametrize("tokens,queue,threshold,max_queue,workers,expected", [  # the decode worker idle

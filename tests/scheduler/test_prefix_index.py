@@ -2,7 +2,7 @@
 
 from contracts import KVEvents, ServiceInfo
 from services.scheduler.prefix_index import KVSTORE, PrefixIndex
-from services.scheduler.routing import cached_blocks, kv_cost, pick_prefill_worker, rank_by_kv
+from services.scheduler.worker_choice import cached_blocks, kv_cost, pick_prefill_worker, rank_by_kv
 from shared.engine.block_hash import block_hashes
 from shared.engine.kv_event_log import KVEventLog
 

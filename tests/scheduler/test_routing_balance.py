@@ -3,8 +3,8 @@
 import msgspec
 
 from contracts import ServiceInfo, WorkerLoad
-from services.scheduler.routed import RoutedTally
-from services.scheduler.routing import (
+from services.scheduler.handoffs_in_flight import RoutedTally
+from services.scheduler.worker_choice import (
     blocks_to_take,
     describe_load,
     kv_cost,

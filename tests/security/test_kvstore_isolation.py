@@ -15,7 +15,7 @@ from services.gateway.cache_salt import cache_salt
 from services.kvstore.block import StoredBlock
 from services.kvstore.disk_tier import KEY_FILE, DiskTier
 from services.scheduler.prefix_index import PrefixIndex
-from services.scheduler.routing import cached_prefixes
+from services.scheduler.worker_choice import cached_prefixes
 from shared.engine.block_hash import cacheable_block_hashes
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine

@@ -19,7 +19,7 @@ from typing import Any
 
 from services.common.free_port import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 class UpProcess:

@@ -37,8 +37,8 @@ from services.common.identity import ServiceIdentity, now_ms
 from services.common.queues import REQUEST_ACK_WAIT_S
 from services.scheduler.lease import Lease
 from services.scheduler.prefix_index import PrefixIndex
-from services.scheduler.routed import RoutedTally
-from services.scheduler.routing import (
+from services.scheduler.handoffs_in_flight import RoutedTally
+from services.scheduler.worker_choice import (
     DEFAULT_PREFILL_BACKLOG_FACTOR,
     CachedPrefixes,
     blocks_to_take,

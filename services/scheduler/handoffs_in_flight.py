@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from msgspec.structs import replace
 
 from contracts import ServiceInfo
-from services.scheduler.routing import num_seqs
+from services.scheduler.worker_choice import num_seqs
 
 
 @dataclass(slots=True)

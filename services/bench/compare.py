@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loadtest import bench_serve
-from loadtest.up_process import UpProcess
+from services.bench import serve as bench_serve
+from services.bench.up_process import UpProcess
 
 PRESETS = {
     "colocated": ["--topology", "colocated", "--decode", "2"],
@@ -107,7 +107,7 @@ def format_table(results: dict[str, dict]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from shared.engine.model_registry import resolve_model
+    from shared.engine import resolve_model
 
     configs = parse_configs(args.configs)
     args.cores = [int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0))

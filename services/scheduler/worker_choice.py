@@ -8,7 +8,7 @@ from msgspec.structs import replace
 
 from contracts import ServiceInfo, WorkerLoad
 from services.scheduler.prefix_index import KVSTORE
-from shared.engine.block_hash import cacheable_block_hashes
+from shared.engine import cacheable_block_hashes
 
 
 def eligible_workers(entries: list[ServiceInfo], role: str, served_model_name: str) -> list[ServiceInfo]:

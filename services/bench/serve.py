@@ -1,11 +1,11 @@
 """`splitserve bench`: a load generator for any OpenAI-compatible server.
 
-It sends a dataset's requests (see `loadtest/datasets.py`) as streaming
+It sends a dataset's requests (see `services/bench/datasets.py`) as streaming
 completions or chat completions, arriving at --request-rate per second
 (Poisson, or gamma with --burstiness; `inf` sends them all at once), at most
 --max-concurrency at a time; a conversation's turns follow each other. It
 reports TTFT, TPOT, ITL and E2E latency (mean, p50, p90, p95, p99), request and
-token throughput and goodput (see `loadtest/bench_metrics.py`), and writes
+token throughput and goodput (see `services/bench/metrics.py`), and writes
 them with every request's record to --out; --plot draws the latency CDFs.
 
     splitserve bench --url http://127.0.0.1:8000 --dataset random --num-prompts 200 --request-rate 4
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.bench_metrics import RequestRecord, compute_metrics
-from loadtest.datasets import DATASETS, BenchRequest, build_dataset
+from services.bench.metrics import RequestRecord, compute_metrics
+from services.bench.datasets import DATASETS, BenchRequest, build_dataset
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +82,7 @@ def resolve_tokenizer(path: str | None, model: str):
     """The tokenizer prompts are made with, or None (text of random words)."""
     from transformers import AutoTokenizer
 
-    from shared.engine.errors import ModelLoadError
-    from shared.engine.model_registry import resolve_model
+    from shared.engine import ModelLoadError, resolve_model
 
     if path is None:
         try:  # a served name that is a known model's (in the cache) or a directory's

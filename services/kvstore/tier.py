@@ -26,7 +26,7 @@ from services.common.service_settings import KVStoreTierSettings
 from services.kvstore.client import KVStoreClient
 from services.kvstore.placement import group_by_instance
 from shared.bus.registry import Registry
-from shared.engine.kv_connector import BlockExport, KVConnector, LoadEnd
+from shared.engine import BlockExport, KVConnector, LoadEnd
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import tracer
 
