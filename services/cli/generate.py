@@ -30,8 +30,13 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--logprobs", type=int, help="return the top-N logprobs of each token (with --json)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    from typing import get_args
+
+    from services.common.service_settings import Dtype, EngineSettings, ModelSettings
+    from services.common.settings import default_of
+
+    parser.add_argument("--dtype", default=default_of(ModelSettings, "dtype"), choices=list(get_args(Dtype)))
+    parser.add_argument("--device", default=default_of(EngineSettings, "device"), help="cpu, cuda or cuda:N")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.set_defaults(run=run)
