@@ -21,7 +21,6 @@ from services.launcher.nats_auth import creds_path
 from services.launcher.resolved_run import ResolvedRun
 from services.prefill.settings import PrefillSettings
 from services.scheduler.settings import SchedulerSettings
-from services.stage.settings import StageSettings
 from shared.bus.permissions import Pipeline
 
 if TYPE_CHECKING:
@@ -134,7 +133,7 @@ def _everyone(up: UpSettings, run: ResolvedRun, draft: _Draft) -> dict[str, Any]
 def pipelines_of(specs: list[ServiceSpec]) -> tuple[Pipeline, ...]:
     """The pipelines the planned services form: each head (a stage given `stages`) and its stages in order."""
     return tuple(Pipeline(s.instance_id, tuple(s.settings.stages))
-                 for s in specs if isinstance(s.settings, StageSettings) and s.settings.stages)
+                 for s in specs if s.role == "stage" and s.settings.stages)
 
 
 def device_of(up: UpSettings, name: str, role: str) -> str:
@@ -228,16 +227,23 @@ def _gateway(up: UpSettings, run: ResolvedRun, counts: dict[str, int]) -> _Draft
     return _Draft("gateway-0", GatewayServiceSettings, given, url=http_url(up.host, up.port))
 
 
+def _stage_settings() -> type[Settings]:
+    from services.stage.settings import StageSettings  # it loads torch (for LayerRange): only a pipeline needs it
+
+    return StageSettings
+
+
 def _stages(up: UpSettings, run: ResolvedRun, prefix: str, **each: Any) -> list[_Draft]:
     """A pipeline's stages after the head, PREFIX1.., each its layers."""
-    return [_Draft(f"{prefix}{i}", StageSettings, {**_engine(up, run), "layers": f"{start}:{end}", **each})
+    return [_Draft(f"{prefix}{i}", _stage_settings(), {**_engine(up, run), "layers": f"{start}:{end}", **each})
             for i, (start, end) in enumerate(run.stage_ranges[1:], start=1)]
 
 
 def _head(up: UpSettings, run: ResolvedRun, name: str, stages: list[_Draft], **given: Any) -> _Draft:
     start, end = run.stage_ranges[0]
-    return _Draft(name, StageSettings, {**_engine(up, run), "layers": f"{start}:{end}",
-                                        "stages": [s.name for s in stages], "microbatches": up.microbatches, **given})
+    return _Draft(name, _stage_settings(), {**_engine(up, run), "layers": f"{start}:{end}",
+                                            "stages": [s.name for s in stages], "microbatches": up.microbatches,
+                                            **given})
 
 
 def _plan_pipeline(up: UpSettings, run: ResolvedRun) -> list[_Draft]:

@@ -26,11 +26,12 @@ from services.common.service_settings import (
 from services.common.settings import Settings, default_of, option
 from services.gateway.settings import GatewayServiceSettings as Gateway
 from services.kvstore.settings import KVStoreSettings
+from services.launcher.deployment import DEFAULT_RUN_DIR
 from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from services.launcher.topology import DISAGG_PREFILL_BESIDE_DECODES_MS
 from services.prefill.settings import PrefillSettings
 from services.scheduler.settings import RouterKind, SchedulerSettings
-from services.stage.settings import StageSettings
+from shared.engine.defaults import DEFAULT_MICROBATCHES
 
 
 def _usable_cpus(spec: str) -> str:
@@ -96,7 +97,7 @@ class UpSettings(Settings):
     prefill_stages: PositiveInt | None = option(None, "disagg: the prefill pool is one pipeline of N stages, each "
                                                 "shipping its own layers' KV to the decode workers (with --prefill 1)",
                                                 metavar="N")
-    microbatches: PositiveInt = option(default_of(StageSettings, "microbatches"), "pipeline: steps in flight through the stages at once", metavar="M")
+    microbatches: PositiveInt = option(DEFAULT_MICROBATCHES, "pipeline: steps in flight through the stages at once", metavar="M")
     max_num_batched_tokens: PositiveInt | None = option(None, "every worker's token budget per step: long prompts "
                                                         "are prefilled in chunks of at most N tokens, mixed with "
                                                         "decodes", metavar="N", shown_default=f"the engine's, {default_of(EngineSettings, 'max_num_batched_tokens')}")
@@ -157,7 +158,7 @@ class UpSettings(Settings):
                                      metavar="PORT")
     run_dir: Path | None = option(None, "where the deployment keeps its state (deployment.json), logs "
                                   "(logs/NAME.log) and the embedded NATS data", metavar="DIR",
-                                  shown_default="./.splitserve/run")
+                                  shown_default=f"./{DEFAULT_RUN_DIR}")
     log_max_bytes: PositiveInt = option(DEFAULT_MAX_BYTES, "each service's log (RUN_DIR/logs/NAME.log) rotates to "
                                         "NAME.log.1 past N bytes", metavar="N",
                                         shown_default=f"{DEFAULT_MAX_BYTES >> 20} MiB")
