@@ -46,7 +46,8 @@ def add_parser(subcommands) -> None:
     from services.common.settings import default_of
 
     namespace = default_of(BusSettings, "namespace")
-    parser.add_argument("--namespace", default=namespace, help=f"the deployment's subject prefix (default: {namespace})")
+    parser.add_argument("--namespace", default=namespace,
+                        help=f"the deployment's subject prefix (default: {namespace})")
     parser.add_argument("--rotate", action="store_true", help="new keys for every instance (restart the server and "
                         "services)")
     parser.add_argument("--instance", action="append", metavar="ROLE:ID", type=_instance,

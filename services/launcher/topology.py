@@ -125,8 +125,9 @@ def _everyone(up: UpSettings, run: ResolvedRun, draft: _Draft) -> dict[str, Any]
     if run.transfer_tls is not None and role in SIDE_CHANNEL_ROLES:
         given.update(zip(("transfer_tls_ca", "transfer_tls_cert", "transfer_tls_key"), run.transfer_tls))
     if role in ENGINE_ROLES:
-        device = device_of(up, draft.name, role)  # the workers' own default goes unsaid
-        given |= _given(device=None if device == default_of(EngineSettings, "device") else device, gpu_memory_utilization=up.gpu_memory_utilization)
+        device = device_of(up, draft.name, role)
+        given |= _given(device=None if device == default_of(EngineSettings, "device") else device,  # theirs unsaid
+                        gpu_memory_utilization=up.gpu_memory_utilization)
     return given
 
 

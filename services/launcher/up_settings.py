@@ -57,18 +57,21 @@ class UpSettings(Settings):
                                        "the variable takes KEY,KEY,..., which other local users cannot read as "
                                        "they can a flag; the keys of both count)", flag="--api-key", metavar="KEY",
                                        env="SPLITSERVE_API_KEY", many=True, joined=True, repr=False)
-    share_prefix_cache: bool = option(default_of(Gateway, "share_prefix_cache"), "requests of different API keys reuse each other's cached prompt "
-                                      "prefixes (by default each key's are its own)")
-    protect_metrics: bool = option(default_of(Gateway, "protect_metrics"), "with --api-key, the gateway's /metrics requires a key too")
+    share_prefix_cache: bool = option(
+        default_of(Gateway, "share_prefix_cache"), "requests of different API keys reuse each other's cached prompt "
+        "prefixes (by default each key's are its own)")
+    protect_metrics: bool = option(default_of(Gateway, "protect_metrics"),
+                                   "with --api-key, the gateway's /metrics requires a key too")
     chat_template: str | None = option(None, "the gateway's chat template instead of the tokenizer's: a Jinja "
                                        "file, or the template itself", metavar="FILE|TEMPLATE")
     migration_limit: Count | None = option(None, "times a request moves to another worker, from the tokens its "
                                            "client has, when its worker fails under it (0: it fails instead)",
-                                           metavar="N", shown_default=f"the gateway's, {default_of(Gateway, 'migration_limit')}")
+                                           metavar="N",
+                                           shown_default=f"the gateway's, {default_of(Gateway, 'migration_limit')}")
     max_waiting_requests: Count | None = option(None, "admission control: with N requests still waiting for their "
                                                 "first token, a new one gets 429 and Retry-After (0: no bound)",
-                                                metavar="N", shown_default=f"the gateway's, "
-                                                                           f"{default_of(Gateway, 'max_waiting_requests')}")
+                                                metavar="N", shown_default="the gateway's, "
+                                                f"{default_of(Gateway, 'max_waiting_requests')}")
 
     # How inference is split.
     topology: Literal["colocated", "disagg", "pipeline"] = option(
@@ -78,18 +81,19 @@ class UpSettings(Settings):
     prefill: PositiveInt = option(1, "number of prefill workers with --topology disagg", metavar="N")
     max_local_prefill: Count | None = option(None, "disagg: prompts with more uncached tokens than N are prefilled "
                                              "remotely (0: always)", metavar="N",
-                                             shown_default=f"the scheduler's, "
-                                                           f"{default_of(SchedulerSettings, 'max_local_prefill')}")
-    offload_short_prefills: bool = option(default_of(SchedulerSettings, "offload_short_prefills"), "disagg: a shorter prompt goes to an idle prefill worker too while "
-                                          "its decode worker is busy streaming")
+                                             shown_default="the scheduler's, "
+                                             f"{default_of(SchedulerSettings, 'max_local_prefill')}")
+    offload_short_prefills: bool = option(
+        default_of(SchedulerSettings, "offload_short_prefills"), "disagg: a shorter prompt goes to an idle prefill "
+        "worker too while its decode worker is busy streaming")
     prefill_backlog_factor: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = option(
         None, "disagg: a long prompt is prefilled by its decode worker when each prefill worker has more than F "
         "times its tokens queued (e.g. 0.5; 0: never)", metavar="F",
         shown_default=f"the scheduler's, {default_of(SchedulerSettings, 'prefill_backlog_factor'):g}")
     lend_idle_cpus: bool = option(True, "disagg: while a prefill worker has nothing to compute, its CPUs run its "
                                   "decode worker's steps too, handed back before each prefill")
-    kv_transport: Transport = option(default_of(PrefillSettings, "kv_transport"), "disagg: how KV moves from prefill to decode "
-                                                         "workers")
+    kv_transport: Transport = option(default_of(PrefillSettings, "kv_transport"),
+                                     "disagg: how KV moves from prefill to decode workers")
     stages: PositiveInt | None = option(None, "pipeline: split the layers evenly over N stage processes",
                                         metavar="N", shown_default="2")
     layer_split: str | None = option(None, "pipeline: each stage's layers, e.g. 0:6,6:12 (instead of --stages)",
@@ -97,10 +101,12 @@ class UpSettings(Settings):
     prefill_stages: PositiveInt | None = option(None, "disagg: the prefill pool is one pipeline of N stages, each "
                                                 "shipping its own layers' KV to the decode workers (with --prefill 1)",
                                                 metavar="N")
-    microbatches: PositiveInt = option(DEFAULT_MICROBATCHES, "pipeline: steps in flight through the stages at once", metavar="M")
+    microbatches: PositiveInt = option(DEFAULT_MICROBATCHES, "pipeline: steps in flight through the stages at once",
+                                       metavar="M")
     max_num_batched_tokens: PositiveInt | None = option(None, "every worker's token budget per step: long prompts "
                                                         "are prefilled in chunks of at most N tokens, mixed with "
-                                                        "decodes", metavar="N", shown_default=f"the engine's, {default_of(EngineSettings, 'max_num_batched_tokens')}")
+                                                        "decodes", metavar="N", shown_default="the engine's, "
+                                                        f"{default_of(EngineSettings, 'max_num_batched_tokens')}")
     prefill_beside_decodes_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = option(
         None, "decode workers' stall-free chunking: a step carrying decodes lasts about MS, with the prompt chunks "
         "that fit beside them, so a prompt prefilled on a decode worker never stalls the others' tokens (0: off)",
@@ -122,12 +128,13 @@ class UpSettings(Settings):
     kv_store: bool | None = option(None, "run a kv-store: workers load cached prompt prefixes from it and write "
                                    "computed blocks back, so a prefix is computed once for all workers (default: on "
                                    "with disagg; --no-kv-store turns it off)")
-    router: RouterKind = option(default_of(SchedulerSettings, "router"), "how the scheduler picks a worker: kv scores the prompt prefix "
-                                           "each worker's cache (and the kv-store) holds against its load; load "
-                                           "takes the least loaded")
-    kv_store_ram_bytes: PositiveInt = option(default_of(KVStoreSettings, "kv_store_ram_bytes"), "the kv-store's RAM tier", metavar="N", shown_default="1 GiB")
-    kv_store_disk_bytes: Count = option(default_of(KVStoreSettings, "kv_store_disk_bytes"), "the kv-store's disk tier, kept in the run directory (0: none)",
-                                        metavar="N")
+    router: RouterKind = option(
+        default_of(SchedulerSettings, "router"), "how the scheduler picks a worker: kv scores the prompt prefix each "
+        "worker's cache (and the kv-store) holds against its load; load takes the least loaded")
+    kv_store_ram_bytes: PositiveInt = option(default_of(KVStoreSettings, "kv_store_ram_bytes"), "the kv-store's RAM "
+                                             "tier", metavar="N", shown_default="1 GiB")
+    kv_store_disk_bytes: Count = option(default_of(KVStoreSettings, "kv_store_disk_bytes"), "the kv-store's disk "
+                                        "tier, kept in the run directory (0: none)", metavar="N")
 
     # NATS and security.
     nats: str | None = option(None, "use this NATS server (with JetStream) instead of starting one; a cluster's as "

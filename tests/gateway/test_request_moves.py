@@ -233,8 +233,8 @@ def test_a_request_gone_silent_on_a_worker_that_kept_beating_may_go_back_to_it(n
         def alive_after(instance_id, boot_id):  # decode-0's process, seen beating well after any word
             return time.monotonic() + 5 if (instance_id, boot_id) == ("decode-0", "boot-a") else None
 
-        bus = RequestBus(nc=nc, subjects=subjects, gateway_id="gateway-0", streams=streams, idle_timeout_s=0.3, migration_limit=3,
-                         assign_timeout_s=2.0, worker_alive_after=alive_after)
+        bus = RequestBus(nc=nc, subjects=subjects, gateway_id="gateway-0", streams=streams, idle_timeout_s=0.3,
+                         migration_limit=3, assign_timeout_s=2.0, worker_alive_after=alive_after)
         stream = streams.open("r1")
         stream.submission = SimpleNamespace(model="m", prompt_token_ids=[1, 2], sampling=Sampling(), headers={})
         stream.worker_instance, stream.worker_boot_id = "decode-0", "boot-a"

@@ -135,8 +135,8 @@ def test_a_body_sent_slowly_is_a_408_and_its_connection_closes(default_model):
                                                                           "request_body_timeout")
     assert settings_of(["--request-body-timeout", "2.5"], environ={}).request_body_timeout == 2.5
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(_config(default_model, request_body_timeout=0.3)), host="127.0.0.1",
-                                           port=port, lifespan="off", log_level="warning"))
+    app = create_app(_config(default_model, request_body_timeout=0.3))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
