@@ -10,15 +10,17 @@ from shared.engine.errors import EngineError
 
 
 def add_parser(subcommands) -> None:
+    from shared.engine.model_registry import DEFAULT_MODEL
+
     parser = subcommands.add_parser(
         "generate",
         help="generate text offline with the engine (no services)",
         description="Generate from one prompt with the engine. Without --model, the default model "
-                    "(smollm2-135m-instruct, fetched into the cache on first use) is used.",
+                    f"({DEFAULT_MODEL}, fetched into the cache on first use) is used.",
     )
     parser.add_argument("--model", metavar="NAME|DIR|FILE.gguf",
                         help="a known model's name, a Hugging Face model directory or a .gguf file "
-                             "(default: smollm2-135m-instruct)")
+                             f"(default: {DEFAULT_MODEL})")
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     parser.add_argument("--max-tokens", type=int, default=64)

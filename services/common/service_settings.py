@@ -19,6 +19,7 @@ from shared.engine.defaults import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
+from shared.engine.model_registry import DEFAULT_MODEL
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Count = Annotated[int, Field(ge=0)]
@@ -107,7 +108,7 @@ class SideChannelSettings(Settings):
 class ModelSettings(Settings):
     model: str | None = option(None, "a known model's name (fetched into the cache on first use), a Hugging Face "
                                "model directory or a .gguf file", metavar="NAME|DIR|FILE.gguf",
-                               shown_default="smollm2-135m-instruct")
+                               shown_default=DEFAULT_MODEL)
     served_model_name: str | None = option(None, "the name clients ask for", metavar="NAME",
                                            shown_default="the model's")
     dtype: Dtype = option(DEFAULT_DTYPE, "the weights' dtype")

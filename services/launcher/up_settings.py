@@ -32,6 +32,7 @@ from services.launcher.topology import DISAGG_PREFILL_BESIDE_DECODES_MS
 from services.prefill.settings import PrefillSettings
 from services.scheduler.settings import RouterKind, SchedulerSettings
 from shared.engine.defaults import DEFAULT_MICROBATCHES
+from shared.engine.model_registry import DEFAULT_MODEL
 
 
 def _usable_cpus(spec: str) -> str:
@@ -47,7 +48,7 @@ class UpSettings(Settings):
     # The model and the API.
     model: str | None = option(None, "a known model's name (`splitserve models list`; fetched into the cache on "
                                "first use), a Hugging Face model directory or a .gguf file, converted once into the "
-                               "cache", metavar="NAME|DIR|FILE.gguf", shown_default="smollm2-135m-instruct")
+                               "cache", metavar="NAME|DIR|FILE.gguf", shown_default=DEFAULT_MODEL)
     served_model_name: str | None = option(None, "the model name clients ask for (default: a known model's name, "
                                            "else the directory's or file's name)", metavar="NAME")
     dtype: Dtype = option(default_of(ModelSettings, "dtype"), "model weights' dtype")
