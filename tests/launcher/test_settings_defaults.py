@@ -46,6 +46,9 @@ def _settings_classes() -> list[type[Settings]]:
     return found
 
 
+SETTINGS_NAMES = {"Settings"} | {cls.__name__ for cls in _settings_classes()}
+
+
 def _is_trivial(value) -> bool:
     return any(type(value) is type(t) and value == t for t in TRIVIAL)
 
@@ -110,9 +113,6 @@ def written_defaults(tree: ast.AST):
                     yield kind, item.target.id, _field_default(item.value), item.lineno
 
 
-SETTINGS_NAMES = {"Settings"} | {cls.__name__ for cls in _settings_classes()}
-
-
 def _normal(name: str) -> str:
     """`drain_timeout_s` is `drain_timeout`'s value in seconds."""
     return name.removesuffix("_s")
@@ -159,6 +159,14 @@ def test_the_check_finds_a_restated_default(tmp_path):
         "parameter namespace = 'splitserve' restates a setting's default",
         "parameter device = 'cpu' restates a setting's default",
         "field router = 'kv' restates a setting's default"]
+
+
+def test_the_check_finds_a_default_two_settings_classes_write(tmp_path):
+    module = tmp_path / "twice.py"
+    module.write_text("class GatewayServiceSettings(BusSettings):\n    port: int = option(8000, 'its port')\n\n"
+                      "class UpSettings(Settings):\n    port: int = option(8000, 'the gateway port')\n")
+    assert find_repeats([module]) == ["settings field port = 8000 written as a literal in 2 places: twice.py:2, "
+                                      "twice.py:5"]
 
 
 def test_literals_are_read_and_expressions_are_not():
