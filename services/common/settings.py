@@ -194,6 +194,11 @@ def default_of(settings: type[Settings], name: str) -> Any:
     return settings.model_fields[name].get_default(call_default_factory=True)
 
 
+def shown_default_of(settings: type[Settings], name: str) -> str:
+    """How --help writes `settings`' default for field `name`, for a setting that mirrors it."""
+    return _shown(name, settings.model_fields[name])
+
+
 def _secret(field: FieldInfo) -> bool:
     return not field.repr  # such as the API keys: never on a command line (`secret_env`)
 

@@ -23,7 +23,7 @@ from services.common.service_settings import (
     PositiveSeconds,
     Transport,
 )
-from services.common.settings import Settings, default_of, option
+from services.common.settings import Settings, default_of, option, shown_default_of
 from services.gateway.settings import GatewayServiceSettings as Gateway
 from services.kvstore.settings import KVStoreSettings
 from services.launcher.deployment import DEFAULT_RUN_DIR
@@ -133,7 +133,8 @@ class UpSettings(Settings):
         default_of(SchedulerSettings, "router"), "how the scheduler picks a worker: kv scores the prompt prefix each "
         "worker's cache (and the kv-store) holds against its load; load takes the least loaded")
     kv_store_ram_bytes: PositiveInt = option(default_of(KVStoreSettings, "kv_store_ram_bytes"), "the kv-store's RAM "
-                                             "tier", metavar="N", shown_default="1 GiB")
+                                             "tier", metavar="N",
+                                             shown_default=shown_default_of(KVStoreSettings, "kv_store_ram_bytes"))
     kv_store_disk_bytes: Count = option(default_of(KVStoreSettings, "kv_store_disk_bytes"), "the kv-store's disk "
                                         "tier, kept in the run directory (0: none)", metavar="N")
 
@@ -143,7 +144,7 @@ class UpSettings(Settings):
     nats_cluster: PositiveInt = option(1, "start N embedded NATS servers clustered on loopback (JetStream "
                                        "replicated; 3 rides out the loss of one) instead of one", metavar="N")
     nats_replicas: PositiveInt | None = option(None, "copies of each JetStream stream and bucket", metavar="N",
-                                               shown_default="3 on a cluster of 3 nodes or more, else 1")
+                                               shown_default=shown_default_of(BusSettings, "nats_replicas"))
     nats_creds_dir: str | None = option(None, "with --nats: each service instance's credentials, DIR/ID.nk, and "
                                         "the admin key that provisions the streams, DIR/admin.nk, if the operator "
                                         "has not (`splitserve nats-auth DIR` writes them and the server's "
