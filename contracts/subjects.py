@@ -57,7 +57,7 @@ def from_anyone(subject: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Subjects:
-    namespace: str = "splitserve"
+    namespace: str  # the deployment's (its services' --namespace)
 
     def __post_init__(self) -> None:
         check_token(self.namespace, "namespace")

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = {"shared", "services", "contracts", "loadtest"}
 # The extras each part of the tree may rely on beyond the base dependencies.
-EXTRAS = {"contracts": (), "shared": (), "services": ("trace-viewer",), "loadtest": ("bench", "grammar-compare")}
+EXTRAS = {"contracts": (), "shared": (), "services": ("trace-viewer", "bench"), "loadtest": ("bench", "grammar-compare")}
 
 
 def _name(requirement: str) -> str:

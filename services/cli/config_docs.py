@@ -125,9 +125,10 @@ def _extra_options(parser: argparse.ArgumentParser, settings: type[Settings]) ->
 
 
 def _up_parser() -> argparse.ArgumentParser:
-    from services.cli.main import build_parser
+    from services.cli import up
 
-    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    subcommands = argparse.ArgumentParser(prog="splitserve").add_subparsers()
+    up.add_parser(subcommands)
     return subcommands.choices["up"]
 
 

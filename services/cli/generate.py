@@ -12,15 +12,17 @@ DEFAULTS = SamplingParams()  # the options' defaults are the engine's (a light i
 
 
 def add_parser(subcommands) -> None:
+    from shared.engine import DEFAULT_MODEL
+
     parser = subcommands.add_parser(
         "generate",
         help="generate text offline with the engine (no services)",
         description="Generate from one prompt with the engine. Without --model, the default model "
-                    "(smollm2-135m-instruct, fetched into the cache on first use) is used.",
+                    f"({DEFAULT_MODEL}, fetched into the cache on first use) is used.",
     )
     parser.add_argument("--model", metavar="NAME|DIR|FILE.gguf",
                         help="a known model's name, a Hugging Face model directory or a .gguf file "
-                             "(default: smollm2-135m-instruct)")
+                             f"(default: {DEFAULT_MODEL})")
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     parser.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, help="default: %(default)s")
@@ -33,8 +35,13 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--logprobs", type=int, help="return the top-N logprobs of each token (with --json)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    from typing import get_args
+
+    from services.common.service_settings import Dtype, EngineSettings, ModelSettings
+    from services.common.settings import default_of
+
+    parser.add_argument("--dtype", default=default_of(ModelSettings, "dtype"), choices=list(get_args(Dtype)))
+    parser.add_argument("--device", default=default_of(EngineSettings, "device"), help="cpu, cuda or cuda:N")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.set_defaults(run=run)

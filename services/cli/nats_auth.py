@@ -42,7 +42,12 @@ def add_parser(subcommands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("dir", metavar="DIR", help="where to write ID.nk, admin.nk and nats-auth.conf")
-    parser.add_argument("--namespace", default="splitserve", help="the deployment's subject prefix (default: splitserve)")
+    from services.common.service_settings import BusSettings
+    from services.common.settings import default_of
+
+    namespace = default_of(BusSettings, "namespace")
+    parser.add_argument("--namespace", default=namespace,
+                        help=f"the deployment's subject prefix (default: {namespace})")
     parser.add_argument("--rotate", action="store_true", help="new keys for every instance (restart the server and "
                         "services)")
     parser.add_argument("--instance", action="append", metavar="ROLE:ID", type=_instance,

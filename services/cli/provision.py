@@ -11,12 +11,17 @@ import argparse
 def add_parser(subcommands) -> None:
     parser = subcommands.add_parser("provision", help="make the deployment's JetStream streams and registry bucket",
                                     description=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--nats", default="nats://127.0.0.1:4222", help="the NATS server (URL,URL,... for a cluster)")
+    from services.common.service_settings import BusSettings
+    from services.common.settings import default_of
+
+    parser.add_argument("--nats", default=default_of(BusSettings, "nats"),
+                        help="the NATS server (URL,URL,... for a cluster)")
     parser.add_argument("--nats-creds", metavar="FILE", help="the admin key (DIR/admin.nk of `splitserve nats-auth`; "
                         "or its seed in SPLITSERVE_NATS_NKEY_SEED, as DIR/admin.env sets it); none on an open bus")
     parser.add_argument("--nats-tls-ca", metavar="FILE", help="the CA the NATS server's certificate is signed by "
                         "(default: SPLITSERVE_NATS_TLS_CA)")
-    parser.add_argument("--namespace", default="splitserve", help="the deployment's subject prefix")
+    parser.add_argument("--namespace", default=default_of(BusSettings, "namespace"),
+                        help="the deployment's subject prefix")
     parser.add_argument("--nats-replicas", type=int, metavar="N", help="copies of each stream on a NATS cluster "
                         "(default: 3 on a cluster of 3 nodes or more, else 1)")
     parser.set_defaults(run=run)

@@ -33,8 +33,7 @@ _IDLE_WAIT_S = 0.05
 # fetch and routing cycle): 16 requests sent at once reached a worker in parts 8-10 ms apart, and the later parts
 # waited for a whole prefill step (1.3-2.7 s) that could have taken them too. So a first step from idle waits for
 # what follows within GATHER_QUIET_S of the last arrival, at most `gather_s` in all: a lone request's first token
-# comes GATHER_QUIET_S later. A busy engine never waits.
-DEFAULT_GATHER_S = 0.05
+# comes GATHER_QUIET_S later. A busy engine never waits. (A decode worker's `gather_s` is its --gather-ms.)
 GATHER_QUIET_S = 0.012
 
 
@@ -85,7 +84,7 @@ class EngineLoop:
         """`thread`: the one the engine was built on; the loop holds it from `start` to `stop`. `cpu_share`: CPUs
         lent to or borrowed from another worker (`services.common.cpu_loan`), told of every step and idle spell.
         `gather_s`: how long a first step from idle may wait for the rest of a burst (0: never; a decode worker
-        passes DEFAULT_GATHER_S)."""
+        passes its --gather-ms)."""
         if gather_s < 0:
             raise ValueError(f"gather_s must be >= 0, got {gather_s}")
         self.engine = engine

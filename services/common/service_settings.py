@@ -13,10 +13,13 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from services.common.settings import Settings, option
 from shared.engine import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
+from shared.engine import DEFAULT_MODEL
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Count = Annotated[int, Field(ge=0)]
@@ -26,6 +29,7 @@ NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Seconds = NonNegative
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Transport = Literal["auto", "shm", "tcp"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 def _cpu_list(value: Any) -> Any:
@@ -104,16 +108,16 @@ class SideChannelSettings(Settings):
 class ModelSettings(Settings):
     model: str | None = option(None, "a known model's name (fetched into the cache on first use), a Hugging Face "
                                "model directory or a .gguf file", metavar="NAME|DIR|FILE.gguf",
-                               shown_default="smollm2-135m-instruct")
+                               shown_default=DEFAULT_MODEL)
     served_model_name: str | None = option(None, "the name clients ask for", metavar="NAME",
                                            shown_default="the model's")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("auto", "the weights' dtype")
+    dtype: Dtype = option(DEFAULT_DTYPE, "the weights' dtype")
 
 
 class EngineSettings(Settings):
     """The model runner's, in every worker that embeds the engine."""
 
-    device: Device = option("cpu", "cpu, cuda or cuda:N")
+    device: Device = option(DEFAULT_DEVICE, "cpu, cuda or cuda:N")
     block_size: PositiveInt = option(DEFAULT_BLOCK_SIZE, "tokens per KV block", metavar="N")
     kv_cache_bytes: PositiveInt = option(DEFAULT_KV_CACHE_BYTES, "memory for the paged KV cache", metavar="N",
                                          shown_default=f"{DEFAULT_KV_CACHE_BYTES >> 20} MiB")

@@ -187,3 +187,61 @@ def parse_settings(parser: argparse.ArgumentParser, settings: type[S], argv: lis
         return settings_from(settings, args, config_file, environ)
     except SettingsError as exc:
         parser.error(str(exc))
+
+
+def default_of(settings: type[Settings], name: str) -> Any:
+    """`settings`' default for its field `name`: a settings class that mirrors another's field takes the default
+    from there rather than writing it again."""
+    return settings.model_fields[name].get_default(call_default_factory=True)
+
+
+def shown_default_of(settings: type[Settings], name: str) -> str:
+    """How --help writes `settings`' default for field `name`, for a setting that mirrors it."""
+    return shown_default(name, settings.model_fields[name])
+
+
+def _secret(field: FieldInfo) -> bool:
+    return not field.repr  # such as the API keys: never on a command line (`secret_env`)
+
+
+def _text(value: Any) -> str:
+    """A value as its flag takes it: a whole float without its .0, a sequence as A,B,..."""
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, (list, tuple)):
+        return ",".join(_text(item) for item in value)
+    return str(value)
+
+
+def _rendered(name: str, field: FieldInfo, value: Any) -> tuple[str, ...]:
+    flag = flag_of(name, field)
+    if isinstance(value, bool):
+        return (flag,) if value else ("--no-" + flag[2:],)
+    if _many(field):
+        return tuple(part for item in value for part in (flag, _text(item)))
+    return flag, _text(value)
+
+
+def to_flags(settings: Settings) -> tuple[str, ...]:
+    """The command line that parses back into `settings` (`add_flags`, `settings_from`): a flag for each field
+    set explicitly or differing from its default, in field order. A secret is left out (`secret_env` carries it);
+    so is None, which no flag spells (and which only a default is)."""
+    values = settings.model_dump()  # a field's serializer writes it as its flag reads it
+    flags: list[str] = []
+    for name, field in type(settings).model_fields.items():
+        value = values[name]
+        if _secret(field) or value is None:
+            continue
+        if name in settings.model_fields_set or getattr(settings, name) != default_of(type(settings), name):
+            flags += _rendered(name, field, value)
+    return tuple(flags)
+
+
+def secret_env(settings: Settings) -> dict[str, str]:
+    """The secrets `to_flags` leaves out, as the environment variables that carry them (A,B,... for many)."""
+    env = {}
+    for name, field in type(settings).model_fields.items():
+        value = getattr(settings, name)
+        if _secret(field) and value:
+            env[env_of(name, field)] = _text(value)
+    return env

@@ -27,7 +27,6 @@ def settings_of(argv: list[str] | None = None, environ=None) -> DecodeSettings:
 
 async def serve(settings: DecodeSettings) -> int:
     from services.common.cpu_loan import cpu_share_from_settings
-    from services.common.engine_loop import DEFAULT_GATHER_S
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.common.engine_worker import EngineWorker
@@ -52,7 +51,7 @@ async def serve(settings: DecodeSettings) -> int:
         worker = EngineWorker(nc=nc, registry=registry, subjects=subjects, engine=engine, engine_thread=engine_thread,
                               instance_id=settings.instance_id, role="decode", model=model_dir,
                               served_model_name=served_name, cpu_share=cpu_share,
-                              gather_s=DEFAULT_GATHER_S if settings.gather_ms is None else settings.gather_ms / 1000)
+                              gather_s=settings.gather_ms / 1000)
         worker.role = DecodeRole(worker, mode=settings.mode, max_active_requests=settings.max_active_requests,
                                  receiver=receiver, prefill_timeout_s=settings.prefill_timeout,
                                  drain_timeout_s=settings.drain_timeout)

@@ -35,6 +35,6 @@ class DecodeSettings(BorrowerSettings, KVStoreTierSettings, EngineSettings, Mode
     drain_timeout: Seconds = option(5.0, "on SIGTERM, seconds the worker's running requests may go on before it "
                                     "hands them back to their gateways, which move them to other workers",
                                     metavar="S")
-    gather_ms: NonNegative | None = option(None, "an idle worker's first step waits this long at most for the rest of "
-                                       "a burst of requests (0: never)", metavar="MS",
-                                       shown_default="services.common.engine_loop.DEFAULT_GATHER_S")
+    # Bursts reach an idle worker in parts some 10 ms apart (services.common.engine_loop).
+    gather_ms: NonNegative = option(50.0, "an idle worker's first step waits this long at most for the rest of a "
+                                    "burst of requests (0: never)", metavar="MS")

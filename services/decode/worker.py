@@ -66,8 +66,8 @@ class ActiveRequest:
 
 
 class DecodeRole:
-    def __init__(self, worker: EngineWorker, *, mode: str, max_active_requests: int, receiver=None,
-                 prefill_timeout_s: float = 30.0, drain_timeout_s: float = 5.0):
+    def __init__(self, worker: EngineWorker, *, mode: str, max_active_requests: int, prefill_timeout_s: float,
+                 drain_timeout_s: float, receiver=None):
         """`receiver`: the KV side channel (disagg mode), on which the prefill pool sends the prompts' KV."""
         self.worker = worker
         self.mode = mode

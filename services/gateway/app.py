@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import structlog
@@ -24,8 +24,7 @@ from services.common.startup_heap import freeze_startup_heap
 from services.gateway import readiness, responses
 from services.gateway.beats_seen import BeatsSeen
 from services.gateway.cache_salt import cache_salt
-from services.gateway.edge import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, authorized, check_text,
-                                   presented_key, read_body, unauthorized)
+from services.gateway.edge import authorized, check_text, presented_key, read_body, unauthorized
 from services.gateway.choices import Choices, submit_all
 from services.gateway.errors import (
     RequestError,
@@ -36,8 +35,8 @@ from services.gateway.errors import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.service_stats import ScrapedStats, ask_every_service
-from services.gateway.model_info import ModelInfo
-from services.gateway.request_bus import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT, RequestBus
+from services.gateway.model_info import ModelInfo, read_chat_template
+from services.gateway.request_bus import RequestBus
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -53,7 +52,8 @@ from services.gateway.protocol import (
     resolve_max_tokens,
     to_sampling_params,
 )
-from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS, StreamError, TokenStreams
+from services.gateway.settings import GatewayServiceSettings
+from services.gateway.streams import StreamError, TokenStreams
 from services.gateway.structured_request import check_constraint
 from services.gateway.tool_calls import ToolCallOutput
 from shared.bus.connection import connect, drain
@@ -61,7 +61,7 @@ from shared.bus.credentials import BusCredentials, secured_bus
 from shared.bus.permissions import inbox_prefix
 from shared.bus.provision import replicas_asked
 from shared.bus.registry import Heartbeat, Readings
-from shared.engine import InvalidRequestError, SamplingParams
+from shared.engine import InvalidRequestError
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import shutdown_tracing
 from shared.version import VERSION
@@ -72,40 +72,26 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions API
 _REGISTRY_REFRESH_S = 1.0
 
 
-@dataclass(slots=True)
-class GatewayConfig:
-    nats_url: str
-    namespace: str
-    instance_id: str
-    model_dir: str
-    served_model_name: str
-    expect: dict[str, int] = field(default_factory=lambda: {"scheduler": 1, "decode": 1})
-    http_port: int | None = None
-    api_keys: tuple[str, ...] = ()  # none: the API is open
-    protect_metrics: bool = False  # /metrics needs a key too
-    share_prefix_cache: bool = False  # every API key's requests reuse each other's prefixes (else each key its own)
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a body not all in by then: 408
-    migration_limit: int = DEFAULT_MIGRATION_LIMIT  # times a request may move to another worker when its own fails
-    stream_idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # this long without word from its worker, a stream moves
-    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # past this many without a first token: 429 (0: no bound)
-    run_dir: str | None = None  # the launcher's, whose deployment.json says which services it marked failed
-    nats_credentials: BusCredentials | None = None
-    nats_tls: ssl.SSLContext | None = None
-    nats_replicas: int | None = None  # the registry bucket's copies on a cluster (None: by its size)
-    chat_template: str | None = None  # overrides the tokenizer's (the template's text)
+@dataclass(frozen=True)
+class BusAccess:
+    """How the gateway reaches NATS beyond its settings' URL: its credentials and TLS, read at start."""
 
-    def __repr__(self) -> str:  # never print the keys
-        return f"GatewayConfig({self.instance_id!r}, {len(self.api_keys)} API key(s))"
+    credentials: BusCredentials | None = None
+    tls: ssl.SSLContext | None = None
 
 
 class Gateway:
-    """The state behind the HTTP handlers (one per process)."""
+    """The state behind the HTTP handlers (one per process). `settings.model` is a model directory (`__main__`
+    resolves a model's name into its cached one); `run_dir` is the launcher's, whose deployment.json says which
+    services it marked failed."""
 
-    def __init__(self, settings: GatewayConfig):
+    def __init__(self, settings: GatewayServiceSettings, bus: BusAccess | None = None, run_dir: str | None = None):
         self.settings = settings
+        self.bus = bus or BusAccess()
+        self.run_dir = run_dir
         self.subjects = Subjects(settings.namespace)
-        self.model = ModelInfo.load(settings.model_dir, settings.served_model_name, settings.chat_template)
+        template = read_chat_template(settings.chat_template) if settings.chat_template else None
+        self.model = ModelInfo.load(settings.model, settings.served_model_name, template)
         self.streams = TokenStreams()
         self.services: list[ServiceInfo] = []
         self.beats = BeatsSeen()  # when each service process was last seen alive, on this gateway's clock
@@ -119,16 +105,16 @@ class Gateway:
         self._scraping: asyncio.Task | None = None  # the stats requests of the /metrics scrape in progress
 
     async def start(self) -> None:
-        self.nc = await connect(self.settings.nats_url, name=self.settings.instance_id,
-                                credentials=self.settings.nats_credentials, tls=self.settings.nats_tls,
+        self.nc = await connect(self.settings.nats, name=self.settings.instance_id,
+                                credentials=self.bus.credentials, tls=self.bus.tls,
                                 inbox_prefix=inbox_prefix(self.settings.namespace, "gateway", self.settings.instance_id))
         replicas = replicas_asked(self.settings.nats_replicas, self.nc)
         self.registry = await join_deployment(self.nc.jetstream(), self.subjects, replicas, may_provision=not secured_bus(
-            self.settings.nats_url, self.settings.nats_credentials))
+            self.settings.nats, self.bus.credentials))
         await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)
         self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
                                       streams=self.streams, migration_limit=self.settings.migration_limit,
-                                      idle_timeout_s=self.settings.stream_idle_timeout_s,
+                                      idle_timeout_s=self.settings.stream_idle_timeout,
                                       on_move=self.metrics.migrated, worker_alive_after=self.beats.alive_after)
         self.heartbeat = Heartbeat(self.registry, self.info)
         self.heartbeat.start()
@@ -180,9 +166,9 @@ class Gateway:
 
     def info(self) -> ServiceInfo:
         return self.identity.info(
-            model=self.settings.model_dir, served_model_name=self.settings.served_model_name,
+            model=self.settings.model, served_model_name=self.settings.served_model_name,
             state="draining" if self.draining else "ready",
-            http_port=self.settings.http_port,
+            http_port=self.settings.port,
             active_requests=len(self.streams),
         )
 
@@ -214,7 +200,7 @@ class Gateway:
         body = {"status": "ok" if nats != "closed" else "failed", "nats": nats, "draining": self.draining,
                 "ready": counts, "expected": self.settings.expect,
                 "missing": readiness.missing(counts, self.settings.expect),
-                "failed": readiness.launcher_failures(self.settings.run_dir)}
+                "failed": readiness.launcher_failures(self.run_dir)}
         return (200 if nats != "closed" else 503), body
 
     def readiness(self) -> tuple[int, dict]:
@@ -230,8 +216,9 @@ class Gateway:
         return min(lengths, default=self.model.max_model_len)
 
 
-def create_app(settings: GatewayConfig) -> FastAPI:
-    gateway = Gateway(settings)
+def create_app(settings: GatewayServiceSettings, bus: BusAccess | None = None, run_dir: str | None = None) -> FastAPI:
+    """The gateway's HTTP API over `settings` (see `Gateway` for `bus` and `run_dir`)."""
+    gateway = Gateway(settings, bus, run_dir)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -244,6 +231,15 @@ def create_app(settings: GatewayConfig) -> FastAPI:
     app = FastAPI(title="splitserve", lifespan=lifespan, **_http_telemetry())
     app.state.gateway = gateway
     install_error_handlers(app)
+    _guard(app, settings)
+    _state_routes(app, gateway)
+    _token_routes(app, gateway)
+    _generation_routes(app, gateway)
+    return app
+
+
+def _guard(app: FastAPI, settings: GatewayServiceSettings) -> None:
+    """The API key check, and the request id every answer carries."""
     # The API's description (what it takes, which extensions) is the API's too.
     docs = {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url} - {None}
 
@@ -266,6 +262,10 @@ def create_app(settings: GatewayConfig) -> FastAPI:
             response.headers["x-trace-id"] = request.state.trace_id
         return response
 
+
+def _state_routes(app: FastAPI, gateway: Gateway) -> None:
+    """What the deployment and the model look like: probes, the model card, the version, metrics."""
+
     @app.get("/health")
     async def health() -> JSONResponse:
         status, body = gateway.liveness()
@@ -285,6 +285,15 @@ def create_app(settings: GatewayConfig) -> FastAPI:
     @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await gateway.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _token_routes(app: FastAPI, gateway: Gateway) -> None:
+    """vLLM's /tokenize and /detokenize."""
+    settings = gateway.settings
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -320,9 +329,10 @@ def create_app(settings: GatewayConfig) -> FastAPI:
         check_token_ids(req.tokens, gateway.model.vocab_size, "tokens")
         return {"prompt": await run_in_threadpool(gateway.model.tokenizer.decode, req.tokens)}
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(await gateway.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+def _generation_routes(app: FastAPI, gateway: Gateway) -> None:
+    """The OpenAI API's completions and chat completions."""
+    settings = gateway.settings
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -344,8 +354,6 @@ def create_app(settings: GatewayConfig) -> FastAPI:
                                              req.chat_template_kwargs, True, req.tool_mode is not None)
         return await generate(gateway, request, req, prompt_ids, chat=True)
 
-    return app
-
 
 _UNTRACED_PATHS = ("/health", "/ready", "/metrics")
 
@@ -359,8 +367,8 @@ def _http_telemetry() -> dict:
                           "auto_configure": False}}
 
 
-async def read_json(request: Request, settings: GatewayConfig):
-    raw = await read_body(request, settings.max_request_bytes, settings.body_timeout_s)
+async def read_json(request: Request, settings: GatewayServiceSettings):
+    raw = await read_body(request, settings.max_request_bytes, settings.request_body_timeout)
     try:
         document = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):

@@ -16,8 +16,6 @@ from fastapi import Request
 
 from services.gateway.errors import RequestError
 
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
-DEFAULT_BODY_TIMEOUT_S = 30.0  # 4 MiB at 1 Mbit/s, with room
 
 
 def presented_key(header: str | None) -> str | None:
@@ -55,7 +53,7 @@ def _too_slow(timeout_s: float) -> RequestError:
                         code="request_timeout", headers={"Connection": "close"})
 
 
-async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The request's body, or a 413 once it is known to exceed `limit` bytes, or a 408 if it is not all in
     `timeout_s` seconds after this began reading it."""
     declared = request.headers.get("content-length")

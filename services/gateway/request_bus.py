@@ -17,15 +17,11 @@ from contracts import Assignment, CancelRequest, GenerateRequest, Subjects, Toke
 from services.common.identity import now_ms
 from services.gateway.streams import RequestStream, StreamError, TokenStreams, silence_leaves_worker_intact
 from shared.cancellation import raise_if_cancelled
-from shared.engine.sampling_params import SamplingParams
+from shared.engine import SamplingParams
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
 
-DEFAULT_MIGRATION_LIMIT = 3
-# A taken request's worker sends a token or a StreamAlive at least every second (services.decode.worker); this
-# long without either, the worker is taken for stalled or gone and the request moves.
-DEFAULT_IDLE_TIMEOUT_S = 5.0
 # The failures a request moves on from: its worker's or its stream's, never the request's own (bad input,
 # overload, no worker).
 MOVABLE_FAILURES = frozenset({"worker_failed", "timeout", "stream_broken"})
@@ -52,8 +48,8 @@ class Submission:
 
 class RequestBus:
     def __init__(self, *, nc, subjects: Subjects, gateway_id: str, streams: TokenStreams,
-                 assign_timeout_s: float = 30.0, idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, on_move=lambda failure_code: None,
+                 idle_timeout_s: float, migration_limit: int,
+                 assign_timeout_s: float = 30.0, on_move=lambda failure_code: None,
                  worker_alive_after: Callable[[str, str | None], float | None] = lambda instance_id, boot_id: None):
         self.nc = nc
         self.js = nc.jetstream()

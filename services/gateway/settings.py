@@ -1,9 +1,8 @@
-"""The gateway's settings (see `services.common.settings`); `__main__` resolves them into the `GatewayConfig` the
-app runs with."""
+"""The gateway's settings (see `services.common.settings`); the app runs with them (`services.gateway.app`)."""
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, PlainSerializer
 
 from services.common.service_settings import (
     ApiKeys,
@@ -16,11 +15,6 @@ from services.common.service_settings import (
     Seconds,
 )
 from services.common.settings import option
-from services.gateway.edge import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
-from services.gateway.request_bus import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
-from services.gateway.streams import DEFAULT_MAX_WAITING_REQUESTS
-
-DEFAULT_DRAIN_TIMEOUT_S = 10.0
 
 
 def parse_expect(value: Any) -> Any:
@@ -36,12 +30,17 @@ def parse_expect(value: Any) -> Any:
     return expect
 
 
+def expect_text(counts: dict[str, int]) -> str:
+    """{"decode": 2, "scheduler": 1} -> "decode=2,scheduler=1" (what `parse_expect` reads)."""
+    return ",".join(f"{role}={n}" for role, n in counts.items())
+
+
 class GatewayServiceSettings(ModelSettings, BusSettings):
     ROLE = "gateway"
 
     host: str = option("127.0.0.1", "the address the HTTP API listens on", metavar="ADDR")
     port: Port = option(8000, "the HTTP API's port")
-    expect: Annotated[dict[str, int], BeforeValidator(parse_expect)] = option(
+    expect: Annotated[dict[str, int], BeforeValidator(parse_expect), PlainSerializer(expect_text)] = option(
         {"scheduler": 1, "decode": 1}, "services that must be ready for /ready to answer 200", metavar="ROLE=N,...",
         shown_default="scheduler=1,decode=1")
     api_keys: ApiKeys = option((), "require `Authorization: Bearer KEY` on /v1/* (repeatable; the variable "
@@ -53,22 +52,24 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
     share_prefix_cache: bool = option(False, "requests of different API keys reuse each other's cached prompt "
                                       "prefixes (by default each key's are its own: a shared prefix's "
                                       "cached_tokens would tell one tenant what another asked)")
-    max_request_bytes: PositiveInt = option(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies are refused with 413",
-                                            metavar="N", shown_default=f"{DEFAULT_MAX_REQUEST_BYTES >> 20} MiB")
-    request_body_timeout: PositiveSeconds = option(DEFAULT_BODY_TIMEOUT_S, "seconds a client has to send a "
+    max_request_bytes: PositiveInt = option(4 << 20, "larger request bodies are refused with 413",
+                                            metavar="N", shown_default="4 MiB")
+    # 4 MiB at 1 Mbit/s, with room.
+    request_body_timeout: PositiveSeconds = option(30.0, "seconds a client has to send a "
                                                    "request's body; a slower one gets 408 and its connection closes",
                                                    metavar="S")
-    migration_limit: Count = option(DEFAULT_MIGRATION_LIMIT, "times a request moves to another worker, from the "
+    migration_limit: Count = option(3, "times a request moves to another worker, from the "
                                     "tokens its client has, when its worker fails or stalls under it (0: it fails "
                                     "instead)", metavar="N")
-    max_waiting_requests: Count = option(DEFAULT_MAX_WAITING_REQUESTS, "admission control: with this many requests "
+    max_waiting_requests: Count = option(256, "admission control: with this many requests "
                                          "still waiting for their first token, a new one is refused with 429 and "
                                          "Retry-After before anything is queued (0: no bound)", metavar="N")
-    stream_idle_timeout: PositiveSeconds = option(DEFAULT_IDLE_TIMEOUT_S, "seconds a taken request may go without "
+    # A taken request's worker sends a token or a StreamAlive at least every second (services.decode.worker).
+    stream_idle_timeout: PositiveSeconds = option(5.0, "seconds a taken request may go without "
                                                   "word from its worker (a token, or the keepalive it sends every "
                                                   "second) before the worker is taken for stalled and the request "
                                                   "moves", metavar="S")
-    drain_timeout: Seconds = option(DEFAULT_DRAIN_TIMEOUT_S, "on SIGTERM, seconds the open requests have to finish "
+    drain_timeout: Seconds = option(10.0, "on SIGTERM, seconds the open requests have to finish "
                                     "(new ones get 503) before the rest end with an error event", metavar="S")
     chat_template: str | None = option(None, "the chat template to render /v1/chat/completions with instead of the "
                                        "tokenizer's: a Jinja file, or the template itself", metavar="FILE|TEMPLATE")

@@ -27,7 +27,6 @@ MAX_QUEUED_EVENTS = 4096  # per request; a consumer this far behind is failed, n
 # Per request: workers' events held until the scheduler's assignment (its connection may lag the worker's by a NATS
 # node's failover, seconds of tokens); past this they are dropped and counted, and the gap moves the request.
 MAX_HELD_EVENTS = MAX_QUEUED_EVENTS
-DEFAULT_MAX_WAITING_REQUESTS = 256  # admission: requests without a first token yet, past which new ones get a 429
 
 
 class StreamError(Exception):

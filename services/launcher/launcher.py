@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TextIO
 
 from services.common.cpus import worker_cpus
+from services.common.settings import secret_env
 from services.gateway.readiness import fully_ready
 from services.launcher import topology, trace_viewer
 from services.launcher.deployment import (
@@ -75,6 +76,7 @@ from services.launcher.supervisor import (
 from services.launcher.tls_files import TLSFiles, make_deployment_tls
 from services.launcher.up_settings import UpSettings
 from services.launcher.provision import provision
+from services.launcher.resolved_run import ResolvedRun
 from shared.bus.connection import nats_endpoints
 from shared.bus.credentials import BusCredentials, credentials_from
 from shared.bus.permissions import ADMIN
@@ -391,32 +393,22 @@ class Launcher:
                 f"processes of an earlier deployment in {self.run_dir} are still running: {listed}; stop them first", 2
             )
 
-    def _up_config(self, model_dir: str, served_name: str) -> topology.UpConfig:
-        """What the topology plans from (the bus's URL, credentials and TLS filled in once NATS is up)."""
+    def _resolved_run(self, model_dir: str, served_name: str) -> ResolvedRun:
+        """What the topology plans from beside the settings (the bus's URL, credentials and TLS filled in once NATS
+        is up)."""
         o = self.options
-        return topology.UpConfig(
-            model=model_dir, served_model_name=served_name, nats_url="", topology=o.topology,
-            decode=o.decode, prefill=o.prefill, max_local_prefill=o.max_local_prefill,
-            offload_short_prefills=o.offload_short_prefills, prefill_backlog_factor=o.prefill_backlog_factor,
-            migration_limit=o.migration_limit, max_waiting_requests=o.max_waiting_requests,
-            share_prefix_cache=o.share_prefix_cache, protect_metrics=o.protect_metrics,
+        return ResolvedRun(
+            model_dir=model_dir, served_model_name=served_name, nats_url="", cpus=worker_cpus(o.cpus),
+            drain_timeout=stop_budgets(o.stop_timeout_s)[2], stage_ranges=self._stage_ranges,
             # A file is named by its absolute path: the gateway need not share this process's working directory.
             chat_template=os.path.abspath(o.chat_template) if o.chat_template and os.path.isfile(o.chat_template)
             else o.chat_template,
-            drain_timeout_s=stop_budgets(o.stop_timeout_s)[2], kv_transport=o.kv_transport,
-            stage_ranges=self._stage_ranges, microbatches=o.microbatches,
-            max_num_batched_tokens=o.max_num_batched_tokens, kv_store=o.kv_store, router=o.router,
-            prefill_beside_decodes_ms=o.prefill_beside_decodes_ms,
-            kv_store_ram_bytes=o.kv_store_ram_bytes, kv_store_disk_bytes=o.kv_store_disk_bytes,
-            kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None, host=o.host, port=o.port, namespace=o.namespace, dtype=o.dtype,
-            cpus=worker_cpus(o.cpus),
             # The cluster started here has a known size: every service is told the copies, rather than each going by
             # the nodes it saw on connecting (fewer, while the routes were forming).
             nats_replicas=replicas_for(o.nats_replicas, o.nats_cluster) if o.nats is None and o.nats_cluster > 1
             else o.nats_replicas,
             cpu_loan_dir=str(self.run_dir / "cpu-loans") if o.lend_idle_cpus else None,
-            device=o.device, prefill_device=o.prefill_device, decode_device=o.decode_device,
-            gpu_memory_utilization=o.gpu_memory_utilization,
+            kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None,
         )
 
     def _child_env(self) -> dict[str, str]:
@@ -430,13 +422,24 @@ class Launcher:
         }
 
     def _start(self, model_dir: str, served_name: str) -> None:
-        o = self.options
+        """Record the deployment, start its bus, then every planned service under the supervisor."""
+        self._fresh_log_dir()
+        self._begin_deployment(model_dir, served_name)
+        run = self._resolved_run(model_dir, served_name)
+        run = self._start_bus(run, topology.plan(self.options, run))
+        self._provision(run.nats_url, run.nats_tls_ca, run.nats_replicas)
+        self._start_services(topology.plan(self.options, run))
+
+    def _fresh_log_dir(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         ignore = self.run_dir / ".gitignore"  # a run dir inside a checkout stays out of `git status`
         if not ignore.exists():
             ignore.write_text("# written by splitserve up: nothing in the run directory belongs in git\n*\n")
         for old in self.log_dir.glob("*.log"):  # logs are per deployment
             old.unlink(missing_ok=True)
+
+    def _begin_deployment(self, model_dir: str, served_name: str) -> None:
+        o = self.options
         gateway_url = topology.http_url(o.host, o.port)
         self.deployment = Deployment(
             run_dir=str(self.run_dir),
@@ -453,38 +456,55 @@ class Launcher:
         )
         write_deployment(self.run_dir, self.deployment)
 
-        config = self._up_config(model_dir, served_name)
-        planned = topology.plan(config)
-        if o.nats is None:
-            # A fresh deployment starts from empty streams: what an earlier
-            # one left queued has nobody waiting for it any more.
-            shutil.rmtree(self.run_dir / "nats", ignore_errors=True)
-            # Every receiver advertises 127.0.0.1 here: its certificate names that (and localhost).
-            names = ["127.0.0.1", "localhost"]
-            tls = make_deployment_tls(self.run_dir / "tls", names, names) if o.tls else None
-            tls_ca = str(tls.ca_cert) if tls is not None else None
-            transfer_tls = (str(tls.ca_cert), str(tls.transfer_cert), str(tls.transfer_key)) if tls else None
-            creds_dir, server_config = (self._bus_config(tls, planned) if o.nats_auth or tls is not None
-                                        else (None, None))
-            self.nats = EmbeddedNatsCluster(
-                self.run_dir, o.nats_cluster, config_file=server_config,
-                log_for=lambda name: RotatingLog(self.log_dir / f"{name}.log", o.log_max_bytes, o.log_backups))
-            nats_url = self.nats.start(jetstream_ready=lambda url: jetstream_answers(url, self._admin, tls_ca))
+    def _start_bus(self, run: ResolvedRun, planned: list[topology.ServiceSpec]) -> ResolvedRun:
+        """The embedded NATS (or the --nats server's credentials checked); `run` with the bus's URL, credentials
+        and TLS."""
+        if self.options.nats is None:
+            nats_url, creds_dir, tls_ca, transfer_tls = self._start_embedded_nats(planned)
         else:
-            nats_url, creds_dir, tls_ca, transfer_tls = o.nats, o.nats_creds_dir, o.nats_tls_ca, None
-            if creds_dir is not None:
-                missing = [s.instance_id for s in planned if not creds_path(creds_dir, s.instance_id).is_file()]
-                if missing:
-                    raise LaunchError(f"--nats-creds-dir {creds_dir} lacks the credentials of: {', '.join(missing)} "
-                                      "(`splitserve nats-auth DIR --instance ROLE:ID ...` writes them)", 2)
-                admin = creds_path(creds_dir, ADMIN)
-                self._admin = credentials_from(str(admin), environ={}) if admin.is_file() else None
+            nats_url, creds_dir, tls_ca, transfer_tls = self._external_nats(planned)
+        assert self.deployment is not None
         self.deployment.nats = NatsRecord(url=nats_url, embedded=self.nats is not None,
                                           creds_dir=str(creds_dir) if creds_dir else None)
-        config = dataclasses.replace(config, nats_url=nats_url, nats_creds_dir=str(creds_dir) if creds_dir else None,
-                                     nats_tls_ca=tls_ca, transfer_tls=transfer_tls)
-        self._provision(nats_url, tls_ca, config.nats_replicas)
-        specs = topology.plan(config)
+        return dataclasses.replace(run, nats_url=nats_url, nats_creds_dir=str(creds_dir) if creds_dir else None,
+                                   nats_tls_ca=tls_ca, transfer_tls=transfer_tls)
+
+    def _start_embedded_nats(self, planned: list[topology.ServiceSpec]):
+        """(URL, creds dir, CA, side channel TLS) of the embedded server, started here."""
+        o = self.options
+        # A fresh deployment starts from empty streams: what an earlier one left queued has nobody waiting for it.
+        shutil.rmtree(self.run_dir / "nats", ignore_errors=True)
+        # Every receiver advertises 127.0.0.1 here: its certificate names that (and localhost).
+        names = ["127.0.0.1", "localhost"]
+        tls = make_deployment_tls(self.run_dir / "tls", names, names) if o.tls else None
+        tls_ca = str(tls.ca_cert) if tls is not None else None
+        transfer_tls = (str(tls.ca_cert), str(tls.transfer_cert), str(tls.transfer_key)) if tls else None
+        creds_dir, server_config = (self._bus_config(tls, planned) if o.nats_auth or tls is not None
+                                    else (None, None))
+        self.nats = EmbeddedNatsCluster(
+            self.run_dir, o.nats_cluster, config_file=server_config,
+            log_for=lambda name: RotatingLog(self.log_dir / f"{name}.log", o.log_max_bytes, o.log_backups))
+        nats_url = self.nats.start(jetstream_ready=lambda url: jetstream_answers(url, self._admin, tls_ca))
+        return nats_url, creds_dir, tls_ca, transfer_tls
+
+    def _external_nats(self, planned: list[topology.ServiceSpec]):
+        """(URL, creds dir, CA, no side channel TLS) of the --nats server; every planned instance's credentials
+        must be in --nats-creds-dir."""
+        o = self.options
+        creds_dir = o.nats_creds_dir
+        if creds_dir is not None:
+            missing = [s.instance_id for s in planned if not creds_path(creds_dir, s.instance_id).is_file()]
+            if missing:
+                raise LaunchError(f"--nats-creds-dir {creds_dir} lacks the credentials of: {', '.join(missing)} "
+                                  "(`splitserve nats-auth DIR --instance ROLE:ID ...` writes them)", 2)
+            admin = creds_path(creds_dir, ADMIN)
+            self._admin = credentials_from(str(admin), environ={}) if admin.is_file() else None
+        return o.nats, creds_dir, o.nats_tls_ca, None
+
+    def _start_services(self, specs: list[topology.ServiceSpec]) -> None:
+        """Every planned service (and the trace viewer) under the supervisor, recorded in deployment.json."""
+        o = self.options
+        assert self.deployment is not None
         self.supervisor = Supervisor(self.log_dir, self.policy, log_max_bytes=o.log_max_bytes,
                                      log_backups=o.log_backups)
         env = self._child_env()
@@ -494,10 +514,9 @@ class Launcher:
                                 instance_id="trace-viewer",
                                 env={**env, **trace_viewer.viewer_env(self.run_dir / "trace-viewer", port, port + 1)})
             env = {**env, **trace_viewer.exporter_env(port)}
-        for spec in specs:
-            own = {"SPLITSERVE_API_KEY": ",".join(o.api_keys)} if spec.role == "gateway" and o.api_keys else {}
-            self.supervisor.add(spec.name, spec.argv(self.python), env={**env, **own}, role=spec.role,
-                                instance_id=spec.instance_id)
+        for spec in specs:  # a secret (the gateway's API keys) goes by its variable, never on a command line
+            self.supervisor.add(spec.name, spec.argv(self.python), env={**env, **secret_env(spec.settings)},
+                                role=spec.role, instance_id=spec.instance_id)
         self.deployment.services = [
             ServiceRecord(name=s.name, role=s.role, instance_id=s.instance_id, argv=s.argv(self.python),
                           log=str(self.log_dir / f"{s.name}.log"), url=s.url)

@@ -193,7 +193,8 @@ class PrefillRole:
         except Exception as exc:  # the connection is going: the ack wait will sort it out
             log.warning("could not settle the job", outcome=outcome, error=repr(exc))
 
-    async def _prefill_and_ship(self, job: PrefillJob) -> str:
+    async def _refused(self, job: PrefillJob) -> str | None:
+        """Why the job is not computed here ("expired", "refused", told to its decode worker), or None."""
         if job.deadline_ms < now_ms():
             return "expired"  # its decode worker has already prefilled locally
         engine = self.worker.engine
@@ -205,13 +206,19 @@ class PrefillRole:
             await self._report(job, ok=False, error="the job is for another model (or dtype) than this worker's")
             return "refused"
         try:
-            params = job.sampling
-            params.validate()  # the bus's decode checked its types, not its values
-            # Only the first token is drawn here (min_tokens kept for it: its EOS stays suppressed if it was).
-            first_only = msgspec.structs.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            job.sampling.validate()  # the bus's decode checked its types, not its values
         except EngineError as exc:
             await self._report(job, ok=False, error=f"bad sampling parameters: {exc}")
             return "refused"
+        return None
+
+    async def _prefill_and_ship(self, job: PrefillJob) -> str:
+        refused = await self._refused(job)
+        if refused is not None:
+            return refused
+        engine, params = self.worker.engine, job.sampling
+        # Only the first token is drawn here (min_tokens kept for it: its EOS stays suppressed if it was).
+        first_only = msgspec.structs.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         # The KV streams out layer by layer while the prompt's last step computes the next layers.
         layers = self.prompt_kv.open(job.request_id)
         # The layers whose KV this process ships: a pipeline's stages ship the rest.

@@ -39,7 +39,6 @@ from services.scheduler.lease import Lease
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.handoffs_in_flight import RoutedTally
 from services.scheduler.worker_choice import (
-    DEFAULT_PREFILL_BACKLOG_FACTOR,
     CachedPrefixes,
     blocks_to_take,
     cached_prefixes,
@@ -71,10 +70,9 @@ ROUTERS = ("load", "kv")
 
 class Router:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str,
-                 handoff_timeout_s: float = 5.0, max_concurrent_handoffs: int = 64,
-                 max_local_prefill: int = 256, max_prefill_queue: int = 64, offload_short_prefills: bool = True,
-                 prefill_backlog_factor: float = DEFAULT_PREFILL_BACKLOG_FACTOR, router: str = "kv",
-                 overlap_weight: float = 2.0, max_index_blocks: int = 1 << 18):
+                 handoff_timeout_s: float, max_local_prefill: int, max_prefill_queue: int,
+                 offload_short_prefills: bool, prefill_backlog_factor: float, router: str, overlap_weight: float,
+                 max_index_blocks: int, max_concurrent_handoffs: int = 64):
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
         self.nc = nc

@@ -149,11 +149,6 @@ def pick_prefill_worker(workers: list[ServiceInfo], num_prompt_blocks: int, cach
 # Below this many uncached tokens a prompt is always computed where it decodes: shipping its KV costs more
 # than the stall it would cause.
 MIN_OFFLOADED_PREFILL = 32
-# A long prompt is computed where it decodes when each prefill worker has more than this many times its tokens
-# queued ahead of it (see `decide_prefill`); 0: never. Off by default: at 0.5 on 2 cores it cut the worst
-# long-prompt TTFT of the mixed benchmark (12.3 -> 6.6 s) but lengthened its wall time in each of three runs
-# (docs/bench-log/peer-epyc-2026-12-04.md).
-DEFAULT_PREFILL_BACKLOG_FACTOR = 0.0
 
 
 def prefill_backlog(routed_tokens: Sequence[int], queue_depth: int) -> int:

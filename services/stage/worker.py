@@ -35,7 +35,7 @@ log = get_logger(__name__)
 class StageWorker:
     def __init__(self, *, nc, registry: Registry, subjects: Subjects, instance_id: str, runner: StageRunner,
                  engine_thread: EngineThread, link: ActivationLink, model: str, served_model_name: str,
-                 kv_transport: str = "auto"):
+                 kv_transport: str):
         self.nc = nc
         self.registry = registry
         self.subjects = subjects

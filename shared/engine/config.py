@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 
 from shared.engine.defaults import (
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -14,8 +16,8 @@ from shared.engine.model_loader import LayerRange
 @dataclass(slots=True)
 class EngineConfig:
     model: str
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "cpu"  # cpu | cuda | cuda:N
+    dtype: str = DEFAULT_DTYPE
+    device: str = DEFAULT_DEVICE
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES

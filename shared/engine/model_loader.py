@@ -19,6 +19,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from shared.engine.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE
 from shared.engine.errors import ModelLoadError
 from shared.engine.kv_cache import DTYPES
 
@@ -126,8 +127,8 @@ def resolve_dtype(dtype: str, config: PretrainedConfig) -> torch.dtype:
 
 def load_model(
     model_dir: str | os.PathLike,
-    dtype: str = "auto",
-    device: str = "cpu",
+    dtype: str = DEFAULT_DTYPE,
+    device: str = DEFAULT_DEVICE,
     layer_range: LayerRange | None = None,
 ) -> LoadedModel:
     path = Path(model_dir)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.defaults import DEFAULT_MICROBATCHES, DEFAULT_STEP_TIMEOUT_S
 from shared.engine.engine import LLMEngine, PlannedStep, RequestOutput
 from shared.engine.kv_cache import KVAllocator
 from shared.engine.model_loader import LayerRange
@@ -119,8 +120,8 @@ class PipelineHeadEngine(LLMEngine):
     unknown, so they cannot go on.
     """
 
-    def __init__(self, config: EngineConfig, submit: Submit, *, num_microbatches: int = 2,
-                 step_timeout_s: float = 60.0, poll_s: float = 0.02, load_tokenizer: bool = True,
+    def __init__(self, config: EngineConfig, submit: Submit, *, num_microbatches: int = DEFAULT_MICROBATCHES,
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S, poll_s: float = 0.02, load_tokenizer: bool = True,
                  kv_allocator: KVAllocator | None = None):
         super().__init__(config, load_tokenizer=load_tokenizer, kv_allocator=kv_allocator,
                          num_virtual_engines=num_microbatches)

@@ -8,7 +8,7 @@ started them; the last stage returns the logits of the sampled positions.
 
 import torch
 
-from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
+from shared.engine.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_KV_CACHE_BYTES
 from shared.engine.kv_cache import KVAllocator, PagedKVCache
 from shared.engine.model_loader import LayerRange, load_model
 from shared.engine.model_runner import ModelRunner
@@ -16,9 +16,9 @@ from shared.engine.step_batch import StepBatch
 
 
 class StageRunner:
-    def __init__(self, model_dir: str, layer_range: LayerRange, *, dtype: str = "auto", device: str = "cpu",
-                 block_size: int, num_blocks: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-                 kv_allocator: KVAllocator | None = None):
+    def __init__(self, model_dir: str, layer_range: LayerRange, *, dtype: str = DEFAULT_DTYPE,
+                 device: str = DEFAULT_DEVICE, block_size: int, num_blocks: int | None = None,
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, kv_allocator: KVAllocator | None = None):
         """`num_blocks` (default: as many as `kv_cache_bytes` holds for this stage's layers) must be at
         least the head's: steps name the head's block ids."""
         if layer_range.start == 0:

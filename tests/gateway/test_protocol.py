@@ -15,7 +15,8 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from contracts import LogprobEntry
-from services.gateway.app import GatewayConfig, create_app
+from services.gateway.app import create_app
+from services.gateway.settings import GatewayServiceSettings
 from services.gateway.errors import (
     RequestError,
     error_body,
@@ -482,8 +483,8 @@ def test_sse_framing():
 
 @pytest.fixture(scope="module")
 def http(default_model) -> TestClient:
-    settings = GatewayConfig(nats_url="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
-                               model_dir=default_model, served_model_name="m")
+    settings = GatewayServiceSettings(nats="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
+                                      model=default_model, served_model_name="m")
     return TestClient(create_app(settings), raise_server_exceptions=False)
 
 

@@ -235,7 +235,7 @@ def test_a_request_gone_silent_on_a_worker_that_kept_beating_may_go_back_to_it(n
             return time.monotonic() + 5 if (instance_id, boot_id) == ("decode-0", "boot-a") else None
 
         bus = RequestBus(nc=nc, subjects=subjects, gateway_id="gateway-0", streams=streams, idle_timeout_s=0.3,
-                         assign_timeout_s=2.0, worker_alive_after=alive_after)
+                         migration_limit=3, assign_timeout_s=2.0, worker_alive_after=alive_after)
         stream = streams.open("r1")
         stream.submission = SimpleNamespace(model="m", prompt_token_ids=[1, 2], sampling=SamplingParams(), headers={})
         stream.worker_instance, stream.worker_boot_id = "decode-0", "boot-a"

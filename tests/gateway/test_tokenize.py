@@ -4,7 +4,8 @@ import pytest
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-from services.gateway.app import GatewayConfig, create_app
+from services.gateway.app import create_app
+from services.gateway.settings import GatewayServiceSettings
 from shared.version import VERSION
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -17,8 +18,8 @@ def tokenizer(default_model):
 
 @pytest.fixture(scope="module")
 def http(default_model) -> TestClient:
-    settings = GatewayConfig(nats_url="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
-                               model_dir=default_model, served_model_name="m", api_keys=("secret",))
+    settings = GatewayServiceSettings(nats="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
+                                      model=default_model, served_model_name="m", api_keys=("secret",))
     return TestClient(create_app(settings), raise_server_exceptions=False,
                       headers={"Authorization": "Bearer secret"})
 
@@ -67,8 +68,8 @@ def test_another_models_name_is_a_404(http):
 
 
 def test_tokenizing_needs_the_api_key_and_the_version_does_not(default_model):
-    settings = GatewayConfig(nats_url="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
-                               model_dir=default_model, served_model_name="m", api_keys=("secret",))
+    settings = GatewayServiceSettings(nats="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
+                                      model=default_model, served_model_name="m", api_keys=("secret",))
     anonymous = TestClient(create_app(settings), raise_server_exceptions=False)
     assert anonymous.post("/tokenize", json={"prompt": "a"}).status_code == 401
     assert anonymous.post("/detokenize", json={"tokens": [1]}).status_code == 401

@@ -78,3 +78,26 @@ def read_state(run_dir: Path) -> dict | None:
         return json.loads((run_dir / "deployment.json").read_text())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def up_and_run(**given):
+    """(UpSettings, ResolvedRun) for `topology.plan`: each given value goes to whichever has the field; the run's
+    facts default to a model /models/m served as m on nats://127.0.0.1:4999, CPUs and drain left to the OS and
+    the services."""
+    import dataclasses
+
+    from services.launcher.resolved_run import ResolvedRun
+    from services.launcher.up_settings import UpSettings
+
+    facts = {f.name for f in dataclasses.fields(ResolvedRun)}
+    run = {"model_dir": "/models/m", "served_model_name": "m", "nats_url": "nats://127.0.0.1:4999", "cpus": (),
+           "drain_timeout": None}
+    run |= {name: value for name, value in given.items() if name in facts}
+    return UpSettings(**{name: value for name, value in given.items() if name not in facts}), ResolvedRun(**run)
+
+
+def planned(**given):
+    """`topology.plan` of `up_and_run(**given)`."""
+    from services.launcher.topology import plan
+
+    return plan(*up_and_run(**given))

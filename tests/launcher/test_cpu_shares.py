@@ -1,6 +1,7 @@
 """Model workers get their own CPUs: the policy, the CPU list syntax, and the planned command lines."""
 
 import pytest
+from launcher_helpers import up_and_run
 
 from services.common.cpus import pair_cpu_loans, parse_cpu_list, share_cpus, worker_cpus
 from services.decode.__main__ import settings_of as decode_settings
@@ -34,11 +35,11 @@ def test_up_cpus_must_be_usable():
 
 
 def _config(**kw):
-    return topology.UpConfig(model="/m", served_model_name="m", nats_url="nats://127.0.0.1:1", **kw)
+    return up_and_run(model_dir="/m", nats_url="nats://127.0.0.1:1", **kw)
 
 
 def test_disagg_plan_gives_prefill_and_decode_a_cpu_each_and_the_rest_none():
-    specs = topology.plan(_config(topology="disagg", cpus=(0, 1)))
+    specs = topology.plan(*_config(topology="disagg", cpus=(0, 1)))
     cpus = {s.name: s.args[s.args.index("--cpus") + 1] for s in specs if "--cpus" in s.args}
     assert cpus == {"prefill-0": "0", "decode-0": "1"}
     decode = next(s for s in specs if s.name == "decode-0")
@@ -46,7 +47,7 @@ def test_disagg_plan_gives_prefill_and_decode_a_cpu_each_and_the_rest_none():
 
 
 def test_no_cpus_means_no_binding():
-    assert not any("--cpus" in s.args for s in topology.plan(_config(topology="colocated")))
+    assert not any("--cpus" in s.args for s in topology.plan(*_config(topology="colocated")))
 
 
 def test_cpu_loans_pair_each_prefill_worker_with_a_decode_worker_of_its_own_cpus():
@@ -63,7 +64,7 @@ def test_cpu_loans_pair_each_prefill_worker_with_a_decode_worker_of_its_own_cpus
 def test_disagg_plan_lends_the_prefill_workers_cpu_to_its_decode_worker(tmp_path):
     from services.prefill.__main__ import settings_of as prefill_settings
 
-    specs = {s.name: s for s in topology.plan(_config(topology="disagg", cpus=(0, 1), cpu_loan_dir=str(tmp_path)))}
+    specs = {s.name: s for s in topology.plan(*_config(topology="disagg", cpus=(0, 1), cpu_loan_dir=str(tmp_path)))}
     decode = decode_settings(list(specs["decode-0"].args), environ={})
     prefill = prefill_settings(list(specs["prefill-0"].args), environ={})
     assert decode.cpus == (1,) and decode.borrow_cpus == (0,)
@@ -71,7 +72,7 @@ def test_disagg_plan_lends_the_prefill_workers_cpu_to_its_decode_worker(tmp_path
     # Without a loan directory, colocated, or CPUs left to the OS: no loans.
     for config in (_config(topology="disagg", cpus=(0, 1)), _config(topology="colocated", cpus=(0, 1), cpu_loan_dir="d"),
                    _config(topology="disagg", cpu_loan_dir="d")):
-        assert not any("--cpu-loan" in s.args for s in topology.plan(config))
+        assert not any("--cpu-loan" in s.args for s in topology.plan(*config))
 
 
 def test_a_decode_worker_borrows_one_cpu_beside_one_of_its_own():

@@ -6,17 +6,18 @@ import importlib
 import pytest
 from launcher_helpers import cli
 
-from services.launcher.topology import UpConfig, check_devices, plan
+from launcher_helpers import up_and_run
+
+from services.launcher.topology import check_devices, plan
 
 
-def disagg(**devices) -> UpConfig:
+def disagg(**devices):
     prefill = 1 if "stage_ranges" in devices else 2
-    return UpConfig(model="/models/m", served_model_name="m", nats_url="nats://127.0.0.1:4999", topology="disagg",
-                    prefill=prefill, decode=1, **devices)
+    return up_and_run(topology="disagg", prefill=prefill, decode=1, **devices)
 
 
 def test_each_pool_gets_its_device_and_the_memory_share():
-    specs = plan(disagg(device="cuda", prefill_device="cuda:0", decode_device="cuda:1", gpu_memory_utilization=0.45))
+    specs = plan(*disagg(device="cuda", prefill_device="cuda:0", decode_device="cuda:1", gpu_memory_utilization=0.45))
     for spec in specs:
         if spec.role not in ("prefill", "decode"):
             assert "--device" not in spec.args and "--gpu-memory-utilization" not in spec.args, spec.name
@@ -25,9 +26,9 @@ def test_each_pool_gets_its_device_and_the_memory_share():
         assert settings.device == {"prefill": "cuda:0", "decode": "cuda:1"}[spec.role]
         assert settings.gpu_memory_utilization == 0.45
     # On the CPU (the default) nothing is added.
-    assert not any("--device" in s.args for s in plan(disagg()))
+    assert not any("--device" in s.args for s in plan(*disagg()))
     # A prefill pipeline's stages are the prefill pool's.
-    stages = plan(disagg(prefill_device="cuda:0", stage_ranges=((0, 2), (2, 4))))
+    stages = plan(*disagg(prefill_device="cuda:0", stage_ranges=((0, 2), (2, 4))))
     assert {s.name: s.args[s.args.index("--device") + 1] for s in stages if "--device" in s.args} == {
         "prefill-0": "cuda:0", "prefill-stage-1": "cuda:0"}
 

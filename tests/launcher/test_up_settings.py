@@ -91,6 +91,7 @@ def test_the_variables_up_read_do_not_reach_its_services():
 
     from services.cli.up import forget_up_variables
     from services.launcher import topology
+    from services.launcher.resolved_run import ResolvedRun
 
     environ = {"SPLITSERVE_DEVICE": "cuda", "SPLITSERVE_CPUS": "none", "SPLITSERVE_PREFILL_BESIDE_DECODES_MS": "0",
                "SPLITSERVE_KV_STORE": "true", "SPLITSERVE_CONFIG": "/etc/up.yaml", "SPLITSERVE_API_KEY": "secret",
@@ -100,9 +101,8 @@ def test_the_variables_up_read_do_not_reach_its_services():
     assert settings.device == "cpu" and not settings.kv_store
     forget_up_variables(environ)
     assert environ == {"SPLITSERVE_CACHE_DIR": "/cache", "SPLITSERVE_NATS_CREDS": "/creds/decode.nk", "PATH": "/bin"}
-    specs = topology.plan(topology.UpConfig(model="/m", served_model_name="m", nats_url="nats://127.0.0.1:1",
-                                            topology="disagg", device="cpu", prefill_beside_decodes_ms=0,
-                                            kv_store=False))
+    specs = topology.plan(settings, ResolvedRun(model_dir="/m", served_model_name="m", nats_url="nats://127.0.0.1:1",
+                                                 cpus=(), drain_timeout=None))
     for spec in specs:
         service = importlib.import_module(f"{spec.module}.__main__").settings_of(list(spec.args), environ=environ)
         if spec.role in ("decode", "prefill"):

@@ -13,7 +13,8 @@ import typing
 import pytest
 from fastapi.testclient import TestClient
 
-from services.gateway.app import GatewayConfig, create_app
+from services.gateway.app import create_app
+from services.gateway.settings import GatewayServiceSettings
 from services.gateway.model_info import ModelInfo
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from support.waiting import wait_until
@@ -23,9 +24,9 @@ USER = [{"role": "user", "content": "Hi"}]
 KEY = "secret-1f3a"
 
 
-def _config(default_model: str, **overrides) -> GatewayConfig:
-    return GatewayConfig(nats_url="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
-                         model_dir=default_model, served_model_name=MODEL, **overrides)
+def _config(default_model: str, **overrides) -> GatewayServiceSettings:
+    return GatewayServiceSettings(nats="nats://127.0.0.1:9", namespace="t", instance_id="gateway-t",
+                                  model=default_model, served_model_name=MODEL, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +129,14 @@ def test_a_body_sent_slowly_is_a_408_and_its_connection_closes(default_model):
 
     from services.common.free_port import free_port
     from services.gateway.__main__ import settings_of
-    from services.gateway.edge import DEFAULT_BODY_TIMEOUT_S
+    from services.common.settings import default_of
 
-    assert settings_of([], environ={}).request_body_timeout == DEFAULT_BODY_TIMEOUT_S
+    assert settings_of([], environ={}).request_body_timeout == default_of(GatewayServiceSettings,
+                                                                          "request_body_timeout")
     assert settings_of(["--request-body-timeout", "2.5"], environ={}).request_body_timeout == 2.5
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(_config(default_model, body_timeout_s=0.3)), host="127.0.0.1",
-                                           port=port, lifespan="off", log_level="warning"))
+    app = create_app(_config(default_model, request_body_timeout=0.3))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -300,7 +302,8 @@ def test_with_api_keys_the_docs_need_one_and_up_can_protect_metrics(default_mode
     def gateway_settings(*up_flags: str):
         options = settings_from(UpSettings, build_parser().parse_args(["up", "--run-dir", str(tmp_path), *up_flags]),
                                 None, {})
-        spec = next(s for s in plan(Launcher(options)._up_config(default_model, MODEL)) if s.role == "gateway")
+        spec = next(s for s in plan(options, Launcher(options)._resolved_run(default_model, MODEL))
+                    if s.role == "gateway")
         return settings_of(list(spec.args), environ={})
 
     assert gateway_settings("--protect-metrics").protect_metrics is True
