@@ -21,13 +21,13 @@ def run_cli(*args, env_cache):
     )
 
 
-def test_the_sampling_options_default_to_the_sampling_params_defaults():
+def test_the_sampling_options_default_to_the_sampling_params_defaults_but_greedy_and_64_tokens():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args, defaults = parser.parse_args(["generate", "--prompt", "x"]), SamplingParams()
-    assert ((args.max_tokens, args.temperature, args.top_p, args.top_k, args.min_p, args.seed, args.logprobs)
-            == (defaults.max_tokens, defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p,
-                defaults.seed, defaults.logprobs))
+    assert (args.max_tokens, args.temperature) == (64, 0.0)  # the command's own choice, as before
+    assert ((args.top_p, args.top_k, args.min_p, args.seed, args.logprobs)
+            == (defaults.top_p, defaults.top_k, defaults.min_p, defaults.seed, defaults.logprobs))
 
 
 def test_generate_json_on_default_model_matches_transformers(cache_dir, default_model):

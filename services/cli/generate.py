@@ -6,9 +6,13 @@ import sys
 
 from contracts import LogprobEntry
 from contracts.codec import to_builtins
+import msgspec
+
 from shared.engine import EngineError, SamplingParams
 
-DEFAULTS = SamplingParams()  # the options' defaults are the engine's (a light import: msgspec only)
+# The options' defaults are the engine's (a light import: msgspec only), but for two the command chooses: a
+# try-out from the shell answers the same every time (greedy) and runs long enough to read.
+DEFAULTS = msgspec.structs.replace(SamplingParams(), max_tokens=64, temperature=0.0)
 
 
 def add_parser(subcommands) -> None:
@@ -27,7 +31,7 @@ def add_parser(subcommands) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     parser.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, help="default: %(default)s")
     parser.add_argument("--temperature", type=float, default=DEFAULTS.temperature,
-                        help="0 is greedy (default: %(default)s)")
+                        help="0 is greedy (default: %(default)s, greedy)")
     parser.add_argument("--top-p", type=float, default=DEFAULTS.top_p, help="default: %(default)s")
     parser.add_argument("--top-k", type=int, default=DEFAULTS.top_k, help="default: %(default)s (off)")
     parser.add_argument("--min-p", type=float, default=DEFAULTS.min_p, help="default: %(default)s (off)")

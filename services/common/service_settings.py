@@ -154,11 +154,10 @@ class KVStoreTierSettings(Settings):
     kv_store_timeout: PositiveSeconds = option(5.0, "seconds a kv-store lookup or transfer may take before the "
                                                "worker computes instead", metavar="S")
     kv_store_receiver_host: str | None = option(None, "address the side channel that takes blocks from the kv-store "
-                                                "listens on", metavar="ADDR", env="SPLITSERVE_KV_RECEIVER_HOST",
+                                                "listens on", metavar="ADDR",
                                                 shown_default="--advertise-host's")
     kv_store_receiver_advertise: str | None = option(None, "the address the kv-store dials (needed when listening "
-                                                     "on 0.0.0.0)", metavar="ADDR",
-                                                     env="SPLITSERVE_KV_RECEIVER_ADVERTISE")
+                                                     "on 0.0.0.0)", metavar="ADDR")
 
 
 class LenderSettings(Settings):

@@ -34,6 +34,13 @@ def test_every_setting_has_a_flag_a_variable_and_its_default_written(name):
         assert env_of(field_name, settings.model_fields[field_name]) in action.help and "default" in action.help
 
 
+@pytest.mark.parametrize("name", SERVICES)
+def test_each_variable_sets_one_setting(name):
+    settings = settings_class(name)
+    variables = [env_of(field_name, field) for field_name, field in settings.model_fields.items()]
+    assert len(variables) == len(set(variables)), sorted(v for v in variables if variables.count(v) > 1)
+
+
 def test_a_flag_wins_over_a_variable_over_the_default():
     from services.decode.__main__ import settings_of
 
