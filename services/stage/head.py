@@ -8,13 +8,19 @@ micro-batches in flight.
 """
 
 from services.common.engine_worker import EngineWorker
+from services.common.settings import default_of
+from services.decode.settings import DecodeSettings
 from services.decode.worker import DecodeRole
 from services.stage.driver import PipelineDriver
 
 
 def decode_pipeline_head(worker: EngineWorker, driver: PipelineDriver, *, max_active_requests: int) -> EngineWorker:
     """`worker` as a decode pipeline's head: a decode role, and the driver that runs the stages."""
-    worker.role = DecodeRole(worker, mode="pipeline", max_active_requests=max_active_requests)
+    # No remote prefill here (its timeout is never used); a draining head gives its requests as long as a decode
+    # worker does.
+    worker.role = DecodeRole(worker, mode="pipeline", max_active_requests=max_active_requests,
+                             prefill_timeout_s=default_of(DecodeSettings, "prefill_timeout"),
+                             drain_timeout_s=default_of(DecodeSettings, "drain_timeout"))
     worker.parts.append(driver)
     driver.attach(engine=worker.engine, engine_loop=worker.engine_loop, boot_id=worker.identity.boot_id,
                   on_reset=worker.deliver, trace_of=worker.role.trace_of)

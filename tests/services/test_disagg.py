@@ -291,8 +291,8 @@ def test_a_prefill_worker_killed_mid_job_has_it_redelivered_and_a_failed_transfe
         # and its ack may trail the stream's end (the decode worker already had the first token and the KV).
         results.wait_for(lambda r: r.prefill_instance == "prefill-1", 10, "prefill-1 never reported the job")
         assert [r.prefill_instance for r in results.messages()] == ["prefill-0", "prefill-1"]
-        wait_until(lambda: deployment.stats("prefill-1").details["jobs"] == {"shipped": 1}, 10,
-                   "prefill-1 never counted the job shipped")
+        wait_until(lambda: deployment.stats("prefill-1").details["jobs"] == {"redelivered": 1, "shipped": 1}, 10,
+                   "prefill-1 never counted the job redelivered and shipped")
         decode = deployment.stats("decode-0").details
         assert decode["prefill_decisions"] == {"remote": 1}
         assert set(decode["kv_transfer"]["bytes_by_backend"]) == {"shm"} and decode["kv_transfer"]["ok_by_backend"] == {"shm": 1}
