@@ -173,3 +173,17 @@ def test_the_shifting_dataset_labels_phases_with_their_lengths():
     assert arrivals == sorted(arrivals) and [r.conversation for r in requests] == list(range(len(requests)))
     assert [(r.arrival_s, r.phase) for r in requests] == [
         (t, SHIFTING[p].name) for t, p in trace_arrivals(SHIFTING, 20.0, 1.0, seed=1)]
+
+
+def test_compare_shows_each_phase_attainment_side_by_side():
+    from services.bench.compare import format_table
+
+    latencies = {key: {"mean": 1.0, "p50": 1.0, "p90": 1.0, "p99": 1.0} for key in ("ttft_ms", "tpot_ms", "itl_ms",
+                                                                                     "e2el_ms")}
+    run = {"completed": 4, "failed": 0, "request_throughput": 1.0, "output_throughput": 5.0, "goodput": 0.5,
+           "slo_attainment": 0.5, **latencies}
+    table = format_table({"colocated": {**run, "phases": {"prefill-heavy": {"slo_attainment": 1.0},
+                                                          "ramp-up": {"slo_attainment": 0.25}}},
+                          "disagg": {**run, "phases": {"ramp-up": {"slo_attainment": 0.75}}}})
+    assert "| SLO attainment | 50% | 50% |" in table
+    assert table.endswith("| SLO attainment, prefill-heavy | 100% | - |\n| SLO attainment, ramp-up | 25% | 75% |")

@@ -35,7 +35,7 @@ PRESETS = {
 }
 ROWS = (("completed", "completed", "{:.0f}"), ("failed", "failed", "{:.0f}"),
         ("request_throughput", "requests/s", "{:.2f}"), ("output_throughput", "output tok/s", "{:.1f}"),
-        ("goodput", "goodput req/s", "{:.2f}"))
+        ("goodput", "goodput req/s", "{:.2f}"), ("slo_attainment", "SLO attainment", "{:.0%}"))
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 
 
@@ -108,6 +108,10 @@ def format_table(results: dict[str, dict]) -> str:
         for stat in ("mean", "p50", "p90", "p99"):
             cells = ["-" if results[n][key][stat] is None else f"{results[n][key][stat]:.1f}" for n in names]
             lines.append(f"| {key.removesuffix('_ms').upper()} {stat} ms | " + " | ".join(cells) + " |")
+    for phase in dict.fromkeys(phase for n in names for phase in results[n].get("phases", {})):  # a trace's
+        attained = [results[n].get("phases", {}).get(phase, {}).get("slo_attainment") for n in names]
+        lines.append(f"| SLO attainment, {phase} | " + " | ".join("-" if a is None else f"{a:.0%}" for a in attained)
+                     + " |")
     return "\n".join(lines)
 
 

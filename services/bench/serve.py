@@ -262,6 +262,7 @@ def format_report(result: dict, title: str = "splitserve bench") -> str:
              f"{'Total token throughput (tok/s):':<34}{result['total_token_throughput']:.2f}"]
     if result["goodput"] is not None:
         lines.append(f"{'Request goodput (req/s):':<34}{result['goodput']:.2f}")
+    if result["slo_attainment"] is not None:
         lines.append(f"{'SLO attainment:':<34}{result['slo_attainment']:.1%}")
     for key, label in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
                        ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
