@@ -128,8 +128,8 @@ def _shifting(args, rng: random.Random, maker: PromptMaker) -> list[list[BenchRe
     for at, index in trace_arrivals(SHIFTING, args.phase_seconds, args.trace_rate_scale, args.seed):
         phase = SHIFTING[index]
         prompt, output = (getattr(args, option) for option in SHAPES[phase.shape])
-        conversations.append([maker.request(_length(rng, prompt, args.range_ratio), _length(rng, output, args.range_ratio),
-                                            conversation=len(conversations), arrival_s=at, phase=phase.name)])
+        lengths = _length(rng, prompt, args.range_ratio), _length(rng, output, args.range_ratio)
+        conversations.append([maker.request(*lengths, conversation=len(conversations), arrival_s=at, phase=phase.name)])
     return conversations
 
 

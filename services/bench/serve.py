@@ -281,7 +281,8 @@ def format_phases(phases: dict[str, dict]) -> str:
     for name, figures in phases.items():
         cells = [name, str(figures["completed"]), str(figures["failed"]), f"{figures['request_throughput']:.2f}",
                  "-" if figures["slo_attainment"] is None else f"{figures['slo_attainment']:.0%}",
-                 *("-" if figures[key]["p90"] is None else f"{figures[key]['p90']:.1f}" for key in ("ttft_ms", "tpot_ms"))]
+                 *("-" if figures[key]["p90"] is None else f"{figures[key]['p90']:.1f}"
+                   for key in ("ttft_ms", "tpot_ms"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -335,6 +336,8 @@ def plot_cdfs(results: dict[str, dict], path: str) -> None:
 def check(args: argparse.Namespace) -> None:
     """Refuse options that do not go together, before anything is sent."""
     problem = sweep_problem(args) if args.sweep_rates else None
+    if args.dataset == "shifting" and (args.phase_seconds <= 0 or args.trace_rate_scale < 0):
+        problem = "the shifting trace needs --phase-seconds > 0 and --trace-rate-scale >= 0"
     if problem:
         raise SystemExit(f"error: {problem}")
 

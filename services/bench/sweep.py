@@ -29,7 +29,8 @@ def run_sweep(base: str, model: str, tokenizer, args: argparse.Namespace, measur
     """`measure(base, model, conversations, args)` (services/bench/serve.py) at each of args.sweep_rates."""
     runs = []
     for index, rate in enumerate(args.sweep_rates):
-        rate_args = argparse.Namespace(**{**vars(args), "request_rate": rate, "seed": args.seed + SEED_STRIDE * index})
+        seed = args.seed + SEED_STRIDE * index
+        rate_args = argparse.Namespace(**{**vars(args), "request_rate": rate, "seed": seed})
         print(f"-- {rate:g} req/s", flush=True)
         runs.append(measure(base, model, build_dataset(rate_args, tokenizer), rate_args))
     rows = [goodput.sweep_row(rate, run) for rate, run in zip(args.sweep_rates, runs)]
@@ -54,8 +55,8 @@ def format_headline(sweep: dict) -> str:
 def format_sweep(result: dict, title: str = "splitserve bench sweep") -> str:
     sweep = result["sweep"]
     lines = [f"============ {title} ============",
-             "| rate req/s | attainment | goodput req/s | req/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms "
-             "| failed |", "|---" * 9 + "|"]
+             "| rate req/s | attainment | goodput req/s | req/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms "
+             "| TPOT p90 ms | failed |", "|---" * 9 + "|"]
     for row in sweep["rows"]:
         cells = [f"{row['rate']:g}", _cell(row["slo_attainment"], "{:.0%}"), _cell(row["goodput"], "{:.2f}"),
                  f"{row['request_throughput']:.2f}",
