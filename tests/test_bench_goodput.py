@@ -187,3 +187,18 @@ def test_compare_shows_each_phase_attainment_side_by_side():
                           "disagg": {**run, "phases": {"ramp-up": {"slo_attainment": 0.75}}}})
     assert "| SLO attainment | 50% | 50% |" in table
     assert table.endswith("| SLO attainment, prefill-heavy | 100% | - |\n| SLO attainment, ramp-up | 25% | 75% |")
+
+
+def test_a_trace_brings_its_own_start_times_and_a_sweep_its_cdfs():
+    from services.bench.datasets import BenchRequest
+    from services.bench.serve import arrival_times, cdf_series, start_times
+
+    args = argparse.Namespace(request_rate=2.0, burstiness=1.0, seed=5)
+    plain = [[BenchRequest(None, "a", 1, 1, conversation=i)] for i in range(3)]
+    assert start_times(plain, args) == arrival_times(3, 2.0, 1.0, 5)
+    traced = [[BenchRequest(None, "a", 1, 1, conversation=i, arrival_s=t, phase="x")] for i, t in enumerate((0, 7, 9))]
+    assert start_times(traced, args) == [0, 7, 9]
+    run = {"requests": []}
+    sweep = {"sweep": {"rows": [{"rate": 0.5}, {"rate": 2.0}]}, "runs": [run, run]}
+    assert list(cdf_series("disagg", sweep)) == ["disagg @ 0.5 req/s", "disagg @ 2 req/s"]
+    assert cdf_series("disagg", run) == {"disagg": run}
