@@ -21,7 +21,7 @@ def bench(base_url: str, *options: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(240)
 def test_a_sweep_and_the_shifting_trace_against_a_deployment(nats_server, default_model, tmp_path):
-    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2)
+    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=1)
     try:
         out = tmp_path / "sweep.json"
         done = bench(deployment.base_url, "--sweep-rates", "50,5", "--num-prompts", "6", "--input-len", "20",
