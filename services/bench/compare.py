@@ -7,7 +7,9 @@ their CPU loans; --no-pin leaves placement to the OS), served the same
 workload (same seed, same prompts, same sampling), and stopped before the
 next. The figures print as one table and go to --out; --plot draws every
 configuration's latency CDFs in one figure. This is the seed experiment:
-colocated vs disaggregated on the same hardware.
+colocated vs disaggregated on the same hardware. With --sweep-rates each
+configuration is swept (the same rates and workloads for all) and the table
+shows attainment and goodput per rate and each one's max rate at --attainment.
 
     splitserve bench compare --configs colocated,disagg --dataset mixed --num-prompts 60 --request-rate 2 \\
         --out compare.json --plot compare.png
@@ -23,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from services.bench import serve as bench_serve
+from services.bench.sweep import format_compare_table
 from services.bench.up_process import UpProcess
 
 PRESETS = {
@@ -32,7 +35,7 @@ PRESETS = {
 }
 ROWS = (("completed", "completed", "{:.0f}"), ("failed", "failed", "{:.0f}"),
         ("request_throughput", "requests/s", "{:.2f}"), ("output_throughput", "output tok/s", "{:.1f}"),
-        ("goodput", "goodput req/s", "{:.2f}"))
+        ("goodput", "goodput req/s", "{:.2f}"), ("slo_attainment", "SLO attainment", "{:.0%}"))
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 
 
@@ -85,7 +88,7 @@ def run_config(name: str, flags: list[str], args, model_dir: str, run_root: Path
                                            "tokenizer": args.tokenizer or model_dir})
         result = bench_serve.run(bench_args)
         result["config"], result["flags"] = name, flags
-        print(bench_serve.format_report(result, title=name), flush=True)
+        print(bench_serve.report(result, title=name), flush=True)
         return result
     finally:
         teardown = deployment.stop()
@@ -94,6 +97,8 @@ def run_config(name: str, flags: list[str], args, model_dir: str, run_root: Path
 
 
 def format_table(results: dict[str, dict]) -> str:
+    if any("sweep" in result for result in results.values()):
+        return format_compare_table(results)
     names = list(results)
     lines = ["| metric | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for key, label, fmt in ROWS:
@@ -103,6 +108,10 @@ def format_table(results: dict[str, dict]) -> str:
         for stat in ("mean", "p50", "p90", "p99"):
             cells = ["-" if results[n][key][stat] is None else f"{results[n][key][stat]:.1f}" for n in names]
             lines.append(f"| {key.removesuffix('_ms').upper()} {stat} ms | " + " | ".join(cells) + " |")
+    for phase in dict.fromkeys(phase for n in names for phase in results[n].get("phases", {})):  # a trace's
+        attained = [results[n].get("phases", {}).get(phase, {}).get("slo_attainment") for n in names]
+        lines.append(f"| SLO attainment, {phase} | " + " | ".join("-" if a is None else f"{a:.0%}" for a in attained)
+                     + " |")
     return "\n".join(lines)
 
 
@@ -110,6 +119,7 @@ def main(args: argparse.Namespace) -> int:
     from shared.engine import resolve_model
 
     configs = parse_configs(args.configs)
+    bench_serve.check(args)
     args.cores = [int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0))
     model_dir = str(resolve_model(args.model).model_dir)  # fetched or converted once, before any deployment
     run_root = Path(args.run_dir_root or tempfile.mkdtemp(prefix="splitserve-compare-"))
@@ -128,7 +138,8 @@ def main(args: argparse.Namespace) -> int:
                                              indent=2))
         print(f"wrote {args.out}")
     if args.plot and done:
-        bench_serve.plot_cdfs(done, args.plot)
+        bench_serve.plot_cdfs({label: run for name, result in done.items()
+                               for label, run in bench_serve.cdf_series(name, result).items()}, args.plot)
         print(f"wrote {args.plot}")
     ok = len(done) == len(results) and all(r["completed"] for r in done.values())
     if args.run_dir_root or not ok:

@@ -9,6 +9,12 @@
   question each); a turn's prompt is the document and the conversation so far.
   The API returns text, not token ids, so earlier replies are stand-ins of
   --output-len tokens (the prefix structure the cache sees is the same).
+- `shifting`: the trace of services/bench/trace.py, its own arrival times
+  (--num-prompts and --request-rate do not apply): --phase-seconds of
+  prefill-heavy requests (--long-input-len / --long-output-len), of
+  decode-heavy ones (--decode-heavy-input-len / --decode-heavy-output-len),
+  then a ramp 0.5 -> 3 -> 0.5 req/s of --input-len / --output-len ones; rates
+  times --trace-rate-scale. Each request is labelled with its phase.
 - `sharegpt:PATH`: the first human turn of each conversation of a ShareGPT-format
   JSON file, its output length that of the reply (too short or too long ones
   are skipped, as vllm does).
@@ -23,7 +29,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-DATASETS = ("random", "mixed", "prefix", "sharegpt:PATH")
+from services.bench.trace import SHAPES, SHIFTING, trace_arrivals
+
+DATASETS = ("random", "mixed", "prefix", "shifting", "sharegpt:PATH")
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "de", "pa", "go", "fi", "be", "tu", "za", "mo")
 
 
@@ -35,6 +43,8 @@ class BenchRequest:
     output_len: int
     conversation: int = 0
     turn: int = 0
+    arrival_s: float | None = None  # when the workload says it arrives (s from the start), else None: --request-rate
+    phase: str = ""  # the trace's phase it belongs to, if any
 
 
 class PromptMaker:
@@ -106,9 +116,21 @@ def build_dataset(args, tokenizer=None) -> list[list[BenchRequest]]:
                     transcript = maker.extend(asked, args.output_len, 0)  # the stand-in reply
                 conversations.append(turns)
         return conversations[: args.num_prompts] if args.num_prompts else conversations
+    if name == "shifting":
+        return _shifting(args, rng, maker)
     if name.startswith("sharegpt:"):
         return _sharegpt(Path(name.removeprefix("sharegpt:")), args, rng, tokenizer)
     raise ValueError(f"unknown dataset {name!r} (choose from {', '.join(DATASETS)})")
+
+
+def _shifting(args, rng: random.Random, maker: PromptMaker) -> list[list[BenchRequest]]:
+    conversations = []
+    for at, index in trace_arrivals(SHIFTING, args.phase_seconds, args.trace_rate_scale, args.seed):
+        phase = SHIFTING[index]
+        prompt, output = (getattr(args, option) for option in SHAPES[phase.shape])
+        lengths = _length(rng, prompt, args.range_ratio), _length(rng, output, args.range_ratio)
+        conversations.append([maker.request(*lengths, conversation=len(conversations), arrival_s=at, phase=phase.name)])
+    return conversations
 
 
 def _sharegpt(path: Path, args, rng: random.Random, tokenizer) -> list[list[BenchRequest]]:

@@ -13,6 +13,8 @@ server reported (`output_tokens`) and the prompt's (`prompt_tokens`).
   each over the benchmark's duration.
 - Goodput: completed requests per second that met every SLO given
   (TTFT <= --slo-ttft-ms, TPOT <= --slo-tpot-ms).
+- SLO attainment: the share of all requests sent (failed ones count as misses)
+  that met every SLO given (DistServe's metric).
 """
 
 from dataclasses import dataclass, field
@@ -64,6 +66,12 @@ def summary_ms(values_s: list[float]) -> dict[str, float | None]:
     return {"mean": float(values.mean()), **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}}
 
 
+def meets_slo(record: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """Whether `record` completed within every SLO given (a request of one token has no TPOT to miss)."""
+    return (record.ok and (slo_ttft_ms is None or record.ttft * 1000 <= slo_ttft_ms)
+            and (slo_tpot_ms is None or record.tpot is None or record.tpot * 1000 <= slo_tpot_ms))
+
+
 def compute_metrics(records: list[RequestRecord], duration_s: float, slo_ttft_ms: float | None = None,
                     slo_tpot_ms: float | None = None) -> dict:
     """The benchmark's figures over `duration_s` (first send to last end)."""
@@ -71,9 +79,8 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slo_ttft_ms
     tpots = [t for t in (r.tpot for r in done) if t is not None]
     output = sum(r.output_tokens for r in done)
     prompt = sum(r.prompt_tokens for r in done)
-    good = [r for r in done
-            if (slo_ttft_ms is None or r.ttft * 1000 <= slo_ttft_ms)
-            and (slo_tpot_ms is None or r.tpot is None or r.tpot * 1000 <= slo_tpot_ms)]
+    good = [r for r in done if meets_slo(r, slo_ttft_ms, slo_tpot_ms)]
+    any_slo = slo_ttft_ms is not None or slo_tpot_ms is not None
     duration_s = max(duration_s, 1e-9)
     return {
         "completed": len(done),
@@ -85,9 +92,26 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slo_ttft_ms
         "request_throughput": len(done) / duration_s,
         "output_throughput": output / duration_s,
         "total_token_throughput": (prompt + output) / duration_s,
-        "goodput": len(good) / duration_s if slo_ttft_ms is not None or slo_tpot_ms is not None else None,
+        "goodput": len(good) / duration_s if any_slo else None,
+        "slo_attainment": len(good) / len(records) if any_slo and records else None,
         "ttft_ms": summary_ms([r.ttft for r in done]),
         "tpot_ms": summary_ms(tpots),
         "itl_ms": summary_ms([gap for r in done for gap in r.itls]),
         "e2el_ms": summary_ms([r.e2el for r in done]),
     }
+
+
+def span_s(records: list[RequestRecord], until: float | None = None) -> float:
+    """From the first send to the last data received (or `until` when nothing came back)."""
+    ends = [r.end for r in records if r.end is not None]
+    last = max(ends) if ends else (until if until is not None else max((r.sent for r in records), default=0.0))
+    return last - min((r.sent for r in records), default=0.0)
+
+
+def metrics_by_phase(phases: list[str], records: list[RequestRecord], slo_ttft_ms: float | None = None,
+                     slo_tpot_ms: float | None = None) -> dict[str, dict]:
+    """compute_metrics per phase (`phases[i]` labels `records[i]`), each over its own span, in first-seen order."""
+    grouped: dict[str, list[RequestRecord]] = {}
+    for phase, record in zip(phases, records):
+        grouped.setdefault(phase, []).append(record)
+    return {phase: compute_metrics(group, span_s(group), slo_ttft_ms, slo_tpot_ms) for phase, group in grouped.items()}

@@ -7,9 +7,15 @@ completions or chat completions, arriving at --request-rate per second
 reports TTFT, TPOT, ITL and E2E latency (mean, p50, p90, p95, p99), request and
 token throughput and goodput (see `services/bench/metrics.py`), and writes
 them with every request's record to --out; --plot draws the latency CDFs.
+With --sweep-rates it runs the workload at each rate and reports each rate's
+SLO attainment and the highest rate at which --attainment of the requests met
+both SLOs (see `services/bench/sweep.py`); `--dataset shifting` replays a trace
+whose mix and rate change, and reports each phase on its own.
 
     splitserve bench --url http://127.0.0.1:8000 --dataset random --num-prompts 200 --request-rate 4
     splitserve bench --dataset prefix --endpoint chat --out prefix.json --plot prefix.png
+    splitserve bench --sweep-rates 0.5,1,2,4 --slo-ttft-ms 500 --slo-tpot-ms 100 --out sweep.json
+    splitserve bench --dataset shifting --phase-seconds 30 --slo-ttft-ms 500 --slo-tpot-ms 100
 """
 
 import argparse
@@ -22,8 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from services.bench.metrics import RequestRecord, compute_metrics
+from services.bench.goodput import parse_rates
+from services.bench.metrics import RequestRecord, compute_metrics, metrics_by_phase, span_s
 from services.bench.datasets import DATASETS, BenchRequest, build_dataset
+from services.bench.sweep import format_sweep, run_sweep, sweep_problem
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +63,15 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
                         help="more fields for every request's body, a JSON object (server-specific options)")
     parser.add_argument("--slo-ttft-ms", type=float, help="goodput: a request must get its first token within this")
     parser.add_argument("--slo-tpot-ms", type=float, help="goodput: ... and its later tokens within this each")
+    parser.add_argument("--sweep-rates", type=_rates, metavar="R1,R2,...",
+                        help="run the workload at each of these request rates and report the highest at which "
+                             "--attainment of the requests met both SLOs")
+    parser.add_argument("--attainment", type=float, default=0.9,
+                        help="the share of requests that must meet both SLOs at a rate (default: 0.9, DistServe's)")
+    parser.add_argument("--phase-seconds", type=float, default=30.0, help="shifting: each phase's length")
+    parser.add_argument("--trace-rate-scale", type=float, default=1.0, help="shifting: times every phase's rate")
+    parser.add_argument("--decode-heavy-input-len", type=int, default=32, help="shifting: a decode-heavy prompt")
+    parser.add_argument("--decode-heavy-output-len", type=int, default=512, help="shifting: ... and its output")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -76,6 +93,21 @@ def arrival_times(count: int, rate: float, burstiness: float, seed: int) -> list
     gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), size=count)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        return parse_rates(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def start_times(conversations: list[list[BenchRequest]], args) -> list[float]:
+    """When each conversation starts (s): the workload's own arrival times where it has them (a trace), else
+    arrivals at --request-rate."""
+    if conversations and conversations[0][0].arrival_s is not None:
+        return [conversation[0].arrival_s for conversation in conversations]
+    return arrival_times(len(conversations), args.request_rate, args.burstiness, args.seed)
 
 
 def resolve_tokenizer(path: str | None, model: str):
@@ -152,7 +184,7 @@ async def run_load(base: str, model: str, conversations: list[list[BenchRequest]
     import httpx
     from tqdm import tqdm
 
-    starts = arrival_times(len(conversations), args.request_rate, args.burstiness, args.seed)
+    starts = start_times(conversations, args)
     slots = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     total = sum(len(c) for c in conversations)
     progress = tqdm(total=total, disable=args.no_progress, desc="requests", unit="req")
@@ -174,10 +206,7 @@ async def run_load(base: str, model: str, conversations: list[list[BenchRequest]
 
         await asyncio.gather(*(converse(s, c) for s, c in zip(starts, conversations)))
     progress.close()
-    records = [record for _, record in results]
-    ends = [r.end for r in records if r.end is not None]
-    duration = (max(ends) if ends else time.perf_counter() - origin) - min((r.sent for r in records), default=0.0)
-    return results, duration
+    return results, span_s([record for _, record in results], until=time.perf_counter() - origin)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -188,6 +217,8 @@ def run(args: argparse.Namespace) -> dict:
     with httpx.Client() as client:
         model = args.model or served_model(client, base)
     tokenizer = resolve_tokenizer(args.tokenizer, model)
+    if args.sweep_rates:
+        return run_sweep(base, model, tokenizer, args, measure)
     return measure(base, model, build_dataset(args, tokenizer), args)
 
 
@@ -195,13 +226,18 @@ def measure(base: str, model: str, conversations: list[list[BenchRequest]], args
     """Send `conversations` to the server at `base` as `args` says; the figures and every request's record."""
     results, duration = asyncio.run(run_load(base, model, conversations, args))
     figures = compute_metrics([record for _, record in results], duration, args.slo_ttft_ms, args.slo_tpot_ms)
+    in_order = sorted(results, key=lambda done: (done[0].conversation, done[0].turn))
+    if any(request.phase for request, _ in in_order):
+        figures["phases"] = metrics_by_phase([request.phase for request, _ in in_order],
+                                             [record for _, record in in_order], args.slo_ttft_ms, args.slo_tpot_ms)
     return {
         **figures,
         "model": model, "url": base, "endpoint": args.endpoint, "dataset": args.dataset,
         "settings": {k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v)  # "inf": valid JSON
                      for k, v in vars(args).items() if k not in ("run", "out", "plot")},
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "requests": [{"conversation": request.conversation, "turn": request.turn, "sent_s": record.sent,
+        "requests": [{"conversation": request.conversation, "turn": request.turn, "phase": request.phase,
+                      "sent_s": record.sent,
                       "ttft_ms": record.ttft * 1000 if record.ok else None, "tpot_ms": _ms(record.tpot if record.ok else None),
                       "e2el_ms": record.e2el * 1000 if record.ok else None, "itl_ms": [g * 1000 for g in record.itls],
                       "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
@@ -226,13 +262,43 @@ def format_report(result: dict, title: str = "splitserve bench") -> str:
              f"{'Total token throughput (tok/s):':<34}{result['total_token_throughput']:.2f}"]
     if result["goodput"] is not None:
         lines.append(f"{'Request goodput (req/s):':<34}{result['goodput']:.2f}")
+    if result["slo_attainment"] is not None:
+        lines.append(f"{'SLO attainment:':<34}{result['slo_attainment']:.1%}")
     for key, label in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
                        ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
         lines.append(f"{'-' * 10}{label}{'-' * 10}")
         for stat, value in result[key].items():
             shown = "-" if value is None else f"{value:.2f}"
             lines.append(f"{(stat.capitalize() if stat == 'mean' else stat.upper()) + ' (ms):':<34}{shown}")
+    if "phases" in result:
+        lines.append(format_phases(result["phases"]))
     return "\n".join(lines)
+
+
+def format_phases(phases: dict[str, dict]) -> str:
+    lines = [f"{'-' * 10}Per phase{'-' * 10}",
+             "| phase | completed | failed | req/s | attainment | TTFT p90 ms | TPOT p90 ms |", "|---" * 7 + "|"]
+    for name, figures in phases.items():
+        cells = [name, str(figures["completed"]), str(figures["failed"]), f"{figures['request_throughput']:.2f}",
+                 "-" if figures["slo_attainment"] is None else f"{figures['slo_attainment']:.0%}",
+                 *("-" if figures[key]["p90"] is None else f"{figures[key]['p90']:.1f}"
+                   for key in ("ttft_ms", "tpot_ms"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(result: dict, title: str = "splitserve bench") -> str:
+    """The result on stdout: a run's report, or a sweep's table."""
+    if "sweep" in result:
+        return format_sweep(result, title)
+    return format_report(result, title)
+
+
+def cdf_series(name: str, result: dict) -> dict[str, dict]:
+    """The runs a result's CDFs are drawn from, by label: itself, or a sweep's run at each rate."""
+    if "sweep" in result:
+        return {f"{name} @ {row['rate']:g} req/s": run for row, run in zip(result["sweep"]["rows"], result["runs"])}
+    return {name: result}
 
 
 def plot_cdfs(results: dict[str, dict], path: str) -> None:
@@ -267,14 +333,24 @@ def plot_cdfs(results: dict[str, dict], path: str) -> None:
     plt.close(figure)
 
 
+def check(args: argparse.Namespace) -> None:
+    """Refuse options that do not go together, before anything is sent."""
+    problem = sweep_problem(args) if args.sweep_rates else None
+    if args.dataset == "shifting" and (args.phase_seconds <= 0 or args.trace_rate_scale < 0):
+        problem = "the shifting trace needs --phase-seconds > 0 and --trace-rate-scale >= 0"
+    if problem:
+        raise SystemExit(f"error: {problem}")
+
+
 def main(args: argparse.Namespace) -> int:
+    check(args)
     result = run(args)
-    print(format_report(result))
+    print(report(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}")
     if args.plot:
-        plot_cdfs({result["model"]: result}, args.plot)
+        plot_cdfs(cdf_series(result["model"], result), args.plot)
         print(f"wrote {args.plot}")
     return 0 if result["completed"] else 1
 
