@@ -45,6 +45,9 @@ def control_socket(run_dir) -> str:
     try:
         dep = read_deployment(run_dir)
     except DeploymentError as exc:
+        if isinstance(exc.__cause__, PermissionError):
+            raise ValueError(f"not permitted: the deployment in {run_dir} is another user's (only its user or root "
+                             "may scale it)") from None
         raise ValueError(str(exc)) from None
     if dep is None or not dep.launcher_alive():
         raise ValueError(f"no deployment is running in {run_dir} (start one with `splitserve up`, or pass --run-dir)")

@@ -23,6 +23,7 @@ from pathlib import Path
 SOCKET_NAME = "control.sock"
 MAX_PATH = 100  # AF_UNIX paths are at most 107 bytes
 MAX_BODY = 64 * 1024
+TEMP_PREFIX = "splitserve-control-"
 
 Handler = Callable[[str, str, object], tuple[int, dict]]
 
@@ -43,7 +44,7 @@ def socket_path(run_dir: Path) -> Path:
     path = Path(run_dir).absolute() / SOCKET_NAME
     if len(os.fsencode(path)) <= MAX_PATH:
         return path
-    return Path(tempfile.mkdtemp(prefix="splitserve-control-")) / SOCKET_NAME
+    return Path(tempfile.mkdtemp(prefix=TEMP_PREFIX)) / SOCKET_NAME
 
 
 class _Request(BaseHTTPRequestHandler):
@@ -119,3 +120,5 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         if self._thread is not None:
             self._thread.join(timeout_s)
         self.path.unlink(missing_ok=True)
+        if self.path.parent.name.startswith(TEMP_PREFIX):  # the private folder `socket_path` made
+            self.path.parent.rmdir()

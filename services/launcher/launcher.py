@@ -726,6 +726,8 @@ class Launcher:
         """Stop the services, then NATS, within the stop timeout."""
         o = self.options
         dep = self.deployment
+        if self.scaler is not None:
+            self.scaler.refuse_pending()
         if self.control is not None:
             self.control.close()
             self.control = None

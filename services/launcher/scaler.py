@@ -23,6 +23,7 @@ from services.launcher.nats_auth import write_server_config
 from services.launcher.nats_server import admits
 from services.launcher.placement import place_new_workers
 from services.launcher.scale_policy import SCALABLE, ScaleError, check_scale, pool_sizes, reconcile
+from services.launcher.supervisor import SupervisorError
 from shared.bus.permissions import ROLES
 
 QUEUE_SIZE = 8
@@ -99,8 +100,23 @@ class Scaler:
                 body, outcome = self.requests.get_nowait()
             except queue.Empty:
                 break
-            outcome.set_result(self._apply(body))
-        self.reconcile()
+            try:
+                outcome.set_result(self._apply(body))
+            except OSError as exc:  # e.g. the NATS config not written: said, and the deployment serves on
+                outcome.set_result((500, {"error": f"the scale could not be applied: {exc}"}))
+        try:
+            self.reconcile()
+        except OSError as exc:
+            self.launcher.say(f"warning: scaling: {exc}")
+
+    def refuse_pending(self) -> None:
+        """The deployment stops: every scale still queued is answered so."""
+        while True:
+            try:
+                _, outcome = self.requests.get_nowait()
+            except queue.Empty:
+                return
+            outcome.set_result((503, {"error": "the deployment is stopping"}))
 
     def _apply(self, body: dict) -> tuple[int, dict]:
         o = self.launcher.options
@@ -192,7 +208,11 @@ class Scaler:
         for spec in new:
             settings = spec.settings.model_copy(update={"cpus": cpus.get(spec.name), "cpu_loan": None,
                                                         **({"borrow_cpus": None} if spec.role == "decode" else {})})
-            self.launcher.start_service(dataclasses.replace(spec, settings=settings))
+            try:
+                self.launcher.start_service(dataclasses.replace(spec, settings=settings))
+            except SupervisorError as exc:  # the rest of the deployment serves on
+                self.launcher.say(f"warning: {exc}")
+                continue
             if spec.name in cpus:
                 self.placements[spec.name] = cpus[spec.name]
 
