@@ -95,11 +95,7 @@ class Scaler:
 
     def step(self) -> None:
         """Take the queued scales, reconcile, publish the view."""
-        while True:
-            try:
-                body, outcome = self.requests.get_nowait()
-            except queue.Empty:
-                break
+        for body, outcome in self._queued():
             try:
                 outcome.set_result(self._apply(body))
             except OSError as exc:  # e.g. the NATS config not written: said, and the deployment serves on
@@ -111,12 +107,16 @@ class Scaler:
 
     def refuse_pending(self) -> None:
         """The deployment stops: every scale still queued is answered so."""
+        for _, outcome in self._queued():
+            outcome.set_result((503, {"error": "the deployment is stopping"}))
+
+    def _queued(self):
+        """The scales waiting, taken off the queue one by one."""
         while True:
             try:
-                _, outcome = self.requests.get_nowait()
+                yield self.requests.get_nowait()
             except queue.Empty:
                 return
-            outcome.set_result((503, {"error": "the deployment is stopping"}))
 
     def _apply(self, body: dict) -> tuple[int, dict]:
         o = self.launcher.options
