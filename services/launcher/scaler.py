@@ -176,12 +176,13 @@ class Scaler:
         if launcher.nats is None or not launcher.options.nats_auth or creds_dir is None:
             return
         instances = [Instance(c.role, c.instance_id) for c in launcher.supervisor.children if c.role in ROLES]
+        gone = self._admitted - {i.instance_id for i in instances}
         instances += [Instance(s.role, s.instance_id) for s in new]
         names = frozenset(i.instance_id for i in instances)
-        if names == self._admitted:
+        if names == self._admitted and not gone:
             return
-        for gone in (self._admitted or frozenset()) - names:
-            creds_path(creds_dir, gone).unlink(missing_ok=True)  # revoked: a later instance of the name gets a new one
+        for name in gone:  # revoked: a later instance of the name gets a new key
+            creds_path(creds_dir, name).unlink(missing_ok=True)
         keys = ensure_credentials(creds_dir, instances)
         keys[ADMIN_INSTANCE] = public_key(launcher.admin.nkey_seed.encode())
         tls = launcher.tls
