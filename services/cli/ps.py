@@ -51,6 +51,7 @@ def snapshot(dep) -> dict:
         out["alive"] = alive
         out["recorded_state"] = rec.state
         out["state"] = service_state(rec.state, alive, launcher_alive)
+    data["pools"] = pools(dep.desired, data["services"])
     if dep.nats is not None:
         alive = dep.nats.alive()
         data["nats"]["alive"] = alive
@@ -64,6 +65,25 @@ def snapshot(dep) -> dict:
     return data
 
 
+def pools(desired: dict[str, int], services: list[dict]) -> dict[str, dict[str, int]]:
+    """Per scalable pool: its size asked for (`splitserve scale`), its workers running, and those retiring
+    (draining before they exit)."""
+    out = {role: {"desired": n, "running": 0, "retiring": 0} for role, n in desired.items()}
+    for s in services:
+        if s["role"] in out and s["state"] == "running":
+            out[s["role"]]["retiring" if s["recorded_state"] == "stopping" else "running"] += 1
+    return out
+
+
+def pools_line(pools: dict[str, dict[str, int]]) -> str | None:
+    """"pools (running/desired): decode 2/2, prefill 1/1 (1 retiring)"; None without scalable pools."""
+    if not pools:
+        return None
+    parts = [f"{role} {p['running']}/{p['desired']}" + (f" ({p['retiring']} retiring)" if p["retiring"] else "")
+             for role, p in pools.items()]
+    return "pools (running/desired): " + ", ".join(parts)
+
+
 def format_table(data: dict) -> str:
     launcher = f"launcher pid {data.get('launcher_pid')}" + ("" if data["launcher_alive"] else ", not running")
     lines = [
@@ -71,6 +91,8 @@ def format_table(data: dict) -> str:
         f"model {data.get('served_model_name')}, topology {data.get('topology')}, namespace {data.get('namespace')}, "
         f"api {data.get('api_url')}",
     ]
+    if pools_line(data.get("pools") or {}):
+        lines.append(pools_line(data["pools"]))
     if data.get("message"):
         lines.append(f"last error: {data['message']}")
     rows = [("NAME", "ROLE", "INSTANCE", "PID", "STATE", "RESTARTS", "URL")]

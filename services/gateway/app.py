@@ -197,15 +197,16 @@ class Gateway:
         """/health: 200 unless the NATS connection is closed for good; what the deployment looks like."""
         nats = "closed" if self.nc.is_closed else "connected" if self.nc.is_connected else "reconnecting"
         counts = readiness.ready_counts(self.services)
+        expect = readiness.expected(self.settings.expect, self.run_dir)
         body = {"status": "ok" if nats != "closed" else "failed", "nats": nats, "draining": self.draining,
-                "ready": counts, "expected": self.settings.expect,
-                "missing": readiness.missing(counts, self.settings.expect),
+                "ready": counts, "expected": expect, "missing": readiness.missing(counts, expect),
                 "failed": readiness.launcher_failures(self.run_dir)}
         return (200 if nats != "closed" else 503), body
 
     def readiness(self) -> tuple[int, dict]:
         """/ready: whether a request can be served now."""
-        return readiness.judge_ready(readiness.ready_counts(self.services), self.settings.expect,
+        return readiness.judge_ready(readiness.ready_counts(self.services),
+                                     readiness.expected(self.settings.expect, self.run_dir),
                                      connected=self.nc.is_connected, draining=self.draining)
 
     @property

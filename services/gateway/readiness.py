@@ -78,6 +78,19 @@ def fully_ready(status: int | None, body: str) -> bool:
         return False
 
 
+def expected(expect: Mapping[str, int], run_dir: str | None) -> dict[str, int]:
+    """`--expect`, with the pool sizes the launcher now wants (deployment.json's `desired`, which `splitserve scale`
+    changes) for the roles it names: a scaled deployment is judged by its new sizes."""
+    if not run_dir:
+        return dict(expect)
+    try:
+        deployment = read_deployment(Path(run_dir))
+    except DeploymentError:
+        return dict(expect)
+    desired = deployment.desired if deployment is not None else {}
+    return {**expect, **{role: n for role, n in desired.items() if role in expect}}
+
+
 def launcher_failures(run_dir: str | None) -> list[str]:
     """The services the launcher (`splitserve up`, which names its run directory in $SPLITSERVE_RUN_DIR) has
     marked failed; none without a launcher, or when its file cannot be read."""

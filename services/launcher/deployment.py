@@ -136,6 +136,8 @@ class Deployment:
     started_at: str | None = None
     updated_at: str | None = None
     message: str | None = None  # why it failed, for `ps`
+    desired: dict[str, int] = field(default_factory=dict)  # the scalable pools' sizes asked for (`splitserve scale`)
+    control_socket: str | None = None  # the launcher's control API, while it runs
     version: int = FORMAT_VERSION
 
     def launcher_alive(self) -> bool:

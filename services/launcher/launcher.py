@@ -77,6 +77,8 @@ from services.launcher.tls_files import TLSFiles, make_deployment_tls
 from services.launcher.up_settings import UpSettings
 from services.launcher.provision import provision
 from services.launcher.resolved_run import ResolvedRun
+from services.launcher.control_socket import ControlServer, socket_path
+from services.launcher.scaler import Scaler, desired_pools
 from shared.bus.connection import nats_endpoints
 from shared.bus.credentials import BusCredentials, credentials_from
 from shared.bus.permissions import ADMIN
@@ -194,6 +196,11 @@ class Launcher:
         self._nats_restart_times: dict[str, list[float]] = {}  # per node
         self._snapshot: object = None
         self._admin: BusCredentials | None = None  # the provisioner's key (with the embedded server: only here)
+        self.resolved: ResolvedRun | None = None  # what the services were planned from (the bus's URL included)
+        self.tls: TLSFiles | None = None  # the embedded server's, with --tls
+        self.scaler: Scaler | None = None  # scales the pools, once the deployment is ready
+        self.control: ControlServer | None = None  # the control API, on RUN_DIR/control.sock
+        self._specs: list[topology.ServiceSpec] = []
 
     # -- control ----------------------------------------------------------------
 
@@ -214,6 +221,17 @@ class Launcher:
 
     def _say(self, text: str) -> None:
         print(f"splitserve up: {text}", file=self.err, flush=True)
+
+    say = _say
+
+    @property
+    def admin(self) -> BusCredentials | None:
+        return self._admin
+
+    @property
+    def retire_timeout_s(self) -> float:
+        """How long a retired worker may take to drain and exit before SIGKILL: a stopping service's."""
+        return stop_budgets(self.options.stop_timeout_s)[0]
 
     # -- the run ----------------------------------------------------------------
 
@@ -427,8 +445,10 @@ class Launcher:
         self._begin_deployment(model_dir, served_name)
         run = self._resolved_run(model_dir, served_name)
         run = self._start_bus(run, topology.plan(self.options, run))
+        self.resolved = run
         self._provision(run.nats_url, run.nats_tls_ca, run.nats_replicas)
-        self._start_services(topology.plan(self.options, run))
+        self._specs = topology.plan(self.options, run)
+        self._start_services(self._specs)
 
     def _fresh_log_dir(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -453,6 +473,7 @@ class Launcher:
             launcher_pid=os.getpid(),
             launcher_start_time=process_start_time(os.getpid()),
             started_at=now_iso(),
+            desired=desired_pools(o),
         )
         write_deployment(self.run_dir, self.deployment)
 
@@ -477,6 +498,7 @@ class Launcher:
         # Every receiver advertises 127.0.0.1 here: its certificate names that (and localhost).
         names = ["127.0.0.1", "localhost"]
         tls = make_deployment_tls(self.run_dir / "tls", names, names) if o.tls else None
+        self.tls = tls
         tls_ca = str(tls.ca_cert) if tls is not None else None
         transfer_tls = (str(tls.ca_cert), str(tls.transfer_cert), str(tls.transfer_key)) if tls else None
         creds_dir, server_config = (self._bus_config(tls, planned) if o.nats_auth or tls is not None
@@ -507,27 +529,53 @@ class Launcher:
         assert self.deployment is not None
         self.supervisor = Supervisor(self.log_dir, self.policy, log_max_bytes=o.log_max_bytes,
                                      log_backups=o.log_backups)
-        env = self._child_env()
         if o.trace_viewer:
             port = o.trace_viewer_port
             self.supervisor.add("trace-viewer", trace_viewer.viewer_command(self._phoenix), role="trace-viewer",
                                 instance_id="trace-viewer",
-                                env={**env, **trace_viewer.viewer_env(self.run_dir / "trace-viewer", port, port + 1)})
-            env = {**env, **trace_viewer.exporter_env(port)}
-        for spec in specs:  # a secret (the gateway's API keys) goes by its variable, never on a command line
-            self.supervisor.add(spec.name, spec.argv(self.python), env={**env, **secret_env(spec.settings)},
-                                role=spec.role, instance_id=spec.instance_id)
-        self.deployment.services = [
-            ServiceRecord(name=s.name, role=s.role, instance_id=s.instance_id, argv=s.argv(self.python),
-                          log=str(self.log_dir / f"{s.name}.log"), url=s.url)
-            for s in specs
-        ]
+                                env={**self._child_env(),
+                                     **trace_viewer.viewer_env(self.run_dir / "trace-viewer", port, port + 1)})
+        self.deployment.services = []
+        for spec in specs:
+            self._add_service(spec)
         if o.trace_viewer:
             self.deployment.services.insert(0, ServiceRecord(
                 name="trace-viewer", role="trace-viewer", instance_id="trace-viewer",
                 argv=trace_viewer.viewer_command(self._phoenix), log=str(self.log_dir / "trace-viewer.log"),
                 url=f"http://127.0.0.1:{o.trace_viewer_port}"))
         self.supervisor.start()
+        self._record(force=True)
+
+    def _add_service(self, spec: topology.ServiceSpec) -> None:
+        """One planned service under the supervisor (not started yet), recorded in the deployment."""
+        assert self.supervisor is not None and self.deployment is not None
+        env = self._child_env()
+        if self.options.trace_viewer:
+            env |= trace_viewer.exporter_env(self.options.trace_viewer_port)
+        # A secret (the gateway's API keys) goes by its variable, never on a command line.
+        self.supervisor.add(spec.name, spec.argv(self.python), env={**env, **secret_env(spec.settings)},
+                            role=spec.role, instance_id=spec.instance_id)
+        self.deployment.services.append(ServiceRecord(
+            name=spec.name, role=spec.role, instance_id=spec.instance_id, argv=spec.argv(self.python),
+            log=str(self.log_dir / f"{spec.name}.log"), url=spec.url))
+
+    def start_service(self, spec: topology.ServiceSpec) -> None:
+        """A service added to the running deployment (a scale), started now."""
+        assert self.supervisor is not None
+        self._add_service(spec)
+        self.supervisor.start(spec.name)
+
+    def _open_control(self) -> None:
+        """The control API (`splitserve scale`, `GET /v1/deployment`) on its socket, recorded in deployment.json."""
+        assert self.supervisor is not None and self.deployment is not None
+        self.scaler = Scaler(self, self._specs, probe_health)
+        self.scaler.step()
+        try:
+            self.control = ControlServer(socket_path(self.run_dir), self.scaler.handle).start()
+        except OSError as exc:
+            self._say(f"warning: no control API ({exc}); `splitserve scale` cannot reach this deployment")
+            return
+        self.deployment.control_socket = str(self.control.path)
         self._record(force=True)
 
     def _record(self, force: bool = False) -> None:
@@ -546,7 +594,8 @@ class Launcher:
             dep.nats.restarts, dep.nats.log = first.restarts, str(first.log_path)
             dep.nats.nodes = [NatsNode(name=n.server_name, url=n.url, pid=n.pid, start_time=n.start_time,
                                        restarts=n.restarts, log=str(n.log_path)) for n in others]
-        snapshot = (dep.state, dep.message, repr(dep.nats), [repr(s) for s in dep.services])
+        snapshot = (dep.state, dep.message, repr(dep.nats), [repr(s) for s in dep.services], repr(dep.desired),
+                    dep.control_socket)
         if force or snapshot != self._snapshot:
             self._snapshot = snapshot
             try:
@@ -563,6 +612,8 @@ class Launcher:
             if event.kind == "gave_up" and starting:
                 raise LaunchError(self._failing_message(self.supervisor.child(event.name)), 1)
             self._report(event)
+        if self.scaler is not None:
+            self.scaler.step()
         if self.deployment is not None and self.deployment.state in (READY, DEGRADED):
             self.deployment.state = DEGRADED if self.supervisor.failed() else READY
         if self.nats is not None:
@@ -581,6 +632,9 @@ class Launcher:
 
     def _report(self, event: SupervisorEvent) -> None:
         assert self.supervisor is not None
+        if event.kind == "retired":  # scaled away: gone from the supervisor
+            self._say(event.message)
+            return
         child = self.supervisor.child(event.name)
         if event.kind == "exited":
             self._say(f"{event.message} (log: {child.log_path})")
@@ -641,6 +695,7 @@ class Launcher:
         o = self.options
         assert self.deployment is not None
         self.deployment.state = READY
+        self._open_control()  # before the ready line: whoever reads it may scale at once
         self._record(force=True)
         workers = f"{o.decode} decode worker" + ("" if o.decode == 1 else "s")
         if o.topology == "disagg" and self._stage_ranges:
@@ -671,6 +726,13 @@ class Launcher:
         """Stop the services, then NATS, within the stop timeout."""
         o = self.options
         dep = self.deployment
+        if self.scaler is not None:
+            self.scaler.refuse_pending()
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+            if dep is not None:
+                dep.control_socket = None
         if dep is not None:
             dep.state = STOPPING
             self._record(force=True)

@@ -190,7 +190,7 @@ class EmbeddedNats:
         return self.process.poll() if self.process is not None else None
 
     def argv(self, binary: Path, port: int) -> list[str]:
-        config_file = self._node_config() if self.cluster is not None else self.config_file
+        config_file = self._node_config() if self.cluster is not None or self.config_file is not None else None
         config = ["--config", str(config_file)] if config_file is not None else []
         return [
             str(binary),
@@ -203,10 +203,10 @@ class EmbeddedNats:
         ]
 
     def _node_config(self) -> Path:
-        """A cluster node's config: its routes (their password readable by the owner only), and the shared
-        config (authorization, TLS) included."""
+        """This server's config (readable by the owner only): its name (which a reload must find unchanged), a
+        cluster node's routes, and the shared config (authorization, TLS) included."""
         path = self.run_dir / f"{self.server_name}.conf"
-        text = self.cluster.config()
+        text = f'server_name: "{self.server_name}"\n' + (self.cluster.config() if self.cluster is not None else "")
         if self.config_file is not None:  # nats-server resolves an include against the including file's folder
             text = f'include "{os.path.relpath(Path(self.config_file).resolve(), path.parent.resolve())}"\n' + text
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -343,6 +343,12 @@ class EmbeddedNatsCluster:
                 time.sleep(0.2)
         return self.url
 
+    def reload(self) -> None:
+        """Every running node re-reads its config (nats-server reloads on SIGHUP): whom it admits changed."""
+        for node in self.nodes:
+            if node.running:
+                node.process.send_signal(signal.SIGHUP)
+
     def exited(self) -> list[EmbeddedNats]:
         return [node for node in self.nodes if node.poll() is not None]
 
@@ -398,5 +404,29 @@ def jetstream_answers(url: str, credentials=None, tls_ca: str | os.PathLike | No
             return False
         finally:
             await nc.close()
+
+    return asyncio.run(ask())
+
+
+def admits(url: str, creds_file: str | os.PathLike, tls_ca: str | os.PathLike | None = None) -> bool:
+    """Whether the server at `url` lets the holder of the seed file `creds_file` connect now."""
+    import asyncio
+
+    import nats
+
+    from shared.bus.credentials import credentials_from
+    from shared.bus.tls import client_tls_context
+
+    options = credentials_from(str(creds_file), environ={}).connect_options()
+
+    async def ask() -> bool:
+        try:
+            nc = await nats.connect(servers=server_urls(url), connect_timeout=1, max_reconnect_attempts=0,
+                                    allow_reconnect=False, tls=client_tls_context(tls_ca, None, None, environ={}),
+                                    **options)
+        except Exception:
+            return False
+        await nc.close()
+        return True
 
     return asyncio.run(ask())

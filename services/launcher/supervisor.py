@@ -296,7 +296,11 @@ class Supervisor:
         if self._stopping:
             return events
         now = self._clock()
-        for child in self._children.values():
+        for child in list(self._children.values()):
+            if child.state == ChildState.STOPPING:
+                event = self._poll_retiring(child, now)
+                events += [event] if event is not None else []
+                continue
             if child.state == ChildState.RUNNING and child.process is not None:
                 code = child.process.poll()
                 if code is None:
@@ -306,6 +310,39 @@ class Supervisor:
             if waiting and child.next_start_at is not None and now >= child.next_start_at:
                 events.append(self._restart(child, now))
         return events
+
+    def retire(self, name: str, timeout_s: float) -> None:
+        """Stop one child for good: SIGTERM to its group now, SIGKILL after `timeout_s`; `poll` removes it once its
+        group is gone (a `retired` event). One that does not run is removed at once."""
+        child = self.child(name)
+        if not child.running:
+            self._forget(child)
+            return
+        child.state = ChildState.STOPPING
+        child.next_start_at = self._clock() + max(timeout_s, 0.0)  # its SIGKILL, while stopping
+        self._log_note(child, f"{child.name} is retired: SIGTERM")
+        signal_group(child.pid, signal.SIGTERM)
+
+    def _forget(self, child: Child) -> None:
+        self._flush_log(child, timeout_s=1.0)
+        if child.log is not None:
+            child.log.close()
+        del self._children[child.name]
+
+    def _poll_retiring(self, child: Child, now: float) -> SupervisorEvent | None:
+        """A retired child gone: removed (its group's leftovers killed); past its deadline: SIGKILL."""
+        code = child.process.poll() if child.process is not None else 0
+        if code is None:
+            if child.next_start_at is not None and now >= child.next_start_at and not child.killed:
+                child.killed = True
+                self._log_note(child, f"{child.name} did not stop in time; SIGKILL")
+                signal_group(child.pid, signal.SIGKILL)
+            return None
+        signal_group(child.pid, signal.SIGKILL)
+        child.exit_code, child.state = code, ChildState.STOPPED
+        self._log_note(child, f"{child.name} {describe_exit(code)}; retired")
+        self._forget(child)
+        return SupervisorEvent("retired", child.name, f"{child.name} {describe_exit(code)}; retired", exit_code=code)
 
     def _on_exit(self, child: Child, code: int, now: float) -> SupervisorEvent:
         # Whatever the child left behind in its group goes with it.

@@ -195,3 +195,26 @@ def test_bad_children_are_refused(tmp_path):
     with pytest.raises(SupervisorError, match="cannot start missing"):
         sup.start("missing")
     sup.stop(1)
+
+
+def test_a_retired_child_gets_sigterm_is_removed_once_gone_and_one_ignoring_it_is_killed(tmp_path):
+    stubborn = [PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ig' 'noring', flush=True);"
+                          " time.sleep(60)"]
+    sup = Supervisor(tmp_path / "logs", FAST)
+    try:
+        polite = sup.add("decode-1", SLEEPER, role="decode")
+        deaf = sup.add("decode-2", stubborn, role="decode")
+        sup.add("decode-0", SLEEPER, role="decode")
+        sup.start()
+        assert wait_until(lambda: "ignoring" in deaf.log_path.read_text(), 10)
+        sup.retire("decode-1", timeout_s=5)
+        sup.retire("decode-2", timeout_s=0.5)
+        assert polite.state == ChildState.STOPPING
+        events = []
+        assert wait_until(lambda: events.extend(sup.poll()) or len(sup.children) == 1, 10)
+        assert sorted((e.kind, e.name) for e in events) == [("retired", "decode-1"), ("retired", "decode-2")]
+        assert not proc_alive(polite.pid) and not proc_alive(deaf.pid) and deaf.killed and not polite.killed
+        assert [c.name for c in sup.children] == ["decode-0"] and sup.children[0].running
+        assert "retired" in polite.log_path.read_text()
+    finally:
+        sup.stop(2)

@@ -1,0 +1,234 @@
+"""Scaling a running deployment's decode and prefill pools, for `splitserve up`'s launcher.
+
+Two sides. The control API's threads (`handle`) never touch the supervisor: a scale is put on a bounded queue and
+its outcome awaited with a deadline; a read gets the view the main loop last published. The launcher's main loop
+(`step`, between supervision rounds) takes the queued scales, sets the desired counts, and reconciles: planned
+instances that do not run get credentials, are admitted by the embedded NATS server (its config rewritten and
+reloaded) and start; running ones no longer planned are retired (SIGTERM: a decode worker drains and hands its
+streams to the gateway, which moves them; SIGKILL at the stop timeout), and once gone their credentials are revoked.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import queue
+import time
+from typing import Any
+
+from services.launcher import topology
+from services.launcher.nats_auth import ADMIN_INSTANCE, Instance, creds_path, ensure_credentials, public_key
+from services.launcher.nats_auth import write_server_config
+from services.launcher.nats_server import admits
+from services.launcher.placement import place_new_workers
+from services.launcher.scale_policy import SCALABLE, ScaleError, check_scale, pool_sizes, reconcile
+from services.launcher.supervisor import SupervisorError
+from shared.bus.permissions import ROLES
+
+QUEUE_SIZE = 8
+ANSWER_TIMEOUT_S = 30.0  # a scale's outcome: the main loop takes it within a round, admission included
+ADMIT_TIMEOUT_S = 5.0  # the reloaded NATS server admitting the new instances
+
+
+def desired_pools(up) -> dict[str, int]:
+    """The pools `up`'s settings ask for that scale: decode, and disagg's prefill pool unless it is a pipeline."""
+    if up.topology == "pipeline":
+        return {}
+    pools = {"decode": up.decode}
+    if up.topology == "disagg" and up.prefill_stages is None:
+        pools["prefill"] = up.prefill
+    return pools
+
+
+class Scaler:
+    """The launcher's scaling: `handle` on the control API's threads, `step` on the main loop's."""
+
+    def __init__(self, launcher: Any, specs: list[topology.ServiceSpec], probe) -> None:
+        self.launcher = launcher  # its supervisor, deployment, bus and settings are the main loop's
+        self.probe = probe  # (url) -> (HTTP status or None, body): the gateway's /ready
+        self.requests: queue.Queue = queue.Queue(QUEUE_SIZE)
+        self.desired = desired_pools(launcher.options)
+        self.placements = {s.name: tuple(s.settings.cpus) for s in specs if getattr(s.settings, "cpus", None)}
+        self._pipelines = topology.pipelines_of(specs)
+        self._plans: dict[tuple, list[topology.ServiceSpec]] = {}
+        self._view: dict = {}
+        # the instances the NATS config lets in, as last written
+        self._admitted = frozenset(c.instance_id for c in launcher.supervisor.children if c.role in ROLES)
+
+    # -- the control API's side -------------------------------------------------
+
+    def handle(self, method: str, route: str, body: object) -> tuple[int, dict]:
+        if route == "/v1/deployment" and method == "GET":
+            return 200, self.view()
+        if route == "/v1/scale" and method == "POST":
+            return self._submit(body)
+        return 404, {"error": f"no {method} {route} (GET /v1/deployment, POST /v1/scale)"}
+
+    def view(self) -> dict:
+        """What the main loop last published, with the gateway's ready counts now, and whether it has settled."""
+        view = dict(self._view)
+        status, said = self.probe(view["ready_url"]) if view else (None, "")
+        try:
+            ready = json.loads(said).get("ready", {}) if status is not None else {}
+        except (ValueError, AttributeError):
+            ready = {}
+        view["ready"] = ready
+        view["settled"] = bool(view) and not view["retiring"] and all(
+            view["actual"].get(role) == n and ready.get(role, 0) >= n for role, n in view["desired"].items())
+        return view
+
+    def _submit(self, body: object) -> tuple[int, dict]:
+        if not isinstance(body, dict):
+            return 400, {"error": 'the body is {"ROLE": N, ...}'}
+        outcome: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self.requests.put_nowait((body, outcome))
+        except queue.Full:
+            return 503, {"error": "too many scales waiting; try again"}
+        try:
+            return outcome.result(timeout=ANSWER_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            return 504, {"error": f"the launcher did not take the scale within {ANSWER_TIMEOUT_S:g} s"}
+
+    # -- the main loop's side ---------------------------------------------------
+
+    def step(self) -> None:
+        """Take the queued scales, reconcile, publish the view."""
+        for body, outcome in self._queued():
+            try:
+                outcome.set_result(self._apply(body))
+            except OSError as exc:  # e.g. the NATS config not written: said, and the deployment serves on
+                outcome.set_result((500, {"error": f"the scale could not be applied: {exc}"}))
+        try:
+            self.reconcile()
+        except OSError as exc:
+            self.launcher.say(f"warning: scaling: {exc}")
+
+    def refuse_pending(self) -> None:
+        """The deployment stops: every scale still queued is answered so."""
+        for _, outcome in self._queued():
+            outcome.set_result((503, {"error": "the deployment is stopping"}))
+
+    def _queued(self):
+        """The scales waiting, taken off the queue one by one."""
+        while True:
+            try:
+                yield self.requests.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, body: dict) -> tuple[int, dict]:
+        o = self.launcher.options
+        try:
+            counts = check_scale(body, o.topology, o.prefill_stages is not None)
+            self._check_external_credentials(counts)
+        except ScaleError as exc:
+            return 400, {"error": str(exc)}
+        before = dict(self.desired)
+        self.desired.update(counts)
+        started, retired = self.reconcile()
+        self.launcher.say(f"scale {', '.join(f'{r}={n}' for r, n in counts.items())} (was "
+                          f"{', '.join(f'{r}={n}' for r, n in before.items())}): starting {started or 'none'}, "
+                          f"retiring {retired or 'none'}")
+        return 200, {"desired": dict(self.desired), "starting": started, "retiring": retired}
+
+    def _check_external_credentials(self, counts: dict[str, int]) -> None:
+        """A --nats server's instances need their credentials in --nats-creds-dir before they can start."""
+        creds_dir = self.launcher.options.nats_creds_dir
+        if creds_dir is None:
+            return
+        planned = self._planned({**self.desired, **counts})
+        missing = [s.instance_id for s in planned if not creds_path(creds_dir, s.instance_id).is_file()]
+        if missing:
+            raise ScaleError(f"--nats-creds-dir {creds_dir} lacks the credentials of: {', '.join(missing)} "
+                             "(`splitserve nats-auth DIR --instance ROLE:ID ...` writes them)")
+
+    def _planned(self, desired: dict[str, int]) -> list[topology.ServiceSpec]:
+        """The scalable pools' instances for `desired` (planned once per set of counts)."""
+        key = tuple(sorted(desired.items()))
+        if key not in self._plans:
+            up = self.launcher.options.model_copy(update=desired)
+            self._plans[key] = [s for s in topology.plan(up, self.launcher.resolved) if s.role in SCALABLE]
+        return self._plans[key]
+
+    def reconcile(self) -> tuple[list[str], list[str]]:
+        """Start what is planned and not running, retire what runs and is not planned; (started, retired)."""
+        sup = self.launcher.supervisor
+        if not self.desired:  # nothing here scales
+            return [], []
+        planned = {s.name: s for s in self._planned(self.desired)}
+        pool = {c.name: c for c in sup.children if c.role in SCALABLE}
+        retiring = [n for n, c in pool.items() if c.state.value == "stopping"]
+        start, retire = reconcile(list(planned), [n for n in pool if n not in retiring], retiring)
+        for name in retire:
+            sup.retire(name, self.launcher.retire_timeout_s)
+        self._admit([planned[n] for n in start])
+        self._start([planned[n] for n in start])
+        self._publish()
+        return start, retire
+
+    def _admit(self, new: list[topology.ServiceSpec]) -> None:
+        """The embedded NATS server's config names every instance that runs or is about to (with --nats-auth):
+        rewritten and reloaded when that changed, and waited for when some are about to start."""
+        launcher = self.launcher
+        creds_dir = launcher.resolved.nats_creds_dir
+        if launcher.nats is None or not launcher.options.nats_auth or creds_dir is None:
+            return
+        instances = [Instance(c.role, c.instance_id) for c in launcher.supervisor.children if c.role in ROLES]
+        gone = self._admitted - {i.instance_id for i in instances}
+        instances += [Instance(s.role, s.instance_id) for s in new]
+        names = frozenset(i.instance_id for i in instances)
+        if names == self._admitted and not gone:
+            return
+        for name in gone:  # revoked: a later instance of the name gets a new key
+            creds_path(creds_dir, name).unlink(missing_ok=True)
+        keys = ensure_credentials(creds_dir, instances)
+        keys[ADMIN_INSTANCE] = public_key(launcher.admin.nkey_seed.encode())
+        tls = launcher.tls
+        write_server_config(launcher.run_dir / "nats.conf", keys, launcher.options.namespace,
+                            (tls.cert, tls.key) if tls is not None else None, self._pipelines)
+        launcher.nats.reload()
+        self._admitted = names
+        if new:
+            self._wait_admitted(creds_path(creds_dir, new[0].instance_id))
+
+    def _wait_admitted(self, creds_file) -> None:
+        deadline = time.monotonic() + ADMIT_TIMEOUT_S
+        run = self.launcher.resolved
+        while not admits(run.nats_url, creds_file, run.nats_tls_ca):
+            if time.monotonic() >= deadline:
+                self.launcher.say(f"warning: the NATS server did not admit the new instances within "
+                                  f"{ADMIT_TIMEOUT_S:g} s; starting them anyway")
+                return
+            time.sleep(0.1)
+
+    def _start(self, new: list[topology.ServiceSpec]) -> None:
+        """New workers on CPUs the running ones do not use (where there are enough), lending and borrowing none."""
+        cpus = place_new_workers(self.placements, [s.name for s in new], self.launcher.resolved.cpus)
+        for spec in new:
+            settings = spec.settings.model_copy(update={"cpus": cpus.get(spec.name), "cpu_loan": None,
+                                                        **({"borrow_cpus": None} if spec.role == "decode" else {})})
+            try:
+                self.launcher.start_service(dataclasses.replace(spec, settings=settings))
+            except SupervisorError as exc:  # the rest of the deployment serves on
+                self.launcher.say(f"warning: {exc}")
+                continue
+            if spec.name in cpus:
+                self.placements[spec.name] = cpus[spec.name]
+
+    def _publish(self) -> None:
+        """The view the control API serves, and deployment.json's records of the pools."""
+        launcher = self.launcher
+        children = {c.name: c for c in launcher.supervisor.children}
+        dep = launcher.deployment
+        dep.services = [rec for rec in dep.services if rec.name in children]
+        self.placements = {n: cpus for n, cpus in self.placements.items() if n in children}
+        dep.desired = dict(self.desired)
+        roles = {c.name: c.role for c in children.values()}
+        retiring = [c.name for c in children.values() if c.role in SCALABLE and c.state.value == "stopping"]
+        self._view = {"state": dep.state, "desired": dict(self.desired), "actual": pool_sizes(roles, retiring),
+                      "retiring": retiring, "ready_url": (dep.gateway_url or "") + "/ready",
+                      "services": {n: {"role": c.role, "state": c.state.value, "pid": c.pid}
+                                   for n, c in children.items() if c.role in SCALABLE}}
+

@@ -1,0 +1,76 @@
+"""`splitserve scale` on a real deployment: a decode worker added serves; removed while streams run, it drains and
+hands them back, and every stream ends as an undisturbed greedy run would, nothing lost."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from support.metrics import matching, samples
+from support.processes import ROOT, service_env
+from support.sse import stream, streamed_text
+from support.up import MODEL, start_up
+from support.waiting import wait_until
+
+TOKENS = 600
+
+
+def splitserve(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli.main", *args], capture_output=True, text=True,
+                          env=service_env(), cwd=ROOT, timeout=timeout_s)
+
+
+def ps(run_dir) -> dict:
+    result = splitserve("ps", "--run-dir", str(run_dir), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def running_on(base_url: str, instance: str) -> float:
+    return sum(matching(samples(base_url), "vllm:num_requests_running", instance=instance))
+
+
+@pytest.mark.timeout(240)
+def test_a_decode_worker_added_serves_and_one_removed_mid_stream_loses_nothing(tmp_path, default_model):
+    # A short stop timeout: a retired worker streams on for its drain (1.5 s), then hands its streams back.
+    up = start_up(tmp_path / "run", "--topology", "disagg", "--stop-timeout", "6")
+    try:
+        bodies = [{"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0}
+                  for prompt in ("Once upon a time", "The list of primes")]
+        references = [streamed_text(stream(up.url, body)) for body in bodies]
+
+        result = splitserve("scale", "decode=2", "--run-dir", str(up.run_dir), "--wait", "--timeout", "120",
+                            timeout_s=150)
+        assert result.returncode == 0, result.stderr
+        assert "starting decode-1" in result.stdout and "settled: decode 2 ready of 2" in result.stdout
+        state = ps(up.run_dir)
+        assert state["pools"]["decode"] == {"desired": 2, "running": 2, "retiring": 0}
+        assert httpx.get(f"{up.url}/ready", timeout=5).json()["status"] == "ready"
+
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(stream, up.url, body, timeout_s=120) for body in bodies]
+            # One of them runs on the new worker; remove it from under its stream.
+            wait_until(lambda: running_on(up.url, "decode-1") >= 1, 60, "decode-1 never ran a request", poll_s=0.2)
+            result = splitserve("scale", "decode=1", "--run-dir", str(up.run_dir))
+            assert result.returncode == 0 and "retiring decode-1" in result.stdout, result.stderr
+            outcomes = [s.result(timeout=150) for s in streams]
+        for events, reference in zip(outcomes, references):
+            assert not [e for e in events if "error" in e], events[-3:]
+            assert streamed_text(events) == reference
+
+        wait_until(lambda: all(s["name"] != "decode-1" for s in ps(up.run_dir)["services"]), 30,
+                   "decode-1 was not retired", poll_s=0.2)
+        assert ps(up.run_dir)["pools"]["decode"] == {"desired": 1, "running": 1, "retiring": 0}
+        assert "decode-1 exited with code 0; retired" in (up.run_dir / "logs" / "decode-1.log").read_text()
+        ready = wait_until(lambda: (r := httpx.get(f"{up.url}/ready", timeout=5).json())["status"] == "ready" and r,
+                           30, "/ready did not say ready at the new size", poll_s=0.2)
+        assert ready["expected"]["decode"] == 1
+        assert up.stop() == 0
+    finally:
+        if up.proc.poll() is None:
+            os.killpg(up.proc.pid, signal.SIGKILL)
