@@ -71,7 +71,7 @@ async def build_head(settings: StageSettings, registry, link, model_dir: str, nu
 
 
 async def serve(settings: StageSettings) -> int:
-
+    from services.common.cpu_follow import engine_cpu_share
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.stage.link import ActivationLink
@@ -90,6 +90,9 @@ async def serve(settings: StageSettings) -> int:
         raise SystemExit("the head (--layers 0:N) needs --stages: the stages after it, in order")
     if settings.microbatches < 1:
         raise SystemExit("--microbatches must be at least 1")
+    if settings.cpus_file and not is_head:
+        raise SystemExit("--cpus-file: a stage after the head runs no engine loop to follow it between steps (only a "
+                         "head and whole-model workers do)")
     tls = transfer_tls_of(settings)
 
     async def build(nc, js, registry, subjects, replicas):
@@ -119,7 +122,7 @@ async def serve(settings: StageSettings) -> int:
         engine, driver = await build_head(settings, registry, link, model_dir, num_layers, engine_thread)
         worker = EngineWorker(nc=nc, registry=registry, subjects=subjects, engine=engine, engine_thread=engine_thread,
                               instance_id=settings.instance_id, role=settings.head_role, model=model_dir,
-                              served_model_name=served_name)
+                              served_model_name=served_name, cpu_share=engine_cpu_share(settings))
         if settings.head_role == "prefill":
             from services.stage.prefill_head import prefill_pipeline_head
 
