@@ -8,7 +8,7 @@ and answers in FILE.ack, also whole and 0600: the generation it took, whether it
 
     {"generation": 4, "cpus": "2-3", "borrow_cpus": ""}
     {"generation": 4, "applied": true, "cpus": "2-3", "borrow_cpus": ""}
-    {"generation": 5, "applied": false, "error": "CPUs 9 are not available to this worker (it may use 0-3)"}
+    {"generation": 5, "applied": false, "error": "CPUs 9 are not available to this worker (it may use 0,1,2,3)"}
 
 Parsing and formatting are pure; `write_placement` and `read_ack` are the launcher's, `write_ack` the worker's.
 """
