@@ -48,6 +48,10 @@ def placement_problem(placement: Placement, allowed: tuple[int, ...], borrower: 
     return ""
 
 
+def _version(stat: os.stat_result) -> tuple[int, int, int]:
+    return stat.st_mtime_ns, stat.st_size, stat.st_ino
+
+
 class CpuFollower:
     """A `CpuShare` that follows the placement file at `path`, around the worker's loan (`inner`), if any.
     Engine thread only."""
@@ -90,14 +94,13 @@ class CpuFollower:
             return
         self._next_look = now + self.poll_s
         try:
-            stat = os.stat(self.path)
-            seen = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-            if seen == self._seen:
+            if _version(os.stat(self.path)) == self._seen:
                 return
-            text = self.path.read_text()
+            with open(self.path) as fh:  # the version read is the one opened (the launcher replaces the file whole)
+                self._seen = _version(os.fstat(fh.fileno()))  # each version once: a refused one is not refused again
+                text = fh.read()
         except FileNotFoundError:
             return
-        self._seen = seen  # each version once: a refused one is not refused again
         self._take(text)
 
     def _take(self, text: str) -> None:

@@ -101,6 +101,13 @@ def write_ack(path: str | os.PathLike, ack: Ack, placement: Placement | None = N
     write_private(ack_path(path), format_ack(ack, placement).encode())
 
 
+def placement_acked(path: str | os.PathLike, generation: int) -> bool | None:
+    """The launcher's wait: True once the worker applied `generation`, False if it refused it, None before it
+    answered it."""
+    ack = read_ack(path)
+    return None if ack is None or ack.generation != generation else ack.applied
+
+
 def read_ack(path: str | os.PathLike) -> Ack | None:
     """The worker's last answer to the placement file at `path`; None before its first."""
     try:

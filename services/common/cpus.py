@@ -72,16 +72,17 @@ def bind_cpus(cpus: tuple[int, ...]) -> None:
 
 
 def pin_threads(cpus: tuple[int, ...]) -> int:
-    """Move every thread this process runs now to `cpus` (threads started later inherit their starter's);
-    how many were moved. OSError if the kernel refuses."""
-    moved = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(task), cpus)
-        except ProcessLookupError:  # ended meanwhile
-            continue
-        moved += 1
-    return moved
+    """Move every thread of this process to `cpus` (a thread started later inherits its starter's: the threads
+    are listed again until no new one shows); how many were moved. OSError if the kernel refuses."""
+    pinned: set[str] = set()
+    while tasks := set(os.listdir("/proc/self/task")) - pinned:
+        for task in tasks:
+            try:
+                os.sched_setaffinity(int(task), cpus)
+            except ProcessLookupError:  # ended meanwhile
+                pass
+        pinned |= tasks
+    return len(pinned)
 
 
 def worker_cpus(spec: str) -> tuple[int, ...]:

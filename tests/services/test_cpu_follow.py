@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.cpu_placement import Placement, read_ack, write_placement
+from services.common.cpu_placement import Placement, placement_acked, read_ack, write_placement
 from support.waiting import wait_until
 
 needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="moving a worker needs two CPUs")
@@ -86,7 +86,7 @@ class Worker:
 
 
 def acked(path: Path, generation: int):
-    wait_until(lambda: (ack := read_ack(path)) is not None and ack.generation == generation, 60,
+    wait_until(lambda: placement_acked(path, generation) is not None, 60,
                f"no ack for generation {generation}", poll_s=0.01)
     return read_ack(path)
 

@@ -4,8 +4,8 @@ import pytest
 
 from services.common.cpu_follow import placement_problem
 from services.common.cpu_placement import (
-    Ack, Placement, ack_path, format_ack, format_placement, parse_ack, parse_placement, read_ack, write_ack,
-    write_placement,
+    Ack, Placement, ack_path, format_ack, format_placement, parse_ack, parse_placement, placement_acked, read_ack,
+    write_ack, write_placement,
 )
 
 
@@ -46,8 +46,9 @@ def test_the_ack_says_what_was_applied_or_why_not(tmp_path):
     write_ack(path, Ack(2, True), Placement(2, (0, 1)))
     assert read_ack(path) == Ack(2, True)
     assert ack_path(path).read_text() == '{"generation": 2, "applied": true, "cpus": "0,1", "borrow_cpus": ""}'
+    assert placement_acked(path, 2) is True and placement_acked(path, 3) is None  # (3: not answered yet)
     write_ack(path, Ack(3, False, "no"))
-    assert read_ack(path) == Ack(3, False, "no")
+    assert read_ack(path) == Ack(3, False, "no") and placement_acked(path, 3) is False
     assert {oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()} == {"0o600"}
     assert parse_ack(format_ack(Ack(None, False, "not a placement"))) == Ack(None, False, "not a placement")
 
