@@ -27,7 +27,7 @@ import torch
 
 from services.common.cpu_loan import CpuBorrower, CpuShare, cpu_share_from_settings, loan_details
 from services.common.cpu_placement import Ack, Placement, parse_placement, write_ack
-from services.common.cpus import allowed_cpus, format_cpu_list, pin_threads
+from services.common.cpus import allowed_cpus, format_cpu_list, pin_threads, usable_cpus
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -63,6 +63,8 @@ class CpuFollower:
         self.allowed = allowed if allowed is not None else allowed_cpus()
         self.poll_s = poll_s
         self.applied: Placement | None = None
+        # Where it runs before its first placement (its --cpus; a borrower's loan): a move the kernel refuses goes back
+        self._before = Placement(-1, usable_cpus(), getattr(inner, "lent", ()))
         self.changes = 0
         self.refused = 0
         self._seen: tuple[int, int, int] | None = None  # the file version read last: (mtime_ns, size, inode)
@@ -110,7 +112,7 @@ class CpuFollower:
             self._refuse(None, f"{self.path} is not a CPU placement: {exc}")
             return
         if placement == self.applied:  # the same placement written again: the same answer
-            write_ack(self.path, Ack(placement.generation, True), placement)
+            self._answer(Ack(placement.generation, True), placement)
             return
         if self.applied is not None and placement.generation <= self.applied.generation:
             self._refuse(placement.generation, f"generation {placement.generation} is not after the one applied "
@@ -123,13 +125,12 @@ class CpuFollower:
         try:
             self._move(placement)
         except OSError as exc:
-            if self.applied is not None:
-                self._move(self.applied)
+            self._move(self.applied or self._before)
             self._refuse(placement.generation, f"the kernel refused the CPUs: {exc}")
             return
         self.applied = placement
         self.changes += 1
-        write_ack(self.path, Ack(placement.generation, True), placement)
+        self._answer(Ack(placement.generation, True), placement)
         log.info("moved to other CPUs", generation=placement.generation, cpus=format_cpu_list(placement.cpus),
                  borrow_cpus=format_cpu_list(placement.borrow_cpus))
 
@@ -143,7 +144,13 @@ class CpuFollower:
     def _refuse(self, generation: int | None, error: str) -> None:
         self.refused += 1
         log.warning("CPU placement refused: this worker stays where it is", generation=generation, error=error)
-        write_ack(self.path, Ack(generation, False, error))
+        self._answer(Ack(generation, False, error))
+
+    def _answer(self, ack: Ack, placement: Placement | None = None) -> None:
+        try:
+            write_ack(self.path, ack, placement)
+        except OSError as exc:  # the launcher waits on: its own deadline says so, and this worker serves on
+            log.warning("could not answer the CPU placement", path=str(self.path), error=repr(exc))
 
     def details(self) -> dict:
         applied = self.applied

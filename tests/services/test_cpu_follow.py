@@ -149,3 +149,26 @@ def test_a_placement_naming_cpus_the_worker_may_not_use_is_refused_and_changes_n
         worker.proc.wait(10)
     logs = "".join(worker.logs) + worker.proc.stdout.read()
     assert logs.count("CPU placement refused") == 2  # once each, though looked at many times
+
+
+KERNEL_REFUSES = textwrap.dedent("""
+    import json, os, sys
+    from services.common.cpu_follow import CpuFollower
+    from services.common.cpu_placement import Placement, read_ack, write_placement
+
+    before = sorted(os.sched_getaffinity(0))
+    follower = CpuFollower(sys.argv[1], allowed=(*before, 1023))  # a CPU this machine has not got, let through
+    write_placement(sys.argv[1], Placement(1, (1023,)))
+    follower.follow()
+    ack = read_ack(sys.argv[1])
+    print(json.dumps({"applied": ack.applied, "error": ack.error, "unchanged": sorted(os.sched_getaffinity(0)) == before,
+                      "placement": follower.details()["generation"]}))
+""")
+
+
+def test_a_placement_the_kernel_refuses_leaves_the_worker_where_it_was(tmp_path):
+    out = subprocess.run([sys.executable, "-c", KERNEL_REFUSES, str(tmp_path / "w.cpus")], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    answer = json.loads(out.strip().splitlines()[-1])
+    assert answer["applied"] is False and "the kernel refused the CPUs" in answer["error"]
+    assert answer["unchanged"] and answer["placement"] is None
