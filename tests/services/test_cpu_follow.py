@@ -172,3 +172,29 @@ def test_a_placement_the_kernel_refuses_leaves_the_worker_where_it_was(tmp_path)
     answer = json.loads(out.strip().splitlines()[-1])
     assert answer["applied"] is False and "the kernel refused the CPUs" in answer["error"]
     assert answer["unchanged"] and answer["placement"] is None
+
+
+@needs_two_cpus
+def test_a_decode_worker_moves_between_requests_and_says_so_in_its_stats(tmp_path, nats_server, default_model):
+    import httpx
+
+    from support.deployment import start_deployment
+
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    path = tmp_path / "decode-0.cpus"
+    write_placement(path, Placement(1, (first,)))
+    deployment = start_deployment(nats_server.url, tmp_path, default_model,
+                                  decode_args=("--cpus", str(first), "--cpus-file", str(path)))
+    body = {"model": "splitserve-default-llama", "prompt": list(range(5, 40)), "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    try:
+        before = deployment.token_ids(httpx.post(f"{deployment.api}/completions", json=body, timeout=120).json())
+        write_placement(path, Placement(2, (second,)))
+        assert acked(path, 2).applied
+        assert cpus_allowed(deployment.procs["decode-0"].pid) == {str(second)}
+        after = deployment.token_ids(httpx.post(f"{deployment.api}/completions", json=body, timeout=120).json())
+        assert after == before and len(after) == 24
+        placement = deployment.stats("decode-0").details["cpu_placement"]
+        assert placement == {"generation": 2, "cpus": str(second), "changes": 2, "refused": 0}
+    finally:
+        deployment.stop()
