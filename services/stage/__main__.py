@@ -78,6 +78,9 @@ async def serve(settings: StageSettings) -> int:
     from shared.engine import read_config
     from shared.transfer import KVReceiver, KVSender
 
+    if settings.cpus_file and settings.layers.start != 0:
+        raise SystemExit("--cpus-file: a stage after the head runs no engine loop to follow it between steps (only a "
+                         "head and whole-model workers do)")
     model_dir, served_name = resolve_model(settings)
     num_layers = read_config(model_dir).num_hidden_layers
     if settings.layers.end > num_layers:
@@ -90,9 +93,6 @@ async def serve(settings: StageSettings) -> int:
         raise SystemExit("the head (--layers 0:N) needs --stages: the stages after it, in order")
     if settings.microbatches < 1:
         raise SystemExit("--microbatches must be at least 1")
-    if settings.cpus_file and not is_head:
-        raise SystemExit("--cpus-file: a stage after the head runs no engine loop to follow it between steps (only a "
-                         "head and whole-model workers do)")
     tls = transfer_tls_of(settings)
 
     async def build(nc, js, registry, subjects, replicas):

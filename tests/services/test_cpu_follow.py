@@ -198,3 +198,10 @@ def test_a_decode_worker_moves_between_requests_and_says_so_in_its_stats(tmp_pat
         assert placement == {"generation": 2, "cpus": str(second), "changes": 2, "refused": 0}
     finally:
         deployment.stop()
+
+
+def test_a_stage_after_the_head_refuses_a_placement_file(tmp_path, default_model):
+    """It runs no engine loop to follow one between steps: it says so rather than ignore it."""
+    done = subprocess.run([sys.executable, "-m", "services.stage", "--model", default_model, "--layers", "2:4",
+                           "--cpus-file", str(tmp_path / "stage-1.cpus")], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "a stage after the head runs no engine loop" in done.stderr
