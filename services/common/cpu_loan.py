@@ -163,13 +163,14 @@ class CpuBorrower:
     counts: LoanCounts = field(default_factory=LoanCounts)
     _fd: int | None = field(default=None, init=False)
     _borrowing: bool = field(default=False, init=False)
+    _team: tuple[int, ...] = field(default=(), init=False)  # the thread ids of the OpenMP team's other threads
 
     def before_step(self) -> None:
         if self._borrowing:
             if self._demanded():
                 self._give_back()
                 self.counts.returned += 1
-        elif not self._demanded() and _try_flock(self._fd, fcntl.LOCK_SH):
+        elif self.lent and not self._demanded() and _try_flock(self._fd, fcntl.LOCK_SH):
             torch.set_num_threads(len(self.own) + len(self.lent))
             self._borrowing = True
             self.counts.lent += 1
@@ -196,11 +197,27 @@ class CpuBorrower:
         """Make the engine thread's OpenMP team at its full size with its other thread allowed on the lent CPU,
         then run the engine thread on this worker's own CPU and one thread: the process (the model's load
         included) never leaves its own CPU, and only the team's other thread runs on the lent one."""
+        before = set(os.listdir("/proc/self/task"))
         os.sched_setaffinity(0, (*self.own, *self.lent))  # 0: the calling thread only; a thread it starts inherits it
         torch.set_num_threads(len(self.own) + len(self.lent))
         torch.mm(torch.ones(256, 256), torch.ones(256, 256))  # a parallel region: the team at its full size
+        self._team = tuple(int(task) for task in set(os.listdir("/proc/self/task")) - before)
         os.sched_setaffinity(0, self.own)
         torch.set_num_threads(len(self.own))
+
+    def move(self, own: tuple[int, ...], lent: tuple[int, ...]) -> None:
+        """Runtime placement (`services.common.cpu_follow`), after every thread was moved to `own`: give the
+        loan back if held, then borrow `lent` (the lender's CPUs now; empty: none) from the next step on, the
+        team's other thread allowed on them again. Engine thread only."""
+        if self._borrowing:
+            self._give_back()
+        self.own, self.lent = own, lent
+        torch.set_num_threads(len(own))
+        for task in self._team:
+            try:
+                os.sched_setaffinity(task, (*own, *lent))
+            except ProcessLookupError:  # libgomp ended it; one started again comes from the engine thread (own)
+                pass
 
     def close(self) -> None:
         if self._fd is not None:

@@ -46,9 +46,18 @@ def share_cpus(workers: list[str], cpus: tuple[int, ...]) -> dict[str, tuple[int
     return shares
 
 
+_ALLOWED: list[tuple[int, ...]] = []  # what the process could use before `bind_cpus` first narrowed it
+
+
 def usable_cpus() -> tuple[int, ...]:
     """The CPUs this process may run on."""
     return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def allowed_cpus() -> tuple[int, ...]:
+    """The CPUs this process may be moved to: those it could use before `bind_cpus` bound it (its --cpus are
+    a share of them), else those it may use now."""
+    return _ALLOWED[0] if _ALLOWED else usable_cpus()
 
 
 def bind_cpus(cpus: tuple[int, ...]) -> None:
@@ -56,8 +65,24 @@ def bind_cpus(cpus: tuple[int, ...]) -> None:
     thread per CPU. Call before the model loads."""
     import torch
 
+    if not _ALLOWED:
+        _ALLOWED.append(usable_cpus())
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
+
+
+def pin_threads(cpus: tuple[int, ...]) -> int:
+    """Move every thread of this process to `cpus` (a thread started later inherits its starter's: the threads
+    are listed again until no new one shows); how many were moved. OSError if the kernel refuses."""
+    pinned: set[str] = set()
+    while tasks := set(os.listdir("/proc/self/task")) - pinned:
+        for task in tasks:
+            try:
+                os.sched_setaffinity(int(task), cpus)
+            except ProcessLookupError:  # ended meanwhile
+                pass
+        pinned |= tasks
+    return len(pinned)
 
 
 def worker_cpus(spec: str) -> tuple[int, ...]:

@@ -12,7 +12,8 @@ import asyncio
 from typing import Protocol
 
 from contracts import CancelRequest, ServiceInfo, ServiceStats, StatsRequest, Subjects, WorkerLoad, sent_by
-from services.common.cpu_loan import CpuShare, loan_details
+from services.common.cpu_follow import cpu_share_details
+from services.common.cpu_loan import CpuShare
 from services.common.engine_loop import EngineLoop, RequestRejected
 from services.common.engine_thread import EngineThread
 from services.common.identity import ServiceIdentity, now_ms
@@ -154,7 +155,7 @@ class EngineWorker:
     def stats(self) -> ServiceStats:
         details = {"rejected_messages": dict(REJECTED), "prefix_cache": self.engine.prefix_cache_counts(),
                    "kv_store": self.kv_store.details() if self.kv_store is not None else {},
-                   "kv_events": dict(self.kv_events.counts), "cpu_loan": loan_details(self.engine_loop.cpu_share),
+                   "kv_events": dict(self.kv_events.counts), **cpu_share_details(self.engine_loop.cpu_share),
                    "registry_lapses": self.heartbeat.num_lapses,
                    "registry_outages": self.heartbeat.num_outages, "shm_segments": segments_held(),
                    "kv_memory_sizing": self.engine.memory_sizing,

@@ -137,6 +137,9 @@ class EngineSettings(Settings):
     cpus: CpuList | None = option(None, "run the worker's threads on these CPUs (e.g. 0-3 or 0,2), one torch thread "
                                   "each", metavar="LIST",
                                   shown_default="wherever the OS places them, torch's default thread count")
+    cpus_file: str | None = option(None, "follow the CPU placement the launcher writes to FILE at runtime (a "
+                                   "generation and a CPU list, JSON): between engine steps, move every thread to its "
+                                   "CPUs and answer in FILE.ack", metavar="FILE")
 
     @model_validator(mode="after")
     def _memory_share_on_a_gpu(self) -> EngineSettings:

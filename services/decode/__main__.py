@@ -26,7 +26,7 @@ def settings_of(argv: list[str] | None = None, environ=None) -> DecodeSettings:
 
 
 async def serve(settings: DecodeSettings) -> int:
-    from services.common.cpu_loan import cpu_share_from_settings
+    from services.common.cpu_follow import engine_cpu_share
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.common.engine_worker import EngineWorker
@@ -38,7 +38,7 @@ async def serve(settings: DecodeSettings) -> int:
     tls = transfer_tls_of(settings)
 
     async def build(nc, js, registry, subjects, replicas):
-        cpu_share = cpu_share_from_settings(settings)
+        cpu_share = engine_cpu_share(settings)
         engine_thread = EngineThread()
         engine = await engine_thread.run(LLMEngine, engine_config(settings, model_dir))
         receiver = None

@@ -25,7 +25,7 @@ def settings_of(argv: list[str] | None = None, environ=None) -> PrefillSettings:
 
 
 async def serve(settings: PrefillSettings) -> int:
-    from services.common.cpu_loan import cpu_share_from_settings
+    from services.common.cpu_follow import engine_cpu_share
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.common.kv_memory import kv_cache_allocator
@@ -37,7 +37,7 @@ async def serve(settings: PrefillSettings) -> int:
     tls = transfer_tls_of(settings)
 
     async def build(nc, js, registry, subjects, replicas):
-        cpu_share = cpu_share_from_settings(settings)  # before loading: its CPUs are not lent while it loads
+        cpu_share = engine_cpu_share(settings)  # before loading: its CPUs are not lent while it loads
         engine_thread = EngineThread()
         engine = await engine_thread.run(LLMEngine, engine_config(settings, model_dir),
                                          kv_allocator=kv_cache_allocator(settings.kv_transport, settings.device))

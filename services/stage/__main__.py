@@ -71,13 +71,16 @@ async def build_head(settings: StageSettings, registry, link, model_dir: str, nu
 
 
 async def serve(settings: StageSettings) -> int:
-
+    from services.common.cpu_follow import engine_cpu_share
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.stage.link import ActivationLink
     from shared.engine import read_config
     from shared.transfer import KVReceiver, KVSender
 
+    if settings.cpus_file and settings.layers.start != 0:
+        raise SystemExit("--cpus-file: a stage after the head runs no engine loop to follow it between steps (only a "
+                         "head and whole-model workers do)")
     model_dir, served_name = resolve_model(settings)
     num_layers = read_config(model_dir).num_hidden_layers
     if settings.layers.end > num_layers:
@@ -119,7 +122,7 @@ async def serve(settings: StageSettings) -> int:
         engine, driver = await build_head(settings, registry, link, model_dir, num_layers, engine_thread)
         worker = EngineWorker(nc=nc, registry=registry, subjects=subjects, engine=engine, engine_thread=engine_thread,
                               instance_id=settings.instance_id, role=settings.head_role, model=model_dir,
-                              served_model_name=served_name)
+                              served_model_name=served_name, cpu_share=engine_cpu_share(settings))
         if settings.head_role == "prefill":
             from services.stage.prefill_head import prefill_pipeline_head
 

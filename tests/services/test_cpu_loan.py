@@ -4,6 +4,7 @@ The lender and the borrower are real flock holders on a real loan file. The borr
 interpreter with an engine thread of its own: torch's thread counts and CPU affinity are process-wide state.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ BORROWER_PROBE = textwrap.dedent("""
     import json, os, sys, threading, torch
     from pathlib import Path
     from services.common.cpu_loan import CpuBorrower
+    from services.common.cpus import pin_threads
     from services.common.engine_thread import EngineThread
 
     own, lent = (int(sys.argv[2]),), (int(sys.argv[3]),)
@@ -46,8 +48,16 @@ BORROWER_PROBE = textwrap.dedent("""
 
     engine.submit(borrower.start).result()
     print(json.dumps(engine.submit(state).result()), flush=True)
-    for line in sys.stdin:  # one command a line: step | idle
-        engine.submit(borrower.before_step if line.strip() == "step" else borrower.idle).result()
+    def move(lent_now):  # as a new placement moves it (`services.common.cpu_follow`): every thread, then the loan
+        pin_threads(own)
+        borrower.move(own, lent_now)
+
+    for line in sys.stdin:  # one command a line: step | idle | move [LENT]
+        command = line.split()
+        if command[0] == "move":
+            engine.submit(move, tuple(int(cpu) for cpu in command[1:])).result()
+        else:
+            engine.submit(borrower.before_step if command[0] == "step" else borrower.idle).result()
         print(json.dumps(engine.submit(state).result()), flush=True)
 """)
 
@@ -144,15 +154,24 @@ def test_a_lender_whose_worker_still_ships_kv_keeps_its_cpus_until_it_is_quiet(t
         lender.close()
 
 
-@needs_two_cpus
-def test_a_borrower_that_does_not_step_is_overdue_and_the_lender_computes_anyway(tmp_path, cpus):
-    own, lent = cpus
+@contextlib.contextmanager
+def lending(tmp_path, cpus, deadline_s: float):
+    """A lender and its borrower, the CPU lent and borrowed once."""
     loan = tmp_path / "prefill-0.loan"
-    lender = CpuLender(loan, deadline_s=0.2)
-    borrower = Borrower(loan, own, lent)
+    lender = CpuLender(loan, deadline_s=deadline_s)
+    borrower = Borrower(loan, *cpus)
     try:
         lender.idle()
         assert borrower.do("step")["threads"] == 2
+        yield lender, borrower
+    finally:
+        borrower.close()
+        lender.close()
+
+
+@needs_two_cpus
+def test_a_borrower_that_does_not_step_is_overdue_and_the_lender_computes_anyway(tmp_path, cpus):
+    with lending(tmp_path, cpus, deadline_s=0.2) as (lender, borrower):
         started = time.monotonic()
         lender.before_step()  # the borrower is in a long step: past the deadline the lender goes ahead
         # The time is the claim: it waits out its 0.2 s deadline, then goes ahead (not the borrower's next step,
@@ -163,9 +182,18 @@ def test_a_borrower_that_does_not_step_is_overdue_and_the_lender_computes_anyway
         lender.before_step()  # and now the lender holds the lock
         assert lender._locked
         assert borrower.do("step")["threads"] == 1
-    finally:
-        borrower.close()
-        lender.close()
+
+
+@needs_two_cpus
+def test_the_loan_follows_the_lenders_cpus(tmp_path, cpus):
+    """The lender's CPUs change (`services.launcher.cpu_handover`): the borrower gives back what it holds, runs on
+    nothing lent while the two are not one CPU each, and borrows the lender's CPU again once they are."""
+    own, lent = cpus
+    with lending(tmp_path, cpus, deadline_s=30) as (_, borrower):
+        assert borrower.do("move") == {"threads": 1, "engine_cpus": [own], "lent": 1, "returned": 0, "on_lent_cpu": 0}
+        assert borrower.do("step")["threads"] == 1  # the lender idles, but lends nothing this borrower may take
+        assert borrower.do(f"move {lent}")["on_lent_cpu"] == 1  # the team's other thread, again
+        assert borrower.do("step") == {"threads": 2, "engine_cpus": [own], "lent": 2, "returned": 0, "on_lent_cpu": 1}
 
 
 LENDER_PROBE = textwrap.dedent("""
