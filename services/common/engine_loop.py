@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from services.common.cpu_loan import CpuShare
 from services.common.engine_thread import EngineThread
+from services.common.step_meter import StepMeter
 from shared.engine import (
     Continuation, EngineError, InvalidRequestError, LLMEngine, MAX_COMPILE_S, RequestOutput, SamplingParams
 )
@@ -97,6 +98,7 @@ class EngineLoop:
         self.crashed: BaseException | None = None
         self._running: concurrent.futures.Future | None = None
         self._compiling: dict[str, _Compiling] = {}  # engine thread only
+        self.steps = StepMeter()  # what each step cost (`details()` from any thread)
 
     def start(self) -> None:
         self._running = self._thread.submit(self._run)
@@ -147,7 +149,7 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     if share is not None:
                         share.before_step()
-                    outputs = self.engine.step()
+                    outputs = self._step()
                 if outputs or rejected:
                     self._emit([*rejected, *outputs])
         except BaseException as exc:  # the service must die with it, loudly
@@ -158,6 +160,18 @@ class EngineLoop:
             if share is not None:  # hand back what was borrowed, drop the loan file
                 share.idle()
                 share.close()
+
+    def _step(self) -> list:
+        """`engine.step()`, measured: its wall time, the sequences it gave a token and the prompt tokens it
+        computed (a step that ran nothing, stalled, is not counted)."""
+        engine = self.engine
+        prompt_before = engine.num_prompt_tokens_computed
+        started = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - started
+        if not engine.stalled:
+            self.steps.record(seconds, len(outputs), engine.num_prompt_tokens_computed - prompt_before)
+        return outputs
 
     def _gather_burst(self) -> list[RequestRejected]:
         """Work just reached an idle engine: take what arrives right behind it into the same first step."""

@@ -158,7 +158,7 @@ class EngineWorker:
                    "kv_events": dict(self.kv_events.counts), **cpu_share_details(self.engine_loop.cpu_share),
                    "registry_lapses": self.heartbeat.num_lapses,
                    "registry_outages": self.heartbeat.num_outages, "shm_segments": segments_held(),
-                   "kv_memory_sizing": self.engine.memory_sizing,
+                   "kv_memory_sizing": self.engine.memory_sizing, "steps": self.engine_loop.steps.details(),
                    **self.role.details()}
         for part in self.parts:
             details.update(part.details())

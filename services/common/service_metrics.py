@@ -51,6 +51,14 @@ SERIES = {
     "computed": (Counter, "splitserve_prompt_tokens_computed",
                  "Prompt tokens a worker ran through the model: not found in any cache (or computed again "
                  "after a preemption)", BY),
+    "steps": (Counter, "splitserve_engine_steps", "Engine steps a worker ran, by kind: prompt (it computed prompt "
+              "tokens, maybe beside decodes) or decode", [*BY, "kind"]),
+    "step_seconds": (Counter, "splitserve_engine_step_seconds", "Wall time of a worker's engine steps, by kind",
+                     [*BY, "kind"]),
+    "step_sequences": (Counter, "splitserve_engine_step_sequences", "Sequences given a token by a worker's engine "
+                       "steps, by kind (per step: the batch a decode step ran)", [*BY, "kind"]),
+    "step_prompt_tokens": (Counter, "splitserve_engine_step_prompt_tokens", "Prompt tokens a worker's engine steps "
+                           "computed (prompt steps only)", BY),
     "store_bytes": (Gauge, "splitserve_kvstore_bytes", "KV bytes a kv-store holds, per tier", [*BY, "tier"]),
     "store_blocks": (Gauge, "splitserve_kvstore_blocks", "KV blocks a kv-store holds, per tier", [*BY, "tier"]),
     "store_evictions": (Counter, "splitserve_kvstore_evictions",
@@ -110,6 +118,7 @@ def _add_worker(series: dict, labels: list[str], entry) -> None:
             series["store_bytes"].add_metric([*labels, tier], store[tier]["bytes"])
             series["store_blocks"].add_metric([*labels, tier], store[tier]["blocks"])
             series["store_evictions"].add_metric([*labels, tier], store["evictions"][tier])
+    _add_steps(series, labels, details.get("steps"))
     _add_pipeline(series, labels, details.get("utilization"), details.get("link"))
     _add_cpu_loan(series, labels, details.get("cpu_loan"))
 
@@ -131,6 +140,16 @@ def _add_prefix_cache(series: dict, labels: list[str], prefix: dict | None) -> N
     for tier, tokens in {"local": 0, "kvstore": 0, **prefix["hit_tokens"]}.items():
         series["hit_tokens"].add_metric([*labels, tier], tokens)
     series["computed"].add_metric(labels, prefix["prompt_tokens_computed"])
+
+
+def _add_steps(series: dict, labels: list[str], steps: dict | None) -> None:
+    if not steps:
+        return
+    for kind, counts in steps.items():
+        series["steps"].add_metric([*labels, kind], counts["steps"])
+        series["step_seconds"].add_metric([*labels, kind], counts["seconds"])
+        series["step_sequences"].add_metric([*labels, kind], counts["sequences"])
+    series["step_prompt_tokens"].add_metric(labels, steps.get("prompt", {}).get("prompt_tokens", 0))
 
 
 def _add_pipeline(series: dict, labels: list[str], utilization: dict | None, link: dict | None) -> None:

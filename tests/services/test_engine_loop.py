@@ -75,3 +75,27 @@ def test_a_negative_window_is_refused(engine_and_thread):
     engine, thread = engine_and_thread
     with pytest.raises(ValueError, match="gather_s"):
         EngineLoop(engine, lambda outputs: None, thread, gather_s=-1)
+
+
+def test_every_step_is_measured_by_kind(engine_and_thread):
+    """A prompt's steps count as prompt steps with its computed tokens; the steps after, as decode steps, each
+    with the sequences it gave a token."""
+    engine, thread = engine_and_thread
+    loop = EngineLoop(engine, lambda outputs: None, thread)
+    loop.start()
+    try:
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        computed = engine.num_prompt_tokens_computed
+        loop.add(AddRequest("m1", list(range(300, 340)), params))
+        loop.add(AddRequest("m2", list(range(400, 440)), params))
+        wait_until(lambda: loop.steps.decode.steps and not engine.has_unfinished_requests(), 30,
+                   "m1 and m2 did not finish", poll_s=0.01)
+    finally:
+        loop.stop()
+    steps = loop.steps.details()
+    assert steps["prompt"]["prompt_tokens"] == engine.num_prompt_tokens_computed - computed > 0
+    assert steps["prompt"]["steps"] >= 1 and steps["prompt"]["seconds"] > 0
+    decode = steps["decode"]
+    assert decode["prompt_tokens"] == 0 and decode["seconds"] > 0
+    assert decode["steps"] <= decode["sequences"] <= 2 * decode["steps"]  # 1 or 2 sequences a step
+    assert steps["prompt"]["sequences"] + decode["sequences"] == 2 * 5  # every token of both
