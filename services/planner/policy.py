@@ -113,13 +113,18 @@ def _fewest(predict, target_ms: float, low: int, high: int) -> int:
 
 
 def _pool_want(now: int, model_want: int, measured_ms: float | None, slo_ms: float, headroom: float,
-               name: str) -> tuple[int, str]:
+               name: str, predict) -> tuple[int, str]:
     """The model's want, corrected by the measurement: a measured miss adds a worker even where the model says
     enough, and a pool whose measured figure is past the headroom does not shrink."""
     if measured_ms is not None and measured_ms > slo_ms and model_want <= now:
         return now + 1, f"{name} p90 {measured_ms:.0f} ms over its slo of {slo_ms:g}"
     if measured_ms is not None and measured_ms > slo_ms * headroom and model_want < now:
         return now, ""
+    target = slo_ms * headroom
+    if model_want > now:
+        return model_want, f"{name} predicted {predict(now):.0f} ms with {now}, over {target:g}"
+    if model_want < now:
+        return model_want, f"{name} predicted {predict(model_want):.0f} ms with {model_want}, within {target:g}"
     return model_want, ""
 
 
@@ -133,16 +138,17 @@ def _needed(obs: Observation, slo: Slo, policy: Policy) -> tuple[int, int, str]:
     elif p.capacity_per_worker <= 0:
         why.append("prefill not measured yet")
     else:
-        model = _fewest(lambda n: predicted_ttft_ms(p, n), slo.ttft_ms * policy.headroom, max(policy.min_prefill, 1),
+        ttft = lambda n: predicted_ttft_ms(p, n)  # noqa: E731
+        model = _fewest(ttft, slo.ttft_ms * policy.headroom, max(policy.min_prefill, 1),
                         policy.budget - policy.min_decode)
-        want_p, said = _pool_want(p.workers, model, obs.ttft_p90_ms, slo.ttft_ms, policy.headroom, "ttft")
+        want_p, said = _pool_want(p.workers, model, obs.ttft_p90_ms, slo.ttft_ms, policy.headroom, "ttft", ttft)
         why.append(said)
     if d.step_ms_fixed <= 0:
         why.append("decode not measured yet")
     else:
-        model = _fewest(lambda n: predicted_itl_ms(d, n), slo.itl_ms * policy.headroom, policy.min_decode,
-                        policy.budget - policy.min_prefill)
-        want_d, said = _pool_want(d.workers, model, obs.itl_p90_ms, slo.itl_ms, policy.headroom, "itl")
+        itl = lambda n: predicted_itl_ms(d, n)  # noqa: E731
+        model = _fewest(itl, slo.itl_ms * policy.headroom, policy.min_decode, policy.budget - policy.min_prefill)
+        want_d, said = _pool_want(d.workers, model, obs.itl_p90_ms, slo.itl_ms, policy.headroom, "itl", itl)
         why.append(said)
     return want_p, want_d, "; ".join(filter(None, why))
 

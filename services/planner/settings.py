@@ -1,0 +1,54 @@
+"""The SLO planner's settings (see `services.common.settings`). The policy's tuning takes its defaults from
+`Policy` itself, so each is written once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field
+
+from services.common.service_settings import AnyPort, PositiveInt, PositiveSeconds
+from services.common.settings import Settings, option
+from services.planner.policy import Policy
+
+PositiveMs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+def _policy_default(name: str):
+    return {f.name: f.default for f in dataclasses.fields(Policy)}[name]
+
+
+class PlannerSettings(Settings):
+    """The SLO planner: every interval it reads the gateway's /metrics and the launcher's pool sizes, and moves
+    workers between the decode and prefill pools (within the budget) to keep TTFT and ITL p90 within their SLOs.
+    `splitserve up --planner slo` starts it."""
+
+    ROLE: ClassVar[str] = "planner"
+
+    gateway_url: str = option(..., "the gateway whose /metrics it reads, e.g. http://127.0.0.1:8000", metavar="URL")
+    control_socket: str = option(..., "the launcher's control API (RUN_DIR/control.sock): the pool sizes, and "
+                                 "where a scale is asked", metavar="PATH")
+    ttft_slo_ms: PositiveMs = option(..., "time to first token, p90, to keep under", metavar="MS")
+    itl_slo_ms: PositiveMs = option(..., "time between tokens, p90, to keep under", metavar="MS")
+    budget: PositiveInt = option(..., "workers the prefill and decode pools may hold together (cores, or GPUs, "
+                                 "over the workers' share of each)", metavar="N")
+    interval_s: PositiveSeconds = option(10.0, "seconds between evaluations: each one observes the window since "
+                                         "the last", metavar="S")
+    scrape_timeout_s: PositiveSeconds = option(5.0, "deadline of each /metrics scrape and control call",
+                                               metavar="S")
+    dry_run: bool = option(False, "log (and count) what it would do, and change nothing")
+    headroom: Annotated[float, Field(gt=0, le=1)] = option(
+        _policy_default("headroom"), "plan for this share of each SLO, so a change comes before the miss",
+        metavar="F")
+    patience: PositiveInt = option(_policy_default("patience"), "evaluations in a row that must want the same "
+                                   "change before it is made", metavar="N")
+    cooldown_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = option(
+        _policy_default("cooldown_s"), "seconds after a change before the next (its effect needs a window to show)",
+        metavar="S")
+    metrics_host: str = option("127.0.0.1", "the address its own /metrics listens on")
+    metrics_port: AnyPort = option(0, "the port of its own /metrics (0: a free one, logged)", metavar="PORT")
+    api_key: str | None = option(None, "a key for a gateway whose /metrics requires one (--protect-metrics)",
+                                 metavar="KEY", repr=False)
+    instance_id: str = option("planner-0", "its name in logs")
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", "the lowest level logged")

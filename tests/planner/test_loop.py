@@ -1,0 +1,137 @@
+"""The planner's loop against a fake deployment: scrapes built here, a control API that records what it is asked."""
+
+import threading
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.planner.loop import CallFailed, Calls, run, tick
+from services.planner.metrics import reason_label
+from services.planner.planner import Planner, scale_body
+from services.planner.policy import Decision, Slo
+from support.exposition import counter, histogram, steps
+
+WINDOW_S = 10.0
+
+
+def slow_prompts(k: int) -> str:
+    """The k-th scrape of a deployment whose prompts take 1-2.5 s to a first token: a prefill worker computing
+    1000 tokens a busy second, one 1000-token prompt a window."""
+    ttft = {"0.1": 0, "1": 0, "2.5": 10 * k, "+Inf": 10 * k}
+    return (histogram("vllm:time_to_first_token_seconds", ttft)
+            + counter("splitserve_disagg_decisions", {'service="scheduler",instance="s",decision="remote"': k})
+            + counter("splitserve_prompt_tokens_computed", {'service="prefill",instance="prefill-0"': 1000 * k})
+            + steps("prefill-0", "prefill", prompt=(k, 1.0 * k, k), prompt_tokens=1000 * k))
+
+
+def view(prefill=1, decode=1, **changes) -> dict:
+    pools = {"decode": decode, **({"prefill": prefill} if prefill else {})}
+    return {"state": "ready", "desired": pools, "actual": dict(pools), "retiring": [], **changes}
+
+
+class FakeDeployment:
+    def __init__(self, view: dict, scrape=slow_prompts):
+        self.view, self.scrape, self.k = view, scrape, 0
+        self.scales: list[dict] = []
+        self.fail_scrape = False
+
+    def metrics(self) -> str:
+        if self.fail_scrape:
+            raise CallFailed("scrape", "GET http://gateway/metrics: timed out")
+        self.k += 1
+        return self.scrape(self.k)
+
+    def control(self, method, route, body):
+        if method == "POST":
+            self.scales.append(body)
+            return 200, {"desired": body, "starting": [], "retiring": []}
+        return 200, self.view
+
+    @property
+    def calls(self) -> Calls:
+        return Calls(self.metrics, self.control)
+
+
+def planner(budget=4, patience=3, cooldown_s=0.0) -> Planner:
+    return Planner(Slo(ttft_ms=500, itl_ms=1000), budget, headroom=0.8, patience=patience, cooldown_s=cooldown_s)
+
+
+def counted(p: Planner) -> dict:
+    text = generate_latest(p.metrics.registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def evaluations(p: Planner, dep: FakeDeployment, n: int, dry_run=False) -> list:
+    return [tick(p, dep.calls, WINDOW_S * i, dry_run) for i in range(n)]
+
+
+def test_a_ttft_miss_adds_a_prefill_worker_after_patience(caplog):
+    p, dep = planner(), FakeDeployment(view())
+    found = evaluations(p, dep, 4)
+    assert found[0] is None  # the first scrape: no window yet
+    assert [ev.decision.action for ev in found[1:]] == ["hold", "hold", "add"]
+    assert found[1].decision.reason.startswith("waiting (1/3)") and found[1].wanted == (2, 1)
+    assert dep.scales == [{"prefill": 2, "decode": 1}]
+    metrics = counted(p)
+    assert metrics[("splitserve_planner_decisions_total", (("action", "add"), ("reason", "ttft")))] == 1
+    assert metrics[("splitserve_planner_decisions_total", (("action", "hold"), ("reason", "waiting")))] == 2
+    assert metrics[("splitserve_planner_desired_workers", (("role", "prefill"),))] == 2
+    assert metrics[("splitserve_planner_scales_total", (("outcome", "ok"),))] == 1
+    assert metrics[("splitserve_planner_observed", (("figure", "ttft_p90_ms"),))] == pytest.approx(2350)
+
+
+def test_a_dry_run_says_what_it_would_do_and_asks_nothing(capsys):
+    p, dep = planner(), FakeDeployment(view())
+    found = evaluations(p, dep, 4, dry_run=True)
+    assert found[-1].decision.action == "add" and dep.scales == []
+    metrics = counted(p)
+    assert metrics[("splitserve_planner_scales_total", (("outcome", "dry_run"),))] == 1
+    assert metrics[("splitserve_planner_decisions_total", (("action", "add"), ("reason", "ttft")))] == 1
+
+
+def test_nothing_is_decided_while_a_scale_is_under_way():
+    p, dep = planner(patience=1), FakeDeployment(view(actual={"prefill": 1, "decode": 0}))
+    assert evaluations(p, dep, 3) == [None, None, None] and dep.scales == []
+
+
+def test_a_failed_scrape_is_counted_and_the_loop_goes_on():
+    p, dep = planner(patience=1), FakeDeployment(view())
+    tick(p, dep.calls, 0.0, False)
+    dep.fail_scrape = True
+    assert tick(p, dep.calls, 10.0, False) is None
+    dep.fail_scrape = False
+    assert tick(p, dep.calls, 20.0, False).decision.action == "add"
+    assert counted(p)[("splitserve_planner_failures_total", (("call", "scrape"),))] == 1
+
+
+def test_a_colocated_deployment_scales_its_decode_pool_only():
+    decision = Decision(prefill=0, decode=3, action="add", reason="itl p90 over its slo")
+    assert scale_body(decision, view(prefill=0, decode=2)) == {"decode": 3}
+    assert scale_body(Decision(0, 2, "hold", "slo met"), view(prefill=0, decode=2)) is None
+    # a switch is one scale: one pool's worker removed, the other's added
+    assert scale_body(Decision(2, 1, "switch", "ttft"), view(prefill=1, decode=2)) == {"prefill": 2, "decode": 1}
+
+
+@pytest.mark.parametrize("reason, label", [
+    ("ttft p90 2350 ms over its slo of 500", "ttft"), ("waiting (1/3): ttft p90", "waiting"),
+    ("cooling down: itl", "cooling"), ("slo met", "slo"), ("", "none"), ("budget shared; itl", "budget"),
+])
+def test_the_reason_label_is_its_first_word(reason, label):
+    assert reason_label(reason) == label
+
+
+def test_the_loop_runs_until_stopped():
+    p, dep = planner(), FakeDeployment(view())
+    stop = threading.Event()
+    ticks = iter(range(100))
+
+    def clock() -> float:
+        n = next(ticks)
+        if n >= 9:  # two clock readings a round: five rounds
+            stop.set()
+        return n * WINDOW_S
+
+    run(p, dep.calls, interval_s=0.0, dry_run=False, stop=stop, clock=clock)
+    assert dep.k == 5 and dep.scales == [{"prefill": 2, "decode": 1}]
