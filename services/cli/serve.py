@@ -10,7 +10,7 @@ import importlib.util
 import runpy
 import sys
 
-SERVICE_NAMES = ("gateway", "scheduler", "decode", "prefill", "stage", "kvstore")
+SERVICE_NAMES = ("gateway", "scheduler", "decode", "prefill", "stage", "kvstore", "planner")
 
 
 def add_parser(subcommands) -> None:

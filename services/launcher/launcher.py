@@ -78,6 +78,7 @@ from services.launcher.up_settings import UpSettings
 from services.launcher.provision import provision
 from services.launcher.resolved_run import ResolvedRun
 from services.launcher.control_socket import ControlServer, socket_path
+from services.launcher.planner_spec import check_planner, default_budget, planner_spec
 from services.launcher.scaler import Scaler, desired_pools
 from shared.bus.connection import nats_endpoints
 from shared.bus.credentials import BusCredentials, credentials_from
@@ -274,6 +275,10 @@ class Launcher:
                               f"--prefill-stages); this is --topology {o.topology}", 2)
         if o.microbatches < 1:
             raise LaunchError("--microbatches must be at least 1", 2)
+        try:
+            check_planner(o)
+        except ValueError as exc:
+            raise LaunchError(str(exc), 2) from None
         wants_cuda = bool({o.device, o.prefill_device, o.decode_device} - {None, "cpu"})
         try:
             topology.check_devices(o.topology, o.device, o.prefill_device, o.decode_device, o.gpu_memory_utilization,
@@ -578,6 +583,27 @@ class Launcher:
         self.deployment.control_socket = str(self.control.path)
         self._record(force=True)
 
+    def _start_planner(self) -> None:
+        """With --planner slo, the SLO planner, once the control API it scales through is open."""
+        o = self.options
+        if o.planner == "none":
+            return
+        if self.control is None or self.deployment is None or not self.deployment.gateway_url:
+            self._say("warning: no control API, so no SLO planner")
+            return
+        from services.common.free_port import free_port
+
+        assert self.resolved is not None
+        budget = o.planner_budget or default_budget(o, self.resolved.cpus, os.cpu_count() or 1)
+        spec = planner_spec(o, self.deployment.gateway_url, str(self.control.path), budget, free_port())
+        try:
+            self.start_service(spec)
+        except SupervisorError as exc:  # the deployment serves on, unplanned
+            self._say(f"warning: the SLO planner did not start: {exc}")
+            return
+        self._say(f"SLO planner: ttft p90 {o.ttft_slo_ms:g} ms, itl p90 {o.itl_slo_ms:g} ms, budget {budget} workers"
+                  + (", dry run" if o.planner_dry_run else "") + f"; its metrics: {spec.url}")
+
     def _record(self, force: bool = False) -> None:
         """Copy live state into deployment.json when it changed."""
         dep = self.deployment
@@ -696,6 +722,7 @@ class Launcher:
         assert self.deployment is not None
         self.deployment.state = READY
         self._open_control()  # before the ready line: whoever reads it may scale at once
+        self._start_planner()
         self._record(force=True)
         workers = f"{o.decode} decode worker" + ("" if o.decode == 1 else "s")
         if o.topology == "disagg" and self._stage_ranges:

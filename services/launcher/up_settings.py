@@ -28,6 +28,7 @@ from services.gateway.settings import GatewayServiceSettings as Gateway
 from services.kvstore.settings import KVStoreSettings
 from services.launcher.deployment import DEFAULT_RUN_DIR
 from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
+from services.planner.settings import PlannerSettings, PositiveMs
 from services.prefill.settings import PrefillSettings
 from services.scheduler.settings import RouterKind, SchedulerSettings
 from shared.engine import DEFAULT_MICROBATCHES, DEFAULT_MODEL
@@ -128,6 +129,23 @@ class UpSettings(Settings):
     cpus: Annotated[str, AfterValidator(_usable_cpus)] = option(
         "auto", "CPUs the model workers share out, each its own contiguous part, one torch thread per CPU (auto: "
         "every CPU this process may use; none: the OS places them)", metavar="auto|none|LIST")
+
+    # The SLO planner.
+    planner: Literal["none", "slo"] = option("none", "slo: run the SLO planner, which moves workers between the "
+                                             "prefill and decode pools (within --planner-budget) to keep TTFT and "
+                                             "ITL p90 within --ttft-slo-ms and --itl-slo-ms")
+    ttft_slo_ms: PositiveMs | None = option(None, "--planner slo: time to first token, p90, to keep under",
+                                            metavar="MS", shown_default="none, required with --planner slo")
+    itl_slo_ms: PositiveMs | None = option(None, "--planner slo: time between tokens, p90, to keep under",
+                                           metavar="MS", shown_default="none, required with --planner slo")
+    planner_budget: PositiveInt | None = option(
+        None, "--planner slo: workers the prefill and decode pools may hold together", metavar="N",
+        shown_default="on CPUs, one per CPU the workers are placed on; on GPUs, each GPU's 1 / "
+        "--gpu-memory-utilization workers (without it, the workers `up` starts); never fewer than those")
+    planner_dry_run: bool = option(default_of(PlannerSettings, "dry_run"), "--planner slo: the planner logs and "
+                                   "counts what it would do, and changes nothing")
+    planner_interval_s: PositiveSeconds = option(default_of(PlannerSettings, "interval_s"), "--planner slo: "
+                                                 "seconds between the planner's evaluations", metavar="S")
 
     # The KV store and routing.
     kv_store: bool | None = option(None, "run a kv-store: workers load cached prompt prefixes from it and write "

@@ -17,7 +17,7 @@ from services.planner.settings import PlannerSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.planner",
+    parser = argparse.ArgumentParser(prog="splitserve serve planner",
                                      description="The SLO planner: moves workers between a deployment's prefill "
                                      "and decode pools to keep TTFT and ITL within their SLOs.")
     add_flags(parser, PlannerSettings)

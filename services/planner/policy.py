@@ -52,14 +52,20 @@ class Observation:
     itl_p90_ms: float | None = None
 
 
+# The tuning's defaults (the planner's settings take theirs from here).
+HEADROOM = 0.8
+PATIENCE = 3
+COOLDOWN_S = 30.0
+
+
 @dataclass(frozen=True)
 class Policy:
     budget: int  # workers the pools may hold together (cores, or GPUs)
     min_prefill: int = 1  # 0 for a colocated deployment
     min_decode: int = 1
-    headroom: float = 0.8  # plan for this share of each SLO, so a change comes before the miss
-    patience: int = 3  # consecutive evaluations wanting the same change before it is made
-    cooldown_s: float = 30.0  # after a change, the next waits this long (its effect needs a window to show)
+    headroom: float = HEADROOM  # plan for this share of each SLO, so a change comes before the miss
+    patience: int = PATIENCE  # consecutive evaluations wanting the same change before it is made
+    cooldown_s: float = COOLDOWN_S  # after a change, the next waits this long (its effect needs a window to show)
 
     def __post_init__(self) -> None:
         if self.min_prefill < 0 or self.min_decode < 1 or self.budget < self.min_prefill + self.min_decode:

@@ -1,22 +1,17 @@
 """The SLO planner's settings (see `services.common.settings`). The policy's tuning takes its defaults from
-`Policy` itself, so each is written once."""
+`services.planner.policy`, so each is written once."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from services.common.service_settings import AnyPort, PositiveInt, PositiveSeconds
-from services.common.settings import Settings, option
-from services.planner.policy import Policy
+from services.common.service_settings import AnyPort, BusSettings, PositiveInt, PositiveSeconds
+from services.common.settings import Settings, default_of, option
+from services.planner.policy import COOLDOWN_S, HEADROOM, PATIENCE
 
 PositiveMs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-
-
-def _policy_default(name: str):
-    return {f.name: f.default for f in dataclasses.fields(Policy)}[name]
 
 
 class PlannerSettings(Settings):
@@ -39,16 +34,17 @@ class PlannerSettings(Settings):
                                                metavar="S")
     dry_run: bool = option(False, "log (and count) what it would do, and change nothing")
     headroom: Annotated[float, Field(gt=0, le=1)] = option(
-        _policy_default("headroom"), "plan for this share of each SLO, so a change comes before the miss",
+        HEADROOM, "plan for this share of each SLO, so a change comes before the miss",
         metavar="F")
-    patience: PositiveInt = option(_policy_default("patience"), "evaluations in a row that must want the same "
+    patience: PositiveInt = option(PATIENCE, "evaluations in a row that must want the same "
                                    "change before it is made", metavar="N")
     cooldown_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = option(
-        _policy_default("cooldown_s"), "seconds after a change before the next (its effect needs a window to show)",
+        COOLDOWN_S, "seconds after a change before the next (its effect needs a window to show)",
         metavar="S")
     metrics_host: str = option("127.0.0.1", "the address its own /metrics listens on")
     metrics_port: AnyPort = option(0, "the port of its own /metrics (0: a free one, logged)", metavar="PORT")
     api_key: str | None = option(None, "a key for a gateway whose /metrics requires one (--protect-metrics)",
                                  metavar="KEY", repr=False)
     instance_id: str = option("planner-0", "its name in logs")
-    log_level: Literal["debug", "info", "warning", "error"] = option("info", "the lowest level logged")
+    log_level: Literal["debug", "info", "warning", "error"] = option(default_of(BusSettings, "log_level"),
+                                                                      "the lowest level logged")
