@@ -17,6 +17,8 @@ from contracts.messages import (
     PrefillJob,
     PrefillResult,
     RequestFailed,
+    RoleSwitch,
+    RoleSwitchReply,
     ServiceInfo,
     ServiceStats,
     StageActivation,
@@ -37,7 +39,7 @@ from contracts.subjects import Sender, Subjects, check_token, from_anyone, sende
 __all__ = [
     "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply",
     "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply",
-    "LogprobEntry", "Message", "PrefillJob", "PrefillResult", "RequestFailed", "ServiceInfo",
+    "LogprobEntry", "Message", "PrefillJob", "PrefillResult", "RequestFailed", "RoleSwitch", "RoleSwitchReply", "ServiceInfo",
     "ServiceStats", "StageActivation", "StageShipment", "StageTicketReply", "StageTicketRequest", "StatsRequest", "StepTrace",
     "STREAM_ALIVE_EVERY_S", "Sender", "StreamAlive", "Subjects", "TokenChunk", "TransferEndpoint", "TransferTicket", "WorkerLoad", "check_token", "decode_one_of",
     "from_anyone", "sender_of", "sent_by",

@@ -69,6 +69,12 @@ class GenerateRequest(Message, tag="generate_request", kw_only=True):
     # Times it has moved. A moved request whose client has a stream open waits (until its deadline) for a worker
     # to come back, where a new one is refused at once with a Retry-After.
     moves: int = 0
+    # The role epochs it was routed under (`ServiceInfo.role_epoch`): the decode worker's, and with
+    # `prefill_instance` that prefill worker's. A worker whose epoch moved on (it switched role since) refuses it
+    # ("stale_role") and the scheduler routes it again. None: the sender did not say (only a worker that never
+    # switched takes it).
+    role_epoch: int | None = None
+    prefill_epoch: int | None = None
 
 
 class PrefillJob(Message, tag="prefill_job", kw_only=True):
@@ -84,6 +90,7 @@ class PrefillJob(Message, tag="prefill_job", kw_only=True):
     model_fingerprint: bytes  # the decode worker's model (weights and KV dtype); a prefill worker with another refuses
     deadline_ms: int  # after this the decode worker has given up (and prefilled locally)
     created_ms: int
+    role_epoch: int | None = None  # offered to one worker: its role epoch the scheduler saw (None: queued)
 
 
 class PrefillResult(Message, tag="prefill_result", kw_only=True):
@@ -116,7 +123,7 @@ class HandoffReply(Message, tag="handoff_reply", kw_only=True):
 
     request_id: str
     accepted: bool
-    code: str = ""  # when not accepted: "overloaded" | "invalid_request" | "draining"
+    code: str = ""  # when not accepted: "overloaded" | "invalid_request" | "draining" | "stale_role"
     message: str = ""
     param: str | None = None
     handoffs_taken: int = 0  # when accepted: the worker's requests taken since it started, this one included; its
@@ -201,6 +208,7 @@ class ServiceInfo(Message, tag="service_info", kw_only=True):
     layer_range: tuple[int, int] | None = None  # a pipeline stage's decoder layers [start, end)
     uses_kv_store: bool = False  # an engine worker that loads prefixes from the kv-store (so it holds theirs too)
     publishes_kv_events: bool = False  # it tells the schedulers which blocks it holds (KVEvents)
+    role_epoch: int = 0  # an engine worker's role switches since it started: messages routed to it carry it
 
 
 class ServiceStats(ServiceInfo, tag="service_stats", kw_only=True):
@@ -216,6 +224,26 @@ class ServiceStats(ServiceInfo, tag="service_stats", kw_only=True):
 
 class StatsRequest(Message, tag="stats_request", kw_only=True):
     """anyone -> a service: reply with your ServiceStats."""
+
+
+class RoleSwitch(Message, tag="role_switch", kw_only=True):
+    """admin (the launcher, for the operator) -> one switchable worker: drain, then serve as `to` on the same
+    engine. `drain_s`: how long its running work may go on before it is handed back (None: its drain timeout)."""
+
+    to: str  # "prefill" | "decode"
+    drain_s: Annotated[float, Meta(ge=0, le=600)] | None = None
+
+
+class RoleSwitchReply(Message, tag="role_switch_reply", kw_only=True):
+    """The worker's answer, once it serves in its new role (or why it did not switch)."""
+
+    ok: bool
+    role: str  # its role now
+    role_epoch: int  # its epoch now
+    code: str = ""  # when not ok: "same_role" | "not_switchable" | "unknown_role" | "busy" | "failed"
+    error: str = ""
+    drain_s: float = 0.0  # the old role's drain
+    switch_s: float = 0.0  # from the drain's end to serving in the new role, registered
 
 
 class StageShipment(Part, kw_only=True):

@@ -141,6 +141,10 @@ class Subjects:
     def stats(self, instance_id: str) -> str:
         return f"{self.namespace}.stats.{check_token(instance_id, 'instance id')}"
 
+    def role_switch(self, instance_id: str) -> str:
+        """Where one switchable worker takes the operator's `RoleSwitch`: only the admin key may publish here."""
+        return f"{self.namespace}.control.{check_token(instance_id, 'instance id')}.switch"
+
     @property
     def cancel(self) -> str:
         return f"{self.namespace}.control.cancel"

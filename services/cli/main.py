@@ -4,7 +4,7 @@ import argparse
 import os
 import sys
 
-from services.cli import bench, config_docs, doctor, generate, models, nats_auth, provision, ps, scale, serve, up
+from services.cli import bench, config_docs, doctor, generate, models, nats_auth, provision, ps, scale, serve, switch, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_parser(subcommands)
     ps.add_parser(subcommands)
     scale.add_parser(subcommands)
+    switch.add_parser(subcommands)
     serve.add_parser(subcommands)
     doctor.add_parser(subcommands)
     bench.add_parser(subcommands)

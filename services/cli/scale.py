@@ -25,6 +25,11 @@ def add_parser(subcommands) -> None:
     )
     parser.add_argument("counts", nargs="+", metavar="ROLE=N", help="a pool's new size, e.g. decode=2 prefill=1")
     add_run_dir_option(parser)
+    add_wait_options(parser, run)
+
+
+def add_wait_options(parser, run) -> None:
+    """--wait, --timeout and --json, and the command's `run`."""
     parser.add_argument("--wait", action="store_true", help="return once every pool has its new size and its "
                         "workers are ready")
     parser.add_argument("--timeout", type=float, default=WAIT_DEFAULT_S, metavar="S",
@@ -74,7 +79,6 @@ def wait_settled(path: str, timeout_s: float) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.launcher.control_client import ControlUnavailable, call
     from services.launcher.deployment import resolve_run_dir
     from services.launcher.scale_policy import ScaleError, parse_counts
 
@@ -85,20 +89,30 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc), 2)
     except ValueError as exc:
         return _fail(str(exc))
+    return post(path, "/v1/scale", counts, args, _fail, lambda answer: (
+        f"scaling to {', '.join(f'{r}={n}' for r, n in answer['desired'].items())}: starting "
+        f"{', '.join(answer['starting']) or 'none'}; retiring {', '.join(answer['retiring']) or 'none'}"))
+
+
+def post(path: str, route: str, body: dict, args: argparse.Namespace, fail, describe, timeout_s: float = 30.0) -> int:
+    """POST `body` to the control API, say its answer (`describe(answer)`, or JSON), and with --wait `settle`."""
+    from services.launcher.control_client import ControlUnavailable, call
+
     try:
-        status, answer = call(path, "POST", "/v1/scale", counts)
+        status, answer = call(path, "POST", route, body, timeout_s=timeout_s)
         if status != 200:
-            return _fail(answer.get("error", f"the launcher answered {status}"), 2 if status == 400 else 1)
-        print(json.dumps(answer) if args.json else
-              f"scaling to {', '.join(f'{r}={n}' for r, n in answer['desired'].items())}: starting "
-              f"{', '.join(answer['starting']) or 'none'}; retiring {', '.join(answer['retiring']) or 'none'}")
-        if not args.wait:
-            return 0
-        view = wait_settled(path, args.timeout)
+            return fail(answer.get("error", f"the launcher answered {status}"), 2 if status == 400 else 1)
+        print(json.dumps(answer) if args.json else describe(answer))
+        return settle(path, args, fail) if args.wait else 0
     except ControlUnavailable as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
+
+
+def settle(path: str, args: argparse.Namespace, fail) -> int:
+    """--wait: until every pool has its size and its workers are ready (`fail(message)` at the deadline)."""
+    view = wait_settled(path, args.timeout)
     if view is None:
-        return _fail(f"the deployment did not settle within {args.timeout:g} s (see `splitserve ps`)")
+        return fail(f"the deployment did not settle within {args.timeout:g} s (see `splitserve ps`)")
     print(json.dumps(view) if args.json else
           "settled: " + ", ".join(f"{role} {view['ready'].get(role, 0)} ready of {n}"
                                   for role, n in view["desired"].items()))

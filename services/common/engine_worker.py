@@ -9,9 +9,10 @@ details for the registry entry, and drains its work when the worker stops.
 """
 
 import asyncio
+import dataclasses
 from typing import Protocol
 
-from contracts import CancelRequest, ServiceInfo, ServiceStats, StatsRequest, Subjects, WorkerLoad, sent_by
+from contracts import CancelRequest, Sender, ServiceInfo, ServiceStats, StatsRequest, Subjects, WorkerLoad, sent_by
 from services.common.cpu_follow import cpu_share_details
 from services.common.cpu_loan import CpuShare
 from services.common.engine_loop import EngineLoop, RequestRejected
@@ -50,11 +51,13 @@ class WorkerRole(Protocol):
         """This worker's registry entry lapsed (it stalled, or lost NATS, for longer than the registry's TTL): its
         peers have taken what it held elsewhere. Drop what another worker now runs."""
 
-    async def drain(self) -> None:
-        """Stop taking work and end (or hand back) what runs; the engine still runs meanwhile."""
+    async def drain(self, wait_s: float | None = None) -> None:
+        """Stop taking work and end (or hand back) what runs; the engine still runs meanwhile. `wait_s`: how long
+        what runs may go on first (None: the role's own drain time)."""
 
     async def close(self) -> None:
-        """Once the engine has stopped: close what the role opened (side channels)."""
+        """Once its work is over (the engine stopped, or the worker switches role): close what the role opened
+        (subscriptions, side channels, its hooks into the engine)."""
 
 
 class WorkerPart(Protocol):
@@ -84,6 +87,10 @@ class EngineWorker:
         self.identity = ServiceIdentity(instance_id, role)
         self.lifecycle = "starting"  # then "ready", then "draining"
         self.role: WorkerRole | None = None
+        self.role_epoch = 0  # role switches since start (`services.common.role_switch`)
+        self.role_switch = None  # a RoleSwitcher, on a worker started switchable
+        self._role_tasks: list[asyncio.Task] = []  # the current role's (a switch replaces them)
+        self._role_changed = asyncio.Event()
         self.parts: list[WorkerPart] = []
         self.kv_store = None  # services.kvstore.tier.KVStoreTier, with --kv-store
         self._loop = asyncio.get_running_loop()
@@ -112,13 +119,47 @@ class EngineWorker:
         self.engine_loop.start()
         await self.subscribe(self.subjects.cancel, CancelRequest, self._on_cancel)
         await self.subscribe(self.subjects.stats(self.instance_id), StatsRequest, self._on_stats)
-        role_tasks = await self.role.start()
+        self._role_tasks = await self.role.start()
+        if self.role_switch is not None:
+            await self.role_switch.start()
         event_tasks = await self.kv_events.start()
         await self.nc.flush()
         self.lifecycle = "ready"
         self.heartbeat.start()
         return [asyncio.create_task(self._deliver_outputs(), name="engine-outputs"),
-                asyncio.create_task(self._report_load(), name="load-reports"), *role_tasks, *part_tasks, *event_tasks]
+                asyncio.create_task(self._report_load(), name="load-reports"),
+                asyncio.create_task(self._run_role_tasks(), name="role-tasks"), *part_tasks, *event_tasks]
+
+    async def _run_role_tasks(self) -> None:
+        """Ends as the current role's first task ends (which stops the service); a switch swaps the tasks."""
+        while True:
+            tasks = self._role_tasks
+            changed = asyncio.create_task(self._role_changed.wait())
+            try:
+                done, _ = await asyncio.wait([*tasks, changed], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+            self._role_changed.clear()
+            if tasks is not self._role_tasks:
+                continue  # swapped: the old ones were cancelled by the switch
+            for task in done:
+                if task is not changed:
+                    task.result()  # raises what the role's task raised
+                    return
+
+    def set_role_tasks(self, tasks: list[asyncio.Task]) -> list[asyncio.Task]:
+        """The role's tasks from now on; returns the old ones (for the switch to cancel)."""
+        old, self._role_tasks = self._role_tasks, tasks
+        self._role_changed.set()
+        return old
+
+    def rename(self, role: str) -> None:
+        """Serve as `role` from now on (a switch): the registry entry, and the name every signed message carries."""
+        self.identity = dataclasses.replace(self.identity, role=role)
+        self.role_epoch += 1
+        self.kv_events.role = role
+        if self.kv_store is not None:
+            self.kv_store.client.me = Sender(role, self.instance_id)
 
     async def drain(self) -> None:
         """Stop taking work and let the role end what runs (or hand it back), outputs still streaming."""
@@ -148,7 +189,8 @@ class EngineWorker:
             model=self.model, served_model_name=self.served_model_name, state=self.state,
             kv_blocks_total=block_manager.num_blocks, kv_blocks_free=block_manager.num_free_blocks,
             max_model_len=self.engine.max_model_len, uses_kv_store=self.kv_store is not None,
-            publishes_kv_events=True, layer_range=self._layer_range(), **kv_hashing(self.engine),
+            publishes_kv_events=True, layer_range=self._layer_range(), role_epoch=self.role_epoch,
+            **kv_hashing(self.engine),
             **self.role.load(),
         )
 
@@ -159,7 +201,8 @@ class EngineWorker:
                    "registry_lapses": self.heartbeat.num_lapses,
                    "registry_outages": self.heartbeat.num_outages, "shm_segments": segments_held(),
                    "kv_memory_sizing": self.engine.memory_sizing, "steps": self.engine_loop.steps.details(),
-                   **self.role.details()}
+                   **self.role.details(),
+                   **({"role_switch": self.role_switch.details()} if self.role_switch is not None else {})}
         for part in self.parts:
             details.update(part.details())
         return ServiceStats.of(self.info(), details)

@@ -177,3 +177,11 @@ class BorrowerSettings(Settings):
                                          "while the prefill worker lending them through --cpu-loan is idle; needs "
                                          "--cpus", metavar="LIST")
     cpu_loan: str | None = option(None, "the loan file the lending prefill worker creates", metavar="FILE")
+
+
+class RoleSwitchSettings(Settings):
+    """A decode or prefill worker that the operator may switch to the other role (`services.common.role_switch`)."""
+
+    role_switch: bool = option(False, "take the operator's role switches (prefill <-> decode, on the loaded "
+                               "engine); the other role runs with its own defaults, and the bus must grant this "
+                               "instance both roles")

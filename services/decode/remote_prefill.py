@@ -188,6 +188,7 @@ class RemotePrefill(KVConnector):
             ticket=ticket, reply_subject=worker.subjects.prefill_results(worker.instance_id),
             block_size=engine.config.block_size, model_fingerprint=engine.fingerprint,
             deadline_ms=int((time.time() + self.timeout_s) * 1000), created_ms=int(time.time() * 1000),
+            role_epoch=request.prefill_epoch,
         )
         target = await self._hand_out(request, job)
 
@@ -255,6 +256,7 @@ class RemotePrefill(KVConnector):
                 return target  # it may have taken the job: queueing it too could run it twice; the deadline covers it
             except Exception as exc:  # no responders, a bad reply: the pool takes it
                 log.info("prefill offer not taken", request_id=request.request_id, target=target, error=repr(exc))
+        job = msgspec.structs.replace(job, role_epoch=None)  # queued: whichever prefill worker pulls it
         await nc.jetstream().publish(subjects.prefill_jobs, job.encode(), timeout=5.0,
                                      headers=inject({"Nats-Msg-Id": request.request_id}))
         return ""

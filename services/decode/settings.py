@@ -9,6 +9,7 @@ from services.common.service_settings import (
     ModelSettings,
     PositiveInt,
     PositiveSeconds,
+    RoleSwitchSettings,
     AnyPort,
     NonNegative,
     Seconds,
@@ -18,8 +19,8 @@ from services.common.service_settings import (
 from services.common.settings import option
 
 
-class DecodeSettings(BorrowerSettings, KVStoreTierSettings, EngineSettings, ModelSettings, SideChannelSettings,
-                     ServiceSettings):  # --help lists the bases' flags last first, so the bus's lead
+class DecodeSettings(RoleSwitchSettings, BorrowerSettings, KVStoreTierSettings, EngineSettings, ModelSettings,
+                     SideChannelSettings, ServiceSettings):  # --help lists the bases' flags last first, so the bus's lead
     ROLE = "decode"
 
     mode: Literal["colocated", "disagg"] = option("colocated", "colocated: prefills every request itself; disagg: "

@@ -39,6 +39,7 @@ from contracts import (
 from services.common.engine_loop import AddRequest, RequestRejected
 from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
+from services.common.role_epoch import STALE_ROLE, epoch_refusal
 from services.decode.remote_prefill import RemotePrefill
 from shared.engine import Continuation, InvalidRequestError, RequestOutput, SamplingParams
 from shared.telemetry.logging import get_logger
@@ -78,6 +79,7 @@ class DecodeRole:
         self.requests: dict[str, ActiveRequest] = {}
         self.handoffs_taken = 0  # requests taken since start; a heartbeat with this count shows them all
         self._generate_subscription = None
+        self._results_subscription = None
         self._cancelled_elsewhere: OrderedDict[str, None] = OrderedDict()  # oldest first
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -86,8 +88,8 @@ class DecodeRole:
         self._generate_subscription = await w.subscribe(w.subjects.worker_generate(w.instance_id), GenerateRequest,
                                                         self._on_generate)
         if self.remote is not None:
-            await w.subscribe(from_anyone(w.subjects.prefill_results(w.instance_id)), PrefillResult,
-                              self.remote.on_result)
+            self._results_subscription = await w.subscribe(from_anyone(w.subjects.prefill_results(w.instance_id)),
+                                                           PrefillResult, self.remote.on_result)
         return [asyncio.create_task(self._keep_streams_alive(), name="stream-alive")]
 
     async def _keep_streams_alive(self) -> None:
@@ -103,11 +105,11 @@ class DecodeRole:
                         log.warning("stream-alive publish failed", request_id=request_id, error=repr(exc))
                         break
 
-    async def drain(self) -> None:
-        """Take no more requests, let the running ones go on for the drain time, then hand the rest back to their
-        gateways (a worker failure: they move the requests to other workers)."""
+    async def drain(self, wait_s: float | None = None) -> None:
+        """Take no more requests, let the running ones go on for the drain time (or `wait_s`), then hand the rest
+        back to their gateways (a worker failure: they move the requests to other workers)."""
         await self._generate_subscription.unsubscribe()
-        deadline = time.monotonic() + self.drain_timeout_s
+        deadline = time.monotonic() + (self.drain_timeout_s if wait_s is None else wait_s)
         while self.requests and time.monotonic() < deadline and not self.worker.engine_loop.crashed:
             await asyncio.sleep(0.05)
         await self._hand_back_all(f"worker {self.worker.instance_id} is shutting down")
@@ -119,9 +121,12 @@ class DecodeRole:
             await self._fail(request_id, active, "worker_failed", message)
 
     async def close(self) -> None:
+        if self._results_subscription is not None:
+            await self._results_subscription.unsubscribe()
         if self.remote is not None:
             await self.remote.stop()
             await self.remote.receiver.stop()
+            self.worker.engine.disconnect(self.remote)
 
     def load(self) -> dict:
         engine = self.worker.engine
@@ -181,6 +186,9 @@ class DecodeRole:
             return HandoffReply(request_id=request.request_id, accepted=True), None  # a redelivery: already ours
         if request.request_id in self._cancelled_elsewhere:
             return refuse("cancelled", "the request was cancelled before it reached a worker")
+        stale = epoch_refusal("decode", request.role_epoch, w.identity.role, w.role_epoch)
+        if stale is not None:  # routed before a role switch: the scheduler routes it again
+            return refuse(STALE_ROLE, stale)
         if w.state != "ready":
             return refuse("draining", f"worker {w.instance_id} is {w.state}")
         if request.deadline_ms and request.deadline_ms < now_ms():

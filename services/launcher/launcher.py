@@ -273,6 +273,9 @@ class Launcher:
             flag = "--stages" if o.stages is not None else "--layer-split"
             raise LaunchError(f"{flag} splits a pipeline's layers: it needs --topology pipeline (or, in disagg, "
                               f"--prefill-stages); this is --topology {o.topology}", 2)
+        if o.role_switch and (o.topology != "disagg" or o.prefill_stages is not None):
+            raise LaunchError("--role-switch switches workers between disagg's prefill and decode pools: it needs "
+                              "--topology disagg without --prefill-stages", 2)
         if o.microbatches < 1:
             raise LaunchError("--microbatches must be at least 1", 2)
         try:
@@ -363,7 +366,8 @@ class Launcher:
             public_keys[ADMIN_INSTANCE] = public_key(admin_seed)
             self._admin = BusCredentials(nkey_seed=admin_seed.decode())
         config = write_server_config(self.run_dir / "nats.conf", public_keys, self.options.namespace,
-                                     (tls.cert, tls.key) if tls is not None else None, topology.pipelines_of(specs))
+                                     (tls.cert, tls.key) if tls is not None else None, topology.pipelines_of(specs),
+                                     self.options.role_switch)
         return creds_dir, config
 
     def _provision(self, nats_url: str, tls_ca: str | None, replicas: int | None) -> None:

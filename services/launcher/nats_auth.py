@@ -72,21 +72,23 @@ def public_key(seed: bytes) -> str:
 
 
 def authorization_config(public_keys: dict[Instance, str], namespace: str,
-                         pipelines: tuple[Pipeline, ...] = ()) -> dict:
+                         pipelines: tuple[Pipeline, ...] = (), switchable: bool = False) -> dict:
     """The server's `authorization` block: one user per instance, with that instance's permissions (a stage's along
-    `pipelines`)."""
+    `pipelines`; with `switchable`, each decode and prefill worker's as both)."""
     subjects = Subjects(namespace)
-    users = [{"nkey": key, "permissions": instance_permissions(i.role, i.instance_id, subjects, pipelines).to_config()}
+    users = [{"nkey": key, "permissions": instance_permissions(i.role, i.instance_id, subjects, pipelines,
+                                                               switchable).to_config()}
              for i, key in public_keys.items()]
     return {"authorization": {"users": users}}
 
 
 def write_server_config(path: str | os.PathLike, public_keys: dict[Instance, str], namespace: str,
-                        tls: tuple[Path, Path] | None = None, pipelines: tuple[Pipeline, ...] = ()) -> Path:
+                        tls: tuple[Path, Path] | None = None, pipelines: tuple[Pipeline, ...] = (),
+                        switchable: bool = False) -> Path:
     """The authorization block, and with `tls` (certificate, key) the server's TLS, required of every client."""
     path = Path(path)
     # none: no authorization at all
-    config = authorization_config(public_keys, namespace, pipelines) if public_keys else {}
+    config = authorization_config(public_keys, namespace, pipelines, switchable) if public_keys else {}
     if tls is not None:
         config["tls"] = {"cert_file": str(tls[0]), "key_file": str(tls[1]), "timeout": 2}
     write_private(path, (json.dumps(config, indent=1) + "\n").encode())

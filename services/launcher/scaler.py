@@ -24,6 +24,7 @@ from services.launcher.nats_server import admits
 from services.launcher.placement import place_new_workers
 from services.launcher.scale_policy import SCALABLE, ScaleError, check_scale, pool_sizes, reconcile
 from services.launcher.supervisor import SupervisorError
+from services.launcher.switch_policy import planned_names
 from shared.bus.permissions import ROLES
 
 QUEUE_SIZE = 8
@@ -53,6 +54,11 @@ class Scaler:
         self._pipelines = topology.pipelines_of(specs)
         self._plans: dict[tuple, list[topology.ServiceSpec]] = {}
         self._view: dict = {}
+        # workers switched to the other pool: name -> (its role now, the pid that switched; a restart undoes it)
+        self.switched: dict[str, tuple[str, int | None]] = {}
+        from services.launcher.switcher import Switches  # (it imports the NATS client)
+
+        self.switches = Switches(self)
         # the instances the NATS config lets in, as last written
         self._admitted = frozenset(c.instance_id for c in launcher.supervisor.children if c.role in ROLES)
 
@@ -62,8 +68,11 @@ class Scaler:
         if route == "/v1/deployment" and method == "GET":
             return 200, self.view()
         if route == "/v1/scale" and method == "POST":
-            return self._submit(body)
-        return 404, {"error": f"no {method} {route} (GET /v1/deployment, POST /v1/scale)"}
+            return self.submit(lambda: self._apply(body) if isinstance(body, dict) else
+                               (400, {"error": 'the body is {"ROLE": N, ...}'}))
+        if route == "/v1/switch" and method == "POST":
+            return self.switches.handle(body)
+        return 404, {"error": f"no {method} {route} (GET /v1/deployment, POST /v1/scale, POST /v1/switch)"}
 
     def view(self) -> dict:
         """What the main loop last published, with the gateway's ready counts now, and whether it has settled."""
@@ -78,12 +87,11 @@ class Scaler:
             view["actual"].get(role) == n and ready.get(role, 0) >= n for role, n in view["desired"].items())
         return view
 
-    def _submit(self, body: object) -> tuple[int, dict]:
-        if not isinstance(body, dict):
-            return 400, {"error": 'the body is {"ROLE": N, ...}'}
+    def submit(self, apply) -> tuple[int, dict]:
+        """`apply()` run on the main loop; its answer, waited for with a deadline."""
         outcome: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            self.requests.put_nowait((body, outcome))
+            self.requests.put_nowait((apply, outcome))
         except queue.Full:
             return 503, {"error": "too many scales waiting; try again"}
         try:
@@ -95,9 +103,10 @@ class Scaler:
 
     def step(self) -> None:
         """Take the queued scales, reconcile, publish the view."""
-        for body, outcome in self._queued():
+        self._forget_restarted()
+        for apply, outcome in self._queued():
             try:
-                outcome.set_result(self._apply(body))
+                outcome.set_result(apply())
             except OSError as exc:  # e.g. the NATS config not written: said, and the deployment serves on
                 outcome.set_result((500, {"error": f"the scale could not be applied: {exc}"}))
         try:
@@ -133,6 +142,35 @@ class Scaler:
                           f"retiring {retired or 'none'}")
         return 200, {"desired": dict(self.desired), "starting": started, "retiring": retired}
 
+    def roles_now(self) -> dict[str, str]:
+        """Every scalable worker (running or retiring) and the role it serves as now."""
+        return {c.name: self.switched.get(c.name, (c.role, None))[0]
+                for c in self.launcher.supervisor.children if c.role in SCALABLE}
+
+    def apply_switch(self, name: str, to: str, pid: int | None) -> tuple[int, dict]:
+        """(main loop) Worker `name` (process `pid`) serves as `to` now: counted in that pool from now on."""
+        before = self.roles_now().get(name)
+        if before is None:
+            return 409, {"error": f"{name} switched, but is gone from the deployment meanwhile"}
+        self.switched[name] = (to, pid)
+        if before != to:
+            for role, change in ((before, -1), (to, 1)):
+                if role in self.desired:
+                    self.desired[role] = max(1, self.desired[role] + change)
+        self.launcher.say(f"switched {name} from {before} to {to}: desired "
+                          f"{', '.join(f'{r}={n}' for r, n in self.desired.items())}")
+        self._publish()
+        return 200, {"desired": dict(self.desired)}
+
+    def _forget_restarted(self) -> None:
+        """A switched worker that restarted runs in its planned role again: the reconcile evens the pools out."""
+        pids = {c.name: c.pid for c in self.launcher.supervisor.children}
+        for name, (role, pid) in list(self.switched.items()):
+            if pids.get(name, -1) != pid:
+                del self.switched[name]
+                if name in pids:
+                    self.launcher.say(f"warning: {name} restarted in its planned role (it served as {role})")
+
     def _check_external_credentials(self, counts: dict[str, int]) -> None:
         """A --nats server's instances need their credentials in --nats-creds-dir before they can start."""
         creds_dir = self.launcher.options.nats_creds_dir
@@ -157,8 +195,11 @@ class Scaler:
         sup = self.launcher.supervisor
         if not self.desired:  # nothing here scales
             return [], []
-        planned = {s.name: s for s in self._planned(self.desired)}
         pool = {c.name: c for c in sup.children if c.role in SCALABLE}
+        # Planned for more workers than run: names enough for every pool past the workers switched out of it.
+        specs = {s.name: s for s in self._planned({r: n + len(pool) for r, n in self.desired.items()})}
+        plan = {role: [n for n, s in specs.items() if s.role == role] for role in self.desired}
+        planned = {n: specs.get(n) for n in planned_names(self.desired, plan, self.roles_now())}
         retiring = [n for n, c in pool.items() if c.state.value == "stopping"]
         start, retire = reconcile(list(planned), [n for n in pool if n not in retiring], retiring)
         for name in retire:
@@ -187,7 +228,8 @@ class Scaler:
         keys[ADMIN_INSTANCE] = public_key(launcher.admin.nkey_seed.encode())
         tls = launcher.tls
         write_server_config(launcher.run_dir / "nats.conf", keys, launcher.options.namespace,
-                            (tls.cert, tls.key) if tls is not None else None, self._pipelines)
+                            (tls.cert, tls.key) if tls is not None else None, self._pipelines,
+                            launcher.options.role_switch)
         launcher.nats.reload()
         self._admitted = names
         if new:
@@ -225,10 +267,13 @@ class Scaler:
         dep.services = [rec for rec in dep.services if rec.name in children]
         self.placements = {n: cpus for n, cpus in self.placements.items() if n in children}
         dep.desired = dict(self.desired)
-        roles = {c.name: c.role for c in children.values()}
+        roles = self.roles_now()
+        for rec in dep.services:  # `splitserve ps` shows each worker in the pool it serves now
+            rec.role = roles.get(rec.name, rec.role)
         retiring = [c.name for c in children.values() if c.role in SCALABLE and c.state.value == "stopping"]
         self._view = {"state": dep.state, "desired": dict(self.desired), "actual": pool_sizes(roles, retiring),
                       "retiring": retiring, "ready_url": (dep.gateway_url or "") + "/ready",
-                      "services": {n: {"role": c.role, "state": c.state.value, "pid": c.pid}
+                      "services": {n: {"role": roles[n], "state": c.state.value, "pid": c.pid,
+                                       **({"planned_role": c.role} if roles[n] != c.role else {})}
                                    for n, c in children.items() if c.role in SCALABLE}}
 

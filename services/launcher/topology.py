@@ -204,11 +204,12 @@ def _plan_pools(up: UpSettings, run: ResolvedRun) -> list[_Draft]:
     elif disagg:
         counts["prefill"] = up.prefill
         drafts += [_Draft(f"prefill-{i}", PrefillSettings, {**_engine(up, run), "kv_transport": up.kv_transport,
-                                                            **_given(kv_store=kv_store or None)})
+                                                            **_given(kv_store=kv_store or None,
+                                                                     role_switch=up.role_switch or None)})
                    for i in range(up.prefill)]
     decode = {**_engine(up, run), "mode": "disagg" if disagg else "colocated",
               **_given(kv_store=kv_store or None, prefill_beside_decodes_ms=decode_pacing_ms(up),
-                       drain_timeout=run.drain_timeout)}
+                       drain_timeout=run.drain_timeout, role_switch=(disagg and up.role_switch) or None)}
     drafts += [_Draft(f"decode-{i}", DecodeSettings, decode) for i in range(up.decode)]
     return [*drafts, _gateway(up, run, counts)]
 

@@ -28,6 +28,7 @@ from services.gateway.settings import GatewayServiceSettings as Gateway
 from services.kvstore.settings import KVStoreSettings
 from services.launcher.deployment import DEFAULT_RUN_DIR
 from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
+from services.decode.settings import DecodeSettings
 from services.planner.settings import PlannerSettings, PositiveMs
 from services.prefill.settings import PrefillSettings
 from services.scheduler.settings import RouterKind, SchedulerSettings
@@ -98,6 +99,9 @@ class UpSettings(Settings):
         shown_default=f"the scheduler's, {default_of(SchedulerSettings, 'prefill_backlog_factor'):g}")
     lend_idle_cpus: bool = option(True, "disagg: while a prefill worker has nothing to compute, its CPUs run its "
                                   "decode worker's steps too, handed back before each prefill")
+    role_switch: bool = option(default_of(DecodeSettings, "role_switch"), "disagg: the operator may switch a "
+                               "decode worker to prefill and back (`splitserve switch ID ROLE`), on its loaded "
+                               "engine; each decode and prefill worker's bus key then holds both roles")
     kv_transport: Transport = option(default_of(PrefillSettings, "kv_transport"),
                                      "disagg: how KV moves from prefill to decode workers")
     stages: PositiveInt | None = option(None, "pipeline: split the layers evenly over N stage processes",

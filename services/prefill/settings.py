@@ -6,6 +6,7 @@ from services.common.service_settings import (
     LenderSettings,
     ModelSettings,
     PositiveInt,
+    RoleSwitchSettings,
     ServiceSettings,
     SideChannelSettings,
     Transport,
@@ -13,8 +14,8 @@ from services.common.service_settings import (
 from services.common.settings import option
 
 
-class PrefillSettings(LenderSettings, KVStoreTierSettings, EngineSettings, ModelSettings, SideChannelSettings,
-                      ServiceSettings):
+class PrefillSettings(RoleSwitchSettings, LenderSettings, KVStoreTierSettings, EngineSettings, ModelSettings,
+                      SideChannelSettings, ServiceSettings):
     ROLE = "prefill"
 
     max_concurrent_jobs: PositiveInt = option(8, "prefill jobs taken at once", metavar="N")

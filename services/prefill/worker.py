@@ -28,6 +28,7 @@ from services.common.cpu_loan import CpuLender
 from services.common.engine_loop import AddRequest, RequestRejected
 from services.common.engine_worker import EngineWorker
 from services.common.identity import now_ms
+from services.common.role_epoch import STALE_ROLE, epoch_refusal
 from services.prefill.prompt_kv_stream import PromptKVStream
 from shared.bus.subscribe import fetch_loop
 from shared.engine import EngineError, RequestOutput
@@ -73,6 +74,7 @@ class PrefillRole:
             worker.engine_loop.cpu_share.quiet = self._quiet
         self.counts: dict[str, int] = {}
         self._consumer = None  # the prefill queue's pull subscription, once started
+        self._offers = None  # the direct offers' subscription, once started
         self.job_traces: dict[str, dict[str, str]] = {}  # request id -> its job span's trace context
 
     async def start(self) -> list[asyncio.Task]:
@@ -80,7 +82,7 @@ class PrefillRole:
         cache_in_region = all(region_of(tensor) is not None for tensor in w.engine.executor.kv_tensors())
         if self.kv_transport in ("auto", "shm") and not cache_in_region:
             self.sender.prewarm_shm()  # the first staged transfers would otherwise pay for fresh shared-memory pages
-        await w.subscribe(w.subjects.prefill_offer(w.instance_id), PrefillJob, self._on_offer)
+        self._offers = await w.subscribe(w.subjects.prefill_offer(w.instance_id), PrefillJob, self._on_offer)
         self._consumer = await w.nc.jetstream().pull_subscribe(
             w.subjects.prefill_jobs, durable=w.subjects.prefill_consumer, stream=w.subjects.prefill_stream
         )
@@ -90,7 +92,12 @@ class PrefillRole:
         """Nothing to drop: a job's decode worker waits for it until the job's deadline (and prefills locally
         after), and a job past its deadline is not started; going on with one is what serves it soonest."""
 
-    async def drain(self) -> None:
+    async def drain(self, wait_s: float | None = None) -> None:
+        """Pull no more jobs; let those running finish for `wait_s` (None: none), then stop the rest (a queued
+        job is redelivered to another worker; an offered one's decode worker prefills it locally)."""
+        if self._offers is not None:
+            await self._offers.unsubscribe()
+            self._offers = None
         if self._consumer is not None:
             # A fetch cancelled mid-wait leaves the server's timeout status in the subscription's queue, where
             # nothing reads it; the connection's drain would then wait for it until its deadline.
@@ -98,12 +105,15 @@ class PrefillRole:
                 await self._consumer.unsubscribe()
             except (nats.errors.Error, ValueError) as exc:
                 log.warning("could not unsubscribe from the prefill queue", error=repr(exc))
+        if self.jobs and wait_s:
+            await asyncio.wait(list(self.jobs.values()), timeout=wait_s)
         for task in list(self.jobs.values()):
             task.cancel()  # their jobs are redelivered to another worker
         await asyncio.gather(*self.jobs.values(), return_exceptions=True)
 
     async def close(self) -> None:
         self.sender.close()
+        self.worker.engine.disconnect(self.prompt_kv)
 
     def load(self) -> dict:
         return {"num_running": len(self.jobs), "max_num_seqs": self.max_concurrent_jobs}
@@ -131,7 +141,10 @@ class PrefillRole:
         """A job offered to this worker directly (its cache holds the prompt's prefix): take it if there is room.
         Not redelivered if this worker dies: the decode worker watches for that and prefills locally."""
         w = self.worker
-        if w.state != "ready" or len(self.jobs) >= self.max_concurrent_jobs:
+        stale = epoch_refusal("prefill", job.role_epoch, w.identity.role, w.role_epoch)
+        if stale is not None:  # offered under an epoch this worker has left: the decode worker queues it
+            reply = HandoffReply(request_id=job.request_id, accepted=False, code=STALE_ROLE, message=stale)
+        elif w.state != "ready" or len(self.jobs) >= self.max_concurrent_jobs:
             reply = HandoffReply(request_id=job.request_id, accepted=False, code="overloaded",
                                  message=f"prefill worker {w.instance_id} is {w.state} with {len(self.jobs)} jobs")
         else:

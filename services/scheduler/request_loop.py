@@ -35,6 +35,7 @@ from contracts import (
 )
 from services.common.identity import ServiceIdentity, now_ms
 from services.common.queues import REQUEST_ACK_WAIT_S
+from services.common.role_epoch import STALE_ROLE
 from services.scheduler.lease import Lease
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.handoffs_in_flight import RoutedTally
@@ -87,6 +88,7 @@ class Router:
         self.heartbeat = Heartbeat(registry, self.info)
         self.identity = ServiceIdentity(instance_id, "scheduler")
         self.counts: dict[str, int] = {}
+        self.stale_refusals = 0  # handoffs refused by a worker that switched role after this view of it
         self.redelivered = 0  # requests taken that an earlier delivery left unacked
         self.decisions: dict[str, int] = {}
         self.max_local_prefill = max_local_prefill
@@ -112,6 +114,7 @@ class Router:
     def stats(self) -> ServiceStats:
         return ServiceStats.of(self.info(), {
             "routed": dict(self.counts), "redelivered": self.redelivered, "rejected_messages": dict(REJECTED),
+            "stale_refusals": self.stale_refusals,
             "disagg_decisions": dict(self.decisions), "prefill_queue_depth": self.prefill_queue_depth,
             "queue_depths": {"requests": self.request_queue_depth, "prefill": self.prefill_queue_depth},
             "workers_seen": dict(Counter(w.role for w in self.workers if w.state == "ready")),
@@ -283,10 +286,12 @@ class Router:
             # Counted on the worker before the handoff, so that the requests routed meanwhile see it.
             self.routed.offered(request.request_id, worker, now_ms=now_ms(), num_blocks=blocks_to_take(
                 worker, len(prompt), cached.blocks.get(worker.instance_id, 0) if cached is not None else 0))
+            request.role_epoch = worker.role_epoch  # it refuses the request if it has switched role since
             reply = await self._offer(worker, request)
             if reply == "timeout":
                 reply = await self._offer_again(worker, request, lease)
-            unreached = unreached and reply is None
+            stale = isinstance(reply, HandoffReply) and reply.code == STALE_ROLE
+            unreached = unreached and (reply is None or stale)  # a stale view: wait for the next, as for none
             if isinstance(reply, HandoffReply) and reply.accepted:
                 self.routed.accepted(request.request_id, reply.handoffs_taken, self.workers)
             else:
@@ -299,6 +304,9 @@ class Router:
                 await self._fail(request, "no_worker", f"worker {worker.instance_id} did not answer the handoff",
                                  retry_after_s=1.0)
                 return "handoff_timeout", False
+            if stale:
+                self.stale_refusals += 1  # it switched role since this view: the next refresh shows it
+                continue
             if reply is None or not reply.accepted and reply.code in ("overloaded", "draining", "timeout"):
                 continue
             if not reply.accepted:
@@ -336,6 +344,8 @@ class Router:
         if request.prefill == "remote" and cached is not None:
             request.prefill_instance = pick_prefill_worker(prefill_workers, cached.prompt_blocks, cached.blocks,
                                                            self.overlap_weight)
+        request.prefill_epoch = next((w.role_epoch for w in prefill_workers
+                                      if w.instance_id == request.prefill_instance), None)
         return uncached
 
     def _assigned(self, request: GenerateRequest, worker: ServiceInfo, cached: CachedPrefixes | None,

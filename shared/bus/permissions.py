@@ -23,6 +23,11 @@ only as itself:
   or consumer is the provisioner's alone (`ADMIN`: `splitserve up`, or the
   operator's `splitserve provision`).
 
+A decode or prefill worker of a deployment that switches roles (`up --role-switch`) is `switchable`: it holds
+both roles' permissions under its own name, and may take the operator's `RoleSwitch` on its own control subject
+(`Subjects.role_switch`), which no role may publish to: only `ADMIN` (the launcher, for `splitserve switch`). The
+switch is the operator's by the bus's word, as nothing else can send it.
+
 A `stage` process may head a pipeline of either pool, so it holds the decode
 and the prefill worker's permissions (under its own name) besides its own. A
 stage sends steps only along the pipelines it is part of (`Pipeline`): to the
@@ -39,6 +44,7 @@ from contracts import Subjects, check_token, from_anyone
 ROLES = ("gateway", "scheduler", "decode", "prefill", "stage", "kvstore")
 ADMIN = "admin"  # the operator and the provisioner: everything; never given to a service
 _ACTS_AS = {"stage": ("stage", "decode", "prefill")}  # a pipeline's head serves as its pool's worker
+SWITCHABLE = ("decode", "prefill")  # a switchable worker acts as both
 # Whose requests each role answers, besides stats requests (every gateway's, and the operator's from an admin
 # connection whose inbox is `inbox_prefix(ns, "admin", "admin")`): the kv-store the model workers' lookups, puts
 # and gets; a prefill worker the decode workers' offers; a decode worker the scheduler's handoffs; a
@@ -59,8 +65,10 @@ class Permissions:
                 "allow_responses": self.allow_responses}
 
 
-def acts_as(role: str) -> tuple[str, ...]:
+def acts_as(role: str, switchable: bool = False) -> tuple[str, ...]:
     """The roles an instance of `role` may speak as (its registry entries, the names it signs with)."""
+    if switchable and role in SWITCHABLE:
+        return SWITCHABLE
     return _ACTS_AS.get(role, (role,))
 
 
@@ -94,9 +102,14 @@ class _Me:
     role: str
     id: str
     pipelines: tuple[Pipeline, ...] = ()
+    switchable: bool = False
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return acts_as(self.role, self.switchable)
 
     def signed(self, subject_pattern: str) -> list[str]:
-        return [f"{subject_pattern}.{role}.{self.id}" for role in acts_as(self.role)]
+        return [f"{subject_pattern}.{role}.{self.id}" for role in self.roles]
 
 
 def _consumer_bind(stream: str, durable: str) -> list[str]:
@@ -110,7 +123,7 @@ def _registry(me: _Me) -> list[str]:
     bucket = me.s.registry_bucket
     stream = f"KV_{bucket}"
     return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
-            f"$JS.API.STREAM.MSG.GET.{stream}", *(f"$KV.{bucket}.{role}.{me.id}" for role in acts_as(me.role))]
+            f"$JS.API.STREAM.MSG.GET.{stream}", *(f"$KV.{bucket}.{role}.{me.id}" for role in me.roles)]
 
 
 def _kvstore_client(me: _Me) -> list[str]:
@@ -176,21 +189,33 @@ def _kvstore(me: _Me) -> tuple[list[str], list[str]]:
     return me.signed(s.kv_events), [f"{s.namespace}.kvstore.{me.id}.>", s.kv_snapshot(me.id)]
 
 
+def _switchable(me: _Me) -> tuple[list[str], list[str]]:
+    """A worker that switches between decode and prefill: both jobs, and the operator's switches."""
+    publish, subscribe = [], [me.s.role_switch(me.id)]
+    for job in (_decode, _prefill):
+        more_publish, more_subscribe = job(me)
+        publish += more_publish
+        subscribe += more_subscribe
+    return publish, subscribe
+
+
 _JOBS = {"gateway": _gateway, "scheduler": _scheduler, "decode": _decode, "prefill": _prefill, "stage": _stage,
          "kvstore": _kvstore}
 
 
 def instance_permissions(role: str, instance_id: str, subjects: Subjects,
-                         pipelines: tuple[Pipeline, ...] = ()) -> Permissions:
+                         pipelines: tuple[Pipeline, ...] = (), switchable: bool = False) -> Permissions:
     """What one service instance's credential may do in the deployment named by `subjects` (a stage's: along
-    `pipelines`)."""
+    `pipelines`; a decode or prefill worker's, `switchable`: as both)."""
     if role == ADMIN:
         return Permissions(publish=(">",), subscribe=(">",))
     if role not in _JOBS:
         raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
-    me = _Me(subjects, role, check_token(instance_id, "instance id"), tuple(pipelines))
-    publish, subscribe = _JOBS[role](me)
+    switchable = switchable and role in SWITCHABLE
+    me = _Me(subjects, role, check_token(instance_id, "instance id"), tuple(pipelines), switchable)
+    publish, subscribe = (_switchable if switchable else _JOBS[role])(me)
+    askers = [asker for acting in me.roles for asker in _ANSWERS.get(acting, ())] if switchable else _ANSWERS.get(role, ())
     publish += ["$JS.API.INFO", *_registry(me),
-                *(f"_INBOX.{subjects.namespace}.{asker}.*.>" for asker in (*_ANSWERS.get(role, ()), "gateway", ADMIN))]
+                *(f"_INBOX.{subjects.namespace}.{asker}.*.>" for asker in (*askers, "gateway", ADMIN))]
     subscribe += [subjects.stats(instance_id), f"{inbox_prefix(subjects.namespace, role, instance_id)}.>"]
     return Permissions(publish=tuple(dict.fromkeys(publish)), subscribe=tuple(dict.fromkeys(subscribe)))

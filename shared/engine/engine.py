@@ -167,6 +167,10 @@ class LLMEngine:
         `stream_prompt_kv`; and the end of every request."""
         self.connectors.connect(connector)
 
+    def disconnect(self, connector: KVConnector) -> None:
+        """Stop calling `connector`'s hooks (see `connect`)."""
+        self.connectors.disconnect(connector)
+
     # ---- requests -----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     continuation: Continuation | None = None, *, hold_kv: bool = False,

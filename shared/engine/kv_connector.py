@@ -105,8 +105,17 @@ class KVConnectors(KVConnector):
 
     def connect(self, connector: KVConnector) -> None:
         self._connected.append(connector)
-        self._by_hook = {hook: [c for c in self._connected if _overrides(c, hook)]
-                         for hook in _HOOKS}
+        self._index()
+
+    def disconnect(self, connector: KVConnector) -> None:
+        """No more hooks to `connector` (a worker's role that ended, its requests all over)."""
+        self._connected = [c for c in self._connected if c is not connector]
+        self._loader = {rid: c for rid, c in self._loader.items() if c is not connector}
+        self._index()
+
+    def _index(self) -> None:
+        # Replaced whole: the engine thread reads the old one meanwhile.
+        self._by_hook = {hook: [c for c in self._connected if _overrides(c, hook)] for hook in _HOOKS}
 
     @property
     def loader_names(self) -> list[str]:

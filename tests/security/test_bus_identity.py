@@ -20,8 +20,8 @@ import nats
 import nats.js.errors
 import pytest
 
-from contracts import (KVEvents, KVStoreLookup, KVStoreReply, PrefillResult, RequestFailed, ServiceInfo, ServiceStats,
-                       StatsRequest, Subjects, TokenChunk, sent_by)
+from contracts import (KVEvents, KVStoreLookup, KVStoreReply, PrefillResult, RequestFailed, RoleSwitch, ServiceInfo,
+                       ServiceStats, StatsRequest, Subjects, TokenChunk, sent_by)
 from services.cli.nats_auth import DEFAULT_INSTANCES
 from services.launcher.nats_auth import creds_path, ensure_credentials
 from shared.bus.permissions import inbox_prefix
@@ -401,3 +401,25 @@ def test_a_stage_sends_steps_only_along_its_pipeline(secured):
             assert seen == [allowed]
 
     asyncio.run(main())
+
+
+def test_no_key_but_the_admins_may_switch_a_workers_role(secured):
+    """A role switch comes on the worker's own control subject (`up --role-switch`): every instance's key is refused
+    there, the admin's gets through (heard by an admin watcher); no worker's key may take another's switches."""
+    subjects = secured.subjects
+    target = subjects.role_switch("decode-0")
+
+    async def attack():
+        async with Client(secured, "admin") as watcher:
+            seen = await subjects_seen(watcher, target)
+            for instance_id in RUNNING:
+                async with Client(secured, instance_id) as attacker:
+                    await attacker.nc.publish(target, RoleSwitch(to="prefill").encode())
+                    assert await attacker.refused("publish", target), instance_id
+            async with Client(secured, "prefill-0") as other:
+                await other.nc.subscribe(target)
+                assert await other.refused("subscription", target)
+            await watcher.nc.publish(target, b"not a switch")  # control: the admin's publish goes through
+            await eventually(lambda: seen == [target], timeout_s=5, what="the admin's publish")
+
+    asyncio.run(attack())
