@@ -30,8 +30,11 @@ PREFILL_FINISH_S = 10.0  # a draining prefill worker's jobs finish within this (
 QUIESCE_S = 5.0  # the engine ends what the drain aborted within this
 
 
+RoleBuilder = Callable[[object], Awaitable[object]]  # (worker) -> the role, built on its engine
+
+
 class RoleSwitcher:
-    def __init__(self, worker, builders: dict[str, Callable[[object], Awaitable[object]]]):
+    def __init__(self, worker, builders: dict[str, RoleBuilder]):
         """`builders[role](worker)`: a new, unstarted role object of `role` on `worker`'s engine."""
         self.worker = worker
         self.builders = builders
@@ -109,3 +112,9 @@ class RoleSwitcher:
         except Exception as exc:  # the heartbeat puts it
             log.warning("could not register the new role at once", error=repr(exc))
         w.heartbeat.start()
+
+
+def switchable(worker, settings, builders: dict[str, RoleBuilder]) -> None:
+    """With `--role-switch`: the worker takes the operator's role switches, to any role of `builders`."""
+    if settings.role_switch:
+        worker.role_switch = RoleSwitcher(worker, builders)

@@ -30,7 +30,9 @@ async def serve(settings: DecodeSettings) -> int:
     from services.common.engine_thread import EngineThread
     from services.common.runner import run_service
     from services.common.engine_worker import EngineWorker
-    from services.common.role_builders import switchable
+    from services.common.role_switch import switchable
+    from services.decode.role_builder import decode_role_builder
+    from services.prefill.role_builder import prefill_role_builder
     from services.decode.worker import DecodeRole
     from shared.engine import LLMEngine
 
@@ -56,7 +58,8 @@ async def serve(settings: DecodeSettings) -> int:
         worker.role = DecodeRole(worker, mode=settings.mode, max_active_requests=settings.max_active_requests,
                                  receiver=receiver, prefill_timeout_s=settings.prefill_timeout,
                                  drain_timeout_s=settings.drain_timeout)
-        switchable(worker, settings, tls)
+        switchable(worker, settings, {"decode": decode_role_builder(settings, tls),
+                                      "prefill": prefill_role_builder(settings, tls)})
         if settings.kv_store:
             from contracts import Sender
             from services.kvstore.tier import start_kv_store_tier

@@ -30,7 +30,9 @@ async def serve(settings: PrefillSettings) -> int:
     from services.common.runner import run_service
     from services.common.kv_memory import kv_cache_allocator
     from services.common.engine_worker import EngineWorker
-    from services.common.role_builders import switchable
+    from services.common.role_switch import switchable
+    from services.decode.role_builder import decode_role_builder
+    from services.prefill.role_builder import prefill_role_builder
     from services.prefill.worker import PrefillRole
     from shared.engine import LLMEngine
 
@@ -47,7 +49,8 @@ async def serve(settings: PrefillSettings) -> int:
                               served_model_name=served_name, cpu_share=cpu_share)
         worker.role = PrefillRole(worker, max_concurrent_jobs=settings.max_concurrent_jobs, kv_transport=settings.kv_transport,
                                   transfer_tls=tls)
-        switchable(worker, settings, tls)
+        switchable(worker, settings, {"decode": decode_role_builder(settings, tls),
+                                      "prefill": prefill_role_builder(settings, tls)})
         if settings.kv_store:
             from contracts import Sender
             from services.kvstore.tier import start_kv_store_tier
