@@ -273,6 +273,7 @@ class Scaler:
         retiring = [c.name for c in children.values() if c.role in SCALABLE and c.state.value == "stopping"]
         self._view = {"state": dep.state, "desired": dict(self.desired), "actual": pool_sizes(roles, retiring),
                       "retiring": retiring, "ready_url": (dep.gateway_url or "") + "/ready",
+                      "role_switch": bool(launcher.options.role_switch),
                       "services": {n: {"role": roles[n], "state": c.state.value, "pid": c.pid,
                                        **({"planned_role": c.role} if roles[n] != c.role else {})}
                                    for n, c in children.items() if c.role in SCALABLE}}

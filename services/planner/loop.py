@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.planner.planner import Evaluation, Planner, scale_body
+from services.planner.planner import Evaluation, Planner, change_call
 from shared.telemetry.logging import get_logger
 
 log = get_logger("planner")
@@ -53,27 +53,28 @@ def tick(planner: Planner, calls: Calls, at_s: float, dry_run: bool) -> Evaluati
     ev = planner.evaluate(text, view, at_s)
     if ev is None or not (ev.changes or ev.wanted):
         return ev
-    body = scale_body(ev.decision, view)
-    log.info(("would " if dry_run and body else "") + describe(ev), action=ev.decision.action,
+    call = change_call(ev.decision, view)
+    log.info(("would " if dry_run and call else "") + describe(ev), action=ev.decision.action,
              reason=ev.decision.reason, dry_run=dry_run, ttft_p90_ms=ev.observation.ttft_p90_ms,
-             itl_p90_ms=ev.observation.itl_p90_ms)
-    if body is None:
+             itl_p90_ms=ev.observation.itl_p90_ms, call=call[0] if call else None)
+    if call is None:
         return ev
     if dry_run:
         planner.metrics.applied.labels("dry_run").inc()
         return ev
+    route, body = call
     try:
-        status, answer = calls.control("POST", "/v1/scale", body)
+        status, answer = calls.control("POST", route, body)
     except CallFailed as exc:
         planner.metrics.applied.labels("failed").inc()
-        log.warning("planner: the scale failed", scale=body, error=str(exc))
+        log.warning("planner: the change failed", route=route, body=body, error=str(exc))
         return ev
     outcome = "ok" if status == 200 else "refused"
     planner.metrics.applied.labels(outcome).inc()
     if status != 200:
-        log.warning("planner: the launcher refused the scale", scale=body, status=status, error=answer.get("error"))
+        log.warning("planner: the launcher refused the change", route=route, body=body, status=status,
+                    error=answer.get("error"))
     return ev
-
 
 def run(planner: Planner, calls: Calls, interval_s: float, dry_run: bool, stop: threading.Event,
         clock: Callable[[], float] = time.monotonic) -> None:

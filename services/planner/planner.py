@@ -33,13 +33,28 @@ def scaling(view: dict) -> bool:
     return bool(view.get("retiring")) or view.get("actual") != view.get("desired")
 
 
-def scale_body(decision: Decision, view: dict) -> dict[str, int] | None:
-    """The `POST /v1/scale` body that applies `decision` (the deployment's pools only); None when it holds. A
-    switch (one pool's worker to the other) is one call that removes one and adds one: the launcher has no role
-    switch yet, so the moved worker is a new process, loaded afresh."""
+def change_call(decision: Decision, view: dict) -> tuple[str, dict] | None:
+    """The control call (route, body) that applies `decision`; None when it holds. A switch is a role switch
+    (`POST /v1/switch`) where the deployment allows one (`up --role-switch`): the worker keeps its loaded model.
+    Elsewhere it is one `POST /v1/scale` that removes a worker from one pool and adds one to the other, a new
+    process loading the model afresh. Every other change is a scale of the deployment's pools."""
     if decision.action == "hold":
         return None
-    return {role: getattr(decision, role) for role in ("prefill", "decode") if role in view.get("desired", {})}
+    if decision.action == "switch" and view.get("role_switch"):
+        losing, gaining = ("decode", "prefill") if decision.prefill > pools_of(view).prefill else ("prefill", "decode")
+        instance = switch_candidate(view, losing)
+        if instance is not None:
+            return "/v1/switch", {"instance": instance, "to": gaining}
+    return "/v1/scale", {role: getattr(decision, role) for role in ("prefill", "decode")
+                         if role in view.get("desired", {})}
+
+
+def switch_candidate(view: dict, role: str) -> str | None:
+    """The worker of `role`'s pool to switch: a running one, the last by name (the newest of a pool planned in
+    order); None where none runs."""
+    running = sorted(name for name, s in view.get("services", {}).items()
+                     if s.get("role") == role and s.get("state") == "running")
+    return running[-1] if running else None
 
 
 class Planner:

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.planner.loop import CallFailed, Calls, run, tick
 from services.planner.metrics import reason_label
-from services.planner.planner import Planner, scale_body
+from services.planner.planner import Planner, change_call
 from services.planner.policy import Decision, Slo
 from support.exposition import counter, histogram, steps
 
@@ -44,7 +44,7 @@ class FakeDeployment:
 
     def control(self, method, route, body):
         if method == "POST":
-            self.scales.append(body)
+            self.scales.append(body if route == "/v1/scale" else (route, body))
             return 200, {"desired": body, "starting": [], "retiring": []}
         return 200, self.view
 
@@ -108,10 +108,58 @@ def test_a_failed_scrape_is_counted_and_the_loop_goes_on():
 
 def test_a_colocated_deployment_scales_its_decode_pool_only():
     decision = Decision(prefill=0, decode=3, action="add", reason="itl p90 over its slo")
-    assert scale_body(decision, view(prefill=0, decode=2)) == {"decode": 3}
-    assert scale_body(Decision(0, 2, "hold", "slo met"), view(prefill=0, decode=2)) is None
-    # a switch is one scale: one pool's worker removed, the other's added
-    assert scale_body(Decision(2, 1, "switch", "ttft"), view(prefill=1, decode=2)) == {"prefill": 2, "decode": 1}
+    assert change_call(decision, view(prefill=0, decode=2)) == ("/v1/scale", {"decode": 3})
+    assert change_call(Decision(0, 2, "hold", "slo met"), view(prefill=0, decode=2)) is None
+
+
+def workers(**roles) -> dict:
+    """The view's services: NAME=ROLE, or NAME=(ROLE, STATE)."""
+    return {name: {"role": r[0], "state": r[1]} if isinstance(r, tuple) else {"role": r, "state": "running"}
+            for name, r in roles.items()}
+
+
+@pytest.mark.parametrize("decision, services, call", [
+    # without --role-switch a switch is one scale: one pool's worker removed, the other's added
+    (Decision(2, 1, "switch", "ttft"), None, ("/v1/scale", {"prefill": 2, "decode": 1})),
+    # with it, the newest running worker of the losing pool changes role in place
+    (Decision(2, 1, "switch", "ttft"), workers(**{"decode-0": "decode", "decode-1": "decode", "prefill-0": "prefill"}),
+     ("/v1/switch", {"instance": "decode-1", "to": "prefill"})),
+    (Decision(2, 1, "switch", "ttft"), workers(**{"decode-0": "decode", "decode-1": ("decode", "stopping"),
+                                                  "prefill-0": "prefill"}),
+     ("/v1/switch", {"instance": "decode-0", "to": "prefill"})),
+    (Decision(0, 3, "switch", "itl"), workers(**{"decode-0": "decode", "decode-1": "decode", "prefill-0": "prefill"}),
+     ("/v1/switch", {"instance": "prefill-0", "to": "decode"})),
+    # a switched-in worker counts in the pool it serves now
+    (Decision(0, 3, "switch", "itl"), workers(**{"decode-0": "decode", "decode-1": "prefill", "prefill-0": "decode"}),
+     ("/v1/switch", {"instance": "decode-1", "to": "decode"})),
+    # no running worker to switch: a scale
+    (Decision(2, 1, "switch", "ttft"), workers(**{"decode-0": ("decode", "starting"), "prefill-0": "prefill"}),
+     ("/v1/scale", {"prefill": 2, "decode": 1})),
+    # adds and removes are scales either way
+    (Decision(1, 3, "add", "itl"), workers(**{"decode-0": "decode", "decode-1": "decode", "prefill-0": "prefill"}),
+     ("/v1/scale", {"prefill": 1, "decode": 3})),
+])
+def test_the_change_call(decision, services, call):
+    changes = {"role_switch": True, "services": services} if services is not None else {}
+    assert change_call(decision, view(prefill=1, decode=2, **changes)) == call
+
+
+def slow_prompts_quick_decodes(k: int) -> str:
+    """`slow_prompts`, and two decode workers stepping 10 times a window at 1 then 2 sequences a step (10 ms + 1 ms
+    a sequence): one decode worker is plenty, a second prefill worker is wanted."""
+    seqs = sum(1 + j % 2 for j in range(k))  # sequences per step, summed over the windows so far
+    decode = (10 * k, 10 * (0.010 * k + 0.001 * seqs), 10 * seqs)
+    return slow_prompts(k) + "".join(steps(f"decode-{i}", decode=decode) for i in range(2))
+
+
+def test_the_loop_switches_in_place_where_it_may():
+    p = planner(budget=3, patience=1)
+    dep = FakeDeployment(view(prefill=1, decode=2, role_switch=True,
+                              services=workers(**{"decode-0": "decode", "decode-1": "decode", "prefill-0": "prefill"})),
+                         scrape=slow_prompts_quick_decodes)
+    found = evaluations(p, dep, 4)
+    assert [ev.decision.action for ev in found[1:]][:2] == ["hold", "switch"]  # first the decode fit needs 2 points
+    assert dep.scales[0] == ("/v1/switch", {"instance": "decode-1", "to": "prefill"})
 
 
 @pytest.mark.parametrize("reason, label", [
