@@ -59,6 +59,10 @@ def add_parser(subcommands) -> None:
                         help="a pipeline's head and its stages in layer order (repeatable; kept in "
                              "DIR/instances.json): a stage may send steps only to the next stage and back to its "
                              "head (the first time, without it: stage-0:stage-1, the pipeline compose file's)")
+    parser.add_argument("--role-switch", action=argparse.BooleanOptionalAction, default=None,
+                        help="each decode and prefill instance may serve as either (`up --role-switch`, `splitserve "
+                             "switch`): its key holds both roles' permissions under its own name (kept in "
+                             "DIR/instances.json; the first time, without it: off)")
     parser.add_argument("--tls-name", action="append", metavar="NAME",
                         help="make a CA and a TLS certificate for the NATS server under NAME (repeatable: every "
                              "host name or address clients dial it by, e.g. `nats` in compose)")
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     creds_dir = Path(args.dir)
-    known, known_pipelines = _known(creds_dir)
+    known, known_pipelines, known_switchable = _known(creds_dir)
+    switchable = known_switchable if args.role_switch is None else args.role_switch
     instances = list(dict.fromkeys([*known, *(args.instance or ([] if known else DEFAULT_INSTANCES))]))
     pipelines = tuple(dict.fromkeys([*known_pipelines,
                                      *(args.pipeline or ([] if known else DEFAULT_PIPELINES))]))
@@ -121,9 +126,10 @@ def run(args: argparse.Namespace) -> int:
     for instance in public_keys:
         seed = creds_path(creds_dir, instance.instance_id).read_text().strip()
         write_private(creds_dir / f"{instance.instance_id}.env", f"{SEED_ENV}={seed}\n{ca_env}".encode())
-    config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace, tls, pipelines)
+    config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace, tls, pipelines,
+                                 switchable)
     known_now = {"instances": {i.instance_id: i.role for i in instances},
-                 "pipelines": [[p.head, list(p.stages)] for p in pipelines]}
+                 "pipelines": [[p.head, list(p.stages)] for p in pipelines], "role_switch": switchable}
     write_private(creds_dir / INSTANCES_FILE, (json.dumps(known_now, indent=1) + "\n").encode())
     print(f"wrote ID.nk and ID.env for {', '.join(i.instance_id for i in public_keys)}, and {config.name}, "
           f"in {creds_dir}")
@@ -142,14 +148,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _known(creds_dir: Path) -> tuple[list[Instance], list[Pipeline]]:
-    """The instances an earlier run wrote keys for, and the pipelines it declared (DIR/instances.json)."""
+def _known(creds_dir: Path) -> tuple[list[Instance], list[Pipeline], bool]:
+    """The instances an earlier run wrote keys for, the pipelines it declared, and whether its decode and prefill
+    instances switch roles (DIR/instances.json)."""
     try:
         known = json.loads((creds_dir / INSTANCES_FILE).read_text())
         return ([Instance(role, instance_id) for instance_id, role in known["instances"].items()],
-                [Pipeline(head, tuple(stages)) for head, stages in known["pipelines"]])
+                [Pipeline(head, tuple(stages)) for head, stages in known["pipelines"]],
+                bool(known.get("role_switch", False)))
     except FileNotFoundError:
-        return [], []
+        return [], [], False
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"error: cannot read {creds_dir / INSTANCES_FILE}: {exc!r}") from None
 

@@ -87,3 +87,28 @@ def test_the_control_api_refuses_a_bad_switch_before_any_worker_hears_of_it(scal
 
     answer = Switches(scaler).handle(body)
     assert answer[0] == status and says in answer[1]["error"]
+
+
+def test_nats_auth_grants_the_switchable_permissions_with_role_switch_and_keeps_the_choice(tmp_path):
+    """For a --nats server: `nats-auth --role-switch` lets a decode instance take switches and speak as prefill;
+    a later run without the flag keeps the choice; --no-role-switch takes it back."""
+    import json
+
+    from services.cli import main as cli_main
+
+    def decode_may() -> tuple[bool, bool]:
+        users = json.loads((tmp_path / "nats-auth.conf").read_text())["authorization"]["users"]
+        perms = next(u["permissions"] for u in users
+                     if "ns.load.decode.decode-0" in u["permissions"]["publish"]["allow"])
+        subscribe, publish = perms["subscribe"]["allow"], perms["publish"]["allow"]
+        return "ns.control.decode-0.switch" in subscribe, "ns.load.prefill.decode-0" in publish
+
+    args = ["nats-auth", str(tmp_path), "--namespace", "ns", "--instance", "decode:decode-0"]
+    assert cli_main.main(args) == 0
+    assert decode_may() == (False, False)
+    assert cli_main.main([*args, "--role-switch"]) == 0
+    assert decode_may() == (True, True)
+    assert cli_main.main(args) == 0  # kept
+    assert decode_may() == (True, True)
+    assert cli_main.main([*args, "--no-role-switch"]) == 0
+    assert decode_may() == (False, False)
