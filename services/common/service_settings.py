@@ -55,7 +55,7 @@ def _keys(keys: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _keys_file(path: str | None) -> str | None:
-    from services.gateway.tenants import read_keys_file
+    from services.common.tenant_keys import read_keys_file
 
     if path is not None:
         read_keys_file(path)  # refused at startup: open to others, malformed (the error never names a key)

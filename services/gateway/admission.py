@@ -4,7 +4,8 @@
 bucket short of its prompt), Retry-After saying when to come back; nothing of another tenant's changes.
 `wait_turn` then holds it until fewer than `max_dispatched` requests sent on have no first token yet: those
 are what the workers' queues hold, first come first served, so keeping them few leaves the order to the fair
-queue here (`fair_queue`). A turn waits at most `timeout_s` (then 429), and at most `max_queued` wait.
+queue here (`fair_queue`). A turn waits at most `timeout_s` (then 429), and at most `max_queued` of each tenant
+wait (one tenant's flood takes no other's room).
 The `Ticket` frees the turn at the first token and the rest when the request ends, charging its usage.
 """
 
@@ -16,7 +17,7 @@ from services.gateway.errors import RequestError, retry_after_header
 from services.gateway.fair_queue import FairQueue
 from services.gateway.streams import StreamError
 from services.gateway.tenant_metrics import TenantMetrics
-from services.gateway.tenants import Tenant
+from services.common.tenant_keys import Tenant
 
 _UNBOUNDED_QUEUE = 10_000  # with --max-waiting-requests 0, still a bound
 
@@ -90,9 +91,10 @@ class Admission:
         if not self.max_dispatched or (self.dispatched < self.max_dispatched and not self.queued):
             self._give_turn(ticket)
             return
-        if self.queued >= self.max_queued:
+        if self._queue.queued(ticket.tenant.name) >= self.max_queued:
             self.metrics.rejected(ticket.tenant.name, "queue_full")
-            raise StreamError("queue_full", f"{self.queued} requests already wait at the gateway", retry_after_s=1.0)
+            raise StreamError("queue_full", f"{self.max_queued} requests of this tenant already wait at the gateway",
+                              retry_after_s=1.0)
         ticket.turn = asyncio.get_running_loop().create_future()
         self._queue.push(ticket.tenant.name, ticket, ticket.cost, ticket.tenant.priority)
         try:

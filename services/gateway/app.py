@@ -36,7 +36,8 @@ from services.gateway.errors import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.tenant_metrics import TenantMetrics
-from services.gateway.tenants import DEFAULT_TENANT, Tenant, TenantDirectory
+from services.common.tenant_keys import DEFAULT_TENANT, Tenant
+from services.gateway.tenants import TenantDirectory
 from services.gateway.service_stats import ScrapedStats, ask_every_service
 from services.gateway.model_info import ModelInfo, read_chat_template
 from services.gateway.request_bus import RequestBus
@@ -420,6 +421,14 @@ def request_tenant(request: Request) -> Tenant:
     return getattr(request.state, "tenant", DEFAULT_TENANT)
 
 
+async def _in_turn(gateway: Gateway, request: Request, telemetry: RequestTelemetry, prompt_tokens: int, cost: int,
+                   submit):
+    """Past its tenant's limits (else their 429), then its turn in the fair queue: `submit()` the request."""
+    telemetry.ticket = gateway.admission.enter(request_tenant(request), prompt_tokens, cost)
+    await gateway.admission.wait_turn(telemetry.ticket)
+    return await submit()
+
+
 def check_model(gateway: Gateway, name: str) -> None:
     if name != gateway.model.served_name:
         raise model_not_found(name)
@@ -474,17 +483,11 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
 
     with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):
         with _failures_counted(telemetry):
-            check_admission(gateway.streams.num_waiting() + gateway.admission.queued + n - 1,
-                            gateway.settings.max_waiting_requests, gateway.draining)
-            ticket = gateway.admission.enter(request_tenant(request), len(prompt_ids),
-                                             cost=len(prompt_ids) + sampling.max_tokens * n)
-            telemetry.ticket = ticket
-
-            async def first_submit():
-                await gateway.admission.wait_turn(ticket)
-                return await submit(0)
-
-            stream = await _unless_disconnected(request, first_submit(), discard=gateway.request_bus.release)
+            check_admission(gateway.streams.num_waiting() + n - 1, gateway.settings.max_waiting_requests,
+                            gateway.draining)
+            turn = _in_turn(gateway, request, telemetry, len(prompt_ids), len(prompt_ids) + sampling.max_tokens * n,
+                            lambda: submit(0))
+            stream = await _unless_disconnected(request, turn, discard=gateway.request_bus.release)
             if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
                 telemetry.finish("cancelled")
                 return Response(status_code=499)

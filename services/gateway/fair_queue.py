@@ -45,6 +45,9 @@ class FairQueue:
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
+    def queued(self, tenant: Hashable) -> int:
+        return len(self._queues.get(tenant, ()))
+
     def push(self, tenant: Hashable, item: object, cost: float, priority: int = 0) -> None:
         start, finish = tag(self.vtime, self._finish.get(tenant, 0.0), cost)
         self._finish[tenant] = finish

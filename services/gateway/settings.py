@@ -68,7 +68,8 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
                                     "instead)", metavar="N")
     max_waiting_requests: Count = option(256, "admission control: with this many requests "
                                          "still waiting for their first token, a new one is refused with 429 and "
-                                         "Retry-After before anything is queued (0: no bound)", metavar="N")
+                                         "Retry-After before anything is queued (0: no bound); and each tenant's room in "
+                                         "the fair queue", metavar="N")
     max_dispatched: Count = option(8, "requests sent on to the workers without a first token yet, at most; the "
                                    "others wait here in per-tenant fair queues, the highest priority first, then "
                                    "fair shares of tokens (0: no bound, first come first served)", metavar="N")

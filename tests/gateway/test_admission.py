@@ -9,7 +9,7 @@ from services.gateway.admission import Admission
 from services.gateway.errors import RequestError
 from services.gateway.streams import StreamError
 from services.gateway.tenant_metrics import TenantMetrics
-from services.gateway.tenants import Tenant
+from services.common.tenant_keys import Tenant
 
 
 def admission(max_dispatched=1, timeout_s=5.0, max_queued=16, clock=None):
@@ -97,15 +97,19 @@ def test_a_wait_past_its_deadline_is_429_and_a_cancelled_wait_leaves_the_queue()
     asyncio.run(run())
 
 
-def test_the_queue_is_bounded():
+def test_each_tenants_room_in_the_queue_is_bounded():
     async def run():
         gate, _ = admission(max_dispatched=1, max_queued=1)
         await gate.wait_turn(gate.enter(Tenant("a"), 1, 1))
         waiting = asyncio.create_task(gate.wait_turn(gate.enter(Tenant("a"), 1, 1)))
         await asyncio.sleep(0)
-        with pytest.raises(StreamError):
-            await gate.wait_turn(gate.enter(Tenant("b"), 1, 1))
-        waiting.cancel()
-        await asyncio.gather(waiting, return_exceptions=True)
+        with pytest.raises(StreamError):  # a tenant's room is full
+            await gate.wait_turn(gate.enter(Tenant("a"), 1, 1))
+        other = asyncio.create_task(gate.wait_turn(gate.enter(Tenant("b"), 1, 1)))  # another's is not
+        await asyncio.sleep(0)
+        assert gate.queued == 2
+        for task in (waiting, other):
+            task.cancel()
+        await asyncio.gather(waiting, other, return_exceptions=True)
 
     asyncio.run(run())

@@ -6,7 +6,8 @@ import pytest
 
 from services.common.api_keys import key_id, split_key_entry
 from services.gateway.settings import GatewayServiceSettings
-from services.gateway.tenants import DEFAULT_TENANT, Tenant, TenantDirectory, parse_keys_file, read_keys_file, tenant_keys
+from services.common.tenant_keys import DEFAULT_TENANT, Tenant, parse_keys_file, read_keys_file, tenant_keys
+from services.gateway.tenants import TenantDirectory
 
 FILE = """
 tenants:
