@@ -46,12 +46,24 @@ MemoryShare = Annotated[float, Field(gt=0, le=1)]
 
 
 def _keys(keys: tuple[str, ...]) -> tuple[str, ...]:
-    from services.common.api_keys import parse_api_keys
+    from services.common.api_keys import parse_api_keys, split_key_entry
 
-    return parse_api_keys(keys, None)  # blanks dropped, each once
+    keys = parse_api_keys(keys, None)  # blanks dropped, each once
+    for entry in keys:
+        split_key_entry(entry)  # a malformed KEY:TENANT is refused at startup
+    return keys
+
+
+def _keys_file(path: str | None) -> str | None:
+    from services.common.tenant_keys import read_keys_file
+
+    if path is not None:
+        read_keys_file(path)  # refused at startup: open to others, malformed (the error never names a key)
+    return path
 
 
 ApiKeys = Annotated[tuple[str, ...], AfterValidator(_keys)]
+ApiKeysFile = Annotated[str | None, AfterValidator(_keys_file)]
 
 
 class BusSettings(Settings):

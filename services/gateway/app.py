@@ -24,7 +24,8 @@ from services.common.startup_heap import freeze_startup_heap
 from services.gateway import readiness, responses
 from services.gateway.beats_seen import BeatsSeen
 from services.gateway.cache_salt import cache_salt
-from services.gateway.edge import authorized, check_text, presented_key, read_body, unauthorized
+from services.gateway.admission import Admission
+from services.gateway.edge import check_text, read_body, unauthorized
 from services.gateway.choices import Choices, submit_all
 from services.gateway.errors import (
     RequestError,
@@ -34,6 +35,9 @@ from services.gateway.errors import (
     model_not_found,
 )
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.tenant_metrics import TenantMetrics
+from services.common.tenant_keys import DEFAULT_TENANT, Tenant
+from services.gateway.tenants import TenantDirectory
 from services.gateway.service_stats import ScrapedStats, ask_every_service
 from services.gateway.model_info import ModelInfo, read_chat_template
 from services.gateway.request_bus import RequestBus
@@ -99,6 +103,9 @@ class Gateway:
                                       model_name=settings.served_model_name, instance=settings.instance_id,
                                       num_forged=lambda: self.streams.num_forged)
         self.identity = ServiceIdentity(settings.instance_id, "gateway")
+        self.tenants = TenantDirectory.of(settings.api_keys, settings.keys_file)
+        self.admission = Admission(TenantMetrics(self.metrics.registry, self.metrics.own_labels),
+                                   settings.max_dispatched, settings.queue_timeout, settings.max_waiting_requests)
         self.draining = False
         self._background: set[asyncio.Task] = set()  # short-lived work (releases) that stop() lets finish
         self._watcher: asyncio.Task | None = None
@@ -232,15 +239,16 @@ def create_app(settings: GatewayServiceSettings, bus: BusAccess | None = None, r
     app = FastAPI(title="splitserve", lifespan=lifespan, **_http_telemetry())
     app.state.gateway = gateway
     install_error_handlers(app)
-    _guard(app, settings)
+    _guard(app, gateway)
     _state_routes(app, gateway)
     _token_routes(app, gateway)
     _generation_routes(app, gateway)
     return app
 
 
-def _guard(app: FastAPI, settings: GatewayServiceSettings) -> None:
-    """The API key check, and the request id every answer carries."""
+def _guard(app: FastAPI, gateway: Gateway) -> None:
+    """The API key check (which finds the request's tenant), and the request id every answer carries."""
+    settings, tenants = gateway.settings, gateway.tenants
     # The API's description (what it takes, which extensions) is the API's too.
     docs = {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url} - {None}
 
@@ -249,8 +257,10 @@ def _guard(app: FastAPI, settings: GatewayServiceSettings) -> None:
         path = request.url.path
         guarded = (path.startswith("/v1/") or path in ("/tokenize", "/detokenize") or path in docs
                    or (path == "/metrics" and settings.protect_metrics))
-        if settings.api_keys and guarded and not authorized(request.headers.get("authorization"), settings.api_keys):
+        tenant = tenants.tenant_for(request.headers.get("authorization"))
+        if guarded and tenant is None:
             return unauthorized().response()
+        request.state.tenant = tenant or DEFAULT_TENANT
         return await call_next(request)
 
     @app.middleware("http")  # added last, so it runs first: every answer, a 401 too, carries x-request-id
@@ -401,11 +411,22 @@ def _note_ignored(fields: list[str]) -> None:
 
 
 def request_cache_salt(gateway: Gateway, request: Request, req) -> str:
-    """Its API key's salt (the tenant's), mixed with the one it asked for; one tenant without keys or when the
-    operator shares prefixes across keys."""
-    settings = gateway.settings
-    shared = settings.share_prefix_cache or not settings.api_keys
-    return cache_salt(None if shared else presented_key(request.headers.get("authorization")), req.cache_salt)
+    """Its tenant's salt, mixed with the one it asked for; one tenant without keys or when the operator shares
+    prefixes across tenants."""
+    shared = gateway.settings.share_prefix_cache or not gateway.tenants.guarded
+    return cache_salt(None if shared else request_tenant(request).name, req.cache_salt)
+
+
+def request_tenant(request: Request) -> Tenant:
+    return getattr(request.state, "tenant", DEFAULT_TENANT)
+
+
+async def _in_turn(gateway: Gateway, request: Request, telemetry: RequestTelemetry, prompt_tokens: int, cost: int,
+                   submit):
+    """Past its tenant's limits (else their 429), then its turn in the fair queue: `submit()` the request."""
+    telemetry.ticket = gateway.admission.enter(request_tenant(request), prompt_tokens, cost)
+    await gateway.admission.wait_turn(telemetry.ticket)
+    return await submit()
 
 
 def check_model(gateway: Gateway, name: str) -> None:
@@ -464,7 +485,9 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
         with _failures_counted(telemetry):
             check_admission(gateway.streams.num_waiting() + n - 1, gateway.settings.max_waiting_requests,
                             gateway.draining)
-            stream = await _unless_disconnected(request, submit(0), discard=gateway.request_bus.release)
+            turn = _in_turn(gateway, request, telemetry, len(prompt_ids), len(prompt_ids) + sampling.max_tokens * n,
+                            lambda: submit(0))
+            stream = await _unless_disconnected(request, turn, discard=gateway.request_bus.release)
             if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
                 telemetry.finish("cancelled")
                 return Response(status_code=499)
@@ -476,6 +499,7 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
                 req.prompt if isinstance(req.prompt, str) else gateway.model.tokenizer.decode(prompt_ids))
             renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage, echo, n,
                                  req.tool_mode if chat else None, returned, req.sampling_logprobs is not None)
+            telemetry.usage_of = lambda: renderer.usage  # what a request that ends early counts
             if echo_logprobs:
                 renderer.echo_prompt(prompt_ids, with_prompt_logprobs=req.prompt_logprobs is not None)
             if req.stream:
@@ -530,6 +554,9 @@ def _failures_counted(telemetry: RequestTelemetry):
     except StreamError as exc:
         telemetry.finish(exc.code, message=str(exc))
         raise from_failure(exc.code, str(exc), exc.param, exc.retry_after_s) from None
+    except RequestError as exc:  # a limit's 429
+        telemetry.finish(exc.code or "rejected", message=exc.message)
+        raise
     except asyncio.CancelledError:
         telemetry.finish("cancelled")
         raise

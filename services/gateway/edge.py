@@ -1,7 +1,8 @@
 """The gateway's edge: who may call the API, how large a request body may be, and what its strings may hold.
 
-- API keys: `Authorization: Bearer KEY`, compared in constant time with every configured key; a missing or
-  wrong key is a 401 in OpenAI's error shape. Keys are never logged or echoed.
+- API keys: `Authorization: Bearer KEY`, compared in constant time with every configured key
+  (`services.gateway.tenants`, which finds the key's tenant); a missing or wrong key is a 401 in OpenAI's error
+  shape. Keys are never logged or echoed.
 - Bodies: at most `max_request_bytes`; a larger declared length is refused before anything is read, and a
   body without one (chunked) stops being read at the limit. Either way a 413. A body not all in within
   `request_body_timeout` is a 408, and the connection closes: a client trickling its body holds it no longer.
@@ -10,7 +11,6 @@
 """
 
 import asyncio
-import hmac
 
 from fastapi import Request
 
@@ -24,18 +24,6 @@ def presented_key(header: str | None) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return presented.strip() or None
-
-
-def authorized(header: str | None, keys: tuple[str, ...]) -> bool:
-    """Whether an Authorization header carries one of `keys` (every key is compared: no early exit)."""
-    presented = presented_key(header)
-    if presented is None:
-        return False
-    given = presented.encode()
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(given, key.encode())
-    return matched
 
 
 def unauthorized() -> RequestError:

@@ -37,6 +37,7 @@ class GatewayMetrics:
             return family if extra else family.labels(**own)
 
         self._own = own
+        self.own_labels = own
         Gauge("splitserve_gateway_requests_waiting", "Requests at this gateway without a first token yet (what "
               "--max-waiting-requests bounds)", labels, registry=self.registry).labels(**own).set_function(num_waiting)
         self.registry.register(_ForgedEvents(own, num_forged))

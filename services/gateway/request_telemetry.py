@@ -23,6 +23,8 @@ class RequestTelemetry:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.done = False
+        self.ticket = None  # its admission ticket (`services.gateway.admission`), once it has one
+        self.usage_of = None  # () -> the usage so far, for an end that does not say it
         # Under the HTTP server span when there is one (FastAPI makes it), else the trace's root.
         self.span = tracer().start_span("gateway.request", kind=SpanKind.INTERNAL, attributes={
             "splitserve.endpoint": endpoint, "splitserve.request_id": request_id,
@@ -47,6 +49,8 @@ class RequestTelemetry:
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.ttft.observe(now - self.arrived)
+            if self.ticket is not None:
+                self.ticket.first_token()
             self.span.add_event("first_token")
             self.span.set_attribute("splitserve.ttft_s", now - self.arrived)
         elif self.last_token_at is not None:
@@ -60,6 +64,8 @@ class RequestTelemetry:
             return
         self.done = True
         self.metrics.request_ended(self.endpoint, status)
+        if self.ticket is not None:
+            self.ticket.finish(status, usage if usage is not None or self.usage_of is None else self.usage_of())
         if status == "ok":
             self.metrics.observe_finished(self.arrived, self.first_token_at, usage, finish_reason, timed_tokens)
         if usage is not None:

@@ -6,6 +6,7 @@ from pydantic import BeforeValidator, PlainSerializer
 
 from services.common.service_settings import (
     ApiKeys,
+    ApiKeysFile,
     BusSettings,
     Count,
     ModelSettings,
@@ -43,14 +44,18 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
     expect: Annotated[dict[str, int], BeforeValidator(parse_expect), PlainSerializer(expect_text)] = option(
         {"scheduler": 1, "decode": 1}, "services that must be ready for /ready to answer 200", metavar="ROLE=N,...",
         shown_default="scheduler=1,decode=1")
-    api_keys: ApiKeys = option((), "require `Authorization: Bearer KEY` on /v1/* (repeatable; the variable "
-                                       "takes KEY,KEY,..., which other local users cannot read as they can a flag; "
-                                       "the keys of both count)",
-                                       flag="--api-key", metavar="KEY", env="SPLITSERVE_API_KEY", many=True, joined=True,
-                                       repr=False)
+    api_keys: ApiKeys = option((), "require `Authorization: Bearer KEY` on /v1/* (repeatable; KEY:TENANT names "
+                                   "its tenant, several keys may share one; a bare KEY is a tenant of its own; the "
+                                   "variable takes KEY,KEY,..., which other local users cannot read as they can a "
+                                   "flag; the keys of both count)",
+                                   flag="--api-key", metavar="KEY[:TENANT]", env="SPLITSERVE_API_KEY", many=True,
+                                   joined=True, repr=False)
+    keys_file: ApiKeysFile = option(None, "API keys and their tenants' limits (max_in_flight, "
+                                        "tokens_per_minute, priority), YAML or JSON (docs/security.md); refused when "
+                                        "group or others may read it", flag="--api-keys-file", metavar="FILE")
     protect_metrics: bool = option(False, "require an API key on /metrics too")
-    share_prefix_cache: bool = option(False, "requests of different API keys reuse each other's cached prompt "
-                                      "prefixes (by default each key's are its own: a shared prefix's "
+    share_prefix_cache: bool = option(False, "requests of different tenants reuse each other's cached prompt "
+                                      "prefixes (by default each tenant's are its own: a shared prefix's "
                                       "cached_tokens would tell one tenant what another asked)")
     max_request_bytes: PositiveInt = option(4 << 20, "larger request bodies are refused with 413",
                                             metavar="N", shown_default="4 MiB")
@@ -63,7 +68,13 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
                                     "instead)", metavar="N")
     max_waiting_requests: Count = option(256, "admission control: with this many requests "
                                          "still waiting for their first token, a new one is refused with 429 and "
-                                         "Retry-After before anything is queued (0: no bound)", metavar="N")
+                                         "Retry-After before anything is queued (0: no bound); and each tenant's room in "
+                                         "the fair queue", metavar="N")
+    max_dispatched: Count = option(8, "requests sent on to the workers without a first token yet, at most; the "
+                                   "others wait here in per-tenant fair queues, the highest priority first, then "
+                                   "fair shares of tokens (0: no bound, first come first served)", metavar="N")
+    queue_timeout: PositiveSeconds = option(30.0, "seconds a request may wait here for its turn before 429",
+                                            metavar="S")
     # A taken request's worker sends a token or a StreamAlive at least every second (services.decode.worker).
     stream_idle_timeout: PositiveSeconds = option(5.0, "seconds a taken request may go without "
                                                   "word from its worker (a token, or the keepalive it sends every "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from services.common.api_keys import key_of
+
 from services.common.settings import default_of
 from services.launcher.topology import ServiceSpec, http_url
 from services.launcher.up_settings import UpSettings
@@ -54,7 +56,7 @@ def default_budget(up: UpSettings, cpus: tuple[int, ...], cpu_count: int) -> int
 def planner_spec(up: UpSettings, gateway_url: str, control_socket: str, budget: int, port: int) -> ServiceSpec:
     """The planner's service: it reads `gateway_url`'s /metrics and scales through `control_socket`."""
     assert up.ttft_slo_ms is not None and up.itl_slo_ms is not None
-    api_key = up.api_keys[0] if up.protect_metrics and up.api_keys else None
+    api_key = key_of(up.api_keys[0]) if up.protect_metrics and up.api_keys else None  # (KEY of KEY:TENANT)
     settings = PlannerSettings(gateway_url=gateway_url, control_socket=control_socket, ttft_slo_ms=up.ttft_slo_ms,
                                itl_slo_ms=up.itl_slo_ms, budget=budget, dry_run=up.planner_dry_run,
                                interval_s=up.planner_interval_s, metrics_port=port, api_key=api_key)

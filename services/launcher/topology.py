@@ -217,6 +217,7 @@ def _plan_pools(up: UpSettings, run: ResolvedRun) -> list[_Draft]:
 def _gateway(up: UpSettings, run: ResolvedRun, counts: dict[str, int]) -> _Draft:
     given = {**_model(run), "host": up.host, "port": up.port, "expect": counts, "api_keys": up.api_keys,
              **_given(migration_limit=up.migration_limit, max_waiting_requests=up.max_waiting_requests,
+                      keys_file=up.keys_file, max_dispatched=up.max_dispatched,
                       chat_template=run.chat_template, drain_timeout=run.drain_timeout,
                       share_prefix_cache=up.share_prefix_cache or None, protect_metrics=up.protect_metrics or None)}
     return _Draft("gateway-0", GatewayServiceSettings, given, url=http_url(up.host, up.port))

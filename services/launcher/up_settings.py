@@ -11,6 +11,7 @@ from pydantic import AfterValidator, Field
 
 from services.common.service_settings import (
     ApiKeys,
+    ApiKeysFile,
     BusSettings,
     Count,
     Device,
@@ -61,12 +62,16 @@ class UpSettings(Settings):
     host: str = option(default_of(Gateway, "host"), "address the gateway listens on")
     port: Port = option(default_of(Gateway, "port"), "port the gateway listens on")
     api_keys: ApiKeys = option((), "the gateway requires `Authorization: Bearer KEY` on /v1/* (repeatable; "
-                                       "the variable takes KEY,KEY,..., which other local users cannot read as "
-                                       "they can a flag; the keys of both count)", flag="--api-key", metavar="KEY",
-                                       env="SPLITSERVE_API_KEY", many=True, joined=True, repr=False)
+                                       "KEY:TENANT names its tenant; the variable takes KEY,KEY,..., which other "
+                                       "local users cannot read as they can a flag; the keys of both count)",
+                                       flag="--api-key", metavar="KEY[:TENANT]", env="SPLITSERVE_API_KEY", many=True,
+                                       joined=True, repr=False)
+    keys_file: ApiKeysFile = option(None, "the gateway's API keys and their tenants' limits, YAML or JSON "
+                                        "(docs/security.md; only its owner may read it)", flag="--api-keys-file",
+                                        metavar="FILE")
     share_prefix_cache: bool = option(
-        default_of(Gateway, "share_prefix_cache"), "requests of different API keys reuse each other's cached prompt "
-        "prefixes (by default each key's are its own)")
+        default_of(Gateway, "share_prefix_cache"), "requests of different tenants reuse each other's cached prompt "
+        "prefixes (by default each tenant's are its own)")
     protect_metrics: bool = option(default_of(Gateway, "protect_metrics"),
                                    "with --api-key, the gateway's /metrics requires a key too")
     chat_template: str | None = option(None, "the gateway's chat template instead of the tokenizer's: a Jinja "
@@ -79,6 +84,10 @@ class UpSettings(Settings):
                                                 "first token, a new one gets 429 and Retry-After (0: no bound)",
                                                 metavar="N", shown_default="the gateway's, "
                                                 f"{default_of(Gateway, 'max_waiting_requests')}")
+    max_dispatched: Count | None = option(None, "fair admission: requests sent on to the workers without a first "
+                                          "token yet, at most; the others wait at the gateway, per tenant, in turn "
+                                          "(0: no bound, first come first served)", metavar="N",
+                                          shown_default=f"the gateway's, {default_of(Gateway, 'max_dispatched')}")
 
     # How inference is split.
     topology: Literal["colocated", "disagg", "pipeline"] = option(

@@ -1,0 +1,115 @@
+"""Fairness between tenants: a quiet tenant's time to first token, alone and beside a tenant sending 8× its load.
+
+One `splitserve up` (`--up-args`, by default colocated with one decode worker) with two tenants' keys. The quiet
+tenant sends a streamed request every 1/`--quiet-rps` seconds for `--seconds`; first alone (solo), then with the
+noisy tenant sending `--noise`× as many at the same time. Reported: the quiet tenant's TTFT p50/p95 solo and
+under noise, the ratio of the p95s (the aim: at most 1.25), and the noisy tenant's outcomes. `--fifo` runs the
+noisy phase once more on a deployment without the fair queue (`--max-dispatched 0`), to compare.
+
+    python -m loadtest.bench_tenants --out loadtest/results/tenants.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtest.bench_admission import percentile
+from services.bench.up_process import serving
+
+KEYS = {"quiet": "bench-quiet-key", "noisy": "bench-noisy-key"}
+
+
+async def one_request(client: httpx.AsyncClient, base: str, key: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    started, out = time.monotonic(), {"status": None, "ttft_s": None}
+    try:
+        async with client.stream("POST", f"{base}/completions", json=body, timeout=300,
+                                 headers={"Authorization": f"Bearer {key}"}) as response:
+            out["status"] = response.status_code
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and out["ttft_s"] is None:
+                    out["ttft_s"] = time.monotonic() - started
+    except httpx.HTTPError as exc:
+        out["status"] = repr(exc)
+    return out
+
+
+async def tenant_load(client, base: str, tenant: str, rps: float, seconds: float, max_tokens: int) -> list[dict]:
+    """Open loop: a request every 1/rps seconds, whatever the answers do."""
+    tasks, start, i = [], time.monotonic(), 0
+    while (due := start + i / rps) < start + seconds:
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        prompt = f"{tenant} request {i}: tell me about the sea, the ships and the people who sail them"
+        tasks.append(asyncio.create_task(one_request(client, base, KEYS[tenant], prompt, max_tokens)))
+        i += 1
+    return list(await asyncio.gather(*tasks))
+
+
+def summary(results: list[dict]) -> dict:
+    ttfts = [r["ttft_s"] for r in results if r["status"] == 200 and r["ttft_s"] is not None]
+    return {"requests": len(results), "ok": len(ttfts), "refused_429": sum(r["status"] == 429 for r in results),
+            "ttft_s_p50": percentile(ttfts, 0.5), "ttft_s_p95": percentile(ttfts, 0.95)}
+
+
+async def phase(base: str, args, noisy: bool) -> dict:
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=0)
+    async with httpx.AsyncClient(limits=limits) as client:
+        await one_request(client, base, KEYS["quiet"], "Warm up:", 4)
+        loads = [tenant_load(client, base, "quiet", args.quiet_rps, args.seconds, args.max_tokens)]
+        if noisy:
+            loads.append(tenant_load(client, base, "noisy", args.quiet_rps * args.noise, args.seconds, args.max_tokens))
+        results = await asyncio.gather(*loads)
+    return {"quiet": summary(results[0]), **({"noisy": summary(results[1])} if noisy else {})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="splitserve-default-llama", help="a model name, directory or .gguf "
+                        "(default: the tiny random model)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--up-args", default="--topology colocated --decode 1")
+    parser.add_argument("--quiet-rps", type=float, default=2.0)
+    parser.add_argument("--noise", type=float, default=8.0, help="the noisy tenant's load, times the quiet one's")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--fifo", action="store_true", help="also run the noisy phase without the fair queue")
+    parser.add_argument("--out", help="the figures (JSON)")
+    args = parser.parse_args(argv)
+    if args.model == "splitserve-default-llama":
+        from shared.engine.default_model import default_model_dir
+        model_dir = str(default_model_dir())
+    else:
+        from shared.engine.model_registry import resolve_model
+        model_dir = str(resolve_model(args.model).model_dir)
+    keys = [a for tenant, key in KEYS.items() for a in ("--api-key", f"{key}:{tenant}")]
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="splitserve-tenants-") as tmp:
+        variants = [("fair", [])] + ([("fifo", ["--max-dispatched", "0"])] if args.fifo else [])
+        for name, extra in variants:
+            with serving(name, [*shlex.split(args.up_args), *keys, *extra], model_dir=model_dir,
+                         run_dir=Path(tmp) / name, dtype=args.dtype) as deployment:
+                if name == "fair":
+                    runs["solo"] = asyncio.run(phase(deployment.base_url, args, noisy=False))
+                    print(f"   solo: {runs['solo']}", flush=True)
+                runs[name] = asyncio.run(phase(deployment.base_url, args, noisy=True))
+                print(f"   {name}: {runs[name]}", flush=True)
+    solo = runs["solo"]["quiet"]["ttft_s_p95"]
+    ratios = {name: round(runs[name]["quiet"]["ttft_s_p95"] / solo, 2) for name in ("fair", "fifo") if name in runs}
+    print(f"quiet p95 TTFT solo {solo} s; under {args.noise:g}x noise: "
+          + ", ".join(f"{n} {runs[n]['quiet']['ttft_s_p95']} s ({r}x)" for n, r in ratios.items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"settings": vars(args), "runs": runs, "p95_ratio": ratios}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

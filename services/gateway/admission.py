@@ -1,0 +1,139 @@
+"""Admission at the gateway: each tenant's limits, then its turn in the fair queue.
+
+`enter` lets a request in or refuses it with 429 (past its tenant's `max_in_flight`, or its tokens-per-minute
+bucket short of its prompt), Retry-After saying when to come back; nothing of another tenant's changes.
+`wait_turn` then holds it until fewer than `max_dispatched` requests sent on have no first token yet: those
+are what the workers' queues hold, first come first served, so keeping them few leaves the order to the fair
+queue here (`fair_queue`). A turn waits at most `timeout_s` (then 429), and at most `max_queued` of each tenant
+wait (one tenant's flood takes no other's room).
+The `Ticket` frees the turn at the first token and the rest when the request ends, charging its usage.
+"""
+
+import asyncio
+import time
+
+from services.gateway import token_bucket
+from services.gateway.errors import RequestError, retry_after_header
+from services.gateway.fair_queue import FairQueue
+from services.gateway.streams import StreamError
+from services.gateway.tenant_metrics import TenantMetrics
+from services.common.tenant_keys import Tenant
+
+_UNBOUNDED_QUEUE = 10_000  # with --max-waiting-requests 0, still a bound
+
+
+def limit_error(tenant: Tenant, limit: str, retry_after_s: float) -> RequestError:
+    """The 429 of a request past one of its tenant's limits, OpenAI-shaped, naming the limit."""
+    value = tenant.max_in_flight if limit == "max_in_flight" else tenant.tokens_per_minute
+    what = "requests in flight" if limit == "max_in_flight" else "tokens per minute"
+    return RequestError(f"Rate limit reached for tenant {tenant.name!r} on {what} ({limit}): limit {value}. "
+                        f"Try again in {retry_after_s:.2f}s.", status=429, code="rate_limit_exceeded",
+                        type="requests" if limit == "max_in_flight" else "tokens",
+                        headers=retry_after_header(retry_after_s))
+
+
+class Ticket:
+    """One admitted request's hold on its tenant's in-flight count and, once given, a turn."""
+
+    def __init__(self, admission: "Admission", tenant: Tenant, cost: int):
+        self.admission, self.tenant, self.cost = admission, tenant, cost
+        self.holds_turn = False
+        self.turn: asyncio.Future | None = None
+        self.done = False
+
+    def first_token(self) -> None:
+        self.admission.release_turn(self)
+
+    def finish(self, status: str, usage: tuple[int, int, int] | None) -> None:
+        """The request ended (once): its usage, as its response reports it, is its tenant's."""
+        if not self.done:
+            self.done = True
+            self.admission.finished(self, status, usage or (0, 0, 0))
+
+
+class Admission:
+    def __init__(self, metrics: TenantMetrics, max_dispatched: int, timeout_s: float, max_queued: int,
+                 clock=time.monotonic):
+        self.metrics, self.max_dispatched, self.timeout_s, self.clock = metrics, max_dispatched, timeout_s, clock
+        self.max_queued = max_queued or _UNBOUNDED_QUEUE
+        self.dispatched = 0  # turns given and not yet freed
+        self._queue = FairQueue()
+        self._in_flight: dict[str, int] = {}
+        self._buckets: dict[str, token_bucket.Bucket] = {}
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def in_flight(self, tenant: str) -> int:
+        return self._in_flight.get(tenant, 0)
+
+    def enter(self, tenant: Tenant, prompt_tokens: int, cost: int) -> Ticket:
+        """A ticket for the request, or its 429 (`limit_error`)."""
+        name = tenant.name
+        if tenant.max_in_flight and self.in_flight(name) >= tenant.max_in_flight:
+            self.metrics.rejected(name, "max_in_flight")
+            raise limit_error(tenant, "max_in_flight", 1.0)
+        if tenant.tokens_per_minute:
+            now = self.clock()
+            bucket = self._buckets.get(name) or token_bucket.full(tenant.tokens_per_minute, now)
+            bucket, wait_s = token_bucket.admit(bucket, prompt_tokens, now)
+            self._buckets[name] = bucket
+            if wait_s is not None:
+                self.metrics.rejected(name, "tokens_per_minute")
+                raise limit_error(tenant, "tokens_per_minute", wait_s)
+        self._in_flight[name] = self.in_flight(name) + 1
+        self.metrics.admitted(name)
+        return Ticket(self, tenant, cost)
+
+    async def wait_turn(self, ticket: Ticket) -> None:
+        """Until the request may be sent on; StreamError("queue_full") when too many wait or its wait runs out."""
+        if not self.max_dispatched or (self.dispatched < self.max_dispatched and not self.queued):
+            self._give_turn(ticket)
+            return
+        if self._queue.queued(ticket.tenant.name) >= self.max_queued:
+            self.metrics.rejected(ticket.tenant.name, "queue_full")
+            raise StreamError("queue_full", f"{self.max_queued} requests of this tenant already wait at the gateway",
+                              retry_after_s=1.0)
+        ticket.turn = asyncio.get_running_loop().create_future()
+        self._queue.push(ticket.tenant.name, ticket, ticket.cost, ticket.tenant.priority)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await ticket.turn
+        except TimeoutError:
+            if ticket.holds_turn:  # given as the wait ran out: take it
+                return
+            self._queue.remove(ticket.tenant.name, ticket)
+            self.metrics.rejected(ticket.tenant.name, "queue_timeout")
+            raise StreamError("queue_full", f"the request waited {self.timeout_s:g} s at the gateway for its turn; "
+                                            "try again shortly", retry_after_s=1.0) from None
+        except BaseException:  # cancelled: the client left
+            self._queue.remove(ticket.tenant.name, ticket)
+            self.release_turn(ticket)
+            raise
+
+    def _give_turn(self, ticket: Ticket) -> None:
+        ticket.holds_turn = True
+        self.dispatched += 1
+
+    def release_turn(self, ticket: Ticket) -> None:
+        if not ticket.holds_turn:
+            return
+        ticket.holds_turn = False
+        self.dispatched -= 1
+        while self.queued and (not self.max_dispatched or self.dispatched < self.max_dispatched):
+            _, waiting = self._queue.pop()
+            self._give_turn(waiting)
+            waiting.turn.set_result(None)
+
+    def finished(self, ticket: Ticket, status: str, usage: tuple[int, int, int]) -> None:
+        self.release_turn(ticket)
+        name, (prompt, completion, _) = ticket.tenant.name, usage
+        left = self.in_flight(name) - 1
+        if left > 0:
+            self._in_flight[name] = left
+        else:
+            self._in_flight.pop(name, None)
+        if name in self._buckets:
+            self._buckets[name] = token_bucket.charge(self._buckets[name], completion, self.clock())
+        self.metrics.finished(name, status, prompt, completion)

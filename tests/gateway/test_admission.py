@@ -1,0 +1,115 @@
+"""Admission: tenants' limits (429 with Retry-After), turns given fairly, counters from usage."""
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.gateway.admission import Admission
+from services.gateway.errors import RequestError
+from services.gateway.streams import StreamError
+from services.gateway.tenant_metrics import TenantMetrics
+from services.common.tenant_keys import Tenant
+
+
+def admission(max_dispatched=1, timeout_s=5.0, max_queued=16, clock=None):
+    registry = CollectorRegistry()
+    gate = Admission(TenantMetrics(registry, {"service": "gateway"}), max_dispatched, timeout_s, max_queued,
+                     **({"clock": clock} if clock else {}))
+    return gate, lambda name, **labels: registry.get_sample_value(name, {"service": "gateway", **labels}) or 0
+
+
+def test_past_max_in_flight_is_429_and_other_tenants_go_on():
+    gate, sample = admission()
+    limited = Tenant("a", max_in_flight=1)
+    ticket = gate.enter(limited, 4, 8)
+    with pytest.raises(RequestError) as raised:
+        gate.enter(limited, 4, 8)
+    error = raised.value
+    assert error.status == 429 and error.headers["Retry-After"] == "1" and "max_in_flight" in error.message
+    assert error.body()["error"]["code"] == "rate_limit_exceeded"
+    gate.enter(Tenant("b"), 4, 8)  # another tenant: untouched
+    ticket.finish("ok", (4, 3, 0))
+    gate.enter(limited, 4, 8)
+    assert sample("splitserve_tenant_rejected_total", tenant="a", reason="max_in_flight") == 1
+    assert sample("splitserve_tenant_tokens_total", tenant="a", kind="completion") == 3
+    assert sample("splitserve_tenant_requests_in_flight", tenant="a") == 1
+
+
+def test_tokens_per_minute_refuses_with_the_refill_time():
+    now = [0.0]
+    gate, sample = admission(clock=lambda: now[0])
+    tenant = Tenant("a", tokens_per_minute=60)  # one token a second
+    gate.enter(tenant, 50, 50).finish("ok", (50, 10, 0))  # 10 left after the prompt, 0 after the completion
+    with pytest.raises(RequestError) as raised:
+        gate.enter(tenant, 10, 10)
+    assert raised.value.headers["Retry-After"] == "10" and "tokens_per_minute" in raised.value.message
+    now[0] = 10.0
+    gate.enter(tenant, 10, 10)
+    assert sample("splitserve_tenant_rejected_total", tenant="a", reason="tokens_per_minute") == 1
+
+
+def test_turns_go_to_the_quiet_tenant_ahead_of_a_noisy_backlog():
+    async def run():
+        gate, _ = admission(max_dispatched=1)
+        order = []
+
+        async def request(tenant: str, name: str):
+            ticket = gate.enter(Tenant(tenant), 10, 10)
+            await gate.wait_turn(ticket)
+            order.append(name)
+            await asyncio.sleep(0)
+            ticket.first_token()
+            ticket.finish("ok", (10, 1, 0))
+
+        head = gate.enter(Tenant("noisy"), 10, 10)
+        await gate.wait_turn(head)  # holds the one turn
+        tasks = [asyncio.create_task(request("noisy", f"n{i}")) for i in range(4)]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(request("quiet", "q")))
+        await asyncio.sleep(0)
+        assert gate.queued == 5
+        head.first_token()
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(run())[:2] == ["n0", "q"]
+
+
+def test_a_wait_past_its_deadline_is_429_and_a_cancelled_wait_leaves_the_queue():
+    async def run():
+        gate, sample = admission(max_dispatched=1, timeout_s=0.05)
+        holder = gate.enter(Tenant("a"), 1, 1)
+        await gate.wait_turn(holder)
+        late = gate.enter(Tenant("b"), 1, 1)
+        with pytest.raises(StreamError) as raised:
+            await gate.wait_turn(late)
+        assert raised.value.code == "queue_full" and gate.queued == 0
+        assert sample("splitserve_tenant_rejected_total", tenant="b", reason="queue_timeout") == 1
+        gone = asyncio.create_task(gate.wait_turn(gate.enter(Tenant("c"), 1, 1)))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert gate.queued == 0
+        holder.finish("cancelled", None)
+        assert gate.dispatched == 0 and sample("splitserve_tenant_requests_total", tenant="a", status="cancelled") == 1
+
+    asyncio.run(run())
+
+
+def test_each_tenants_room_in_the_queue_is_bounded():
+    async def run():
+        gate, _ = admission(max_dispatched=1, max_queued=1)
+        await gate.wait_turn(gate.enter(Tenant("a"), 1, 1))
+        waiting = asyncio.create_task(gate.wait_turn(gate.enter(Tenant("a"), 1, 1)))
+        await asyncio.sleep(0)
+        with pytest.raises(StreamError):  # a tenant's room is full
+            await gate.wait_turn(gate.enter(Tenant("a"), 1, 1))
+        other = asyncio.create_task(gate.wait_turn(gate.enter(Tenant("b"), 1, 1)))  # another's is not
+        await asyncio.sleep(0)
+        assert gate.queued == 2
+        for task in (waiting, other):
+            task.cancel()
+        await asyncio.gather(waiting, other, return_exceptions=True)
+
+    asyncio.run(run())
