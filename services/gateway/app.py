@@ -104,8 +104,10 @@ class Gateway:
                                       num_forged=lambda: self.streams.num_forged)
         self.identity = ServiceIdentity(settings.instance_id, "gateway")
         self.tenants = TenantDirectory.of(settings.api_keys, settings.keys_file)
+        # One tenant has nobody to be fair to: its requests go on as they come (a burst's prompts batch together).
+        max_dispatched = settings.max_dispatched if self.tenants.tenants > 1 else 0
         self.admission = Admission(TenantMetrics(self.metrics.registry, self.metrics.own_labels),
-                                   settings.max_dispatched, settings.queue_timeout, settings.max_waiting_requests)
+                                   max_dispatched, settings.queue_timeout, settings.max_waiting_requests)
         self.draining = False
         self._background: set[asyncio.Task] = set()  # short-lived work (releases) that stop() lets finish
         self._watcher: asyncio.Task | None = None

@@ -72,7 +72,8 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
                                          "the fair queue", metavar="N")
     max_dispatched: Count = option(8, "requests sent on to the workers without a first token yet, at most; the "
                                    "others wait here in per-tenant fair queues, the highest priority first, then "
-                                   "fair shares of tokens (0: no bound, first come first served)", metavar="N")
+                                   "fair shares of tokens (0: no bound, first come first served; with one tenant there is "
+                                   "no bound: nobody to be fair to)", metavar="N")
     queue_timeout: PositiveSeconds = option(30.0, "seconds a request may wait here for its turn before 429",
                                             metavar="S")
     # A taken request's worker sends a token or a StreamAlive at least every second (services.decode.worker).

@@ -18,6 +18,11 @@ class TenantDirectory:
         return cls(tenant_keys(entries, read_keys_file(keys_file) if keys_file else None))
 
     @property
+    def tenants(self) -> int:
+        """How many tenants the keys map to (1 without keys: everyone is one)."""
+        return len({tenant.name for _, tenant in self._keys}) or 1
+
+    @property
     def guarded(self) -> bool:
         """Whether requests need a key."""
         return bool(self._keys)

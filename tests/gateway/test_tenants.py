@@ -93,3 +93,13 @@ def test_the_directory_finds_a_tenant_by_its_bearer_key():
     assert directory.tenant_for("Bearer sk-") is None and directory.tenant_for(None) is None
     assert directory.tenant_for("Basic sk-a") is None
     assert TenantDirectory({}).tenant_for(None) == DEFAULT_TENANT and not TenantDirectory({}).guarded
+
+
+def test_the_directory_counts_its_tenants():
+    """Fair admission has something to do only with two tenants or more (the gateway turns it off with one)."""
+    from services.gateway.tenants import TenantDirectory
+
+    assert TenantDirectory.of([], None).tenants == 1
+    assert TenantDirectory.of(["k1:acme", "k2:acme"], None).tenants == 1
+    assert TenantDirectory.of(["k1:acme", "k2:beta"], None).tenants == 2
+    assert TenantDirectory.of(["k1", "k2"], None).tenants == 2  # a bare key is its own tenant
