@@ -97,8 +97,6 @@ def test_the_directory_finds_a_tenant_by_its_bearer_key():
 
 def test_the_directory_counts_its_tenants():
     """Fair admission has something to do only with two tenants or more (the gateway turns it off with one)."""
-    from services.gateway.tenants import TenantDirectory
-
     assert TenantDirectory.of([], None).tenants == 1
     assert TenantDirectory.of(["k1:acme", "k2:acme"], None).tenants == 1
     assert TenantDirectory.of(["k1:acme", "k2:beta"], None).tenants == 2
