@@ -7,7 +7,7 @@ import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from services.planner.policy import Decision, Observation, predicted_itl_ms, predicted_ttft_ms
+from services.planner.policy import Decision, Observation, predictors
 
 ROLES = ("prefill", "decode")
 
@@ -50,10 +50,11 @@ class PlannerMetrics:
 def figures_of(obs: Observation, decision: Decision) -> dict[str, float | None]:
     """The observed and predicted figures of an evaluation, by name (the gauge's `figure` label, and the log's)."""
     p, d = obs.prefill, obs.decode
+    ttft, itl = predictors(obs)  # as the policy predicts: the model, corrected by the measurement
     return {
         "ttft_p90_ms": obs.ttft_p90_ms, "itl_p90_ms": obs.itl_p90_ms,
-        "predicted_ttft_ms": predicted_ttft_ms(p, decision.prefill) if p.workers else None,
-        "predicted_itl_ms": predicted_itl_ms(d, decision.decode),
+        "predicted_ttft_ms": ttft(decision.prefill) if p.workers else None,
+        "predicted_itl_ms": itl(decision.decode),
         "prefill_tokens_per_s": p.tokens_per_s, "prefill_capacity_per_worker": p.capacity_per_worker,
         "mean_prompt_tokens": p.mean_prompt_tokens, "queued_prompt_tokens": p.queued_tokens,
         "running_sequences": d.running, "step_ms_fixed": d.step_ms_fixed, "step_ms_per_seq": d.step_ms_per_seq,

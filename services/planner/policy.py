@@ -56,6 +56,7 @@ class Observation:
 HEADROOM = 0.8
 PATIENCE = 3
 COOLDOWN_S = 30.0
+CORRECTION_LIMIT = 4.0  # the measurement moves the model's figures by this factor at most, either way
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,24 @@ def predicted_itl_ms(pool: DecodePool, workers: int) -> float:
     return pool.step_ms_fixed + pool.step_ms_per_seq * pool.running / workers
 
 
+def correction(measured_ms: float | None, predicted_now_ms: float) -> float:
+    """How far the model is off where the pool is now: measured p90 / predicted, within [1/CORRECTION_LIMIT,
+    CORRECTION_LIMIT]; 1 where either is missing. Every prediction of the pool is scaled by it (Dynamo's planner
+    corrects its profiled estimates the same way), so the model says how the figure moves with the workers and
+    the measurement says where it stands."""
+    if measured_ms is None or measured_ms <= 0 or not 0 < predicted_now_ms < math.inf:
+        return 1.0
+    return min(max(measured_ms / predicted_now_ms, 1 / CORRECTION_LIMIT), CORRECTION_LIMIT)
+
+
+def predictors(obs: Observation):
+    """(ttft(n), itl(n)): each pool's model, corrected by its measurement (`correction`)."""
+    p, d = obs.prefill, obs.decode
+    ttft_k = correction(obs.ttft_p90_ms, predicted_ttft_ms(p, p.workers))
+    itl_k = correction(obs.itl_p90_ms, predicted_itl_ms(d, d.workers))
+    return (lambda n: predicted_ttft_ms(p, n) * ttft_k), (lambda n: predicted_itl_ms(d, n) * itl_k)
+
+
 def _fewest(predict, target_ms: float, low: int, high: int) -> int:
     """The fewest workers in [low, high] predicted within target_ms (high when none is)."""
     for n in range(low, high + 1):
@@ -122,8 +141,8 @@ def _pool_want(now: int, model_want: int, measured_ms: float | None, slo_ms: flo
                name: str, predict) -> tuple[int, str]:
     """The model's want, corrected by the measurement: a measured miss adds a worker even where the model says
     enough, and a pool whose measured figure is past the headroom does not shrink."""
-    if measured_ms is not None and measured_ms > slo_ms and model_want <= now:
-        return now + 1, f"{name} p90 {measured_ms:.0f} ms over its slo of {slo_ms:g}"
+    if measured_ms is not None and measured_ms > slo_ms:
+        return max(model_want, now + 1), f"{name} p90 {measured_ms:.0f} ms over its slo of {slo_ms:g}"
     if measured_ms is not None and measured_ms > slo_ms * headroom and model_want < now:
         return now, ""
     target = slo_ms * headroom
@@ -137,6 +156,7 @@ def _pool_want(now: int, model_want: int, measured_ms: float | None, slo_ms: flo
 def _needed(obs: Observation, slo: Slo, policy: Policy) -> tuple[int, int, str]:
     """Each pool's want on its own (ignoring the other's), and why."""
     p, d = obs.prefill, obs.decode
+    ttft, itl = predictors(obs)
     why = []
     want_p, want_d = p.workers, d.workers
     if policy.min_prefill == 0 and p.workers == 0:
@@ -144,7 +164,6 @@ def _needed(obs: Observation, slo: Slo, policy: Policy) -> tuple[int, int, str]:
     elif p.capacity_per_worker <= 0:
         why.append("prefill not measured yet")
     else:
-        ttft = lambda n: predicted_ttft_ms(p, n)  # noqa: E731
         model = _fewest(ttft, slo.ttft_ms * policy.headroom, max(policy.min_prefill, 1),
                         policy.budget - policy.min_decode)
         want_p, said = _pool_want(p.workers, model, obs.ttft_p90_ms, slo.ttft_ms, policy.headroom, "ttft", ttft)
@@ -152,7 +171,6 @@ def _needed(obs: Observation, slo: Slo, policy: Policy) -> tuple[int, int, str]:
     if d.step_ms_fixed <= 0:
         why.append("decode not measured yet")
     else:
-        itl = lambda n: predicted_itl_ms(d, n)  # noqa: E731
         model = _fewest(itl, slo.itl_ms * policy.headroom, policy.min_decode, policy.budget - policy.min_prefill)
         want_d, said = _pool_want(d.workers, model, obs.itl_p90_ms, slo.itl_ms, policy.headroom, "itl", itl)
         why.append(said)
@@ -161,10 +179,10 @@ def _needed(obs: Observation, slo: Slo, policy: Policy) -> tuple[int, int, str]:
 
 def _split(obs: Observation, slo: Slo, policy: Policy) -> tuple[int, int]:
     """The whole budget shared so that the worse of the two predicted/SLO ratios is smallest (ties: as now)."""
+    ttft, itl = predictors(obs)
+
     def worse(n_p: int) -> tuple[float, int]:
-        ttft = predicted_ttft_ms(obs.prefill, n_p) / slo.ttft_ms
-        itl = predicted_itl_ms(obs.decode, policy.budget - n_p) / slo.itl_ms
-        return max(ttft, itl), abs(n_p - obs.prefill.workers)
+        return max(ttft(n_p) / slo.ttft_ms, itl(policy.budget - n_p) / slo.itl_ms), abs(n_p - obs.prefill.workers)
 
     best = min(range(max(policy.min_prefill, 1), policy.budget - policy.min_decode + 1), key=worse)
     return best, policy.budget - best

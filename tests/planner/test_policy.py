@@ -12,6 +12,7 @@ from services.planner.policy import (
     PrefillPool,
     Slo,
     decide,
+    correction,
     desired,
     predicted_itl_ms,
     predicted_ttft_ms,
@@ -151,3 +152,28 @@ def test_a_minimum_pool_never_gives_a_worker_away():
 def test_a_policy_that_cannot_hold_is_refused(kwargs):
     with pytest.raises(ValueError):
         Policy(**kwargs)
+
+
+@pytest.mark.parametrize("measured, predicted, factor", [
+    (None, 100.0, 1.0), (50.0, 100.0, 0.5), (300.0, 100.0, 3.0),
+    (1000.0, 100.0, 4.0), (1.0, 100.0, 0.25),  # within the limit either way
+    (50.0, math.inf, 1.0), (50.0, 0.0, 1.0), (0.0, 100.0, 1.0),
+])
+def test_the_correction_is_measured_over_predicted_within_limits(measured, predicted, factor):
+    assert correction(measured, predicted) == pytest.approx(factor)
+
+
+def test_a_model_that_overestimates_is_corrected_by_the_measurement():
+    # The queueing model says 1000 ms with one prefill worker (over 0.8 * 1000): alone it wants a second one;
+    # the workers measure 400 ms, so every prediction is scaled by 0.4 and one worker is enough.
+    busy = prefill(tokens_per_s=500, capacity=1000, prompt=500)
+    assert desired(observe(busy), SLO, Policy(budget=4))[0] == 2
+    assert desired(observe(busy, ttft=400.0), SLO, Policy(budget=4))[0] == 1
+
+
+def test_a_model_that_underestimates_is_corrected_before_the_miss():
+    # The fit says 36 ms with one decode worker (within 0.8 * 50); the workers measure 45 ms: corrected, one
+    # worker is predicted past the headroom and two are wanted before the SLO is missed.
+    assert desired(observe(d=decode(running=8)), SLO, Policy(budget=4))[1] == 1
+    want = desired(observe(d=decode(running=8), itl=45.0), SLO, Policy(budget=4))
+    assert want[1] == 2 and "itl predicted 45 ms with 1" in want[2]
