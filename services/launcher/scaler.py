@@ -66,7 +66,7 @@ class Scaler:
                       getattr(s.settings, "cpu_loan", None) in loans}  # borrower -> lender, as `up` paired them
         self.handover: Handover | None = None  # moving the workers to a new share of the CPUs (a scale)
         self._handover_starts: dict[str, topology.ServiceSpec] = {}  # the workers the handover starts
-        self._said: set[str] = set()  # why a scale did not hand CPUs over, each said once
+        self._said: set[str] = set()  # why scales did not hand CPUs over, each kind said once
         self._pipelines = topology.pipelines_of(specs)
         self._plans: dict[tuple, list[topology.ServiceSpec]] = {}
         self._view: dict = {}
@@ -252,15 +252,15 @@ class Scaler:
                 and n not in retire]
         will_run = [n for n in order if n in set(stay) | set(start)]
         will_run += [n for n in [*stay, *start] if n not in will_run]
-        if unmovable or any(n not in old for n in stay):
-            return self._no_handover(f"{', '.join(unmovable) or 'a worker'} follows no placement file")
+        if unmovable or any(n not in old for n in [*stay, *retire]):
+            return self._no_handover("unmovable", f"{', '.join(unmovable) or 'a worker'} follows no placement file")
         new = share_cpus(will_run, cpus)
         old_loans = {b: lender for b, lender in self.loans.items() if b in old and lender in old}
         new_loans = {b: lender for b, lender in old_loans.items() if b in new and lender in new}
         try:
             rounds = handover_steps(old, new, old_loans, new_loans)
         except HandoverError as exc:
-            return self._no_handover(str(exc))
+            return self._no_handover("error", str(exc))
         stops = self.launcher.retire_timeout_s + HANDOVER_ROUND_TIMEOUT_S
         self.handover = Handover(rounds, old, [stops if any(s.action == "stop" for s in r) else
                                                HANDOVER_ROUND_TIMEOUT_S for r in rounds])
@@ -269,9 +269,9 @@ class Scaler:
         self.launcher.say(f"CPU handover begins: {moves} in {len(rounds)} round(s)")
         return True
 
-    def _no_handover(self, why: str) -> bool:
-        if why not in self._said:
-            self._said.add(why)
+    def _no_handover(self, kind: str, why: str) -> bool:
+        if kind not in self._said:  # each kind once: the next scale would say it again
+            self._said.add(kind)
             self.launcher.say(f"warning: no CPU handover ({why}): the running workers stay on their CPUs, new ones "
                               "start on free CPUs")
         return False
@@ -387,6 +387,8 @@ class Scaler:
                 continue
             if spec.name in cpus:
                 self.placements[spec.name] = cpus[spec.name]
+                if getattr(spec.settings, "cpus_file", None):  # it follows its file: a later scale may move it
+                    self.cpus_files[spec.name], self.generations[spec.name] = spec.settings.cpus_file, 0
 
     def _publish(self) -> None:
         """The view the control API serves, and deployment.json's records of the pools."""

@@ -86,3 +86,18 @@ def test_a_refused_placement_leaves_the_worker_and_the_new_one_starts_on_free_cp
     finally:
         up.terminate()
         up.wait(30)
+
+
+def test_fewer_cpus_than_workers_hand_nothing_over_and_say_so_once(tmp_path):
+    up, run_dir = start(tmp_path, FAKE_UP_CPUS="0")
+    try:
+        for n in (2, 3):
+            result = cli("scale", f"decode={n}", "--run-dir", str(run_dir))
+            assert result.returncode == 0, result.stderr
+            said(up, f"starting ['decode-{n - 1}']")
+        assert wait_until(lambda: cpus_of(run_dir) == {"decode-0": "0", "decode-1": "0", "decode-2": "0"}, 10, 0.2)
+        warnings = [line for line in up.said if "no CPU handover" in line]
+        assert len(warnings) == 1 and "the new shares overlap" in warnings[0], up.said
+    finally:
+        up.terminate()
+        up.wait(30)
