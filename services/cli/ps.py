@@ -12,7 +12,7 @@ def add_parser(subcommands) -> None:
         "ps",
         help="show the services of the running deployment",
         description="Read the deployment started by `splitserve up` and show each service: "
-        "name, role, instance id, pid, state, restarts and URL.",
+        "name, role, instance id, pid, state, restarts, CPUs (a pinned worker's, as it last acked them) and URL.",
     )
     add_run_dir_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -95,19 +95,19 @@ def format_table(data: dict) -> str:
         lines.append(pools_line(data["pools"]))
     if data.get("message"):
         lines.append(f"last error: {data['message']}")
-    rows = [("NAME", "ROLE", "INSTANCE", "PID", "STATE", "RESTARTS", "URL")]
+    rows = [("NAME", "ROLE", "INSTANCE", "PID", "STATE", "RESTARTS", "CPUS", "URL")]
     nats = data.get("nats")
     if nats:
         nodes = nats.get("nodes") or []
         first_url = (nats.get("url") or "-").split(",")[0] if nodes else nats.get("url") or "-"
         rows.append(("nats-0" if nodes else "nats", "nats", "-", str(nats.get("pid") or "-") if nats["embedded"] else "-",
-                     nats["state"], str(nats.get("restarts", 0)), first_url))
+                     nats["state"], str(nats.get("restarts", 0)), "-", first_url))
         for node in nodes:
             rows.append((node["name"], "nats", "-", str(node.get("pid") or "-"), node["state"],
-                         str(node.get("restarts", 0)), node["url"]))
+                         str(node.get("restarts", 0)), "-", node["url"]))
     for s in data["services"]:
         rows.append((s["name"], s["role"], s["instance_id"], str(s.get("pid") or "-"), s["state"],
-                     str(s.get("restarts", 0)), s.get("url") or "-"))
+                     str(s.get("restarts", 0)), s.get("cpus") or "-", s.get("url") or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)

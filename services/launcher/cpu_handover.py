@@ -113,3 +113,68 @@ def handover_steps(old: dict[str, tuple[int, ...]], new: dict[str, tuple[int, ..
                        for w in ready])
         held |= {w: target[w] for w in ready}
     return rounds
+
+
+class Handover:
+    """A handover in progress, advanced by the launcher's main loop: pure (the caller takes the steps and says
+    how each stands).
+
+    `advance(now, status)` returns the steps to take now: a round's steps once the round before it is done.
+    `status(step)` says how a step taken stands: True done (a placement's ack naming it; a started worker's
+    first ack; a stopped worker gone), a string why it was refused, None not yet. A refusal, or a round not done
+    by its deadline, ends the handover (`failed` says which and why): nothing more moves, every worker stays
+    where it last acked (`held`), and the workers still to start are `unstarted()`."""
+
+    def __init__(self, rounds: list[list[Step]], held: dict[str, tuple[int, ...]], timeouts: list[float]) -> None:
+        self.rounds = rounds
+        self.timeouts = timeouts  # each round's
+        self.held = dict(held)  # each worker's CPUs as last acked (a stopped one leaves)
+        self.round = -1  # the round under way
+        self.awaiting: dict[str, Step] = {}
+        self.deadline = 0.0
+        self.failed = ""
+
+    @property
+    def done(self) -> bool:
+        return not self.failed and not self.awaiting and self.round >= len(self.rounds) - 1
+
+    @property
+    def over(self) -> bool:
+        return bool(self.failed) or self.done
+
+    def unstarted(self) -> list[str]:
+        """The workers to start in rounds not begun (after a failure: those to start as before a handover)."""
+        return [s.worker for r in self.rounds[self.round + 1:] for s in r if s.action == "start"]
+
+    def advance(self, now: float, status) -> list[Step]:
+        if self.over:
+            return []
+        for worker, step in list(self.awaiting.items()):
+            outcome = status(step)
+            if outcome is True:
+                del self.awaiting[worker]
+                if step.action == "stop":
+                    self.held.pop(worker, None)
+                else:
+                    self.held[worker] = step.cpus
+            elif isinstance(outcome, str):
+                self.failed = f"{worker} refused CPUs {','.join(map(str, step.cpus))} ({step.action}): {outcome}"
+                return []
+        if self.awaiting:
+            if now >= self.deadline:
+                late = ", ".join(f"{w} ({s.action})" for w, s in self.awaiting.items())
+                self.failed = f"no answer within {self.timeouts[self.round]:g} s from {late}"
+            return []
+        if self.round >= len(self.rounds) - 1:
+            return []
+        self.round += 1
+        steps = self.rounds[self.round]
+        self.awaiting = {s.worker: s for s in steps}
+        self.deadline = now + self.timeouts[self.round]
+        return steps
+
+    def refuse(self, step: Step, why: str) -> None:
+        """A step the caller could not take (e.g. a worker that would not start)."""
+        self.awaiting.pop(step.worker, None)
+        if not self.failed:
+            self.failed = f"{step.worker} ({step.action}): {why}"

@@ -78,6 +78,7 @@ class ServiceRecord:
     exit_code: int | None = None
     log: str | None = None
     url: str | None = None
+    cpus: str | None = None  # a pinned worker's CPUs, as it last acked them (a scale may move it)
 
     def alive(self) -> bool:
         return pid_alive(self.pid, self.start_time)

@@ -24,7 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import TextIO
 
-from services.common.cpus import worker_cpus
+from services.common.cpu_placement import Placement, ack_path, write_placement
+from services.common.cpus import format_cpu_list, worker_cpus
 from services.common.settings import secret_env
 from services.gateway.readiness import fully_ready
 from services.launcher import topology, trace_viewer
@@ -84,6 +85,7 @@ from shared.bus.connection import nats_endpoints
 from shared.bus.credentials import BusCredentials, credentials_from
 from shared.bus.permissions import ADMIN
 from shared.bus.provision import ProvisionError, replicas_for
+from shared.private_files import private_dir
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -435,6 +437,7 @@ class Launcher:
             nats_replicas=replicas_for(o.nats_replicas, o.nats_cluster) if o.nats is None and o.nats_cluster > 1
             else o.nats_replicas,
             cpu_loan_dir=str(self.run_dir / "cpu-loans") if o.lend_idle_cpus else None,
+            cpu_placement_dir=str(self.run_dir / "cpus"),
             kv_store_dir=str(self.run_dir / "kvstore") if o.kv_store_disk_bytes else None,
         )
 
@@ -561,12 +564,14 @@ class Launcher:
         env = self._child_env()
         if self.options.trace_viewer:
             env |= trace_viewer.exporter_env(self.options.trace_viewer_port)
+        write_first_placement(spec.settings)
         # A secret (the gateway's API keys) goes by its variable, never on a command line.
         self.supervisor.add(spec.name, spec.argv(self.python), env={**env, **secret_env(spec.settings)},
                             role=spec.role, instance_id=spec.instance_id)
         self.deployment.services.append(ServiceRecord(
             name=spec.name, role=spec.role, instance_id=spec.instance_id, argv=spec.argv(self.python),
-            log=str(self.log_dir / f"{spec.name}.log"), url=spec.url))
+            log=str(self.log_dir / f"{spec.name}.log"), url=spec.url,
+            cpus=format_cpu_list(spec.settings.cpus) if getattr(spec.settings, "cpus", None) else None))
 
     def start_service(self, spec: topology.ServiceSpec) -> None:
         """A service added to the running deployment (a scale), started now."""
@@ -779,6 +784,17 @@ class Launcher:
             dep.state = FAILED if failure is not None else STOPPED
             dep.message = str(failure).splitlines()[0] if failure is not None else None
             self._record(force=True)
+
+
+def write_first_placement(settings) -> None:
+    """A worker with a placement file (--cpus-file) finds its CPUs there as it starts (generation 0), and no ack of
+    an earlier process of its name."""
+    path = getattr(settings, "cpus_file", None)
+    if not path or not settings.cpus:
+        return
+    private_dir(Path(path).parent)
+    ack_path(path).unlink(missing_ok=True)
+    write_placement(path, Placement(0, tuple(settings.cpus), tuple(getattr(settings, "borrow_cpus", None) or ())))
 
 
 def stop_budgets(stop_timeout_s: float) -> tuple[float, float, float]:

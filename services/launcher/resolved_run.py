@@ -20,4 +20,5 @@ class ResolvedRun:
     nats_tls_ca: str | None = None  # every service talks TLS to NATS, trusting this CA
     transfer_tls: tuple[str, str, str] | None = None  # (CA, cert, key): every side channel speaks TLS only
     cpu_loan_dir: str | None = None  # disagg: idle prefill workers lend their CPUs to decode workers (loan files)
+    cpu_placement_dir: str | None = None  # each pinned decode/prefill worker's placement file (--cpus-file) is here
     kv_store_dir: str | None = None  # the kv-store's disk tier (with --kv-store-disk-bytes)

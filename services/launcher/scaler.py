@@ -17,7 +17,10 @@ import queue
 import time
 from typing import Any
 
+from services.common.cpu_placement import Placement, placement_acked, read_ack, write_placement
+from services.common.cpus import format_cpu_list, share_cpus
 from services.launcher import topology
+from services.launcher.cpu_handover import Handover, HandoverError, Step, handover_steps
 from services.launcher.nats_auth import ADMIN_INSTANCE, Instance, creds_path, ensure_credentials, public_key
 from services.launcher.nats_auth import write_server_config
 from services.launcher.nats_server import admits
@@ -30,6 +33,9 @@ from shared.bus.permissions import ROLES
 QUEUE_SIZE = 8
 ANSWER_TIMEOUT_S = 30.0  # a scale's outcome: the main loop takes it within a round, admission included
 ADMIT_TIMEOUT_S = 5.0  # the reloaded NATS server admitting the new instances
+# A CPU handover's round: its placements acked (within a few engine steps), its started workers' first acks (once
+# their model loaded); a round that stops workers has their stop timeout on top.
+HANDOVER_ROUND_TIMEOUT_S = 120.0
 
 
 def desired_pools(up) -> dict[str, int]:
@@ -50,7 +56,17 @@ class Scaler:
         self.probe = probe  # (url) -> (HTTP status or None, body): the gateway's /ready
         self.requests: queue.Queue = queue.Queue(QUEUE_SIZE)
         self.desired = desired_pools(launcher.options)
+        # each pinned worker's CPUs, as it last acked them (as started, before its first ack)
         self.placements = {s.name: tuple(s.settings.cpus) for s in specs if getattr(s.settings, "cpus", None)}
+        self.cpus_files = {s.name: s.settings.cpus_file for s in specs if getattr(s.settings, "cpus_file", None)}
+        self.generations: dict[str, int] = {name: 0 for name in self.cpus_files}  # the placement written last
+        loans = {s.settings.cpu_loan: s.name for s in specs if s.role == "prefill" and
+                 getattr(s.settings, "cpu_loan", None)}
+        self.loans = {s.name: loans[s.settings.cpu_loan] for s in specs if s.role == "decode" and
+                      getattr(s.settings, "cpu_loan", None) in loans}  # borrower -> lender, as `up` paired them
+        self.handover: Handover | None = None  # moving the workers to a new share of the CPUs (a scale)
+        self._handover_starts: dict[str, topology.ServiceSpec] = {}  # the workers the handover starts
+        self._said: set[str] = set()  # why scales did not hand CPUs over, each kind said once
         self._pipelines = topology.pipelines_of(specs)
         self._plans: dict[tuple, list[topology.ServiceSpec]] = {}
         self._view: dict = {}
@@ -83,7 +99,7 @@ class Scaler:
         except (ValueError, AttributeError):
             ready = {}
         view["ready"] = ready
-        view["settled"] = bool(view) and not view["retiring"] and all(
+        view["settled"] = bool(view) and not view["retiring"] and not view.get("cpu_handover") and all(
             view["actual"].get(role) == n and ready.get(role, 0) >= n for role, n in view["desired"].items())
         return view
 
@@ -136,10 +152,12 @@ class Scaler:
             return 400, {"error": str(exc)}
         before = dict(self.desired)
         self.desired.update(counts)
+        busy = self.handover is not None
         started, retired = self.reconcile()
+        after = " (once the CPU handover under way is done)" if busy else ""
         self.launcher.say(f"scale {', '.join(f'{r}={n}' for r, n in counts.items())} (was "
                           f"{', '.join(f'{r}={n}' for r, n in before.items())}): starting {started or 'none'}, "
-                          f"retiring {retired or 'none'}")
+                          f"retiring {retired or 'none'}{after}")
         return 200, {"desired": dict(self.desired), "starting": started, "retiring": retired}
 
     def roles_now(self) -> dict[str, str]:
@@ -195,6 +213,11 @@ class Scaler:
         sup = self.launcher.supervisor
         if not self.desired:  # nothing here scales
             return [], []
+        if self.handover is not None:  # one handover at a time: what changed meanwhile is reconciled after it
+            self._advance_handover()
+            if self.handover is not None:
+                self._publish()
+                return [], []
         pool = {c.name: c for c in sup.children if c.role in SCALABLE}
         # Planned for more workers than run: names enough for every pool past the workers switched out of it.
         specs = {s.name: s for s in self._planned({r: n + len(pool) for r, n in self.desired.items()})}
@@ -202,12 +225,118 @@ class Scaler:
         planned = {n: specs.get(n) for n in planned_names(self.desired, plan, self.roles_now())}
         retiring = [n for n, c in pool.items() if c.state.value == "stopping"]
         start, retire = reconcile(list(planned), [n for n in pool if n not in retiring], retiring)
+        if (start or retire) and self._begin_handover(list(specs), {n: planned[n] for n in start}, retire):
+            self._admit([planned[n] for n in start])
+            self._advance_handover()
+            self._publish()
+            return start, retire
         for name in retire:
             sup.retire(name, self.launcher.retire_timeout_s)
         self._admit([planned[n] for n in start])
         self._start([planned[n] for n in start])
         self._publish()
         return start, retire
+
+    # -- moving the running workers to a new share of the CPUs (services.launcher.cpu_handover) ------------
+
+    def _begin_handover(self, order: list[str], start: dict[str, topology.ServiceSpec], retire: list[str]) -> bool:
+        """A handover to the share `up` would give the workers that will run (False: none; start and retire as
+        without one). `order`: the plan's order of the names."""
+        cpus = self.launcher.resolved.cpus
+        if not cpus:
+            return False
+        children = {c.name: c for c in self.launcher.supervisor.children}
+        old = {n: held for n, held in self.placements.items() if n in children}
+        unmovable = sorted(n for n in old if n not in self.cpus_files)
+        stay = [n for n, c in children.items() if c.role in SCALABLE and c.state.value != "stopping"
+                and n not in retire]
+        will_run = [n for n in order if n in set(stay) | set(start)]
+        will_run += [n for n in [*stay, *start] if n not in will_run]
+        if unmovable or any(n not in old for n in [*stay, *retire]):
+            return self._no_handover("unmovable", f"{', '.join(unmovable) or 'a worker'} follows no placement file")
+        new = share_cpus(will_run, cpus)
+        old_loans = {b: lender for b, lender in self.loans.items() if b in old and lender in old}
+        new_loans = {b: lender for b, lender in old_loans.items() if b in new and lender in new}
+        try:
+            rounds = handover_steps(old, new, old_loans, new_loans)
+        except HandoverError as exc:
+            return self._no_handover("error", str(exc))
+        stops = self.launcher.retire_timeout_s + HANDOVER_ROUND_TIMEOUT_S
+        self.handover = Handover(rounds, old, [stops if any(s.action == "stop" for s in r) else
+                                               HANDOVER_ROUND_TIMEOUT_S for r in rounds])
+        self._handover_starts = dict(start)
+        moves = ", ".join(f"{n} to CPUs {format_cpu_list(c)}" for n, c in new.items())
+        self.launcher.say(f"CPU handover begins: {moves} in {len(rounds)} round(s)")
+        return True
+
+    def _no_handover(self, kind: str, why: str) -> bool:
+        if kind not in self._said:  # each kind once: the next scale would say it again
+            self._said.add(kind)
+            self.launcher.say(f"warning: no CPU handover ({why}): the running workers stay on their CPUs, new ones "
+                              "start on free CPUs")
+        return False
+
+    def _advance_handover(self) -> None:
+        """The handover's next steps taken, once those before them are acked; its end, or where it stopped."""
+        handover = self.handover
+        assert handover is not None
+        for step in handover.advance(time.monotonic(), self._step_status):
+            self._take(step)
+        if handover.done:
+            self.launcher.say("CPU handover done")
+        elif handover.failed:
+            held = ", ".join(f"{n} on {format_cpu_list(c)}" for n, c in handover.held.items())
+            unstarted = [self._handover_starts[n] for n in handover.unstarted()]
+            self.launcher.say(f"warning: CPU handover stopped: {handover.failed}; every worker stays where it last "
+                              f"acked ({held})" + (f"; {', '.join(s.name for s in unstarted)} start on free CPUs"
+                                                   if unstarted else ""))
+            self._start(unstarted)
+        if handover.over:
+            self.handover, self._handover_starts = None, {}
+
+    def _take(self, step: Step) -> None:
+        sup = self.launcher.supervisor
+        try:
+            if step.action == "stop":
+                if sup.child(step.worker).state.value != "stopping":
+                    sup.retire(step.worker, self.launcher.retire_timeout_s)
+            elif step.action == "place":
+                generation = self.generations.get(step.worker, 0) + 1
+                write_placement(self.cpus_files[step.worker], Placement(generation, step.cpus, step.borrow_cpus))
+                self.generations[step.worker] = generation
+            else:
+                spec = self._handover_starts[step.worker]
+                self.launcher.start_service(dataclasses.replace(spec, settings=spec.settings.model_copy(update={
+                    "cpus": step.cpus, "cpu_loan": None, **({"borrow_cpus": None} if spec.role == "decode" else {})})))
+                self.placements[step.worker] = step.cpus
+                self.cpus_files[step.worker] = spec.settings.cpus_file
+                self.generations[step.worker] = 0
+        except (OSError, SupervisorError) as exc:
+            assert self.handover is not None
+            self.handover.refuse(step, str(exc))
+
+    def _step_status(self, step: Step) -> bool | str | None:
+        """(Handover.advance) True once `step` is acked, why it was refused, or None."""
+        name = step.worker
+        if step.action == "stop":
+            done = name not in {c.name for c in self.launcher.supervisor.children}
+            if done:
+                self.placements.pop(name, None)
+                self.launcher.say(f"CPU handover: {name} stopped")
+            return done or None
+        path = self.cpus_files.get(name)
+        if path is None:
+            return "it follows no placement file"
+        acked = placement_acked(path, self.generations[name])
+        if acked is None:
+            return None
+        if not acked:
+            ack = read_ack(path)
+            return (ack.error if ack is not None else "") or "refused"
+        self.placements[name] = step.cpus
+        self.launcher.say(f"CPU handover: {name} on CPUs {format_cpu_list(step.cpus)}"
+                          + (f", borrowing {format_cpu_list(step.borrow_cpus)}" if step.borrow_cpus else ""))
+        return True
 
     def _admit(self, new: list[topology.ServiceSpec]) -> None:
         """The embedded NATS server's config names every instance that runs or is about to (with --nats-auth):
@@ -258,6 +387,8 @@ class Scaler:
                 continue
             if spec.name in cpus:
                 self.placements[spec.name] = cpus[spec.name]
+                if getattr(spec.settings, "cpus_file", None):  # it follows its file: a later scale may move it
+                    self.cpus_files[spec.name], self.generations[spec.name] = spec.settings.cpus_file, 0
 
     def _publish(self) -> None:
         """The view the control API serves, and deployment.json's records of the pools."""
@@ -268,13 +399,21 @@ class Scaler:
         self.placements = {n: cpus for n, cpus in self.placements.items() if n in children}
         dep.desired = dict(self.desired)
         roles = self.roles_now()
-        for rec in dep.services:  # `splitserve ps` shows each worker in the pool it serves now
+        for rec in dep.services:  # `splitserve ps` shows each worker in the pool it serves now, on its CPUs
             rec.role = roles.get(rec.name, rec.role)
+            if rec.name in self.placements:
+                rec.cpus = format_cpu_list(self.placements[rec.name])
+        handover = self.handover
         retiring = [c.name for c in children.values() if c.role in SCALABLE and c.state.value == "stopping"]
         self._view = {"state": dep.state, "desired": dict(self.desired), "actual": pool_sizes(roles, retiring),
                       "retiring": retiring, "ready_url": (dep.gateway_url or "") + "/ready",
                       "role_switch": bool(launcher.options.role_switch),
+                      "cpu_handover": None if handover is None else {
+                          "round": handover.round + 1, "rounds": len(handover.rounds),
+                          "awaiting": sorted(handover.awaiting)},
                       "services": {n: {"role": roles[n], "state": c.state.value, "pid": c.pid,
+                                       **({"cpus": format_cpu_list(self.placements[n])} if n in self.placements
+                                          else {}),
                                        **({"planned_role": c.role} if roles[n] != c.role else {})}
                                    for n, c in children.items() if c.role in SCALABLE}}
 

@@ -155,6 +155,14 @@ def check_devices(topology: str, device: str, prefill_device: str | None, decode
                          "(give --device cuda, or the pool's --prefill-device/--decode-device)")
 
 
+PLACED_ROLES = ("decode", "prefill")  # the workers that follow a placement file (a stage after the head cannot)
+
+
+def placement_file(directory: str, name: str) -> str:
+    """Worker `name`'s placement file (its --cpus-file)."""
+    return f"{directory}/{name}.cpus"
+
+
 def _with_cpus(drafts: list[_Draft], up: UpSettings, run: ResolvedRun) -> list[_Draft]:
     """Each model worker its share of the CPUs; in disagg each paired prefill worker lends its CPUs through a loan
     file to its decode worker (`pair_cpu_loans`)."""
@@ -168,6 +176,10 @@ def _with_cpus(drafts: list[_Draft], up: UpSettings, run: ResolvedRun) -> list[_
             loan = f"{run.cpu_loan_dir}/{lender}.loan"
             extra[lender]["cpu_loan"] = loan
             extra[borrower] |= {"cpu_loan": loan, "borrow_cpus": shares[lender]}
+    if run.cpu_placement_dir is not None:  # the launcher moves them at runtime (a scale) through this file
+        for name in shares:
+            if role[name] in PLACED_ROLES:
+                extra[name]["cpus_file"] = placement_file(run.cpu_placement_dir, name)
     return [_Draft(d.name, d.kind, {**d.given, **extra.get(d.name, {})}, d.url) for d in drafts]
 
 

@@ -3,11 +3,14 @@
 The gateway fake answers GET /ready with $FAKE_HEALTH (default 200), saying
 every service is ready, and GET /health with 200. A role named in $FAKE_CRASH,
 or in the file $FAKE_CRASH_FILE names, exits 1 at once. Every fake exits 0 on
-SIGTERM.
+SIGTERM. A model worker given --cpus-file answers its placement file as a real one does (FILE.ack), without
+moving; with $FAKE_REFUSE_CPUS set it refuses every placement after its first (generation 0), and with
+$FAKE_SILENT_CPUS it never answers one after its first.
 """
 
 import argparse
 import http.server
+import json
 import os
 import signal
 import sys
@@ -22,6 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--instance-id")
+    parser.add_argument("--cpus-file")
     args, _ = parser.parse_known_args(argv[2:])
     print(f"fake {role} {args.instance_id}: {' '.join(argv)}", flush=True)
     crash_file = os.environ.get("FAKE_CRASH_FILE")
@@ -52,13 +56,41 @@ def main(argv: list[str]) -> int:
 
         server = http.server.ThreadingHTTPServer((args.host, args.port), Handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
+    seen = None
     while not stopping:
+        if args.cpus_file:
+            seen = answer_placement(args.cpus_file, seen)
         time.sleep(0.05)
     if server is not None:
         server.shutdown()
         server.server_close()
     print("fake stopped", flush=True)
     return 0
+
+
+def answer_placement(path: str, seen):
+    """The placement file's new version answered (the protocol of services.common.cpu_placement); the version seen."""
+    try:
+        with open(path) as fh:
+            version = os.fstat(fh.fileno()).st_mtime_ns, os.fstat(fh.fileno()).st_ino
+            if version == seen:
+                return seen
+            placement = json.load(fh)
+    except FileNotFoundError:
+        return seen
+    generation = placement["generation"]
+    if generation > 0 and os.environ.get("FAKE_SILENT_CPUS"):
+        return version
+    if generation > 0 and os.environ.get("FAKE_REFUSE_CPUS"):
+        ack = {"generation": generation, "applied": False, "error": "fake refusal"}
+    else:
+        ack = {"generation": generation, "applied": True, "cpus": placement["cpus"],
+               "borrow_cpus": placement.get("borrow_cpus", "")}
+    tmp = f"{path}.ack.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(ack, fh)
+    os.replace(tmp, f"{path}.ack")
+    return version
 
 
 if __name__ == "__main__":

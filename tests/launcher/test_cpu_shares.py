@@ -83,3 +83,15 @@ def test_a_decode_worker_borrows_one_cpu_beside_one_of_its_own():
                             ((1, 2), (0,), "loan"), ((2,), (0, 1), "loan")):
         with pytest.raises(ValueError):
             check_borrowing(own, lent, loan)
+
+
+def test_each_pinned_decode_and_prefill_worker_follows_a_placement_file_of_its_own():
+    specs = topology.plan(*_config(topology="disagg", cpus=(0, 1), cpu_placement_dir="/run/cpus"))
+    files = {s.name: s.settings.cpus_file for s in specs if getattr(s.settings, "cpus_file", None)}
+    assert files == {"prefill-0": "/run/cpus/prefill-0.cpus", "decode-0": "/run/cpus/decode-0.cpus"}
+    decode = next(s for s in specs if s.name == "decode-0")
+    assert decode_settings(list(decode.args), environ={}).cpus_file == "/run/cpus/decode-0.cpus"
+    # Unpinned workers have nothing to follow; without the directory, nothing is followed.
+    for config in (_config(topology="colocated", cpu_placement_dir="/run/cpus"),
+                   _config(topology="colocated", cpus=(0, 1))):
+        assert not any("--cpus-file" in s.args for s in topology.plan(*config))

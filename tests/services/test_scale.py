@@ -74,3 +74,53 @@ def test_a_decode_worker_added_serves_and_one_removed_mid_stream_loses_nothing(t
     finally:
         if up.proc.poll() is None:
             os.killpg(up.proc.pid, signal.SIGKILL)
+
+
+def held_through(lines: list[str], held: dict[str, str]) -> list[dict[str, str]]:
+    """Each worker's CPUs after each move the launcher recorded (`CPU handover: NAME on CPUs L` / `NAME stopped`)."""
+    moments = [dict(held)]
+    for line in lines:
+        said = line.partition("splitserve up: CPU handover: ")[2].strip()
+        name, _, rest = said.partition(" ")
+        if rest.startswith("on CPUs "):
+            held[name] = rest.removeprefix("on CPUs ").partition(",  borrowing")[0]
+        elif rest == "stopped":
+            held.pop(name)
+        else:
+            continue
+        moments.append(dict(held))
+    return moments
+
+
+def threads_on(pid: int) -> set[str]:
+    return {line.split(":", 1)[1].strip() for task in os.listdir(f"/proc/{pid}/task")
+            for line in open(f"/proc/{pid}/task/{task}/status") if line.startswith("Cpus_allowed_list")}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1 to share out")
+def test_a_scale_hands_the_running_workers_cpus_over_never_two_workers_on_one(tmp_path, default_model):
+    up = start_up(tmp_path / "run", "--topology", "colocated", "--cpus", "0,1")  # 2 workers, a CPU each
+    try:
+        assert {s["name"]: s.get("cpus") for s in ps(up.run_dir)["services"] if s["role"] == "decode"} == \
+            {"decode-0": "0,1"}
+        result = splitserve("scale", "decode=2", "--run-dir", str(up.run_dir), "--wait", "--timeout", "120",
+                            timeout_s=150)
+        assert result.returncode == 0, result.stderr
+        services = {s["name"]: s for s in ps(up.run_dir)["services"] if s["role"] == "decode"}
+        assert {n: s.get("cpus") for n, s in services.items()} == {"decode-0": "0", "decode-1": "1"}
+        acks = {n: json.loads((up.run_dir / "cpus" / f"{n}.cpus.ack").read_text()) for n in services}
+        assert acks["decode-0"] == {"generation": 1, "applied": True, "cpus": "0", "borrow_cpus": ""}
+        assert acks["decode-1"] == {"generation": 0, "applied": True, "cpus": "1", "borrow_cpus": ""}
+        assert threads_on(services["decode-0"]["pid"]) == {"0"} and threads_on(services["decode-1"]["pid"]) == {"1"}
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+        assert httpx.post(f"{up.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert up.stop() == 0
+        moments = held_through(up.proc.stdout.read().splitlines(), {"decode-0": "0,1"})
+        assert moments[-1] == {"decode-0": "0", "decode-1": "1"}, moments
+        for held in moments:  # at no recorded moment is a CPU held by two workers
+            cpus = [cpu for listed in held.values() for cpu in listed.split(",")]
+            assert len(cpus) == len(set(cpus)), moments
+    finally:
+        if up.proc.poll() is None:
+            os.killpg(up.proc.pid, signal.SIGKILL)
