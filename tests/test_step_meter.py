@@ -24,7 +24,7 @@ def test_a_workers_step_counts_are_counters_by_kind():
     meter.record(0.5, 3, 0)
     meter.record(2.0, 0, 1000)
     entry = SimpleNamespace(role="decode", instance_id="decode-0", kv_blocks_total=0,
-                            details={"steps": meter.details()})
+                            details={"engine_steps": meter.details()})
     registry = CollectorRegistry()
     registry.register(StatsCollector(lambda: [entry]))
     found = {(s.name, s.labels.get("kind")): s.value
@@ -35,3 +35,17 @@ def test_a_workers_step_counts_are_counters_by_kind():
     assert found[("splitserve_engine_step_seconds_total", "prompt")] == 2.0
     assert found[("splitserve_engine_step_sequences_total", "decode")] == 3
     assert found[("splitserve_engine_step_prompt_tokens_total", None)] == 1000
+
+
+def test_a_stages_own_step_counts_are_not_read_as_engine_steps():
+    """A pipeline stage's details have "steps" of their own (forwarded, failed): the scrape still works."""
+    stage = SimpleNamespace(role="stage", instance_id="stage-1", kv_blocks_total=0,
+                            details={"steps": {"forwarded": 3}, "utilization": {"idle_fraction": 0.5,
+                                                                                  "busy_seconds": 1.5,
+                                                                                  "idle_seconds": 1.5}})
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(lambda: [stage]))
+    text = generate_latest(registry).decode()
+    assert 'splitserve_pipeline_stage_busy_seconds_total{instance="stage-1",service="stage"} 1.5' in text or \
+        'splitserve_pipeline_stage_busy_seconds_total{service="stage",instance="stage-1"} 1.5' in text
+    assert "splitserve_engine_steps_total{" not in text

@@ -200,7 +200,7 @@ class EngineWorker:
                    "kv_events": dict(self.kv_events.counts), **cpu_share_details(self.engine_loop.cpu_share),
                    "registry_lapses": self.heartbeat.num_lapses,
                    "registry_outages": self.heartbeat.num_outages, "shm_segments": segments_held(),
-                   "kv_memory_sizing": self.engine.memory_sizing, "steps": self.engine_loop.steps.details(),
+                   "kv_memory_sizing": self.engine.memory_sizing, "engine_steps": self.engine_loop.steps.details(),
                    **self.role.details(),
                    **({"role_switch": self.role_switch.details()} if self.role_switch is not None else {})}
         for part in self.parts:

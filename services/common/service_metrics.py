@@ -118,7 +118,7 @@ def _add_worker(series: dict, labels: list[str], entry) -> None:
             series["store_bytes"].add_metric([*labels, tier], store[tier]["bytes"])
             series["store_blocks"].add_metric([*labels, tier], store[tier]["blocks"])
             series["store_evictions"].add_metric([*labels, tier], store["evictions"][tier])
-    _add_steps(series, labels, details.get("steps"))
+    _add_steps(series, labels, details.get("engine_steps"))  # (a stage's "steps" are its own counts)
     _add_pipeline(series, labels, details.get("utilization"), details.get("link"))
     _add_cpu_loan(series, labels, details.get("cpu_loan"))
 
