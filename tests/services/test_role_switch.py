@@ -7,8 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import nats
@@ -18,24 +16,12 @@ from contracts import (HandoffReply, PrefillJob, ServiceStats, StatsRequest, Sub
                        TransferTicket)
 from shared.engine import SamplingParams
 from shared.bus.permissions import inbox_prefix
-from support.metrics import matching, samples
-from support.processes import ROOT, service_env
 from support.sse import stream, streamed_text
 from support.up import MODEL, start_up
 from support.waiting import wait_until
+from test_scale import ps, running_on, splitserve
 
 TOKENS = 500
-
-
-def splitserve(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli.main", *args], capture_output=True, text=True,
-                          env=service_env(), cwd=ROOT, timeout=timeout_s)
-
-
-def ps(run_dir) -> dict:
-    result = splitserve("ps", "--run-dir", str(run_dir), "--json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def as_instance(up, name: str, act):
@@ -68,10 +54,6 @@ def stats_of(up, instance: str) -> ServiceStats:
         return ServiceStats.decode((await nc.request(s.stats(instance), StatsRequest().encode(), timeout=5)).data)
 
     return as_instance(up, "gateway-0", ask)[0]
-
-
-def running_on(base_url: str, instance: str) -> float:
-    return sum(matching(samples(base_url), "vllm:num_requests_running", instance=instance))
 
 
 @pytest.mark.timeout(240)
@@ -137,7 +119,8 @@ def test_a_decode_worker_switched_to_prefill_mid_stream_loses_nothing_and_switch
         assert same.returncode == 2 and "decode-1 is prefill already" in same.stderr
 
         # And back: a decode worker again (epoch 2), serving streams exactly.
-        back = splitserve("switch", "decode-1", "decode", "--run-dir", str(up.run_dir), "--wait", "--timeout", "60")
+        back = splitserve("switch", "decode-1", "decode", "--run-dir", str(up.run_dir), "--wait", "--timeout", "60",
+                          timeout_s=120)
         assert back.returncode == 0, back.stderr
         assert "switched decode-1 to decode (role epoch 2)" in back.stdout and "settled" in back.stdout
         assert ps(up.run_dir)["pools"]["decode"] == {"desired": 2, "running": 2, "retiring": 0}
