@@ -19,6 +19,8 @@ from contracts.messages import (
     RequestFailed,
     RoleSwitch,
     RoleSwitchReply,
+    ServeModel,
+    ServeModelReply,
     ServiceInfo,
     ServiceStats,
     StageActivation,
@@ -34,13 +36,14 @@ from contracts.messages import (
     TransferTicket,
     WorkerLoad,
 )
-from contracts.subjects import Sender, Subjects, check_token, from_anyone, sender_of, sent_by
+from contracts.subjects import Sender, Subjects, check_token, from_anyone, model_namespace, sender_of, sent_by
 
 __all__ = [
     "Assignment", "CancelRequest", "ContractError", "GenerateRequest", "HandoffReply",
     "KVEvents", "KVShipped", "KVSnapshotRequest", "KVStoreGet", "KVStoreLookup", "KVStorePut", "KVStoreReply",
-    "LogprobEntry", "Message", "PrefillJob", "PrefillResult", "RequestFailed", "RoleSwitch", "RoleSwitchReply", "ServiceInfo",
+    "LogprobEntry", "Message", "PrefillJob", "PrefillResult", "RequestFailed", "RoleSwitch", "RoleSwitchReply", "ServeModel",
+    "ServeModelReply", "ServiceInfo",
     "ServiceStats", "StageActivation", "StageShipment", "StageTicketReply", "StageTicketRequest", "StatsRequest", "StepTrace",
     "STREAM_ALIVE_EVERY_S", "Sender", "StreamAlive", "Subjects", "TokenChunk", "TransferEndpoint", "TransferTicket", "WorkerLoad", "check_token", "decode_one_of",
-    "from_anyone", "sender_of", "sent_by",
+    "from_anyone", "model_namespace", "sender_of", "sent_by",
 ]

@@ -246,6 +246,26 @@ class RoleSwitchReply(Message, tag="role_switch_reply", kw_only=True):
     switch_s: float = 0.0  # from the drain's end to serving in the new role, registered
 
 
+class ServeModel(Message, tag="serve_model", kw_only=True):
+    """admin (the launcher, for `splitserve models serve|unserve`) -> the gateway: start routing `served_name` to
+    the pools in `namespace` (its tokenizer, chat template and context length read from `model`, a model
+    directory), or stop (`serve` false: new requests for it get 404, open streams finish)."""
+
+    served_name: str
+    serve: bool
+    model: str = ""
+    namespace: str = ""
+
+
+class ServeModelReply(Message, tag="serve_model_reply", kw_only=True):
+    """The gateway's answer once it routes (or no longer routes) the model."""
+
+    ok: bool
+    models: list[str]  # the served names it routes now
+    code: str = ""  # when not ok: "unknown_model" | "already_served" | "last_model" | "failed"
+    error: str = ""
+
+
 class StageShipment(Part, kw_only=True):
     """A prompt completing in a pipeline step whose KV each stage ships, its own layers, straight to the decode
     worker: where (the ticket), its blocks and tokens, and the head's attempt at the job (for its reports)."""

@@ -11,6 +11,7 @@ only subjects ending in its own name, so the server vouches for the sender and
 the receiver reads it back with `sender_of`.
 """
 
+import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,19 @@ def sender_of(subject: str) -> Sender:
     head, _, instance_id = subject.rpartition(".")
     role = head.rpartition(".")[2]
     return Sender(role, instance_id)
+
+
+def model_namespace(namespace: str, served_name: str) -> str:
+    """Where the pools of a deployment's model other than its first live: `{namespace}-{slug of its served name}`.
+
+    Each model's scheduler, workers and kv-store run in a namespace of their own, so a worker's credential
+    (issued for its namespace) reaches only its model's subjects; the gateway holds one connection per model.
+    A name that does not make a valid token as it is (a '/', a '.') gets a short hash of itself appended, so two
+    served names never share a namespace."""
+    slug = re.sub(r"[^a-z0-9_-]+", "-", served_name.lower()).strip("-")[:40] or "model"
+    if slug != served_name:
+        slug += "-" + hashlib.blake2b(served_name.encode(), digest_size=3).hexdigest()
+    return check_token(f"{namespace}-{slug}", "model namespace")
 
 
 def from_anyone(subject: str) -> str:
@@ -144,6 +158,11 @@ class Subjects:
     def role_switch(self, instance_id: str) -> str:
         """Where one switchable worker takes the operator's `RoleSwitch`: only the admin key may publish here."""
         return f"{self.namespace}.control.{check_token(instance_id, 'instance id')}.switch"
+
+    def gateway_models(self, instance_id: str) -> str:
+        """Where one gateway takes the operator's `ServeModel` (start or stop routing a model): only the admin key
+        may publish here."""
+        return f"{self.namespace}.control.{check_token(instance_id, 'instance id')}.models"
 
     @property
     def cancel(self) -> str:

@@ -43,7 +43,7 @@ def test_every_message_class_has_its_own_type_name_and_round_trips_its_defaults(
                if isinstance(getattr(contracts, name), type) and issubclass(getattr(contracts, name), Message)
                and getattr(contracts, name) is not Message]
     names = [cls.type_name() for cls in classes]
-    assert len(classes) == 25 and len(set(names)) == len(names) and all(names)
+    assert len(classes) == 27 and len(set(names)) == len(names) and all(names)
     request = generate_request(prefill="remote", prefill_instance="prefill-2")
     assert GenerateRequest.decode(request.encode()) == request
     chunk = TokenChunk(request_id="r", seq=3, token_ids=[7], text="a", logprobs=[LogprobEntry(token_id=7, logprob=-0.5)])

@@ -65,6 +65,15 @@ class Permissions:
                 "allow_responses": self.allow_responses}
 
 
+def merged(*permissions: Permissions) -> Permissions:
+    """One credential's permissions for several deployments' jobs (a gateway routing several models: its
+    gateway permissions in each model's namespace)."""
+    publish = [subject for p in permissions for subject in p.publish]
+    subscribe = [subject for p in permissions for subject in p.subscribe]
+    return Permissions(publish=tuple(dict.fromkeys(publish)), subscribe=tuple(dict.fromkeys(subscribe)),
+                       allow_responses=any(p.allow_responses for p in permissions))
+
+
 def acts_as(role: str, switchable: bool = False) -> tuple[str, ...]:
     """The roles an instance of `role` may speak as (its registry entries, the names it signs with)."""
     if switchable and role in SWITCHABLE:
@@ -172,8 +181,8 @@ def _stage(me: _Me) -> tuple[list[str], list[str]]:
 
 def _gateway(me: _Me) -> tuple[list[str], list[str]]:
     s = me.s
-    # It asks every service for its stats when its /metrics is scraped.
-    return [s.submit, s.cancel, s.any(s.stats)], [s.tokens_wildcard(me.id)]
+    # It asks every service for its stats when its /metrics is scraped; it takes the operator's model changes.
+    return [s.submit, s.cancel, s.any(s.stats)], [s.tokens_wildcard(me.id), s.gateway_models(me.id)]
 
 
 def _scheduler(me: _Me) -> tuple[list[str], list[str]]:
