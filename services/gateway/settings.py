@@ -96,9 +96,10 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
                                     "(new ones get 503) before the rest end with an error event", metavar="S")
     chat_template: str | None = option(None, "the chat template to render /v1/chat/completions with instead of the "
                                        "tokenizer's: a Jinja file, or the template itself", metavar="FILE|TEMPLATE")
-    also_serve: AlsoServeList = option((), "also route requests for the model NAME to the scheduler and workers in "
-                                       "NAMESPACE, its tokenizer, chat template and context read from MODEL (a "
-                                       "directory, or whatever --model takes); repeatable", flag="--also-serve",
+    also_serve: AlsoServeList = option((), "also serve the model NAME=MODEL@NAMESPACE: route requests for NAME "
+                                       "to the scheduler and workers in NAMESPACE (a namespace of its own), its "
+                                       "tokenizer, chat template and context read from MODEL (a directory, or "
+                                       "whatever --model takes)", flag="--also-serve",
                                        metavar="NAME=MODEL@NAMESPACE", env="SPLITSERVE_ALSO_SERVE", many=True)
 
     @model_validator(mode="after")
