@@ -14,7 +14,6 @@ from services.common.identity import ServiceIdentity
 from services.common.queues import join_deployment
 from services.gateway import readiness
 from services.gateway.admission import Admission
-from services.gateway.also_serve import AlsoServe
 from services.gateway.errors import model_not_found
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_backend import BusAccess, ModelBackend
@@ -48,10 +47,10 @@ class Gateway:
         self.backends: dict[str, ModelBackend] = {}  # served name -> backend, the first model first
         self.metrics = GatewayMetrics(self._scrape_services, settings.instance_id, self._model_figures)
         template = read_chat_template(settings.chat_template) if settings.chat_template else None
-        first = ModelInfo.load(settings.model, settings.served_model_name, template)
-        self._add(ModelBackend(first, settings.namespace, settings, self.bus, self.metrics.of_model(first.served_name)))
+        self._add(self._backend(ModelInfo.load(settings.model, settings.served_model_name, template),
+                                settings.namespace))
         for other in settings.also_serve:
-            self._add(self._backend(ModelInfo.load(other.model, other.name), other))
+            self._add(self._backend(ModelInfo.load(other.model, other.name), other.namespace))
         self.identity = ServiceIdentity(settings.instance_id, "gateway")
         self.tenants = TenantDirectory.of(settings.api_keys, settings.keys_file)
         # One tenant has nobody to be fair to: its requests go on as they come (a burst's prompts batch together).
@@ -63,8 +62,8 @@ class Gateway:
         self._changing = asyncio.Lock()  # one model change at a time
         self._leaving: tuple[ModelBackend, ...] = ()  # backends being unserved: their open requests still count
 
-    def _backend(self, model: ModelInfo, where: AlsoServe) -> ModelBackend:
-        return ModelBackend(model, where.namespace, self.settings, self.bus, self.metrics.of_model(model.served_name))
+    def _backend(self, model: ModelInfo, namespace: str) -> ModelBackend:
+        return ModelBackend(model, namespace, self.settings, self.bus, self.metrics.of_model(model.served_name))
 
     def _add(self, backend: ModelBackend) -> None:
         if backend.name in self.backends:
@@ -165,7 +164,7 @@ class Gateway:
             return self._reply(*refused)
         try:
             model = await load_model_info(command.model, command.served_name)
-            backend = self._backend(model, AlsoServe(command.served_name, model.model_dir, command.namespace))
+            backend = self._backend(model, command.namespace)
             await backend.start()
         except Exception as exc:  # a model that does not load, NATS refusing the namespace: said, nothing changes
             return self._reply("failed", f"{command.served_name!r} could not be served: {exc}")
@@ -191,11 +190,13 @@ class Gateway:
 
     # ---- deployment state -------------------------------------------------------------
     def _judged(self) -> dict[str, dict]:
-        expect_first = readiness.expected(self.settings.expect, self.run_dir)
+        """Each model's part of /ready: the first (in the deployment's namespace) by --expect, the others by what
+        a request needs."""
+        expect = readiness.expected(self.settings.expect, self.run_dir)
         return {name: readiness.judge_model(readiness.ready_counts(backend.services),
-                                            expect_first if i == 0 else readiness.ANOTHER_MODEL_NEEDS,
-                                            connected=backend.connected)
-                for i, (name, backend) in enumerate(self.backends.items())}
+                                            expect if backend.namespace == self.settings.namespace
+                                            else readiness.ANOTHER_MODEL_NEEDS, connected=backend.connected)
+                for name, backend in self.backends.items()}
 
     def liveness(self) -> tuple[int, dict]:
         """/health: 200 unless the NATS connection is closed for good; what the deployment looks like."""
