@@ -7,6 +7,8 @@ are what the workers' queues hold, first come first served, so keeping them few 
 queue here (`fair_queue`). A turn waits at most `timeout_s` (then 429), and at most `max_queued` of each tenant
 wait (one tenant's flood takes no other's room).
 The `Ticket` frees the turn at the first token and the rest when the request ends, charging its usage.
+All of it is the gateway's, across the models it serves: a tenant's limits and the queue count its requests to
+every model (the model names only the series its request counts in).
 """
 
 import asyncio
