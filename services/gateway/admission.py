@@ -7,6 +7,8 @@ are what the workers' queues hold, first come first served, so keeping them few 
 queue here (`fair_queue`). A turn waits at most `timeout_s` (then 429), and at most `max_queued` of each tenant
 wait (one tenant's flood takes no other's room).
 The `Ticket` frees the turn at the first token and the rest when the request ends, charging its usage.
+All of it is the gateway's, across the models it serves: a tenant's limits and the queue count its requests to
+every model (the model names only the series its request counts in).
 """
 
 import asyncio
@@ -35,8 +37,8 @@ def limit_error(tenant: Tenant, limit: str, retry_after_s: float) -> RequestErro
 class Ticket:
     """One admitted request's hold on its tenant's in-flight count and, once given, a turn."""
 
-    def __init__(self, admission: "Admission", tenant: Tenant, cost: int):
-        self.admission, self.tenant, self.cost = admission, tenant, cost
+    def __init__(self, admission: "Admission", tenant: Tenant, cost: int, model: str = ""):
+        self.admission, self.tenant, self.cost, self.model = admission, tenant, cost, model
         self.holds_turn = False
         self.turn: asyncio.Future | None = None
         self.done = False
@@ -68,11 +70,12 @@ class Admission:
     def in_flight(self, tenant: str) -> int:
         return self._in_flight.get(tenant, 0)
 
-    def enter(self, tenant: Tenant, prompt_tokens: int, cost: int) -> Ticket:
-        """A ticket for the request, or its 429 (`limit_error`)."""
+    def enter(self, tenant: Tenant, prompt_tokens: int, cost: int, model: str = "") -> Ticket:
+        """A ticket for the request (to `model`, which labels its tenant's series), or its 429 (`limit_error`). The
+        limits count the tenant's requests to every model."""
         name = tenant.name
         if tenant.max_in_flight and self.in_flight(name) >= tenant.max_in_flight:
-            self.metrics.rejected(name, "max_in_flight")
+            self.metrics.rejected(model, name, "max_in_flight")
             raise limit_error(tenant, "max_in_flight", 1.0)
         if tenant.tokens_per_minute:
             now = self.clock()
@@ -80,11 +83,11 @@ class Admission:
             bucket, wait_s = token_bucket.admit(bucket, prompt_tokens, now)
             self._buckets[name] = bucket
             if wait_s is not None:
-                self.metrics.rejected(name, "tokens_per_minute")
+                self.metrics.rejected(model, name, "tokens_per_minute")
                 raise limit_error(tenant, "tokens_per_minute", wait_s)
         self._in_flight[name] = self.in_flight(name) + 1
-        self.metrics.admitted(name)
-        return Ticket(self, tenant, cost)
+        self.metrics.admitted(model, name)
+        return Ticket(self, tenant, cost, model)
 
     async def wait_turn(self, ticket: Ticket) -> None:
         """Until the request may be sent on; StreamError("queue_full") when too many wait or its wait runs out."""
@@ -92,7 +95,7 @@ class Admission:
             self._give_turn(ticket)
             return
         if self._queue.queued(ticket.tenant.name) >= self.max_queued:
-            self.metrics.rejected(ticket.tenant.name, "queue_full")
+            self.metrics.rejected(ticket.model, ticket.tenant.name, "queue_full")
             raise StreamError("queue_full", f"{self.max_queued} requests of this tenant already wait at the gateway",
                               retry_after_s=1.0)
         ticket.turn = asyncio.get_running_loop().create_future()
@@ -104,7 +107,7 @@ class Admission:
             if ticket.holds_turn:  # given as the wait ran out: take it
                 return
             self._queue.remove(ticket.tenant.name, ticket)
-            self.metrics.rejected(ticket.tenant.name, "queue_timeout")
+            self.metrics.rejected(ticket.model, ticket.tenant.name, "queue_timeout")
             raise StreamError("queue_full", f"the request waited {self.timeout_s:g} s at the gateway for its turn; "
                                             "try again shortly", retry_after_s=1.0) from None
         except BaseException:  # cancelled: the client left
@@ -136,4 +139,4 @@ class Admission:
             self._in_flight.pop(name, None)
         if name in self._buckets:
             self._buckets[name] = token_bucket.charge(self._buckets[name], completion, self.clock())
-        self.metrics.finished(name, status, prompt, completion)
+        self.metrics.finished(ticket.model, name, status, prompt, completion)

@@ -2,7 +2,7 @@
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, PlainSerializer
+from pydantic import BeforeValidator, PlainSerializer, model_validator
 
 from services.common.service_settings import (
     ApiKeys,
@@ -16,6 +16,7 @@ from services.common.service_settings import (
     Seconds,
 )
 from services.common.settings import option
+from services.gateway.also_serve import AlsoServe, check_served_models, parse_also_serve
 
 
 def parse_expect(value: Any) -> Any:
@@ -34,6 +35,16 @@ def parse_expect(value: Any) -> Any:
 def expect_text(counts: dict[str, int]) -> str:
     """{"decode": 2, "scheduler": 1} -> "decode=2,scheduler=1" (what `parse_expect` reads)."""
     return ",".join(f"{role}={n}" for role, n in counts.items())
+
+
+def parse_also_serve_all(values: Any) -> Any:
+    if isinstance(values, (list, tuple)):
+        return tuple(parse_also_serve(value) for value in values)
+    return values
+
+
+AlsoServeList = Annotated[tuple[AlsoServe, ...], BeforeValidator(parse_also_serve_all),
+                          PlainSerializer(lambda models: [str(model) for model in models])]
 
 
 class GatewayServiceSettings(ModelSettings, BusSettings):
@@ -85,3 +96,13 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
                                     "(new ones get 503) before the rest end with an error event", metavar="S")
     chat_template: str | None = option(None, "the chat template to render /v1/chat/completions with instead of the "
                                        "tokenizer's: a Jinja file, or the template itself", metavar="FILE|TEMPLATE")
+    also_serve: AlsoServeList = option((), "also serve the model NAME=MODEL@NAMESPACE: route requests for NAME "
+                                       "to the scheduler and workers in NAMESPACE (a namespace of its own), its "
+                                       "tokenizer, chat template and context read from MODEL (a directory, or "
+                                       "whatever --model takes)", flag="--also-serve",
+                                       metavar="NAME=MODEL@NAMESPACE", env="SPLITSERVE_ALSO_SERVE", many=True)
+
+    @model_validator(mode="after")
+    def _models_apart(self) -> "GatewayServiceSettings":
+        check_served_models(self.served_model_name, self.namespace, self.also_serve)
+        return self

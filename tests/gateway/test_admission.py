@@ -16,7 +16,8 @@ def admission(max_dispatched=1, timeout_s=5.0, max_queued=16, clock=None):
     registry = CollectorRegistry()
     gate = Admission(TenantMetrics(registry, {"service": "gateway"}), max_dispatched, timeout_s, max_queued,
                      **({"clock": clock} if clock else {}))
-    return gate, lambda name, **labels: registry.get_sample_value(name, {"service": "gateway", **labels}) or 0
+    return gate, lambda name, **labels: registry.get_sample_value(name, {"model_name": "", "service": "gateway",
+                                                                          **labels}) or 0
 
 
 def test_past_max_in_flight_is_429_and_other_tenants_go_on():
@@ -34,6 +35,20 @@ def test_past_max_in_flight_is_429_and_other_tenants_go_on():
     assert sample("splitserve_tenant_rejected_total", tenant="a", reason="max_in_flight") == 1
     assert sample("splitserve_tenant_tokens_total", tenant="a", kind="completion") == 3
     assert sample("splitserve_tenant_requests_in_flight", tenant="a") == 1
+
+
+def test_a_tenants_limits_count_its_requests_to_every_model_and_its_series_name_each():
+    gate, sample = admission()
+    limited = Tenant("a", max_in_flight=1)
+    ticket = gate.enter(limited, 4, 8, "model-a")
+    with pytest.raises(RequestError):
+        gate.enter(limited, 4, 8, "model-b")  # the tenant's one request in flight is model-a's
+    ticket.finish("ok", (4, 3, 0))
+    gate.enter(limited, 4, 8, "model-b")
+    assert sample("splitserve_tenant_rejected_total", model_name="model-b", tenant="a", reason="max_in_flight") == 1
+    assert sample("splitserve_tenant_tokens_total", model_name="model-a", tenant="a", kind="completion") == 3
+    assert sample("splitserve_tenant_requests_in_flight", model_name="model-a", tenant="a") == 0
+    assert sample("splitserve_tenant_requests_in_flight", model_name="model-b", tenant="a") == 1
 
 
 def test_tokens_per_minute_refuses_with_the_refill_time():
