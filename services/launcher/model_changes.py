@@ -70,7 +70,8 @@ class ModelChanges:
         first = records[0].name if records else None
         models = [{**vars(m), "first": m.name == first,
                    "ready": self._ready(m.namespace) if m.state != MODEL_FAILED else {}} for m in records]
-        models += [{"name": name, "state": MODEL_FAILED, "error": error} for name, error in dict(self.failed).items()]
+        models += [{"name": name, "state": MODEL_FAILED, "error": error} for name, error in dict(self.failed).items()
+                   if name not in {m.name for m in records}]  # (while its services retire, it is listed stopping)
         return {"models": models}
 
     def _ready(self, namespace: str) -> dict[str, int]:
