@@ -537,7 +537,7 @@ class Launcher:
             missing = [s.instance_id for s in planned if not creds_path(creds_dir, s.instance_id).is_file()]
             if missing:
                 raise LaunchError(f"--nats-creds-dir {creds_dir} lacks the credentials of: {', '.join(missing)} "
-                                  "(`splitserve nats-auth DIR --instance ROLE:ID ...` writes them)", 2)
+                                  "(`splitserve nats-auth DIR --instance ROLE:ID[@NAMESPACE] ...` writes them)", 2)
             admin = creds_path(creds_dir, ADMIN)
             self._admin = credentials_from(str(admin), environ={}) if admin.is_file() else None
         return o.nats, creds_dir, o.nats_tls_ca, None
@@ -640,7 +640,7 @@ class Launcher:
             dep.nats.nodes = [NatsNode(name=n.server_name, url=n.url, pid=n.pid, start_time=n.start_time,
                                        restarts=n.restarts, log=str(n.log_path)) for n in others]
         snapshot = (dep.state, dep.message, repr(dep.nats), [repr(s) for s in dep.services], repr(dep.desired),
-                    dep.control_socket)
+                    dep.control_socket, repr(dep.models))
         if force or snapshot != self._snapshot:
             self._snapshot = snapshot
             try:
