@@ -85,7 +85,7 @@ class ModelChanges:
             return {}
 
     def serve(self, body: object) -> tuple[int, dict]:
-        if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not isinstance(body.get("model"), str):
+        if not isinstance(body, dict) or not all(isinstance(body.get(key), str) for key in ("name", "model")):
             return 400, {"error": 'the body is {"name": NAME, "model": MODEL, KEY: VALUE, ...}'}
         name = body["name"]
         try:
@@ -146,17 +146,18 @@ class ModelChanges:
         launcher, name = self.launcher, model.served_name
         needed = needed_to_serve(topology.expected_counts(model.up, topology.run_of(launcher.resolved, model)))
         deadline = time.monotonic() + launcher.options.ready_timeout_s
-        short = needed
-        while short:
+        while True:
             if launcher.stop_requested or name in self._cancelled:
                 return
             short = missing(self._ready(model.namespace), needed)
-            if short and time.monotonic() >= deadline:
+            if not short:
+                break
+            if time.monotonic() >= deadline:
                 lacking = ", ".join(f"{role} ({n} more)" for role, n in short.items())
                 self._fail(name, f"its services were not registered ready in {model.namespace} within "
                                  f"{launcher.options.ready_timeout_s:g} s (no ready {lacking}; see its logs)")
                 return
-            time.sleep(REGISTRY_POLL_S if short else 0)
+            time.sleep(REGISTRY_POLL_S)
         with self._gateway_lock:
             if name in self._cancelled:
                 return
