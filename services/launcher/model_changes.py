@@ -200,7 +200,7 @@ class ModelChanges:
         scaler.start_services(specs, scaler.cpus_of(name))
         launcher.say(f"serving model {name} in namespace {model.namespace}: starting "
                      f"{', '.join(s.name for s in specs)}; the gateway takes it once they are ready")
-        scaler._publish()
+        scaler.publish()
         return 200, {"name": name, "namespace": model.namespace, "state": MODEL_STARTING,
                      "starting": [s.name for s in specs]}
 
@@ -230,7 +230,7 @@ class ModelChanges:
             launcher.say(f"warning: model {name} is not served: {failure}; its services retire")
         else:
             launcher.say(f"unserving model {name}: retiring {', '.join(c.name for c in members) or 'nothing'}")
-        scaler._publish()
+        scaler.publish()
         return 200, {"name": name, "retiring": [c.name for c in members]}
 
     def step(self) -> None:

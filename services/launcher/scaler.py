@@ -223,7 +223,7 @@ class Scaler:
                     self.desired[role] = max(1, self.desired[role] + change)
         self.launcher.say(f"switched {name} from {before} to {to}: desired "
                           f"{', '.join(f'{r}={n}' for r, n in self.desired.items())}")
-        self._publish()
+        self.publish()
         return 200, {"desired": dict(self.desired)}
 
     def _forget_restarted(self) -> None:
@@ -273,7 +273,7 @@ class Scaler:
         if self.handover is not None:  # one handover at a time: what changed meanwhile is reconciled after it
             self._advance_handover()
             if self.handover is not None:
-                self._publish()
+                self.publish()
                 return [], []
         started, retired = [], []
         for model, desired in self.pools.items():
@@ -282,7 +282,7 @@ class Scaler:
             retired += retire
             if self.handover is not None:
                 break
-        self._publish()
+        self.publish()
         return started, retired
 
     def _reconcile_model(self, model: str, desired: dict[str, int]) -> tuple[list[str], list[str]]:
@@ -423,7 +423,7 @@ class Scaler:
                 if getattr(spec.settings, "cpus_file", None):  # it follows its file: a later scale may move it
                     self.cpus_files[spec.name], self.generations[spec.name] = spec.settings.cpus_file, 0
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """The view the control API serves (the first model's pools at its top, every further model's under
         "models"), and deployment.json's records of the pools."""
         launcher = self.launcher
