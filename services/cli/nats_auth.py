@@ -136,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
         write_private(creds_dir / f"{instance.instance_id}.env", f"{SEED_ENV}={seed}\n{ca_env}".encode())
     config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace, tls, pipelines,
                                  switchable)
-    known_now = {"instances": {i.instance_id: i.role + "".join(f"@{ns}" for ns in i.namespaces if i.role != "gateway")
-                               for i in instances},
+    known_now = {"instances": {i.instance_id: _kept(i) for i in instances},
                  "pipelines": [[p.head, list(p.stages)] for p in pipelines], "role_switch": switchable}
     write_private(creds_dir / INSTANCES_FILE, (json.dumps(known_now, indent=1) + "\n").encode())
     print(f"wrote ID.nk and ID.env for {', '.join(i.instance_id for i in public_keys)}, and {config.name}, "
@@ -195,6 +194,13 @@ def _instance(text: str) -> Instance:
         return Instance(role, instance_id, (namespace,) if namespace else ())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kept(instance: Instance) -> str:
+    """ROLE[@NAMESPACE], as DIR/instances.json keeps an instance (a gateway's namespaces: every model's, each run)."""
+    if instance.role == "gateway" or not instance.namespaces:
+        return instance.role
+    return f"{instance.role}@{instance.namespaces[0]}"
 
 
 def _spelled(instance_id: str, known_role: str) -> str:

@@ -26,8 +26,6 @@ from services.prefill.settings import PrefillSettings
 from services.scheduler.settings import SchedulerSettings
 from shared.bus.permissions import Pipeline
 
-TOPOLOGIES = ("colocated", "disagg", "pipeline")
-
 
 @dataclass(frozen=True)
 class ServiceSpec:

@@ -124,3 +124,37 @@ def test_each_instance_is_admitted_to_its_own_namespace_and_the_gateway_to_every
         assert not allows(b_worker["publish"]["allow"], subject) and not allows(b_worker["subscribe"]["allow"], subject)
     assert {"dep.tokens.gateway-0.*.*.*", "dep-b.tokens.gateway-0.*.*.*"} <= set(gateway["subscribe"]["allow"])
     assert {"dep.scheduler.submit", "dep-b.scheduler.submit"} <= set(gateway["publish"]["allow"])
+
+
+def test_nats_auth_issues_keys_for_a_further_models_namespace_and_the_gateway_spans_them(tmp_path, capsys):
+    """For a --nats server: `--instance ROLE:ID@NAMESPACE` is a further model's service, its key for that namespace
+    alone; the gateway's key spans every namespace the directory knows, kept across runs."""
+    import json
+
+    from services.cli import main as cli_main
+
+    def permissions() -> dict[str, dict]:
+        from services.launcher.nats_auth import public_key
+
+        users = json.loads((tmp_path / "nats-auth.conf").read_text())["authorization"]["users"]
+        by_key = {u["nkey"]: u["permissions"] for u in users}
+        return {name: by_key[public_key((tmp_path / f"{name}.nk").read_bytes())]
+                for name in ("gateway-0", "decode-0", "m1-decode-0") if (tmp_path / f"{name}.nk").exists()}
+
+    base = ["nats-auth", str(tmp_path), "--namespace", "dep"]
+    assert cli_main.main([*base, "--instance", "gateway:gateway-0", "--instance", "decode:decode-0"]) == 0
+    assert not allows(permissions()["gateway-0"]["subscribe"]["allow"], "dep-b.tokens.gateway-0.r1.decode.x")
+    assert cli_main.main([*base, "--instance", "decode:m1-decode-0@dep-b"]) == 0
+    said = capsys.readouterr().out
+    assert "--namespace dep-b` (once" in said  # each namespace provisioned
+    for run in range(2):  # the second run, with nothing new, keeps it all
+        users = permissions()
+        assert allows(users["gateway-0"]["subscribe"]["allow"], "dep-b.tokens.gateway-0.r1.decode.m1-decode-0")
+        assert allows(users["gateway-0"]["subscribe"]["allow"], "dep.tokens.gateway-0.r1.decode.decode-0")
+        assert allows(users["m1-decode-0"]["subscribe"]["allow"], "dep-b.worker.m1-decode-0.generate")
+        for subject in MODEL_A_SUBJECTS:
+            assert not allows(users["m1-decode-0"]["publish"]["allow"], subject), subject
+            assert not allows(users["m1-decode-0"]["subscribe"]["allow"], subject), subject
+        assert cli_main.main(base) == 0
+    with pytest.raises(SystemExit):
+        cli_main.main([*base, "--instance", "decode:m1-decode-1@"])
