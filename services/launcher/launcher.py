@@ -614,7 +614,8 @@ class Launcher:
 
         assert self.resolved is not None
         budget = o.planner_budget or default_budget(o, self.resolved.cpus, os.cpu_count() or 1)
-        spec = planner_spec(o, self.deployment.gateway_url, str(self.control.path), budget, free_port())
+        spec = planner_spec(o, self.deployment.gateway_url, str(self.control.path), budget, free_port(),
+                            self.resolved.served_model_name)
         try:
             self.start_service(spec)
         except SupervisorError as exc:  # the deployment serves on, unplanned
