@@ -308,7 +308,8 @@ async def generate(gateway: Gateway, backend: ModelBackend, request: Request, re
 
     with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):
         with _failures_counted(telemetry):
-            check_admission(gateway.num_waiting() + n - 1, gateway.settings.max_waiting_requests, gateway.draining)
+            check_admission(backend.streams.num_waiting() + n - 1, gateway.settings.max_waiting_requests,
+                            gateway.draining)
             turn = _in_turn(gateway, request, telemetry, len(prompt_ids), len(prompt_ids) + sampling.max_tokens * n,
                             backend.name, lambda: submit(0))
             stream = await _unless_disconnected(request, turn, discard=backend.request_bus.release)

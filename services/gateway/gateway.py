@@ -94,10 +94,6 @@ class Gateway:
             raise model_not_found(name)
         return backend
 
-    def num_waiting(self) -> int:
-        """Requests without a first token yet, over every model (and one being unserved): what admission bounds."""
-        return sum(b.streams.num_waiting() for b in self._every_backend())
-
     def open_requests(self) -> int:
         return sum(len(b.streams) for b in self._every_backend())
 

@@ -131,7 +131,7 @@ class _PerModel:
     def _families(self):
         labels = ["model_name", *self._service_labels]
         return (GaugeMetricFamily("splitserve_gateway_requests_waiting", "Requests at this gateway without a first "
-                                  "token yet (what --max-waiting-requests bounds, over every model)", labels=labels),
+                                  "token yet (what --max-waiting-requests bounds, for each model)", labels=labels),
                 CounterMetricFamily("splitserve_gateway_forged_events", "Token-stream events dropped: their sender "
                                     "does not speak for the request", labels=labels))
 

@@ -77,11 +77,11 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
     migration_limit: Count = option(3, "times a request moves to another worker, from the "
                                     "tokens its client has, when its worker fails or stalls under it (0: it fails "
                                     "instead)", metavar="N")
-    max_waiting_requests: Count = option(256, "admission control: with this many requests "
-                                         "still waiting for their first token, a new one is refused with 429 and "
+    max_waiting_requests: Count = option(256, "admission control: with this many requests to a model "
+                                         "still waiting for their first token, a new one to it is refused with 429 and "
                                          "Retry-After before anything is queued (0: no bound); and each tenant's room in "
                                          "the fair queue", metavar="N")
-    max_dispatched: Count = option(8, "requests sent on to the workers without a first token yet, at most; the "
+    max_dispatched: Count = option(8, "requests sent on to a model's workers without a first token yet, at most; the "
                                    "others wait here in per-tenant fair queues, the highest priority first, then "
                                    "fair shares of tokens (0: no bound, first come first served; with one tenant there is "
                                    "no bound: nobody to be fair to)", metavar="N")

@@ -51,6 +51,32 @@ def test_a_tenants_limits_count_its_requests_to_every_model_and_its_series_name_
     assert sample("splitserve_tenant_requests_in_flight", model_name="model-b", tenant="a") == 1
 
 
+def test_each_model_has_its_own_turns_a_flood_of_one_holds_none_of_anothers():
+    async def run():
+        gate, _ = admission(max_dispatched=1)
+        held = gate.enter(Tenant("a"), 4, 8, "model-a")
+        await gate.wait_turn(held)  # model-a's one turn
+        flood = [gate.enter(Tenant("a"), 4, 8, "model-a") for _ in range(3)]
+        waiting = [asyncio.create_task(gate.wait_turn(t)) for t in flood]
+        await asyncio.sleep(0)
+        assert gate.queued == 3 and gate.dispatched == 1
+        other = gate.enter(Tenant("a"), 4, 8, "model-b")
+        await asyncio.wait_for(gate.wait_turn(other), 1.0)  # at once: model-b's turns are its own
+        assert other.holds_turn and gate.dispatched == 2 and gate.queued == 3
+        other.finish("ok", (4, 1, 0))
+        assert not any(t.holds_turn for t in flood)  # model-b's freed turn is not model-a's
+        held.first_token()
+        await asyncio.sleep(0)
+        assert [t.done() for t in waiting] == [True, False, False] and gate.dispatched == 1
+        for ticket, task in zip(flood, waiting):
+            await task
+            ticket.finish("ok", (4, 1, 0))
+        held.finish("ok", (4, 1, 0))
+        assert gate.dispatched == 0 and gate.queued == 0
+
+    asyncio.run(run())
+
+
 def test_tokens_per_minute_refuses_with_the_refill_time():
     now = [0.0]
     gate, sample = admission(clock=lambda: now[0])
