@@ -34,7 +34,7 @@ def test_a_stream_whose_worker_is_killed_goes_on_on_another_worker(nats_server, 
     # Seeded sampling once (a moved request is prefilled where it decodes in either topology).
     samplings = {"greedy": SAMPLINGS["greedy"]} if disagg else SAMPLINGS
     try:
-        for name, sampling in samplings.items():
+        for n, (name, sampling) in enumerate(samplings.items()):
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True,
                     "stream_options": {"include_usage": True}, **sampling}
             reference = stream(deployment.base_url, body)
@@ -54,10 +54,13 @@ def test_a_stream_whose_worker_is_killed_goes_on_on_another_worker(nats_server, 
             assert text == "".join(e["choices"][0]["text"] for e in reference if e["choices"]), name
             assert events[-1]["usage"]["completion_tokens"] == 200
             assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
-            # Moved once, to the other worker; the killed one comes back (as its supervisor would start it).
+            # Moved once, to the other worker; the killed one comes back (as its supervisor would start it) for the
+            # next sampling's stream to have two workers again.
             rid = request_id_of(events[0])
             moved = assignments.wait_for(lambda a: a.request_id == f"{rid}-moved-1", 10, "never moved")
             assert moved.worker_instance != killed[0]
+            if n == len(samplings) - 1:
+                break
             deployment.restart(killed[0])
             wait_until(lambda: killed[0] in deployment.registered(), 60, "the killed worker never came back")
             deployment.wait_scheduler_sees("decode", 2)

@@ -42,7 +42,8 @@ def test_a_decode_worker_added_serves_and_one_removed_mid_stream_loses_nothing(t
     try:
         bodies = [{"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0}
                   for prompt in ("Once upon a time", "The list of primes")]
-        references = [streamed_text(stream(up.url, body)) for body in bodies]
+        with ThreadPoolExecutor(len(bodies)) as pool:  # the undisturbed runs, side by side
+            references = list(pool.map(lambda body: streamed_text(stream(up.url, body, timeout_s=120)), bodies))
 
         result = splitserve("scale", "decode=2", "--run-dir", str(up.run_dir), "--wait", "--timeout", "120",
                             timeout_s=150)
