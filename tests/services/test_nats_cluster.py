@@ -46,7 +46,8 @@ def test_a_three_node_cluster_keeps_three_copies_and_a_nodes_loss_costs_no_reque
                 for name in replicas} >= {"requests", "prefill", "registry"}, replicas
         assert {r for r, _ in replicas.values()} == {3}, replicas
 
-        body = {"model": MODEL, "prompt": "A story about the sea", "max_tokens": 1500, "ignore_eos": True,
+        # Long enough to stream well past a node's loss (killed at the 50th chunk) and the reconnects it causes.
+        body = {"model": MODEL, "prompt": "A story about the sea", "max_tokens": 600, "ignore_eos": True,
                 "temperature": 0}
         reference = streamed_text(stream(run.url, body))
         # Each node in turn is killed under six streams (the launcher starts it again, on its port): the
