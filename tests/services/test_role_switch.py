@@ -17,9 +17,9 @@ from contracts import (HandoffReply, PrefillJob, ServiceStats, StatsRequest, Sub
 from shared.engine import SamplingParams
 from shared.bus.permissions import inbox_prefix
 from support.sse import stream, streamed_text
-from support.up import MODEL, start_up
+from support.up import MODEL, ps, start_up
 from support.waiting import wait_until
-from test_scale import ps, running_on, splitserve
+from test_scale import running_on, splitserve
 
 TOKENS = 500
 

@@ -14,7 +14,7 @@ import pytest
 from support.metrics import matching, samples
 from support.processes import ROOT, service_env
 from support.sse import stream, streamed_text
-from support.up import MODEL, start_up
+from support.up import MODEL, ps, start_up
 from support.waiting import wait_until
 
 TOKENS = 600
@@ -23,12 +23,6 @@ TOKENS = 600
 def splitserve(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli.main", *args], capture_output=True, text=True,
                           env=service_env(), cwd=ROOT, timeout=timeout_s)
-
-
-def ps(run_dir) -> dict:
-    result = splitserve("ps", "--run-dir", str(run_dir), "--json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def running_on(base_url: str, instance: str) -> float:
