@@ -16,13 +16,21 @@ def reference_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@torch.inference_mode()
 def reference_greedy(model_dir: str, prompt: list[int], max_new_tokens: int, ignore_eos: bool = True):
     """(generated ids, smallest top-2 logit margin along the trajectory)."""
+    tokens, margin = _greedy(model_dir, tuple(prompt), max_new_tokens, ignore_eos)
+    return list(tokens), margin
+
+
+# Many tests ask for the same prompts' references (the same seeds): each is generated once a session. A model
+# directory's weights never change under it (`reference_model` keeps them by directory already).
+@functools.lru_cache(maxsize=512)
+@torch.inference_mode()
+def _greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_eos: bool):
     model = reference_model(model_dir)
     kwargs = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
     out = model.generate(
-        torch.tensor([prompt]),
+        torch.tensor([list(prompt)]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         do_sample=False,
         max_new_tokens=max_new_tokens,
@@ -32,7 +40,7 @@ def reference_greedy(model_dir: str, prompt: list[int], max_new_tokens: int, ign
         **kwargs,
     )
     margins = [float(torch.topk(step[0].float(), 2).values.diff().abs()) for step in out.logits]
-    return out.sequences[0, len(prompt):].tolist(), min(margins)
+    return tuple(out.sequences[0, len(prompt):].tolist()), min(margins)
 
 
 def safe_prompts(model_dir: str, vocab_size: int, lengths: list[int], max_new_tokens: int, seed: int = 0):

@@ -8,7 +8,9 @@ import pytest
 
 from support.processes import ROOT
 
-TINY = ["--preset", "tiny", "--duration", "3", "--short-rate", "2", "--long-every", "2", "--long-prompt-tokens", "300"]
+# The smallest load that still has short requests (with gaps to measure) and a long one in each topology.
+TINY = ["--preset", "tiny", "--duration", "2", "--short-rate", "2", "--short-max-tokens", "8", "--long-every", "2",
+        "--long-prompt-tokens", "300"]
 
 
 def _alive(pid: int) -> bool:
@@ -42,7 +44,8 @@ def test_bench_interference_tiny(default_model, tmp_path, capsys):
     assert set(RESULT_KEYS) <= set(results)
     assert {"cpu_count", "torch_version"} <= set(results["machine"])
     config = results["config"]
-    assert config["preset"] == "tiny" and config["duration"] == 3 and config["long_prompt_tokens"] == 300
+    assert config["preset"] == "tiny" and config["duration"] == 2 and config["long_prompt_tokens"] == 300
+    assert config["short_max_tokens"] == 8
     assert config["topologies"] == ["colocated", "disagg"]
     assert results["model"]["max_position_embeddings"] >= 300
 

@@ -1,5 +1,6 @@
-"""`splitserve bench`: its metric arithmetic on synthetic timestamps, its workloads, its arrivals, and a run
-against a real deployment writing the JSON it promises."""
+"""`splitserve bench`: its metric arithmetic on synthetic timestamps, its workloads, its arrivals, and runs
+against a real deployment (one for the module) writing the JSON they promise: a run, a rate sweep and the
+shifting trace."""
 
 import argparse
 import json
@@ -11,6 +12,7 @@ import pytest
 
 from services.bench.metrics import RequestRecord, compute_metrics, summary_ms
 from services.bench.serve import arrival_times
+from services.bench.trace import SHIFTING, trace_arrivals
 from services.bench.datasets import build_dataset
 from support.deployment import start_deployment
 from support.processes import ROOT
@@ -91,43 +93,6 @@ def test_datasets(default_model, tmp_path):
         build_dataset(workload(dataset="nope"), None)
 
 
-@pytest.mark.timeout(300)
-def test_bench_against_a_running_deployment(nats_server, default_model, tmp_path):
-    deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=2)
-    try:
-        out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-        done = subprocess.run(
-            [sys.executable, "-m", "services.cli.main", "bench", "--url", deployment.base_url, "--dataset", "random",
-             "--num-prompts", "12", "--input-len", "40", "--output-len", "6", "--request-rate", "20",
-             "--max-concurrency", "4", "--ignore-eos", "--slo-ttft-ms", "60000", "--out", str(out), "--plot", str(plot),
-             "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        assert "Successful requests:" in done.stdout and "Time to First Token" in done.stdout
-        result = json.loads(out.read_text())
-        assert {"ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "request_throughput", "output_throughput", "goodput",
-                "completed", "failed", "requests"} <= set(result)
-        assert result["completed"] == 12 and result["failed"] == 0 and len(result["requests"]) == 12
-        assert result["total_output_tokens"] == 12 * 6 and result["total_input_tokens"] == 12 * 40
-        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-            stats = result[key]
-            assert 0 < stats["p50"] <= stats["p90"] <= stats["p95"] <= stats["p99"], key
-        assert result["ttft_ms"]["p50"] <= result["e2el_ms"]["p50"]
-        assert result["goodput"] == pytest.approx(result["request_throughput"])  # a 60 s SLO: every request met it
-        # A gap per chunk with text: at most one per token after the first (a token inside a character has none).
-        assert all(1 <= len(r["itl_ms"]) <= 5 for r in result["requests"])
-        assert plot.stat().st_size > 10_000
-        # The chat endpoint too, with the mixed dataset.
-        done = subprocess.run(
-            [sys.executable, "-m", "services.cli.main", "bench", "--url", f"{deployment.base_url}/v1", "--endpoint",
-             "chat", "--dataset", "mixed", "--num-prompts", "6", "--input-len", "20", "--output-len", "4",
-             "--long-input-len", "200", "--no-progress", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-            timeout=240)
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert json.loads(out.read_text())["completed"] == 6
-    finally:
-        deployment.stop()
-
-
 @pytest.mark.timeout(600)  # a hang guard only
 def test_bench_compare_runs_each_topology_in_turn(default_model, tmp_path):
     out, plot = tmp_path / "compare.json", tmp_path / "compare.png"
@@ -148,3 +113,82 @@ def test_bench_compare_runs_each_topology_in_turn(default_model, tmp_path):
     prompts = [[r["prompt_tokens"] for r in result["requests"]] for result in report["results"].values()]
     assert prompts[0] == prompts[1]  # the same workload for both
     assert plot.stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def deployment(nats_server, default_model, tmp_path_factory):
+    """One deployment every run of `splitserve bench --url` in this module measures (two decode workers)."""
+    started = start_deployment(nats_server.url, tmp_path_factory.mktemp("logs"), default_model, workers=2)
+    yield started
+    started.stop()
+
+
+def bench(base_url: str, *options: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "services.cli.main", "bench", "--url", base_url, "--no-progress",
+                           *options], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done
+
+
+@pytest.mark.timeout(300)
+def test_bench_against_a_running_deployment(deployment, tmp_path):
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    done = bench(deployment.base_url, "--dataset", "random", "--num-prompts", "12", "--input-len", "40",
+                 "--output-len", "6", "--request-rate", "20", "--max-concurrency", "4", "--ignore-eos",
+                 "--slo-ttft-ms", "60000", "--out", str(out), "--plot", str(plot))
+    assert "Successful requests:" in done.stdout and "Time to First Token" in done.stdout
+    result = json.loads(out.read_text())
+    assert {"ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "request_throughput", "output_throughput", "goodput",
+            "completed", "failed", "requests"} <= set(result)
+    assert result["completed"] == 12 and result["failed"] == 0 and len(result["requests"]) == 12
+    assert result["total_output_tokens"] == 12 * 6 and result["total_input_tokens"] == 12 * 40
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        stats = result[key]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p95"] <= stats["p99"], key
+    assert result["ttft_ms"]["p50"] <= result["e2el_ms"]["p50"]
+    assert result["goodput"] == pytest.approx(result["request_throughput"])  # a 60 s SLO: every request met it
+    # A gap per chunk with text: at most one per token after the first (a token inside a character has none).
+    assert all(1 <= len(r["itl_ms"]) <= 5 for r in result["requests"])
+    assert plot.stat().st_size > 10_000
+    # The chat endpoint too, with the mixed dataset.
+    bench(f"{deployment.base_url}/v1", "--endpoint", "chat", "--dataset", "mixed", "--num-prompts", "6",
+          "--input-len", "20", "--output-len", "4", "--long-input-len", "200", "--out", str(out))
+    assert json.loads(out.read_text())["completed"] == 6
+
+
+@pytest.mark.timeout(240)
+def test_a_sweep_and_the_shifting_trace_against_a_deployment(deployment, tmp_path):
+    """`--sweep-rates` and `--dataset shifting`: the JSON they promise, with numbers that agree with each other."""
+    out = tmp_path / "sweep.json"
+    done = bench(deployment.base_url, "--ignore-eos", "--sweep-rates", "50,5", "--num-prompts", "6", "--input-len",
+                 "20", "--output-len", "5", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--out", str(out))
+    assert "| rate req/s | attainment |" in done.stdout
+    assert "max rate at >= 90% SLO attainment: 50 req/s (a swept rate; interpolated 50.00 req/s)" in done.stdout
+    result = json.loads(out.read_text())
+    sweep = result["sweep"]
+    assert [row["rate"] for row in sweep["rows"]] == [5, 50] and len(result["runs"]) == 2
+    assert sweep["attainment_target"] == 0.9 and sweep["max_rate"] in (5, 50)
+    assert (result["completed"], result["failed"]) == (12, 0)
+    for row, run in zip(sweep["rows"], result["runs"]):
+        assert run["settings"]["request_rate"] == row["rate"] and run["completed"] == 6
+        assert 0 <= row["slo_attainment"] <= 1 and row["slo_attainment"] == 1  # a minute's SLOs: all met
+        assert row["goodput"] == pytest.approx(row["request_throughput"])
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"] and 0 < row["tpot_p50_ms"] <= row["tpot_p90_ms"]
+    assert result["runs"][0]["settings"]["seed"] != result["runs"][1]["settings"]["seed"]  # new prompts
+
+    # The shifting trace, a second per phase at four times its rates, under a TTFT no request can meet.
+    done = bench(deployment.base_url, "--ignore-eos", "--dataset", "shifting", "--phase-seconds", "1",
+                 "--trace-rate-scale", "4", "--seed", "2", "--long-input-len", "60", "--long-output-len", "2",
+                 "--decode-heavy-input-len", "8", "--decode-heavy-output-len", "12", "--input-len", "20",
+                 "--output-len", "5", "--slo-ttft-ms", "0.001", "--out", str(out))
+    assert "| phase | completed |" in done.stdout
+    result = json.loads(out.read_text())
+    expected = {}
+    for _, index in trace_arrivals(SHIFTING, 1.0, 4.0, seed=2):
+        expected[SHIFTING[index].name] = expected.get(SHIFTING[index].name, 0) + 1
+    assert {name: figures["completed"] for name, figures in result["phases"].items()} == expected
+    assert list(result["phases"]) == [phase.name for phase in SHIFTING if phase.name in expected]
+    assert result["completed"] == sum(expected.values()) and result["slo_attainment"] == 0
+    assert all(figures["slo_attainment"] == 0 for figures in result["phases"].values())
+    outputs = {(r["phase"], r["output_tokens"]) for r in result["requests"]}
+    assert outputs <= {("prefill-heavy", 2), ("decode-heavy", 12), ("ramp-up", 5), ("ramp-down", 5)}

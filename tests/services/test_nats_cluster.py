@@ -1,7 +1,6 @@
 """`splitserve up --nats-cluster 3`: three NATS servers clustered, every stream and bucket on all three, and the
 loss of any one of them under streaming load costs no request."""
 
-import json
 import os
 import signal
 import subprocess
@@ -13,15 +12,8 @@ import pytest
 from support.jetstream import all_current, stream_replicas
 from support.processes import ROOT, service_env
 from support.sse import stream, streamed_text
-from support.up import MODEL, start_up
+from support.up import MODEL, ps, start_up
 from support.waiting import wait_until
-
-
-def ps(run_dir) -> dict:
-    result = subprocess.run([sys.executable, "-m", "services.cli.main", "ps", "--run-dir", str(run_dir), "--json"],
-                            capture_output=True, text=True, env=service_env(), cwd=ROOT, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def admin_creds(nats_state: dict) -> None:
@@ -46,7 +38,8 @@ def test_a_three_node_cluster_keeps_three_copies_and_a_nodes_loss_costs_no_reque
                 for name in replicas} >= {"requests", "prefill", "registry"}, replicas
         assert {r for r, _ in replicas.values()} == {3}, replicas
 
-        body = {"model": MODEL, "prompt": "A story about the sea", "max_tokens": 1500, "ignore_eos": True,
+        # Long enough to stream well past a node's loss (killed at the 50th chunk) and the reconnects it causes.
+        body = {"model": MODEL, "prompt": "A story about the sea", "max_tokens": 600, "ignore_eos": True,
                 "temperature": 0}
         reference = streamed_text(stream(run.url, body))
         # Each node in turn is killed under six streams (the launcher starts it again, on its port): the

@@ -9,9 +9,8 @@ import httpx
 import pytest
 
 from support.metrics import matching, samples
-from support.up import MODEL, start_up
+from support.up import MODEL, ps, start_up
 from support.waiting import wait_until
-from test_scale import ps
 
 
 def keep_asking(url: str, stop: threading.Event) -> None:

@@ -11,10 +11,9 @@ import pytest
 
 from support.metrics import matching, samples
 from support.sse import stream, streamed_text
-from support.up import MODEL, start_up
+from support.up import MODEL, ps, start_up
 from support.waiting import wait_until
 from test_planner import keep_asking
-from test_scale import ps
 
 PROMPTS = [[(11 * p + 3 * t) % 500 + 20 for t in range(24)] for p in range(3)]
 

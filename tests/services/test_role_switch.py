@@ -17,9 +17,9 @@ from contracts import (HandoffReply, PrefillJob, ServiceStats, StatsRequest, Sub
 from shared.engine import SamplingParams
 from shared.bus.permissions import inbox_prefix
 from support.sse import stream, streamed_text
-from support.up import MODEL, start_up
+from support.up import MODEL, ps, start_up
 from support.waiting import wait_until
-from test_scale import ps, running_on, splitserve
+from test_scale import running_on, splitserve
 
 TOKENS = 500
 
@@ -62,7 +62,8 @@ def test_a_decode_worker_switched_to_prefill_mid_stream_loses_nothing_and_switch
     try:
         bodies = [{"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0}
                   for prompt in ("Once upon a time", "The list of primes", "In the beginning")]
-        references = [streamed_text(stream(up.url, body)) for body in bodies]
+        with ThreadPoolExecutor(len(bodies)) as pool:  # the undisturbed runs, side by side
+            references = list(pool.map(lambda body: streamed_text(stream(up.url, body, timeout_s=120)), bodies))
 
         # Mid-stream: decode-1's streams run on for half a second, then move (as on a SIGTERM drain).
         with ThreadPoolExecutor(len(bodies)) as pool:

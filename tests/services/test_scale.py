@@ -14,7 +14,7 @@ import pytest
 from support.metrics import matching, samples
 from support.processes import ROOT, service_env
 from support.sse import stream, streamed_text
-from support.up import MODEL, start_up
+from support.up import MODEL, ps, start_up
 from support.waiting import wait_until
 
 TOKENS = 600
@@ -23,12 +23,6 @@ TOKENS = 600
 def splitserve(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli.main", *args], capture_output=True, text=True,
                           env=service_env(), cwd=ROOT, timeout=timeout_s)
-
-
-def ps(run_dir) -> dict:
-    result = splitserve("ps", "--run-dir", str(run_dir), "--json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def running_on(base_url: str, instance: str) -> float:
@@ -42,7 +36,8 @@ def test_a_decode_worker_added_serves_and_one_removed_mid_stream_loses_nothing(t
     try:
         bodies = [{"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0}
                   for prompt in ("Once upon a time", "The list of primes")]
-        references = [streamed_text(stream(up.url, body)) for body in bodies]
+        with ThreadPoolExecutor(len(bodies)) as pool:  # the undisturbed runs, side by side
+            references = list(pool.map(lambda body: streamed_text(stream(up.url, body, timeout_s=120)), bodies))
 
         result = splitserve("scale", "decode=2", "--run-dir", str(up.run_dir), "--wait", "--timeout", "120",
                             timeout_s=150)

@@ -13,19 +13,13 @@ import pytest
 from support.metrics import matching, samples
 from support.processes import ROOT, free_port, service_env
 from support.sse import stream, streamed_text
-from support.up import MODEL, start_up
+from support.up import MODEL, ps, start_up
 from support.waiting import wait_until
 
 
 def splitserve(*args, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli.main", *args], capture_output=True, text=True,
                           env=service_env(), cwd=ROOT, timeout=60, **kwargs)
-
-
-def ps(run_dir) -> dict:
-    result = splitserve("ps", "--run-dir", str(run_dir), "--json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,5 +1,6 @@
 """`splitserve up` as the tests run it: a real launcher process, started until it says ready."""
 
+import json
 import os
 import signal
 import subprocess
@@ -55,3 +56,14 @@ def start_up(run_dir: Path, *args: str, env: dict | None = None, namespace: str 
             return run
     run.stop(timeout_s=10)
     raise AssertionError("splitserve up did not become ready:\n" + "".join(run.output))
+
+
+def ps(run_dir: Path) -> dict:
+    """What `splitserve ps --run-dir RUN_DIR --json` prints, read here: the command's own snapshot without a
+    process start (about 2 s of CPU) for every look (tests/launcher run the command itself)."""
+    from services.cli.ps import snapshot
+    from services.launcher.deployment import read_deployment, resolve_run_dir
+
+    deployment = read_deployment(resolve_run_dir(run_dir))
+    assert deployment is not None, f"no deployment in {run_dir}"
+    return json.loads(json.dumps(snapshot(deployment)))
