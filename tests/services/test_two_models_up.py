@@ -9,8 +9,8 @@ import signal
 import httpx
 import pytest
 
-from support.up import MODEL, start_up
-from test_scale import ps, splitserve
+from support.up import MODEL, ps, start_up
+from test_scale import splitserve
 
 pytestmark = [pytest.mark.timeout(300)]
 
