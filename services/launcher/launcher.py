@@ -94,6 +94,7 @@ from shared.bus.provision import ProvisionError, replicas_for
 from shared.private_files import private_dir
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PLANNER_START_S = 30.0  # a planner imports little: past this it is reported, and the deployment serves on
 
 
 class LaunchError(Exception):
@@ -621,8 +622,20 @@ class Launcher:
         except SupervisorError as exc:  # the deployment serves on, unplanned
             self._say(f"warning: the SLO planner did not start: {exc}")
             return
+        if not self._answers(spec.url, PLANNER_START_S):  # serves on unplanned, said so; the supervisor retries
+            self._say(f"warning: the SLO planner's metrics ({spec.url}) did not answer within {PLANNER_START_S:g} s")
         self._say(f"SLO planner: ttft p90 {o.ttft_slo_ms:g} ms, itl p90 {o.itl_slo_ms:g} ms, budget {budget} workers"
                   + (", dry run" if o.planner_dry_run else "") + f"; its metrics: {spec.url}")
+
+    def _answers(self, url: str, timeout_s: float) -> bool:
+        """Whether `url` answers 200 within `timeout_s` (the supervisor kept stepping meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._stop_requested and time.monotonic() < deadline:
+            self._step(starting=True)
+            if probe_health(url, timeout_s=1.0)[0] == 200:
+                return True
+            self._sleep(self.poll_interval_s)
+        return False
 
     def _record(self, force: bool = False) -> None:
         """Copy live state into deployment.json when it changed."""
