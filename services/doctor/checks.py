@@ -144,7 +144,7 @@ def api_port(host: str, port: int, run_dir: Path | None = None) -> list[Check]:
     """Whether `splitserve up` could listen on host:port: free, or already served by the running deployment of
     `run_dir` (its own gateway: nothing to fix)."""
     from services.launcher.deployment import read_deployment
-    from services.launcher.launcher import LaunchError, check_port_free
+    from services.launcher.launch_checks import LaunchError, check_port_free
     from services.launcher.topology import http_url
 
     try:

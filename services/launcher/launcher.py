@@ -12,15 +12,10 @@ timeout. Everything else goes to stderr.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
-import shutil
 import signal
-import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import TextIO
 
@@ -53,22 +48,9 @@ from services.launcher.deployment import (
     read_deployment,
     write_deployment,
 )
-from services.launcher.log_files import RotatingLog
-from services.launcher.nats_auth import (
-    ADMIN_INSTANCE,
-    creds_path,
-    ensure_credentials,
-    new_seed,
-    public_key,
-    write_server_config,
-)
-from services.launcher.nats_server import (
-    EmbeddedNats,
-    EmbeddedNatsCluster,
-    NatsServerError,
-    jetstream_answers,
-    wait_for_nats,
-)
+from services.launcher.bus_start import external_bus, start_embedded_bus
+from services.launcher.launch_checks import LaunchError, check_port_free, check_settings, probe_health, resolve_model
+from services.launcher.nats_server import EmbeddedNats, EmbeddedNatsCluster, NatsServerError, wait_for_nats
 from services.launcher.procs import describe_exit, process_start_time
 from services.launcher.supervisor import (
     RestartPolicy,
@@ -77,92 +59,22 @@ from services.launcher.supervisor import (
     SupervisorEvent,
     should_give_up,
 )
-from services.launcher.tls_files import TLSFiles, make_deployment_tls
+from services.launcher.tls_files import TLSFiles
 from services.launcher.up_settings import UpSettings
 from services.launcher.model_spec import ModelSpec, check_served_names
-from services.launcher.served_models import FurtherModel, check_topology, further_model, pipeline_split, pipelined
+from services.launcher.served_models import FurtherModel, further_model, pipeline_split, pipelined
 from services.launcher.provision import provision
 from services.launcher.resolved_run import ResolvedRun
 from services.launcher.control_socket import ControlServer, socket_path
-from services.launcher.planner_spec import check_planner, default_budget, planner_spec
+from services.launcher.planner_spec import default_budget, planner_spec
 from services.launcher.scale_policy import desired_pools
 from services.launcher.scaler import Scaler
-from shared.bus.connection import nats_endpoints
-from shared.bus.credentials import BusCredentials, credentials_from
-from shared.bus.permissions import ADMIN
-from shared.bus.provision import ProvisionError, replicas_for
+from shared.bus.credentials import BusCredentials
+from shared.bus.provision import replicas_for
 from shared.private_files import private_dir
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PLANNER_START_S = 30.0  # a planner imports little: past this it is reported, and the deployment serves on
-
-
-class LaunchError(Exception):
-    """A reason to stop with a one-line message (no traceback) and an exit code."""
-
-    def __init__(self, message: str, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def cuda_devices() -> int:
-    """How many CUDA devices torch sees here (0 without a GPU or with torch's CPU build)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise LaunchError (exit 2) unless a server could listen on host:port."""
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise LaunchError(f"cannot listen on {host}:{port}: {exc.strerror}", 2) from None
-    for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as sock:
-            # As uvicorn does; still refused on Linux while another socket listens.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(addr)
-                sock.listen(1)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise LaunchError(f"port {port} on {host} is already in use", 2) from None
-                raise LaunchError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", 2) from None
-
-
-def probe_health(url: str, timeout_s: float = 2.0) -> tuple[int | None, str]:
-    """(HTTP status or None, a short description of the answer)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
-    try:
-        with opener.open(url, timeout=timeout_s) as resp:
-            return resp.status, resp.read(4096).decode(errors="replace")
-    except urllib.error.HTTPError as exc:
-        try:
-            body = exc.read(4096).decode(errors="replace")
-        except OSError:
-            body = ""
-        return exc.code, body
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return None, str(reason)
-
-
-def resolve_model(model: str | None, served_model_name: str | None, say) -> tuple[str, str]:
-    """(model directory, served name) of --model, or of the default model without one.
-
-    A known name is fetched into the cache on first use, a .gguf file
-    converted once (`shared.engine.model_registry`); `say` tells what it does.
-    """
-    from shared.engine import ModelFetchError, ModelLoadError, resolve_model as resolve
-
-    try:
-        resolved = resolve(model, say=say)
-    except ModelLoadError as exc:
-        raise LaunchError(str(exc), 1 if isinstance(exc, ModelFetchError) else 2) from None
-    if not (resolved.model_dir / "config.json").is_file():
-        raise LaunchError(f"{resolved.model_dir} is not a Hugging Face model directory (it has no config.json)", 2)
-    return str(resolved.model_dir), served_model_name or resolved.served_model_name
 
 
 def _tail(path: Path, lines: int = 20) -> list[str]:
@@ -249,7 +161,7 @@ class Launcher:
 
     def run(self) -> int:
         try:
-            self._validate()
+            check_settings(self.options)
             lock = RunDirLock(self.run_dir)
             try:
                 lock.acquire()
@@ -262,54 +174,6 @@ class Launcher:
             return self._run_locked()
         finally:
             lock.release()
-
-    def _validate(self) -> None:
-        o = self.options
-        from contracts.subjects import check_token
-
-        try:
-            check_token(o.namespace, "namespace")
-        except ValueError as exc:
-            raise LaunchError(str(exc), 2) from None
-        try:
-            check_topology(o)
-            check_planner(o)
-            check_served_names([spec.name for spec in o.further_models if spec.name is not None])
-        except ValueError as exc:
-            raise LaunchError(str(exc), 2) from None
-        wants_cuda = bool({o.device, o.prefill_device, o.decode_device} - {None, "cpu"})
-        try:
-            topology.check_devices(o.topology, o.device, o.prefill_device, o.decode_device, o.gpu_memory_utilization,
-                                   cuda_devices() if wants_cuda else 0,
-                                   pipelined=o.topology == "pipeline" or o.prefill_stages is not None)
-        except ValueError as exc:
-            raise LaunchError(str(exc), 2) from None
-        if not 0 < o.port < 65536:
-            raise LaunchError(f"--port {o.port} is not a TCP port", 2)
-        if o.nats is not None:
-            try:
-                nats_endpoints(o.nats)
-            except ValueError as exc:
-                raise LaunchError(str(exc), 2) from None
-        if o.tls and o.nats is not None:
-            raise LaunchError("--tls makes the embedded server's certificate; for a --nats server give its CA "
-                              "with --nats-tls-ca", 2)
-        if o.nats is not None and o.nats_cluster != 1:
-            raise LaunchError("--nats-cluster starts embedded servers; with --nats give every server's URL "
-                              "(URL,URL,...)", 2)
-        if o.nats is None:
-            try:
-                replicas_for(o.nats_replicas, o.nats_cluster)
-            except (ProvisionError, ValueError) as exc:
-                raise LaunchError(str(exc) + " (--nats-cluster N starts N)", 2) from None
-        if o.nats_tls_ca is not None and o.nats is None:
-            raise LaunchError("--nats-tls-ca is for a --nats server; the embedded one gets --tls", 2)
-        if o.nats_creds_dir is not None:
-            if o.nats is None:
-                raise LaunchError("--nats-creds-dir is for a --nats server; the embedded one gets its own", 2)
-            if not Path(o.nats_creds_dir).is_dir():
-                raise LaunchError(f"--nats-creds-dir {o.nats_creds_dir} is not a directory "
-                                  "(`splitserve nats-auth DIR` writes one)", 2)
 
     def _run_locked(self) -> int:
         o = self.options
@@ -349,23 +213,6 @@ class Launcher:
                 self._say(f"error: {failure}")
             self._shutdown(failure)
         return failure.exit_code
-
-    def _bus_config(self, tls: TLSFiles | None, specs: list[topology.ServiceSpec]) -> tuple[Path | None, Path]:
-        """The embedded server's config: with --nats-auth new credentials for every service instance in
-        RUN_DIR/creds, an admin key kept in this process only (`self._admin`), and the users that admit them;
-        with --tls its certificate."""
-        creds_dir = self.run_dir / "creds" if self.options.nats_auth else None
-        public_keys = {}
-        if creds_dir is not None:
-            shutil.rmtree(creds_dir, ignore_errors=True)  # an earlier deployment's instances are not admitted
-            public_keys = ensure_credentials(creds_dir, topology.instances_of(specs), fresh=True)
-            admin_seed = new_seed()
-            public_keys[ADMIN_INSTANCE] = public_key(admin_seed)
-            self._admin = BusCredentials(nkey_seed=admin_seed.decode())
-        config = write_server_config(self.run_dir / "nats.conf", public_keys, self.options.namespace,
-                                     (tls.cert, tls.key) if tls is not None else None, topology.pipelines_of(specs),
-                                     self.options.role_switch)
-        return creds_dir, config
 
     def _provision(self, nats_url: str, tls_ca: str | None, replicas: int | None) -> None:
         """The deployment's streams and registry, made with the admin key before any service starts (with none
@@ -501,47 +348,15 @@ class Launcher:
         """The embedded NATS (or the --nats server's credentials checked); `run` with the bus's URL, credentials
         and TLS."""
         if self.options.nats is None:
-            nats_url, creds_dir, tls_ca, transfer_tls = self._start_embedded_nats(planned)
+            bus = start_embedded_bus(self.options, self.run_dir, self.log_dir, planned)
         else:
-            nats_url, creds_dir, tls_ca, transfer_tls = self._external_nats(planned)
+            bus = external_bus(self.options, planned)
+        self.nats, self.tls, self._admin = bus.nats, bus.tls, bus.admin
+        creds_dir = str(bus.creds_dir) if bus.creds_dir else None
         assert self.deployment is not None
-        self.deployment.nats = NatsRecord(url=nats_url, embedded=self.nats is not None,
-                                          creds_dir=str(creds_dir) if creds_dir else None)
-        return dataclasses.replace(run, nats_url=nats_url, nats_creds_dir=str(creds_dir) if creds_dir else None,
-                                   nats_tls_ca=tls_ca, transfer_tls=transfer_tls)
-
-    def _start_embedded_nats(self, planned: list[topology.ServiceSpec]):
-        """(URL, creds dir, CA, side channel TLS) of the embedded server, started here."""
-        o = self.options
-        # A fresh deployment starts from empty streams: what an earlier one left queued has nobody waiting for it.
-        shutil.rmtree(self.run_dir / "nats", ignore_errors=True)
-        # Every receiver advertises 127.0.0.1 here: its certificate names that (and localhost).
-        names = ["127.0.0.1", "localhost"]
-        tls = make_deployment_tls(self.run_dir / "tls", names, names) if o.tls else None
-        self.tls = tls
-        tls_ca = str(tls.ca_cert) if tls is not None else None
-        transfer_tls = (str(tls.ca_cert), str(tls.transfer_cert), str(tls.transfer_key)) if tls else None
-        creds_dir, server_config = (self._bus_config(tls, planned) if o.nats_auth or tls is not None
-                                    else (None, None))
-        self.nats = EmbeddedNatsCluster(
-            self.run_dir, o.nats_cluster, config_file=server_config,
-            log_for=lambda name: RotatingLog(self.log_dir / f"{name}.log", o.log_max_bytes, o.log_backups))
-        nats_url = self.nats.start(jetstream_ready=lambda url: jetstream_answers(url, self._admin, tls_ca))
-        return nats_url, creds_dir, tls_ca, transfer_tls
-
-    def _external_nats(self, planned: list[topology.ServiceSpec]):
-        """(URL, creds dir, CA, no side channel TLS) of the --nats server; every planned instance's credentials
-        must be in --nats-creds-dir."""
-        o = self.options
-        creds_dir = o.nats_creds_dir
-        if creds_dir is not None:
-            missing = [s.instance_id for s in planned if not creds_path(creds_dir, s.instance_id).is_file()]
-            if missing:
-                raise LaunchError(f"--nats-creds-dir {creds_dir} lacks the credentials of: {', '.join(missing)} "
-                                  "(`splitserve nats-auth DIR --instance ROLE:ID[@NAMESPACE] ...` writes them)", 2)
-            admin = creds_path(creds_dir, ADMIN)
-            self._admin = credentials_from(str(admin), environ={}) if admin.is_file() else None
-        return o.nats, creds_dir, o.nats_tls_ca, None
+        self.deployment.nats = NatsRecord(url=bus.url, embedded=bus.nats is not None, creds_dir=creds_dir)
+        return dataclasses.replace(run, nats_url=bus.url, nats_creds_dir=creds_dir, nats_tls_ca=bus.tls_ca,
+                                   transfer_tls=bus.transfer_tls)
 
     def _start_services(self, specs: list[topology.ServiceSpec]) -> None:
         """Every planned service (and the trace viewer) under the supervisor, recorded in deployment.json."""

@@ -12,7 +12,8 @@ from launcher_helpers import ROOT, cli, free_port
 
 from services.cli import serve
 from services.launcher.deployment import Deployment, NatsRecord, ServiceRecord, write_deployment
-from services.launcher.launcher import LaunchError, Launcher, check_port_free
+from services.launcher.launch_checks import LaunchError, check_port_free
+from services.launcher.launcher import Launcher
 from services.launcher.up_settings import UpSettings
 from services.launcher.procs import process_start_time
 
