@@ -46,7 +46,8 @@ def _add_runtime_parsers(actions) -> None:
         description="Start the model's own scheduler and workers (in a namespace of its own, as `splitserve models "
                     "served` prints it; their names prefixed mK-), and once they are ready the gateway routes "
                     "requests naming NAME to them. KEY=VALUE: the model's own settings (name excepted), each "
-                    "defaulting to the deployment's: dtype, topology, decode, prefill, stages, kv_store, cpus.")
+                    "defaulting to the deployment's: dtype, topology, decode, prefill, stages, kv_store, kv_stores, "
+                    "cpus.")
     serving.add_argument("name", metavar="NAME", help="the name clients ask for (the request's `model`)")
     serving.add_argument("--model", required=True, nargs="+", metavar=("MODEL", "KEY=VALUE"), dest="model_source",
                          help="the model (a known model's name, a Hugging Face directory or a .gguf file), then its "

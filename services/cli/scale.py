@@ -1,4 +1,4 @@
-"""`splitserve scale ROLE=N ...`: resize a running deployment's decode and prefill pools.
+"""`splitserve scale ROLE=N ...`: resize a running deployment's decode, prefill and kv-store pools.
 
 It calls the launcher's control API on its Unix socket (RUN_DIR/control.sock, named in deployment.json), which
 only the deployment's user (or root) may use: `POST /v1/scale {"decode": 2}`; with --wait it then reads
@@ -18,12 +18,13 @@ WAIT_DEFAULT_S = 300.0
 def add_parser(subcommands) -> None:
     parser = subcommands.add_parser(
         "scale",
-        help="add or remove decode and prefill workers of the running deployment",
+        help="add or remove decode and prefill workers or kv-stores of the running deployment",
         description="Set the running deployment's pool sizes: new workers start and serve once loaded; removed ones "
-        "drain (their streams finish or move to another worker) and exit. Only the decode and prefill pools scale "
-        "so far (a pipeline's stages and the kv-store do not yet). `splitserve ps` shows desired vs running.",
+        "drain (their streams finish or move to another worker) and exit. The decode, prefill and kvstore pools scale "
+        "(a kv-store that joins takes its share of new blocks; one that leaves costs its blocks' misses); a "
+        "pipeline's stages do not yet. `splitserve ps` shows desired vs running.",
     )
-    parser.add_argument("counts", nargs="+", metavar="ROLE=N", help="a pool's new size, e.g. decode=2 prefill=1")
+    parser.add_argument("counts", nargs="+", metavar="ROLE=N", help="a pool's new size, e.g. decode=2 prefill=1 kvstore=2")
     parser.add_argument("--model", metavar="NAME", help="the model whose pools to scale, by its served name "
                         "(`splitserve models served`; default: the deployment's first model)")
     add_run_dir_option(parser)

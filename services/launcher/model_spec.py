@@ -45,6 +45,7 @@ class ModelSpec(BaseModel):
     prefill: PositiveInt | None = None
     stages: PositiveInt | None = None  # a pipeline's, split evenly
     kv_store: bool | None = None
+    kv_stores: PositiveInt | None = None
     cpus: UsableCpus | None = None  # its own CPU list (otherwise the models' workers share up's)
 
     def own(self) -> dict[str, Any]:

@@ -1,17 +1,22 @@
 """What `splitserve scale` may change, and what a change means: pure functions, no processes.
 
 A scale sets a pool's desired size; the launcher then reconciles (`reconcile`): planned instances that do not run
-start, running ones no longer planned are retired (SIGTERM: they drain, their streams finish or move). Only the
-decode and prefill pools scale so far; a pipeline's stages and the kv-store do not yet.
+start, running ones no longer planned are retired (SIGTERM: they drain, their streams finish or move). The decode
+and prefill pools scale, and the kv-stores (rendezvous hashing gives each block to one of those up: one that joins
+takes over its share, one that leaves costs its blocks' misses); a pipeline's stages do not yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-SCALABLE = ("decode", "prefill")
-NOT_YET = ("stage", "stage-head", "kvstore", "kv-store")  # known pools that do not scale yet
+WORKER_POOLS = ("decode", "prefill")  # the model's workers: placed on CPUs, switchable between the two
+SCALABLE = (*WORKER_POOLS, "kvstore")
+NOT_YET = ("stage", "stage-head")  # known pools that do not scale yet
 SINGLE = ("gateway", "scheduler")  # one per deployment
+
+
+POOL_SETTING = {"decode": "decode", "prefill": "prefill", "kvstore": "kv_stores"}  # up's setting of each pool's size
 
 
 class ScaleError(ValueError):
@@ -19,13 +24,21 @@ class ScaleError(ValueError):
 
 
 def desired_pools(up) -> dict[str, int]:
-    """The pools `up`'s settings ask for that scale: decode, and disagg's prefill pool unless it is a pipeline."""
+    """The pools `up`'s settings ask for that scale: decode, disagg's prefill pool unless it is a pipeline, and the
+    kv-stores where it runs them."""
     if up.topology == "pipeline":
         return {}
     pools = {"decode": up.decode}
     if up.topology == "disagg" and up.prefill_stages is None:
         pools["prefill"] = up.prefill
+    if up.runs_kv_store:
+        pools["kvstore"] = up.kv_stores
     return pools
+
+
+def sized(up, desired: Mapping[str, int]):
+    """`up`'s settings with its pools at the `desired` sizes."""
+    return up.model_copy(update={POOL_SETTING[role]: count for role, count in desired.items()})
 
 
 def parse_counts(items: list[str]) -> dict[str, int]:
@@ -43,12 +56,14 @@ def parse_counts(items: list[str]) -> dict[str, int]:
     return counts
 
 
-def check_scale(counts: Mapping[str, object], topology: str, prefill_pipeline: bool) -> dict[str, int]:
-    """The counts, checked against what this deployment can scale; ScaleError names the first problem."""
+def check_scale(counts: Mapping[str, object], topology: str, prefill_pipeline: bool,
+                kv_store: bool = False) -> dict[str, int]:
+    """The counts, checked against what this deployment (`kv_store`: which runs kv-stores) can scale; ScaleError
+    names the first problem."""
     checked: dict[str, int] = {}
     for role, count in counts.items():
         if role in NOT_YET:
-            raise ScaleError(f"{role} workers do not scale yet (only {' and '.join(SCALABLE)} do)")
+            raise ScaleError(f"{role} workers do not scale yet (only {', '.join(SCALABLE)} do)")
         if role in SINGLE:
             raise ScaleError(f"{role} does not scale: a deployment runs one")
         if role not in SCALABLE:
@@ -61,6 +76,8 @@ def check_scale(counts: Mapping[str, object], topology: str, prefill_pipeline: b
             raise ScaleError(f"--topology {topology} has no prefill pool")
         if role == "prefill" and prefill_pipeline:
             raise ScaleError("the prefill pool is one pipeline (--prefill-stages): it does not scale yet")
+        if role == "kvstore" and not kv_store:
+            raise ScaleError("this deployment runs no kv-store (up's --kv-store starts one)")
         checked[role] = count
     return checked
 

@@ -30,7 +30,16 @@ from services.launcher.bus_admission import Admission
 from services.launcher.cpu_handover import Handover, HandoverError, Step, handover_steps
 from services.launcher.nats_auth import creds_path
 from services.launcher.placement import place_new_workers
-from services.launcher.scale_policy import SCALABLE, ScaleError, check_scale, desired_pools, pool_sizes, reconcile
+from services.launcher.scale_policy import (
+    SCALABLE,
+    WORKER_POOLS,
+    ScaleError,
+    check_scale,
+    desired_pools,
+    pool_sizes,
+    reconcile,
+    sized,
+)
 from services.launcher.served_models import FurtherModel
 from services.launcher.supervisor import SupervisorError
 from services.launcher.switch_policy import planned_names
@@ -189,7 +198,7 @@ class Scaler:
             if model not in self.pools:
                 raise ScaleError(f"no model is served as {model!r} (`splitserve models served` lists them)")
             up = self.up_of(model)
-            counts = check_scale(body, up.topology, up.prefill_stages is not None)
+            counts = check_scale(body, up.topology, up.prefill_stages is not None, up.runs_kv_store)
             self._check_external_credentials(model, counts)
         except ScaleError as exc:
             return 400, {"error": str(exc)}
@@ -256,11 +265,11 @@ class Scaler:
         if key not in self._plans:
             run = self.launcher.resolved
             if model == self.first:
-                specs = topology.plan(self.launcher.options.model_copy(update=desired), run)
+                specs = topology.plan(sized(self.launcher.options, desired), run)
             else:
                 further = self.models[model]
                 specs = topology.model_services(run, dataclasses.replace(further,
-                                                                         up=further.up.model_copy(update=desired)))
+                                                                         up=sized(further.up, desired)))
             self._plans[key] = [s for s in specs if s.role in SCALABLE]
         return self._plans[key]
 
@@ -294,14 +303,23 @@ class Scaler:
         planned = {n: specs.get(n) for n in planned_names(desired, plan, self.roles_now(model))}
         retiring = [n for n, c in pool.items() if c.state.value == "stopping"]
         start, retire = reconcile(list(planned), [n for n in pool if n not in retiring], retiring)
-        if (start or retire) and self._begin_handover(list(specs), {n: planned[n] for n in start}, retire):
-            self.admission.admit([planned[n] for n in start])
+        # The workers' changes may move the running workers' CPUs (a handover); the kv-stores' start and retire now.
+        start_workers = [n for n in start if planned[n].role in WORKER_POOLS]
+        retire_workers = [n for n in retire if pool[n].role in WORKER_POOLS]
+        others_start = [n for n in start if n not in start_workers]
+        for name in (n for n in retire if n not in retire_workers):
+            sup.retire(name, self.launcher.retire_timeout_s)
+        self.admission.admit([planned[n] for n in others_start])
+        self.start_services([planned[n] for n in others_start], self.cpus_of(model))
+        if ((start_workers or retire_workers)
+                and self._begin_handover(list(specs), {n: planned[n] for n in start_workers}, retire_workers)):
+            self.admission.admit([planned[n] for n in start_workers])
             self._advance_handover()
             return start, retire
-        for name in retire:
+        for name in retire_workers:
             sup.retire(name, self.launcher.retire_timeout_s)
-        self.admission.admit([planned[n] for n in start])
-        self.start_services([planned[n] for n in start], self.cpus_of(model))
+        self.admission.admit([planned[n] for n in start_workers])
+        self.start_services([planned[n] for n in start_workers], self.cpus_of(model))
         return start, retire
 
     # -- moving the running workers to a new share of the CPUs (services.launcher.cpu_handover) ------------
@@ -317,7 +335,7 @@ class Scaler:
         children = {c.name: c for c in self.launcher.supervisor.children}
         old = {n: held for n, held in self.placements.items() if n in children}
         unmovable = sorted(n for n in old if n not in self.cpus_files)
-        stay = [n for n, c in children.items() if c.role in SCALABLE and c.state.value != "stopping"
+        stay = [n for n, c in children.items() if c.role in WORKER_POOLS and c.state.value != "stopping"
                 and n not in retire]
         will_run = [n for n in order if n in set(stay) | set(start)]
         will_run += [n for n in [*stay, *start] if n not in will_run]

@@ -50,13 +50,17 @@ def further_settings(up: UpSettings, spec: ModelSpec, served_name: str) -> UpSet
     own = spec.own()
     topology = own.get("topology", up.topology)
     inherited_stages = up.stages if topology == "pipeline" and up.topology == "pipeline" else None
-    return up.model_copy(update={
+    settings = up.model_copy(update={
         "models": (ModelSpec(model=spec.model),), "served_model_name": served_name,
         "namespace": model_namespace(up.namespace, served_name), "topology": topology,
         "dtype": own.get("dtype", up.dtype), "decode": own.get("decode", up.decode),
         "prefill": own.get("prefill", up.prefill), "stages": own.get("stages", inherited_stages),
         "kv_store": own.get("kv_store", up.kv_store), "cpus": own.get("cpus", up.cpus),
+        "kv_stores": own.get("kv_stores", up.kv_stores),
         "layer_split": None, "prefill_stages": None, "role_switch": False, "planner": "none", "chat_template": None})
+    if "kv_stores" not in own and not settings.runs_kv_store:  # up's count is for kv-stores this model has none of
+        settings = settings.model_copy(update={"kv_stores": 1})
+    return settings
 
 
 def check_topology(o: UpSettings) -> None:
@@ -75,6 +79,8 @@ def check_topology(o: UpSettings) -> None:
                          "--topology disagg without --prefill-stages")
     if o.stages is not None and o.layer_split is not None:
         raise ValueError("give --stages or --layer-split, not both")
+    if o.kv_stores > 1 and not o.runs_kv_store:
+        raise ValueError(f"--kv-stores {o.kv_stores} asks for kv-stores where none runs: add --kv-store")
 
 
 def pipelined(o: UpSettings) -> bool:

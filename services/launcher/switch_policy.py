@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from services.launcher.scale_policy import SCALABLE, ScaleError
+from services.launcher.scale_policy import WORKER_POOLS, ScaleError
 
 
 def check_switch(body: object, *, topology: str, prefill_pipeline: bool, role_switch: bool,
                  roles: Mapping[str, str], retiring: Collection[str]) -> tuple[str, str]:
     """(instance, new role) of a `{"instance": ID, "to": ROLE}` switch, checked against the deployment: `roles`,
-    each running scalable worker's role now; ScaleError names the first problem."""
+    each running scalable service's role now (the workers' count); ScaleError names the first problem."""
     if not isinstance(body, dict) or not isinstance(body.get("instance"), str) or not isinstance(body.get("to"), str):
         raise ScaleError('the body is {"instance": ID, "to": "prefill"|"decode"}')
     instance, to = body["instance"], body["to"]
@@ -23,8 +23,9 @@ def check_switch(body: object, *, topology: str, prefill_pipeline: bool, role_sw
         raise ScaleError("only a disagg deployment (without --prefill-stages) switches workers between its pools")
     if not role_switch:
         raise ScaleError("role switching is not enabled: start the deployment with `splitserve up --role-switch`")
-    if to not in SCALABLE:
-        raise ScaleError(f"a worker switches to {' or '.join(SCALABLE)}, not {to!r}")
+    if to not in WORKER_POOLS:
+        raise ScaleError(f"a worker switches to {' or '.join(WORKER_POOLS)}, not {to!r}")
+    roles = {name: role for name, role in roles.items() if role in WORKER_POOLS}  # a kv-store does not switch
     if instance not in roles:
         raise ScaleError(f"no running decode or prefill worker is named {instance!r} (see `splitserve ps`)")
     if instance in retiring:

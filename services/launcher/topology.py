@@ -101,11 +101,6 @@ def decode_pacing_ms(up: UpSettings) -> float | None:
     return ms or None
 
 
-def uses_kv_store(up: UpSettings) -> bool:
-    """Whether the deployment runs a kv-store: as asked, else by default in disagg."""
-    return up.kv_store if up.kv_store is not None else up.topology == "disagg"
-
-
 def plan(up: UpSettings, run: ResolvedRun, further: tuple[FurtherModel, ...] = ()) -> list[ServiceSpec]:
     """The services of the deployment, in start order (the gateway last), each with its settings: the first
     model's in up's namespace, each further model's in its own under its prefix; model workers each on their own
@@ -278,12 +273,12 @@ def _scheduler(up: UpSettings) -> _Draft:
 def _plan_pools(up: UpSettings, run: ResolvedRun) -> tuple[list[_Draft], dict[str, int]]:
     """colocated or disagg: a scheduler, maybe a kv-store, the prefill pool (disagg), the decode pool."""
     disagg = up.topology == "disagg"
-    kv_store = uses_kv_store(up)
+    kv_store = up.runs_kv_store
     drafts = [_scheduler(up)]
     counts = {"decode": up.decode, "scheduler": 1}
     if kv_store:
-        drafts.append(_kvstore(up, run))
-        counts["kvstore"] = 1
+        drafts += [_kvstore(up, run, i) for i in range(up.kv_stores)]
+        counts["kvstore"] = up.kv_stores
     if disagg and run.stage_ranges:
         drafts += _prefill_pipeline(up, run)
         counts.update(prefill=1, stage=len(run.stage_ranges) - 1)
@@ -360,10 +355,12 @@ def _prefill_pipeline(up: UpSettings, run: ResolvedRun) -> list[_Draft]:
     return [*stages, _head(up, run, "prefill-0", stages, head_role="prefill", kv_transport=up.kv_transport)]
 
 
-def _kvstore(up: UpSettings, run: ResolvedRun) -> _Draft:
+def _kvstore(up: UpSettings, run: ResolvedRun, index: int) -> _Draft:
+    """kv-store `index`, its RAM tier and its disk tier (a directory of its own) as up's settings say."""
     given: dict[str, Any] = {"kv_store_ram_bytes": up.kv_store_ram_bytes}
     if up.kv_store_disk_bytes:
         if not run.kv_store_dir:
             raise ValueError("a kv-store disk tier needs a directory")
-        given |= {"kv_store_disk_bytes": up.kv_store_disk_bytes, "kv_store_dir": run.kv_store_dir}
-    return _Draft("kvstore-0", KVStoreSettings, given)
+        directory = run.kv_store_dir if index == 0 else f"{run.kv_store_dir}-{index}"
+        given |= {"kv_store_disk_bytes": up.kv_store_disk_bytes, "kv_store_dir": directory}
+    return _Draft(f"kvstore-{index}", KVStoreSettings, given)

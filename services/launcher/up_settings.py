@@ -56,12 +56,17 @@ class UpSettings(Settings):
         """Every later --model, each with its own keys."""
         return self.models[1:]
 
+    @property
+    def runs_kv_store(self) -> bool:
+        """Whether the deployment runs a kv-store: as asked, else by default in disagg."""
+        return self.kv_store if self.kv_store is not None else self.topology == "disagg"
+
     # The model and the API.
     models: Annotated[tuple[ModelSpec, ...], BeforeValidator(model_specs)] = option(
         (), "the model: a known model's name (`splitserve models list`; fetched into the cache on first use), a "
         "Hugging Face model directory or a .gguf file, converted once into the cache. Repeatable: every later one is "
         "served beside the first, in a namespace of its own, with its own keys (name, dtype, topology, decode, "
-        "prefill, stages, kv_store, cpus; each defaulting to up's), e.g. `--model B:name=b,decode=2` (the "
+        "prefill, stages, kv_store, kv_stores, cpus; each defaulting to up's), e.g. `--model B:name=b,decode=2` (the "
         "variable: MODEL;MODEL:KEY=VALUE,...; the file: `models: [{model: A}, {model: B, name: b}]`; "
         "docs/models.md)", flag="--model", metavar="MODEL[:KEY=VALUE,...]", many=True, separator=";",
         shown_default=DEFAULT_MODEL)
@@ -173,6 +178,8 @@ class UpSettings(Settings):
     kv_store: bool | None = option(None, "run a kv-store: workers load cached prompt prefixes from it and write "
                                    "computed blocks back, so a prefix is computed once for all workers (default: on "
                                    "with disagg; --no-kv-store turns it off)")
+    kv_stores: PositiveInt = option(1, "kv-store instances: each holds the blocks rendezvous hashing gives it "
+                                    "(`splitserve scale kvstore=N` changes it at runtime)", metavar="N")
     router: RouterKind = option(
         default_of(SchedulerSettings, "router"), "how the scheduler picks a worker: kv scores the prompt prefix each "
         "worker's cache (and the kv-store) holds against its load; load takes the least loaded")

@@ -33,7 +33,7 @@ def test_a_model_spec_reads_its_keys(text, spec):
 
 @pytest.mark.parametrize("text, said", [
     ("B:workers=2", "--model B:workers=2: unknown key 'workers' (known: name, dtype, topology, decode, prefill, "
-                    "stages, kv_store, cpus)"),
+                    "stages, kv_store, kv_stores, cpus)"),
     ("B:decode=0", "--model B:decode=0: decode: Input should be greater than or equal to 1"),
     ("B:topology=ring", "topology: Input should be 'colocated', 'disagg' or 'pipeline'"),
     ("B:dtype=int4", "dtype: Input should be"),

@@ -7,7 +7,18 @@ from services.cli.ps import pools, pools_line
 from services.gateway.readiness import expected
 from services.launcher.deployment import Deployment, write_deployment
 from services.launcher.placement import place_new_workers
-from services.launcher.scale_policy import ScaleError, check_scale, desired_pools, parse_counts, pool_sizes, reconcile
+from services.launcher.resolved_run import ResolvedRun
+from services.launcher.scale_policy import (
+    ScaleError,
+    check_scale,
+    desired_pools,
+    parse_counts,
+    pool_sizes,
+    reconcile,
+    sized,
+)
+from services.launcher.served_models import check_topology
+from services.launcher.topology import plan
 from services.launcher.up_settings import UpSettings
 
 
@@ -20,7 +31,9 @@ def test_counts_are_role_equals_n():
 
 @pytest.mark.parametrize("counts, topology, pipelined, said", [
     ({"stage": 2}, "disagg", False, "do not scale yet"),
-    ({"kv-store": 2}, "disagg", False, "do not scale yet"),
+    ({"kv-store": 2}, "disagg", False, "unknown role"),
+    ({"kvstore": 2}, "colocated", False, "runs no kv-store"),
+    ({"kvstore": 0}, "disagg", False, "at least 1"),
     ({"gateway": 2}, "disagg", False, "a deployment runs one"),
     ({"decoder": 2}, "disagg", False, "unknown role"),
     ({"decode": 0}, "disagg", False, "at least 1"),
@@ -34,9 +47,23 @@ def test_what_does_not_scale_is_refused_with_its_reason(counts, topology, pipeli
         check_scale(counts, topology, pipelined)
 
 
-def test_decode_and_prefill_pools_scale():
+def test_decode_prefill_and_kv_store_pools_scale():
     assert check_scale({"decode": 3, "prefill": 2}, "disagg", False) == {"decode": 3, "prefill": 2}
     assert check_scale({"decode": 3}, "colocated", False) == {"decode": 3}
+    assert check_scale({"kvstore": 3}, "colocated", False, kv_store=True) == {"kvstore": 3}
+
+
+def test_a_scale_sizes_ups_settings_pool_by_pool():
+    up = sized(UpSettings(topology="disagg"), {"decode": 3, "prefill": 2, "kvstore": 4})
+    assert (up.decode, up.prefill, up.kv_stores) == (3, 2, 4)
+    assert [s.name for s in plan(up, ResolvedRun(model_dir="m", served_model_name="m", nats_url="nats://x", cpus=(), drain_timeout=None))
+            if s.role == "kvstore"] == ["kvstore-0", "kvstore-1", "kvstore-2", "kvstore-3"]
+
+
+def test_kv_stores_need_a_kv_store():
+    with pytest.raises(ValueError, match="add --kv-store"):
+        check_topology(UpSettings(topology="colocated", kv_stores=2))
+    check_topology(UpSettings(topology="colocated", kv_store=True, kv_stores=2))
 
 
 def test_reconcile_starts_the_missing_and_retires_the_unplanned():
@@ -49,9 +76,11 @@ def test_reconcile_starts_the_missing_and_retires_the_unplanned():
 
 
 def test_desired_pools_follow_the_topology():
-    assert desired_pools(UpSettings(decode=2, prefill=3)) == {"decode": 2, "prefill": 3}
+    assert desired_pools(UpSettings(decode=2, prefill=3)) == {"decode": 2, "prefill": 3, "kvstore": 1}
+    assert desired_pools(UpSettings(decode=2, prefill=3, kv_store=False)) == {"decode": 2, "prefill": 3}
     assert desired_pools(UpSettings(topology="colocated", decode=2)) == {"decode": 2}
-    assert desired_pools(UpSettings(prefill_stages=2)) == {"decode": 1}
+    assert desired_pools(UpSettings(topology="colocated", kv_store=True, kv_stores=2)) == {"decode": 1, "kvstore": 2}
+    assert desired_pools(UpSettings(prefill_stages=2, kv_store=False)) == {"decode": 1}
     assert desired_pools(UpSettings(topology="pipeline")) == {}
 
 

@@ -83,7 +83,8 @@ def test_a_decode_worker_switched_to_prefill_mid_stream_loses_nothing_and_switch
 
         state = ps(up.run_dir)
         assert state["pools"] == {"decode": {"desired": 1, "running": 1, "retiring": 0},
-                                  "prefill": {"desired": 2, "running": 2, "retiring": 0}}
+                                  "prefill": {"desired": 2, "running": 2, "retiring": 0},
+                                  "kvstore": {"desired": 1, "running": 1, "retiring": 0}}
         assert {s["name"]: s["role"] for s in state["services"]}["decode-1"] == "prefill"
         stats = stats_of(up, "decode-1")
         assert (stats.role, stats.role_epoch, stats.details["role_switch"]["switches"]) == ("prefill", 1, 1)

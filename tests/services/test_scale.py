@@ -1,5 +1,6 @@
 """`splitserve scale` on a real deployment: a decode worker added serves; removed while streams run, it drains and
-hands them back, and every stream ends as an undisturbed greedy run would, nothing lost."""
+hands them back, and every stream ends as an undisturbed greedy run would, nothing lost; a kv-store added takes its
+share of the blocks, and one removed leaves the deployment serving as before."""
 
 import json
 import os
@@ -29,8 +30,9 @@ def running_on(base_url: str, instance: str) -> float:
     return sum(matching(samples(base_url), "vllm:num_requests_running", instance=instance))
 
 
-@pytest.mark.timeout(240)
-def test_a_decode_worker_added_serves_and_one_removed_mid_stream_loses_nothing(tmp_path, default_model):
+@pytest.mark.timeout(360)
+def test_a_decode_worker_added_serves_one_removed_mid_stream_loses_nothing_and_kv_stores_join_and_leave(
+        tmp_path, default_model):
     # A short stop timeout: a retired worker streams on for its drain (1.5 s), then hands its streams back.
     up = start_up(tmp_path / "run", "--topology", "disagg", "--stop-timeout", "6")
     try:
@@ -65,6 +67,30 @@ def test_a_decode_worker_added_serves_and_one_removed_mid_stream_loses_nothing(t
         ready = wait_until(lambda: (r := httpx.get(f"{up.url}/ready", timeout=5).json())["status"] == "ready" and r,
                            30, "/ready did not say ready at the new size", poll_s=0.2)
         assert ready["expected"]["decode"] == 1
+
+        # A kv-store more: it takes its share of the blocks written from then on; retired, it exits 0 and the
+        # next request is served as before (its blocks are misses now).
+        result = splitserve("scale", "kvstore=2", "--run-dir", str(up.run_dir), "--wait", "--timeout", "120",
+                            timeout_s=150)
+        assert result.returncode == 0 and "starting kvstore-1" in result.stdout, result.stderr
+        assert ps(up.run_dir)["pools"]["kvstore"] == {"desired": 2, "running": 2, "retiring": 0}
+        long_prompt = " ".join(["a story of ships and the sea"] * 60)
+        asked = iter(range(1000))
+
+        def both_hold_blocks():
+            body = {"model": MODEL, "prompt": f"{next(asked)} {long_prompt}", "max_tokens": 2, "temperature": 0}
+            assert not [e for e in stream(up.url, body, timeout_s=60) if "error" in e]
+            found = samples(up.url)
+            held = [sum(matching(found, "splitserve_kvstore_blocks", instance=name)) for name in ("kvstore-0",
+                                                                                                    "kvstore-1")]
+            return all(held) and held
+        wait_until(both_hold_blocks, 60, "the blocks written did not go to both kv-stores", poll_s=0.5)
+        result = splitserve("scale", "kvstore=1", "--run-dir", str(up.run_dir), "--wait", "--timeout", "60",
+                            timeout_s=90)
+        assert result.returncode == 0 and "retiring kvstore-1" in result.stdout, result.stderr
+        assert ps(up.run_dir)["pools"]["kvstore"] == {"desired": 1, "running": 1, "retiring": 0}
+        assert "kvstore-1 exited with code 0; retired" in (up.run_dir / "logs" / "kvstore-1.log").read_text()
+        assert streamed_text(stream(up.url, bodies[0], timeout_s=120)) == references[0]
         assert up.stop() == 0
     finally:
         if up.proc.poll() is None:
