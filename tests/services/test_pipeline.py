@@ -58,16 +58,7 @@ def assert_matches_transformers(deployment, cases, tokenizer) -> None:
 
 
 SMALL = ("--inline-activation-bytes", str(16 << 10))  # prefill chunks over the side channel, decode steps inline
-TWO_STAGES = [(0, 2), (2, 4)]
-
-
-@pytest.fixture(scope="module")
-def two_stages(nats_server, default_model, tmp_path_factory):
-    """The two-stage pipeline: checked against transformers, and a stage of it killed under a stream."""
-    deployment = start_pipeline(nats_server.url, tmp_path_factory.mktemp("logs"), default_model, TWO_STAGES,
-                                microbatches=2, head_args=SMALL, stage_args=SMALL)
-    yield deployment
-    deployment.stop()
+TWO_STAGES = [(0, 2), (2, 4)]  # the package's `two_stages` deployment (tests/services/conftest.py)
 
 
 def failures(deployment, stages: int) -> tuple:

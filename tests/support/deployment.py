@@ -25,6 +25,7 @@ class Deployment:
     procs: dict = field(default_factory=dict)
     commands: dict = field(default_factory=dict)  # name -> (service, args), to restart one
     tap: TokenTap | None = None  # every token chunk sent to gateway-0, from once the deployment is ready
+    status_url: str | None = None  # a pipeline head's own status server, where it has one
 
     def start(self, name: str, service: str, args: list[str]) -> None:
         self.commands[name] = (service, args)
@@ -186,13 +187,19 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
 
 
 def start_pipeline(nats_url: str, log_dir: Path, model_dir: str, split: list[tuple[int, int]],
-                   microbatches: int = 2, head_args: tuple = (), stage_args: tuple = ()) -> Deployment:
-    """scheduler-0, a pipeline of `len(split)` stages (stage-0 the head) and gateway-0 on a fresh namespace."""
+                   microbatches: int = 2, head_args: tuple = (), stage_args: tuple = (),
+                   head_status: bool = False) -> Deployment:
+    """scheduler-0, a pipeline of `len(split)` stages (stage-0 the head) and gateway-0 on a fresh namespace; with
+    `head_status`, the head serves its own status (`status_url`)."""
     namespace = "t" + uuid.uuid4().hex[:10]
     port = free_port()
     bus = ["--nats", nats_url, "--namespace", namespace]
     model = ["--model", model_dir, "--served-model-name", "splitserve-default-llama"]
     deployment = Deployment(nats_url, namespace, f"http://127.0.0.1:{port}", log_dir)
+    if head_status:
+        status_port = free_port()
+        deployment.status_url = f"http://127.0.0.1:{status_port}"
+        head_args = (*head_args, "--status-port", str(status_port))
     deployment.procs["scheduler"] = start_service("scheduler", [*bus, "--instance-id", "scheduler-0"], log_dir)
     stages = [f"stage-{i}" for i in range(1, len(split))]
     for iid, (start, end) in zip(stages, split[1:]):
