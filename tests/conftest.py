@@ -21,7 +21,27 @@ def cache_dir(tmp_path_factory) -> Path:
 def default_model(cache_dir) -> str:
     from shared.engine.default_model import default_model_dir
 
-    return str(default_model_dir())
+    path = str(default_model_dir())
+    time_linear_layouts_once(path)
+    return path
+
+
+def time_linear_layouts_once(model_dir: str) -> None:
+    """An engine times, as it starts, which kernel serves each number of rows of its linears: most of the build of
+    an engine of these small models, paid by every engine a test makes and every worker a deployment starts. Timed
+    once here instead, on the default model, and handed to the session's later engines (and the processes started
+    from it) through the variables that skip the timing; the tests of the timing set or unset them themselves."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.packed_linear import NATIVE_MAX_ROWS_ENV, PACKED_MIN_ROWS_ENV
+
+    if PACKED_MIN_ROWS_ENV in os.environ or NATIVE_MAX_ROWS_ENV in os.environ:
+        return  # chosen by whoever runs the suite
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=16), load_tokenizer=False)
+    layouts = engine.executor.runners[0].linear_layouts
+    if layouts is not None:  # (None: no packed layout on this CPU, nothing timed)
+        os.environ[NATIVE_MAX_ROWS_ENV] = str(layouts.native_max_rows)
+        os.environ[PACKED_MIN_ROWS_ENV] = str(layouts.packed_min_rows)
 
 
 # Shapes other than the default model: each exercises a different part of the
