@@ -6,6 +6,9 @@ One run measures, for each dtype (--dtypes, default float32 and bfloat16), each 
   its own (`loadtest/peer_venv.py`; created under $SPLITSERVE_CACHE_DIR/peers/ when absent, or --vllm-venv);
 - `vllm-all-cores`: the same with a compute thread bound to every core (VLLM_CPU_OMP_THREADS_BIND=0-N), as
   many as splitserve colocated's worker runs;
+- `vllm-tuned`: as vLLM's CPU documentation says to run it for speed: `vllm-all-cores` with tcmalloc and Intel's
+  OpenMP preloaded (`LD_PRELOAD`: the distribution's libtcmalloc-minimal4 where installed, PyPI's intel-openmp
+  from the peer venv; what is missing is said and recorded under `preload`);
 - `transformers`: `transformers serve --continuous-batching`, from the same peer venv;
 - `colocated`: `splitserve up --topology colocated --decode 1`;
 - `disagg`: `splitserve up --topology disagg --prefill 1 --decode 1`;
@@ -40,7 +43,14 @@ is sent a generation config without an EOS token instead):
 - `steady-c1`: 8 requests of 128 prompt and 64 output tokens, one at a time;
 - `steady-c16`: 32 such requests, 16 in flight;
 - `mixed`: 48 requests arriving as a Poisson process at 2/s, 8 in flight, 6 of them (one in 8, drawn with
-  seed 14) 1,600-token prompts among 128-token ones, 64 output tokens each.
+  seed 14) 1,600-token prompts among 128-token ones, 64 output tokens each;
+- `burst`: 64 prompts of 512 tokens arriving at once, 128 output tokens each (how fast a burst is prefilled:
+  TTFT p95);
+- `steady-c32`: 128 requests of 128 prompt and 256 output tokens, 32 in flight (long enough to judge steady
+  decode).
+
+--repeat N runs every workload N times on each server (one start); the table shows the median of each figure
+and the spread of output tokens/s ((max - min) / median) over the repetitions.
 
 Before the measured workloads each server gets a warm-up (short and long prompts, not counted). Outputs are
 compared per request with the reference server's (vLLM when it runs) at the same dtype: the agreement rate
@@ -82,15 +92,18 @@ SPLITSERVE_FLAGS = {
     "disagg-unpaced": ["--topology", "disagg", "--prefill", "1", "--decode", "1", "--prefill-beside-decodes-ms", "0"],
     "colocated-paced": ["--topology", "colocated", "--decode", "1", "--prefill-beside-decodes-ms", "200"],
 }
-SERVERS = ("vllm", "vllm-all-cores", "transformers", *SPLITSERVE_FLAGS)
+SERVERS = ("vllm", "vllm-all-cores", "vllm-tuned", "transformers", *SPLITSERVE_FLAGS)
 WORKLOADS = {  # bench_serve workload options over its defaults
     "steady-c1": dict(dataset="random", num_prompts=8, input_len=128, output_len=64, max_concurrency=1, seed=1),
     "steady-c16": dict(dataset="random", num_prompts=32, input_len=128, output_len=64, max_concurrency=16, seed=2),
     "mixed": dict(dataset="mixed", num_prompts=48, input_len=128, output_len=64, long_input_len=1600,
                   long_output_len=64, long_fraction=0.125, request_rate=2.0, max_concurrency=8, seed=14),
+    "burst": dict(dataset="random", num_prompts=64, input_len=512, output_len=128, seed=3),
+    "steady-c32": dict(dataset="random", num_prompts=128, input_len=128, output_len=256, max_concurrency=32, seed=4),
 }
 QUICK = {"steady-c1": dict(num_prompts=2, output_len=16), "steady-c16": dict(num_prompts=16, output_len=16),
-         "mixed": dict(num_prompts=12, output_len=16, long_output_len=16, long_input_len=800, request_rate=4.0)}
+         "mixed": dict(num_prompts=12, output_len=16, long_output_len=16, long_input_len=800, request_rate=4.0),
+         "burst": dict(num_prompts=8, input_len=256, output_len=8), "steady-c32": dict(num_prompts=8, output_len=8)}
 WARMUP = (dict(dataset="random", num_prompts=4, input_len=128, output_len=8, max_concurrency=4, seed=100),
           dict(dataset="random", num_prompts=1, input_len=1600, output_len=8, max_concurrency=1, seed=101))
 SERVER_WORKLOADS = {"disagg-2d": ("mixed",), "disagg-unlent": ("steady-c1", "mixed"),  # the others run every workload
@@ -111,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(WORKLOADS)})")
     parser.add_argument("--quick", action="store_true",
                         help="few requests and tokens: a smoke run (~8 minutes on 2 cores)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every workload on each server: the table "
+                        "shows medians and the spread of output tokens/s (issue 39 asks for 3)")
     parser.add_argument("--cores", help="the cores every server gets, comma-separated (default: all allowed)")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="every server's KV cache (default: 1 GiB)")
     parser.add_argument("--vllm-venv", type=Path, help="the peer venv (default: "
@@ -205,6 +220,30 @@ def summarize(result: dict) -> dict:
     }
 
 
+def _median_of(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return float(np.median(present)) if present else None
+
+
+def median_summary(repeats: list[dict]) -> dict:
+    """One workload's figures over its repetitions (`summarize`'s each): the median of every figure, counts
+    summed, and `spread`: (max - min) / median of output tokens/s."""
+    if len(repeats) == 1:
+        return {**repeats[0], "repetitions": 1, "spread": 0.0}
+    merged = {}
+    for key, value in repeats[0].items():
+        if isinstance(value, dict):
+            merged[key] = {stat: _median_of([r[key][stat] for r in repeats]) for stat in value}
+        elif key in ("completed", "failed", "wrong_output_lengths"):
+            merged[key] = sum(r[key] for r in repeats)
+        else:
+            merged[key] = _median_of([r[key] for r in repeats])
+    rates = [r["output_throughput"] for r in repeats]
+    merged["repetitions"] = len(repeats)
+    merged["spread"] = (max(rates) - min(rates)) / merged["output_throughput"] if merged["output_throughput"] else None
+    return merged
+
+
 def _expected_output(request: dict, settings: dict) -> int:
     if settings["dataset"] == "mixed" and request["prompt_tokens"] >= long_threshold(settings):
         return settings["long_output_len"]
@@ -281,6 +320,21 @@ def table_rows(summary: dict, agreement: dict, settings: dict, reference: str) -
         add("mixed: short-request ITL p95 / p99", "mixed",
             lambda w: f"{_ms(w['short_itl_ms']['p95'])} / {_ms(w['short_itl_ms']['p99'])}")
         add("mixed: TTFT p95", "mixed", lambda w: _ms(w["ttft_ms"]["p95"]))
+    if "burst" in settings:
+        s = settings["burst"]
+        add(f"burst: {s['num_prompts']} prompts of {s['input_len']} tokens at once: TTFT p95", "burst",
+            lambda w: _ms(w["ttft_ms"]["p95"]))
+        add(f"burst: output tokens/s ({s['output_len']} each)", "burst",
+            lambda w: _cell(w["output_throughput"], "{:.0f}"))
+    if "steady-c32" in settings:
+        s = settings["steady-c32"]
+        add(f"{s['num_prompts']} requests x {s['output_len']} tokens, concurrency {s['max_concurrency']}: "
+            "output tokens/s", "steady-c32", lambda w: _cell(w["output_throughput"], "{:.0f}"))
+    for workload in settings:
+        cells = {server: f"{by[workload]['spread']:.1%}" for server, by in summary.items()
+                 if workload in by and by[workload].get("repetitions", 1) > 1 and by[workload]["spread"] is not None}
+        if cells:
+            rows.append((f"{workload}: spread of output tokens/s over the repetitions", cells))
     for workload in settings:
         cells = {server: f"{a['identical']}/{a['compared']}" for server, by in agreement.items()
                  for name, a in by.items() if name == workload}
@@ -341,7 +395,7 @@ def plot(summary: dict, servers: list[str], path: str) -> None:
 # The run
 # ---------------------------------------------------------------------------------------------------------
 def make_server(name: str, dtype: str, args, model_dir: str, max_model_len: int, venv, run_dir: Path):
-    from loadtest.peer_server import transformers_server, vllm_server
+    from loadtest.peer_server import transformers_server, tuned_preload, vllm_server
     from services.bench.up_process import UpProcess
 
     if name == "vllm":
@@ -349,6 +403,14 @@ def make_server(name: str, dtype: str, args, model_dir: str, max_model_len: int,
     if name == "vllm-all-cores":  # a compute thread on every core, as splitserve colocated's worker has
         return vllm_server(venv, model_dir, dtype=dtype, max_model_len=max_model_len, log_dir=run_dir,
                            omp_bind=cpu_range(args.cores), label=name)
+    if name == "vllm-tuned":  # vLLM's documented best: a thread per core, tcmalloc and Intel OpenMP preloaded
+        found, missing = tuned_preload(venv)
+        for note in missing:
+            print(f"   vllm-tuned: {note}", flush=True)
+        server = vllm_server(venv, model_dir, dtype=dtype, max_model_len=max_model_len, log_dir=run_dir,
+                             omp_bind=cpu_range(args.cores), label=name, preload=found)
+        server.preload_notes = {"preloaded": found, "missing": missing}
+        return server
     if name == "transformers":
         return transformers_server(venv, model_dir, dtype=dtype, log_dir=run_dir)
     flags = [*SPLITSERVE_FLAGS[name], "--cpus", ",".join(map(str, args.cores))]
@@ -383,7 +445,8 @@ def run_server(name: str, dtype: str, args, model_dir: str, max_model_len: int, 
     """Start `name` at `dtype`, warm it up, run its workloads, stop it: {ready_s, command, results, ...}."""
     server = make_server(name, dtype, args, model_dir, max_model_len, venv, run_dir)
     print(f"\n== {name} {dtype}: {shlex.join(server.cmd)}", flush=True)
-    run = {"command": shlex.join(server.cmd), "results": {}, "error": None}
+    run = {"command": shlex.join(server.cmd), "results": {}, "repeats": {}, "error": None,
+           "preload": getattr(server, "preload_notes", None)}  # a splitserve deployment has none
     try:
         server.start()
         run["ready_s"] = server.wait_ready(args.ready_timeout + 30)
@@ -397,14 +460,16 @@ def run_server(name: str, dtype: str, args, model_dir: str, max_model_len: int, 
         for workload, (workload_args_, conversations) in workloads.items():
             if workload not in SERVER_WORKLOADS.get(name, workloads):
                 continue
-            started = time.monotonic()
-            result = bench_serve.measure(base, server.served_name, server_conversations(name, conversations),
-                                         server_request_args(name, workload_args_))
-            run["results"][workload] = result
-            figures = summarize(result)
-            print(f"   {workload}: {figures['completed']} done, {figures['failed']} failed, "
-                  f"{figures['output_throughput']:.1f} output tok/s, ITL p50 {_ms(figures['itl_ms']['p50'])}, "
-                  f"TTFT p95 {_ms(figures['ttft_ms']['p95'])} ({time.monotonic() - started:.0f} s)", flush=True)
+            for repetition in range(args.repeat):
+                started = time.monotonic()
+                result = bench_serve.measure(base, server.served_name, server_conversations(name, conversations),
+                                             server_request_args(name, workload_args_))
+                run["results"].setdefault(workload, result)  # the first: its outputs are compared
+                figures = summarize(result)
+                run["repeats"].setdefault(workload, []).append(figures)
+                print(f"   {workload} #{repetition + 1}: {figures['completed']} done, {figures['failed']} failed, "
+                      f"{figures['output_throughput']:.1f} output tok/s, ITL p50 {_ms(figures['itl_ms']['p50'])}, "
+                      f"TTFT p95 {_ms(figures['ttft_ms']['p95'])} ({time.monotonic() - started:.0f} s)", flush=True)
     except Exception as exc:  # noqa: BLE001 -- reported in the results; the other servers still run
         run["error"] = f"{type(exc).__name__}: {exc}"
         print(f"   {name} {dtype} failed: {run['error'][:3000]}", flush=True)
@@ -451,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = config["max_position_embeddings"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     venv = None
-    if {"vllm", "vllm-all-cores", "transformers"} & set(servers):
+    if {"vllm", "vllm-all-cores", "vllm-tuned", "transformers"} & set(servers):
         venv = ensure_peer_venv(args.vllm_venv or default_venv_dir())
         print(f"peer venv {venv.path}: {venv.versions}", flush=True)
     settings = {w: {**WORKLOADS[w], **(QUICK[w] if args.quick else {})} for w in chosen}
@@ -470,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False).input_ids
 
-    summary = {d: {s: {w: summarize(r) for w, r in runs[d][s]["results"].items()} for s in servers} for d in dtypes}
+    summary = {d: {s: {w: median_summary(r) for w, r in runs[d][s]["repeats"].items()} for s in servers}
+               for d in dtypes}
     agreement = {d: {s: {w: compare_outputs(runs[d][reference]["results"][w]["requests"], r["requests"], encode)
                          for w, r in runs[d][s]["results"].items() if w in runs[d][reference]["results"]}
                      for s in servers if s != reference} for d in dtypes}
@@ -486,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cpu_count": os.cpu_count(), "cores": args.cores},
             "model": {"dir": model_dir, "name": args.model, "max_position_embeddings": max_model_len},
             "settings": {"command": shlex.join(sys.argv), "servers": servers, "dtypes": dtypes, "quick": args.quick,
+                         "repeat": args.repeat,
                          "workloads": settings, "warmup": list(WARMUP), "engine_limits": engine_limits(),
                          "splitserve_flags": {s: SPLITSERVE_FLAGS[s] for s in servers if s in SPLITSERVE_FLAGS},
                          "reference": reference},

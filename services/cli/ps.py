@@ -12,7 +12,8 @@ def add_parser(subcommands) -> None:
         "ps",
         help="show the services of the running deployment",
         description="Read the deployment started by `splitserve up` and show each service: "
-        "name, role, instance id, pid, state, restarts, CPUs (a pinned worker's, as it last acked them) and URL.",
+        "name, role, the model it serves, instance id, pid, state, restarts, CPUs (a pinned worker's, as it last "
+        "acked them) and URL.",
     )
     add_run_dir_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -51,7 +52,10 @@ def snapshot(dep) -> dict:
         out["alive"] = alive
         out["recorded_state"] = rec.state
         out["state"] = service_state(rec.state, alive, launcher_alive)
-    data["pools"] = pools(dep.desired, data["services"])
+    first = dep.models[0].name if dep.models else None  # (a deployment.json of before several models: none)
+    data["pools"] = pools(dep.desired, [s for s in data["services"] if s.get("model") in (first, None)])
+    for model in data["models"][1:]:
+        model["pools"] = pools(model["desired"], [s for s in data["services"] if s.get("model") == model["name"]])
     if dep.nats is not None:
         alive = dep.nats.alive()
         data["nats"]["alive"] = alive
@@ -93,21 +97,26 @@ def format_table(data: dict) -> str:
     ]
     if pools_line(data.get("pools") or {}):
         lines.append(pools_line(data["pools"]))
+    for model in (data.get("models") or [])[1:]:
+        line = pools_line(model.get("pools") or {})
+        lines.append(f"model {model['name']}, {model['state']}, namespace {model['namespace']}"
+                     + (f"; {line}" if line else ""))
     if data.get("message"):
         lines.append(f"last error: {data['message']}")
-    rows = [("NAME", "ROLE", "INSTANCE", "PID", "STATE", "RESTARTS", "CPUS", "URL")]
+    rows = [("NAME", "ROLE", "MODEL", "INSTANCE", "PID", "STATE", "RESTARTS", "CPUS", "URL")]
     nats = data.get("nats")
     if nats:
         nodes = nats.get("nodes") or []
         first_url = (nats.get("url") or "-").split(",")[0] if nodes else nats.get("url") or "-"
-        rows.append(("nats-0" if nodes else "nats", "nats", "-", str(nats.get("pid") or "-") if nats["embedded"] else "-",
-                     nats["state"], str(nats.get("restarts", 0)), "-", first_url))
+        rows.append(("nats-0" if nodes else "nats", "nats", "-", "-",
+                     str(nats.get("pid") or "-") if nats["embedded"] else "-", nats["state"],
+                     str(nats.get("restarts", 0)), "-", first_url))
         for node in nodes:
-            rows.append((node["name"], "nats", "-", str(node.get("pid") or "-"), node["state"],
+            rows.append((node["name"], "nats", "-", "-", str(node.get("pid") or "-"), node["state"],
                          str(node.get("restarts", 0)), "-", node["url"]))
     for s in data["services"]:
-        rows.append((s["name"], s["role"], s["instance_id"], str(s.get("pid") or "-"), s["state"],
-                     str(s.get("restarts", 0)), s.get("cpus") or "-", s.get("url") or "-"))
+        rows.append((s["name"], s["role"], s.get("model") or "-", s["instance_id"], str(s.get("pid") or "-"),
+                     s["state"], str(s.get("restarts", 0)), s.get("cpus") or "-", s.get("url") or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)

@@ -24,6 +24,8 @@ def add_parser(subcommands) -> None:
         "so far (a pipeline's stages and the kv-store do not yet). `splitserve ps` shows desired vs running.",
     )
     parser.add_argument("counts", nargs="+", metavar="ROLE=N", help="a pool's new size, e.g. decode=2 prefill=1")
+    parser.add_argument("--model", metavar="NAME", help="the model whose pools to scale, by its served name "
+                        "(`splitserve models served`; default: the deployment's first model)")
     add_run_dir_option(parser)
     add_wait_options(parser, run)
 
@@ -89,8 +91,10 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc), 2)
     except ValueError as exc:
         return _fail(str(exc))
-    return post(path, "/v1/scale", counts, args, _fail, lambda answer: (
-        f"scaling to {', '.join(f'{r}={n}' for r, n in answer['desired'].items())}: starting "
+    body = {**counts, **({"model": args.model} if args.model else {})}
+    return post(path, "/v1/scale", body, args, _fail, lambda answer: (
+        f"scaling {'' if not args.model else 'model ' + answer['model'] + ' '}to "
+        f"{', '.join(f'{r}={n}' for r, n in answer['desired'].items())}: starting "
         f"{', '.join(answer['starting']) or 'none'}; retiring {', '.join(answer['retiring']) or 'none'}"))
 
 
@@ -113,7 +117,8 @@ def settle(path: str, args: argparse.Namespace, fail) -> int:
     view = wait_settled(path, args.timeout)
     if view is None:
         return fail(f"the deployment did not settle within {args.timeout:g} s (see `splitserve ps`)")
+    pools = view["models"].get(getattr(args, "model", None) or "", view)  # the model scaled (the first: the top)
     print(json.dumps(view) if args.json else
-          "settled: " + ", ".join(f"{role} {view['ready'].get(role, 0)} ready of {n}"
-                                  for role, n in view["desired"].items()))
+          "settled: " + ", ".join(f"{role} {pools['ready'].get(role, 0)} ready of {n}"
+                                  for role, n in pools["desired"].items()))
     return 0

@@ -43,13 +43,22 @@ def transfer_tls_of(settings: SideChannelSettings):
 
 def resolve_model(settings: ModelSettings) -> tuple[str, str]:
     """(model directory, served model name) of --model (see `shared.engine.model_registry`); exits if it names none."""
+    resolved = _resolved(settings.model)
+    return str(resolved.model_dir), settings.served_model_name or resolved.served_model_name
+
+
+def resolve_model_dir(model: str) -> str:
+    """The directory of a model given as --model takes it; exits if it names none."""
+    return str(_resolved(model).model_dir)
+
+
+def _resolved(model: str | None):
     from shared.engine import ModelLoadError, resolve_model as resolve
 
     try:
-        resolved = resolve(settings.model)
+        return resolve(model)
     except ModelLoadError as exc:
         raise SystemExit(f"error: {exc}") from None
-    return str(resolved.model_dir), settings.served_model_name or resolved.served_model_name
 
 
 def run_async(coro) -> int:

@@ -1,5 +1,6 @@
 """The Prometheus series a service's stats (`ServiceStats`) stand for: its engine, queues, transfers, caches,
-routing and pipeline figures, labelled by service and instance (and model_name where vLLM has the measure).
+routing and pipeline figures, labelled by service and instance (and model_name where vLLM has the measure, and
+on every series at the gateway, which shows each model's services).
 """
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -71,20 +72,26 @@ class StatsCollector:
     """Per-instance series from services' stats (`ServiceStats`), read as of the scrape: one service's own on its
     status endpoint, or every service's on the gateway's one-stop view."""
 
-    def __init__(self, stats_snapshot):
-        """`stats_snapshot()` returns the list of `ServiceStats` to show."""
+    def __init__(self, stats_snapshot, by_model: bool = False):
+        """`stats_snapshot()` returns the list of `ServiceStats` to show. `by_model`: every series, not only the
+        engine's, leads with `model_name` (the entry's `served_model_name`): a gateway serving several models shows
+        each model's services, whose instance names may repeat from one model to the next."""
         self._snapshot = stats_snapshot
+        self._by_model = by_model
 
     def collect(self):
-        series = {key: family(name, doc, labels=labels) for key, (family, name, doc, labels) in SERIES.items()}
+        by_model = self._by_model
+        series = {key: family(name, doc, labels=labels if not by_model or labels[0] == "model_name"
+                              else ["model_name", *labels])
+                  for key, (family, name, doc, labels) in SERIES.items()}
         for entry in self._snapshot():
-            labels = [entry.role, entry.instance_id]
+            labels = [*([entry.served_model_name] if by_model else []), entry.role, entry.instance_id]
             for decision, count in entry.details.get("disagg_decisions", {}).items():
                 series["decisions"].add_metric([*labels, decision], count)
             if entry.role == "scheduler":
                 _add_scheduler(series, labels, entry.details)
             if entry.role not in ("gateway", "scheduler"):
-                _add_worker(series, labels, entry)
+                _add_worker(series, labels, entry, by_model)
         yield from series.values()
 
 
@@ -100,11 +107,12 @@ def _add_scheduler(series: dict, labels: list[str], details: dict) -> None:
         series["index_blocks"].add_metric(labels, details["prefix_index"]["blocks"])
 
 
-def _add_worker(series: dict, labels: list[str], entry) -> None:
-    """A model worker's, a pipeline stage's or a kv-store's series."""
+def _add_worker(series: dict, labels: list[str], entry, by_model: bool) -> None:
+    """A model worker's, a pipeline stage's or a kv-store's series (`labels` lead with the model's name
+    `by_model`)."""
     details = entry.details
     if entry.kv_blocks_total:  # a model worker (a kv-store has no engine)
-        engine_labels = [entry.served_model_name, *labels]
+        engine_labels = labels if by_model else [entry.served_model_name, *labels]
         for name in ENGINE_FIELDS:
             series[name].add_metric(engine_labels, getattr(entry, name))
         series["usage"].add_metric(engine_labels, 1 - entry.kv_blocks_free / entry.kv_blocks_total)

@@ -37,14 +37,14 @@ class SettingsError(ValueError):
 
 def option(default: Any = None, description: str = "", *, flag: str | None = None, metavar: str | None = None,
            env: str | None = None, shown_default: str | None = None, many: bool = False, joined: bool = False,
-           **field: Any) -> Any:
+           separator: str | None = None, **field: Any) -> Any:
     """A settings field. `flag` (default: --NAME-WITH-DASHES) and `env` (default: SPLITSERVE_ + the flag's name)
     rename them; `shown_default` is how --help writes the default (default: the value itself); `many`: the flag
-    repeats and the variable holds A,B,... (a list), and `joined` takes the flags' items and the variable's
-    together; the rest is pydantic's `Field` (constraints such as ge=1, repr=False). Without a default (`...`)
-    the setting is required."""
+    repeats and the variable holds A,B,... (a list; items apart by `separator` instead of ',' where an item may
+    hold a comma), and `joined` takes the flags' items and the variable's together; the rest is pydantic's
+    `Field` (constraints such as ge=1, repr=False). Without a default (`...`) the setting is required."""
     extra = {"flag": flag, "metavar": metavar, "env": env, "shown_default": shown_default, "many": many,
-             "joined": joined}
+             "joined": joined, "separator": separator}
     return Field(default, description=description, json_schema_extra={k: v for k, v in extra.items() if v}, **field)
 
 
@@ -117,7 +117,8 @@ def _from_environment(settings: type[Settings], environ: Mapping[str, str]) -> d
         text = environ.get(env_of(name, field))
         if text is None or text == "":
             continue
-        found[name] = [part.strip() for part in text.split(",") if part.strip()] if _many(field) else text
+        separator = _extra(field).get("separator") or ","
+        found[name] = [part.strip() for part in text.split(separator) if part.strip()] if _many(field) else text
     return found
 
 
@@ -174,6 +175,8 @@ def _explain(settings: type[Settings], error: dict, given: dict, from_env: dict,
         where = env_of(name, field)
     else:
         where = f"{config_file}: {name}"
+    if error["type"] == "value_error":  # a validator's own words, which name what is wrong
+        return f"{where}: {error['msg'].removeprefix('Value error, ')}"
     shown = f" (got {error.get('input')!r})" if field.repr else ""  # a secret's value is never shown
     return f"{where}: {error['msg']}{shown}"
 

@@ -5,7 +5,7 @@ import os
 import signal
 import sys
 
-from services.common.options import bus_credentials, bus_tls, resolve_model
+from services.common.options import bus_credentials, bus_tls, resolve_model, resolve_model_dir
 from services.common.settings import add_flags, parse_settings
 from services.gateway.settings import GatewayServiceSettings
 
@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_of(argv)
     import uvicorn
 
-    from services.gateway.app import BusAccess, create_app
+    from services.gateway.also_serve import AlsoServe
+    from services.gateway.app import create_app
+    from services.gateway.model_backend import BusAccess
     from services.gateway.server import DrainingServer
     from services.launcher.deployment import RUN_DIR_ENV
     from shared.telemetry.logging import configure_logging
@@ -33,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("gateway", settings.instance_id, settings.log_level)
     configure_tracing("gateway", settings.instance_id)
     model_dir, served_name = resolve_model(settings)
-    # The model as a directory: a known model's name is resolved once, here.
-    settings = settings.model_copy(update={"model": model_dir, "served_model_name": served_name})
+    also = tuple(AlsoServe(other.name, resolve_model_dir(other.model), other.namespace) for other in settings.also_serve)
+    # The models as directories: a known model's name is resolved once, here.
+    settings = settings.model_copy(update={"model": model_dir, "served_model_name": served_name, "also_serve": also})
     bus = BusAccess(bus_credentials(settings), bus_tls(settings))
     # uvicorn re-raises the signal that stopped it into the handler installed before it; a no-op one lets the
     # gateway exit 0 like every service.
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: None)
     try:
         app = create_app(settings, bus, run_dir=os.environ.get(RUN_DIR_ENV))
-    except (OSError, ValueError) as exc:  # a --chat-template that is neither a file nor a template, say
+    except (OSError, ValueError) as exc:  # a --chat-template that is neither a file nor a template, a name twice
         raise SystemExit(f"error: {exc}") from None
     server = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop", log_level="warning",
                             timeout_graceful_shutdown=5)

@@ -2,11 +2,14 @@
 
 `enter` lets a request in or refuses it with 429 (past its tenant's `max_in_flight`, or its tokens-per-minute
 bucket short of its prompt), Retry-After saying when to come back; nothing of another tenant's changes.
-`wait_turn` then holds it until fewer than `max_dispatched` requests sent on have no first token yet: those
-are what the workers' queues hold, first come first served, so keeping them few leaves the order to the fair
-queue here (`fair_queue`). A turn waits at most `timeout_s` (then 429), and at most `max_queued` of each tenant
-wait (one tenant's flood takes no other's room).
+`wait_turn` then holds it until fewer than `max_dispatched` requests sent on to its model have no first token
+yet: those are what the model's workers' queues hold, first come first served, so keeping them few leaves the
+order to the fair queue here (`fair_queue`). A turn waits at most `timeout_s` (then 429), and at most
+`max_queued` of each tenant wait for one model (one tenant's flood takes no other's room).
 The `Ticket` frees the turn at the first token and the rest when the request ends, charging its usage.
+A tenant's limits (in flight, tokens per minute) are its own across every model the gateway serves; the turns
+and their queues are each model's, as its workers are: a flood of one model's requests holds no turn of
+another's.
 """
 
 import asyncio
@@ -35,8 +38,8 @@ def limit_error(tenant: Tenant, limit: str, retry_after_s: float) -> RequestErro
 class Ticket:
     """One admitted request's hold on its tenant's in-flight count and, once given, a turn."""
 
-    def __init__(self, admission: "Admission", tenant: Tenant, cost: int):
-        self.admission, self.tenant, self.cost = admission, tenant, cost
+    def __init__(self, admission: "Admission", tenant: Tenant, cost: int, model: str = ""):
+        self.admission, self.tenant, self.cost, self.model = admission, tenant, cost, model
         self.holds_turn = False
         self.turn: asyncio.Future | None = None
         self.done = False
@@ -51,28 +54,45 @@ class Ticket:
             self.admission.finished(self, status, usage or (0, 0, 0))
 
 
+class _Turns:
+    """One model's turns: how many are given and not yet freed, and who waits for one."""
+
+    def __init__(self) -> None:
+        self.dispatched = 0
+        self.queue = FairQueue()
+
+
 class Admission:
     def __init__(self, metrics: TenantMetrics, max_dispatched: int, timeout_s: float, max_queued: int,
                  clock=time.monotonic):
         self.metrics, self.max_dispatched, self.timeout_s, self.clock = metrics, max_dispatched, timeout_s, clock
         self.max_queued = max_queued or _UNBOUNDED_QUEUE
-        self.dispatched = 0  # turns given and not yet freed
-        self._queue = FairQueue()
+        self._turns: dict[str, _Turns] = {}  # by model
         self._in_flight: dict[str, int] = {}
         self._buckets: dict[str, token_bucket.Bucket] = {}
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Requests waiting for a turn, over every model."""
+        return sum(len(turns.queue) for turns in self._turns.values())
+
+    @property
+    def dispatched(self) -> int:
+        """Turns given and not yet freed, over every model."""
+        return sum(turns.dispatched for turns in self._turns.values())
+
+    def _turns_of(self, model: str) -> _Turns:
+        return self._turns.setdefault(model, _Turns())
 
     def in_flight(self, tenant: str) -> int:
         return self._in_flight.get(tenant, 0)
 
-    def enter(self, tenant: Tenant, prompt_tokens: int, cost: int) -> Ticket:
-        """A ticket for the request, or its 429 (`limit_error`)."""
+    def enter(self, tenant: Tenant, prompt_tokens: int, cost: int, model: str = "") -> Ticket:
+        """A ticket for the request (to `model`, which labels its tenant's series), or its 429 (`limit_error`). The
+        limits count the tenant's requests to every model."""
         name = tenant.name
         if tenant.max_in_flight and self.in_flight(name) >= tenant.max_in_flight:
-            self.metrics.rejected(name, "max_in_flight")
+            self.metrics.rejected(model, name, "max_in_flight")
             raise limit_error(tenant, "max_in_flight", 1.0)
         if tenant.tokens_per_minute:
             now = self.clock()
@@ -80,51 +100,56 @@ class Admission:
             bucket, wait_s = token_bucket.admit(bucket, prompt_tokens, now)
             self._buckets[name] = bucket
             if wait_s is not None:
-                self.metrics.rejected(name, "tokens_per_minute")
+                self.metrics.rejected(model, name, "tokens_per_minute")
                 raise limit_error(tenant, "tokens_per_minute", wait_s)
         self._in_flight[name] = self.in_flight(name) + 1
-        self.metrics.admitted(name)
-        return Ticket(self, tenant, cost)
+        self.metrics.admitted(model, name)
+        return Ticket(self, tenant, cost, model)
 
     async def wait_turn(self, ticket: Ticket) -> None:
         """Until the request may be sent on; StreamError("queue_full") when too many wait or its wait runs out."""
-        if not self.max_dispatched or (self.dispatched < self.max_dispatched and not self.queued):
-            self._give_turn(ticket)
+        turns = self._turns_of(ticket.model)
+        if not self.max_dispatched or (turns.dispatched < self.max_dispatched and not turns.queue):
+            self._give_turn(ticket, turns)
             return
-        if self._queue.queued(ticket.tenant.name) >= self.max_queued:
-            self.metrics.rejected(ticket.tenant.name, "queue_full")
+        if turns.queue.queued(ticket.tenant.name) >= self.max_queued:
+            self.metrics.rejected(ticket.model, ticket.tenant.name, "queue_full")
             raise StreamError("queue_full", f"{self.max_queued} requests of this tenant already wait at the gateway",
                               retry_after_s=1.0)
         ticket.turn = asyncio.get_running_loop().create_future()
-        self._queue.push(ticket.tenant.name, ticket, ticket.cost, ticket.tenant.priority)
+        turns.queue.push(ticket.tenant.name, ticket, ticket.cost, ticket.tenant.priority)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await ticket.turn
         except TimeoutError:
             if ticket.holds_turn:  # given as the wait ran out: take it
                 return
-            self._queue.remove(ticket.tenant.name, ticket)
-            self.metrics.rejected(ticket.tenant.name, "queue_timeout")
+            turns.queue.remove(ticket.tenant.name, ticket)
+            self.metrics.rejected(ticket.model, ticket.tenant.name, "queue_timeout")
             raise StreamError("queue_full", f"the request waited {self.timeout_s:g} s at the gateway for its turn; "
                                             "try again shortly", retry_after_s=1.0) from None
         except BaseException:  # cancelled: the client left
-            self._queue.remove(ticket.tenant.name, ticket)
+            turns.queue.remove(ticket.tenant.name, ticket)
             self.release_turn(ticket)
             raise
 
-    def _give_turn(self, ticket: Ticket) -> None:
+    @staticmethod
+    def _give_turn(ticket: Ticket, turns: _Turns) -> None:
         ticket.holds_turn = True
-        self.dispatched += 1
+        turns.dispatched += 1
 
     def release_turn(self, ticket: Ticket) -> None:
         if not ticket.holds_turn:
             return
         ticket.holds_turn = False
-        self.dispatched -= 1
-        while self.queued and (not self.max_dispatched or self.dispatched < self.max_dispatched):
-            _, waiting = self._queue.pop()
-            self._give_turn(waiting)
+        turns = self._turns_of(ticket.model)
+        turns.dispatched -= 1
+        while turns.queue and (not self.max_dispatched or turns.dispatched < self.max_dispatched):
+            _, waiting = turns.queue.pop()
+            self._give_turn(waiting, turns)
             waiting.turn.set_result(None)
+        if not turns.dispatched and not turns.queue:
+            del self._turns[ticket.model]  # a model's turns last as long as its requests
 
     def finished(self, ticket: Ticket, status: str, usage: tuple[int, int, int]) -> None:
         self.release_turn(ticket)
@@ -136,4 +161,4 @@ class Admission:
             self._in_flight.pop(name, None)
         if name in self._buckets:
             self._buckets[name] = token_bucket.charge(self._buckets[name], completion, self.clock())
-        self.metrics.finished(name, status, prompt, completion)
+        self.metrics.finished(ticket.model, name, status, prompt, completion)

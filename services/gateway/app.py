@@ -1,14 +1,12 @@
-"""The OpenAI-compatible HTTP API: validate, submit over NATS, stream back as SSE."""
+"""The OpenAI-compatible HTTP API: validate, submit over NATS to the model asked for, stream back as SSE."""
 
 import asyncio
 import inspect
-import ssl
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
 
 import msgspec
 import structlog
@@ -17,30 +15,16 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from contracts import ServiceInfo, Subjects
-from services.common.identity import ServiceIdentity
-from services.common.queues import join_deployment
 from services.common.startup_heap import freeze_startup_heap
-from services.gateway import readiness, responses
-from services.gateway.beats_seen import BeatsSeen
+from services.common.tenant_keys import DEFAULT_TENANT, Tenant
+from services.gateway import responses
 from services.gateway.cache_salt import cache_salt
-from services.gateway.admission import Admission
 from services.gateway.edge import check_text, read_body, unauthorized
 from services.gateway.choices import Choices, submit_all
-from services.gateway.errors import (
-    RequestError,
-    from_failure,
-    from_invalid_request,
-    install_error_handlers,
-    model_not_found,
-)
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.tenant_metrics import TenantMetrics
-from services.common.tenant_keys import DEFAULT_TENANT, Tenant
-from services.gateway.tenants import TenantDirectory
-from services.gateway.service_stats import ScrapedStats, ask_every_service
-from services.gateway.model_info import ModelInfo, read_chat_template
-from services.gateway.request_bus import RequestBus
+from services.gateway.errors import RequestError, from_failure, from_invalid_request, install_error_handlers
+from services.gateway.gateway import Gateway
+from services.gateway.model_backend import BusAccess, ModelBackend
+from services.gateway.model_info import ModelInfo
 from services.gateway.request_telemetry import RequestTelemetry
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -57,14 +41,9 @@ from services.gateway.protocol import (
     to_sampling_params,
 )
 from services.gateway.settings import GatewayServiceSettings
-from services.gateway.streams import StreamError, TokenStreams
+from services.gateway.streams import StreamError
 from services.gateway.structured_request import check_constraint
 from services.gateway.tool_calls import ToolCallOutput
-from shared.bus.connection import connect, drain
-from shared.bus.credentials import BusCredentials, secured_bus
-from shared.bus.permissions import inbox_prefix
-from shared.bus.provision import replicas_asked
-from shared.bus.registry import Heartbeat, Readings
 from shared.engine import InvalidRequestError
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import shutdown_tracing
@@ -73,161 +52,10 @@ from shared.version import VERSION
 log = get_logger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions API
-_REGISTRY_REFRESH_S = 1.0
-
-
-@dataclass(frozen=True)
-class BusAccess:
-    """How the gateway reaches NATS beyond its settings' URL: its credentials and TLS, read at start."""
-
-    credentials: BusCredentials | None = None
-    tls: ssl.SSLContext | None = None
-
-
-class Gateway:
-    """The state behind the HTTP handlers (one per process). `settings.model` is a model directory (`__main__`
-    resolves a model's name into its cached one); `run_dir` is the launcher's, whose deployment.json says which
-    services it marked failed."""
-
-    def __init__(self, settings: GatewayServiceSettings, bus: BusAccess | None = None, run_dir: str | None = None):
-        self.settings = settings
-        self.bus = bus or BusAccess()
-        self.run_dir = run_dir
-        self.subjects = Subjects(settings.namespace)
-        template = read_chat_template(settings.chat_template) if settings.chat_template else None
-        self.model = ModelInfo.load(settings.model, settings.served_model_name, template)
-        self.streams = TokenStreams()
-        self.services: list[ServiceInfo] = []
-        self.beats = BeatsSeen()  # when each service process was last seen alive, on this gateway's clock
-        self.metrics = GatewayMetrics(self._scrape_services, self.streams.num_waiting,
-                                      model_name=settings.served_model_name, instance=settings.instance_id,
-                                      num_forged=lambda: self.streams.num_forged)
-        self.identity = ServiceIdentity(settings.instance_id, "gateway")
-        self.tenants = TenantDirectory.of(settings.api_keys, settings.keys_file)
-        # One tenant has nobody to be fair to: its requests go on as they come (a burst's prompts batch together).
-        max_dispatched = settings.max_dispatched if self.tenants.tenants > 1 else 0
-        self.admission = Admission(TenantMetrics(self.metrics.registry, self.metrics.own_labels),
-                                   max_dispatched, settings.queue_timeout, settings.max_waiting_requests)
-        self.draining = False
-        self._background: set[asyncio.Task] = set()  # short-lived work (releases) that stop() lets finish
-        self._watcher: asyncio.Task | None = None
-        self._scraping: asyncio.Task | None = None  # the stats requests of the /metrics scrape in progress
-
-    async def start(self) -> None:
-        self.nc = await connect(self.settings.nats, name=self.settings.instance_id,
-                                credentials=self.bus.credentials, tls=self.bus.tls,
-                                inbox_prefix=inbox_prefix(self.settings.namespace, "gateway", self.settings.instance_id))
-        replicas = replicas_asked(self.settings.nats_replicas, self.nc)
-        self.registry = await join_deployment(self.nc.jetstream(), self.subjects, replicas, may_provision=not secured_bus(
-            self.settings.nats, self.bus.credentials))
-        await self.nc.subscribe(self.subjects.tokens_wildcard(self.settings.instance_id), cb=self.streams.on_message)
-        self.request_bus = RequestBus(nc=self.nc, subjects=self.subjects, gateway_id=self.settings.instance_id,
-                                      streams=self.streams, migration_limit=self.settings.migration_limit,
-                                      idle_timeout_s=self.settings.stream_idle_timeout,
-                                      on_move=self.metrics.migrated, worker_alive_after=self.beats.alive_after)
-        self.heartbeat = Heartbeat(self.registry, self.info)
-        self.heartbeat.start()
-        await self._refresh_services()
-        self._watcher = asyncio.create_task(self._watch_services())
-
-    async def drain(self, timeout_s: float) -> None:
-        """Stop admitting requests (503, and /ready says so), give the open ones `timeout_s` to finish, then
-        end the rest with a final error event."""
-        self.draining = True
-        log.info("draining", open_requests=len(self.streams), timeout_s=timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while len(self.streams) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if len(self.streams):
-            log.warning("drain timed out", open_requests=len(self.streams))
-            self.streams.fail_all("shutting_down", f"the gateway shut down before the request finished (it had "
-                                                   f"{timeout_s:g} s); send it again")
-            # Their readers send the error event and release them; a reader that is gone releases at once.
-            deadline = time.monotonic() + 2.0
-            while len(self.streams) and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-
-    async def stop(self) -> None:
-        # Whatever the drain left (none, unless it was cut short) ends with an error now; cancels still go out.
-        self.streams.fail_all("shutting_down", "the gateway is shutting down")
-        for task in (self._watcher, self._scraping):
-            if task is not None:
-                task.cancel()
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=2.0)
-        for task in list(self._background):
-            task.cancel()
-        await self.heartbeat.stop(remove=True)
-        await drain(self.nc)
-
-    def spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _scrape_services(self) -> ScrapedStats:
-        """Every other service's stats now; scrapes that arrive while one is asking share its answers (so /metrics,
-        often open, cannot be made to flood the bus)."""
-        if self._scraping is None or self._scraping.done():
-            entries = [e for e in self.services if e.role != "gateway"]
-            self._scraping = asyncio.create_task(ask_every_service(self.nc, self.subjects, entries))
-        return await asyncio.shield(self._scraping)
-
-    def info(self) -> ServiceInfo:
-        return self.identity.info(
-            model=self.settings.model, served_model_name=self.settings.served_model_name,
-            state="draining" if self.draining else "ready",
-            http_port=self.settings.port,
-            active_requests=len(self.streams),
-        )
-
-    async def _watch_services(self) -> None:
-        readings = Readings(self.registry.ttl_s)  # a worker missing just after an outage is not taken for gone
-        while True:
-            await asyncio.sleep(_REGISTRY_REFRESH_S)
-            listed_at = time.monotonic()
-            if not await self._refresh_services():
-                readings.failed()
-            elif readings.absences_count(listed_at):
-                self.streams.fail_orphans(self.services, listed_at)
-
-    async def _refresh_services(self) -> bool:
-        try:
-            read_at = time.monotonic()
-            self.services = await self.registry.list()
-            self.beats.read(self.services, read_at)
-            return True
-        except Exception as exc:
-            log.warning("registry read failed", error=repr(exc))
-            return False
-
-    # ---- deployment state -------------------------------------------------------------
-    def liveness(self) -> tuple[int, dict]:
-        """/health: 200 unless the NATS connection is closed for good; what the deployment looks like."""
-        nats = "closed" if self.nc.is_closed else "connected" if self.nc.is_connected else "reconnecting"
-        counts = readiness.ready_counts(self.services)
-        expect = readiness.expected(self.settings.expect, self.run_dir)
-        body = {"status": "ok" if nats != "closed" else "failed", "nats": nats, "draining": self.draining,
-                "ready": counts, "expected": expect, "missing": readiness.missing(counts, expect),
-                "failed": readiness.launcher_failures(self.run_dir)}
-        return (200 if nats != "closed" else 503), body
-
-    def readiness(self) -> tuple[int, dict]:
-        """/ready: whether a request can be served now."""
-        return readiness.judge_ready(readiness.ready_counts(self.services),
-                                     readiness.expected(self.settings.expect, self.run_dir),
-                                     connected=self.nc.is_connected, draining=self.draining)
-
-    @property
-    def max_model_len(self) -> int:
-        """The tightest context length among the model's workers (their --max-model-len), else the model's."""
-        lengths = [e.max_model_len for e in self.services
-                   if e.served_model_name == self.model.served_name and e.max_model_len > 0 and e.role != "gateway"]
-        return min(lengths, default=self.model.max_model_len)
 
 
 def create_app(settings: GatewayServiceSettings, bus: BusAccess | None = None, run_dir: str | None = None) -> FastAPI:
-    """The gateway's HTTP API over `settings` (see `Gateway` for `bus` and `run_dir`)."""
+    """The gateway's HTTP API over `settings` (see `Gateway` for `bus` and `run_dir`): every served model's."""
     gateway = Gateway(settings, bus, run_dir)
 
     @asynccontextmanager
@@ -291,9 +119,9 @@ def _state_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": gateway.model.served_name, "object": "model", "created": gateway.identity.started_ms // 1000,
-                "owned_by": "splitserve", "max_model_len": gateway.max_model_len}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": backend.created_s, "owned_by": "splitserve",
+                  "max_model_len": backend.max_model_len} for name, backend in list(gateway.backends.items())]
+        return {"object": "list", "data": cards}
 
     @app.get("/version")
     async def version() -> dict:
@@ -305,67 +133,64 @@ def _state_routes(app: FastAPI, gateway: Gateway) -> None:
 
 
 def _token_routes(app: FastAPI, gateway: Gateway) -> None:
-    """vLLM's /tokenize and /detokenize."""
+    """vLLM's /tokenize and /detokenize, with the model the request names (the first model served without one)."""
     settings = gateway.settings
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         req = parse_request(TokenizeRequest, await read_json(request, settings))
-        if req.model is not None:
-            check_model(gateway, req.model)
-        model = gateway.model
+        backend = gateway.backend_for(req.model)
+        model, max_model_len = backend.model, backend.max_model_len
         if req.prompt is not None:
-            check_prompt_chars(len(req.prompt), gateway.max_model_len, model.max_chars_per_token, "prompt")
+            check_prompt_chars(len(req.prompt), max_model_len, model.max_chars_per_token, "prompt")
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await run_in_threadpool(model.encode_prompt, req.prompt, add_special)
         else:
             messages = [m.template_dict() for m in req.messages]
-            check_chat_chars(messages, req.tools, req.chat_template_kwargs, gateway.max_model_len,
-                             model.max_chars_per_token)
+            check_chat_chars(messages, req.tools, req.chat_template_kwargs, max_model_len, model.max_chars_per_token)
             # Tools offered may be called (as a chat request without tool_choice has it): the same prompt.
             ids = await run_in_threadpool(model.encode_chat, messages, req.tools, req.chat_template_kwargs,
                                           req.add_generation_prompt, bool(req.tools))
             if req.add_special_tokens and model.tokenizer.bos_token_id is not None:
                 ids = [model.tokenizer.bos_token_id, *ids]
-        check_prompt_tokens(len(ids), gateway.max_model_len, "prompt" if req.prompt is not None else "messages")
+        check_prompt_tokens(len(ids), max_model_len, "prompt" if req.prompt is not None else "messages")
         strs = model.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return {"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         req = parse_request(DetokenizeRequest, await read_json(request, settings))
-        if req.model is not None:
-            check_model(gateway, req.model)
-        if len(req.tokens) > gateway.max_model_len:
+        backend = gateway.backend_for(req.model)
+        if len(req.tokens) > backend.max_model_len:
             raise RequestError(f"tokens holds {len(req.tokens)} ids, more than the model's context of "
-                               f"{gateway.max_model_len}", "tokens", code="invalid_value")
-        check_token_ids(req.tokens, gateway.model.vocab_size, "tokens")
-        return {"prompt": await run_in_threadpool(gateway.model.tokenizer.decode, req.tokens)}
+                               f"{backend.max_model_len}", "tokens", code="invalid_value")
+        check_token_ids(req.tokens, backend.model.vocab_size, "tokens")
+        return {"prompt": await run_in_threadpool(backend.model.tokenizer.decode, req.tokens)}
 
 
 def _generation_routes(app: FastAPI, gateway: Gateway) -> None:
-    """The OpenAI API's completions and chat completions."""
+    """The OpenAI API's completions and chat completions, each to the model it names."""
     settings = gateway.settings
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_request(CompletionRequest, await read_json(request, settings))
-        check_model(gateway, req.model)
+        backend = gateway.backend_for(req.model)
         if isinstance(req.prompt, str):
-            check_prompt_chars(len(req.prompt), gateway.max_model_len, gateway.model.max_chars_per_token, "prompt")
-        prompt_ids = await run_in_threadpool(gateway.model.encode_prompt, req.prompt)
-        return await generate(gateway, request, req, prompt_ids, chat=False)
+            check_prompt_chars(len(req.prompt), backend.max_model_len, backend.model.max_chars_per_token, "prompt")
+        prompt_ids = await run_in_threadpool(backend.model.encode_prompt, req.prompt)
+        return await generate(gateway, backend, request, req, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse_request(ChatCompletionRequest, await read_json(request, settings))
-        check_model(gateway, req.model)
+        backend = gateway.backend_for(req.model)
         messages = req.template_messages()
-        check_chat_chars(messages, req.tools, req.chat_template_kwargs, gateway.max_model_len,
-                         gateway.model.max_chars_per_token)
-        prompt_ids = await run_in_threadpool(gateway.model.encode_chat, messages, req.tools,
+        check_chat_chars(messages, req.tools, req.chat_template_kwargs, backend.max_model_len,
+                         backend.model.max_chars_per_token)
+        prompt_ids = await run_in_threadpool(backend.model.encode_chat, messages, req.tools,
                                              req.chat_template_kwargs, True, req.tool_mode is not None)
-        return await generate(gateway, request, req, prompt_ids, chat=True)
+        return await generate(gateway, backend, request, req, prompt_ids, chat=True)
 
 
 _UNTRACED_PATHS = ("/health", "/ready", "/metrics")
@@ -424,21 +249,17 @@ def request_tenant(request: Request) -> Tenant:
 
 
 async def _in_turn(gateway: Gateway, request: Request, telemetry: RequestTelemetry, prompt_tokens: int, cost: int,
-                   submit):
+                   model: str, submit):
     """Past its tenant's limits (else their 429), then its turn in the fair queue: `submit()` the request."""
-    telemetry.ticket = gateway.admission.enter(request_tenant(request), prompt_tokens, cost)
+    telemetry.ticket = gateway.admission.enter(request_tenant(request), prompt_tokens, cost, model)
     await gateway.admission.wait_turn(telemetry.ticket)
     return await submit()
 
 
-def check_model(gateway: Gateway, name: str) -> None:
-    if name != gateway.model.served_name:
-        raise model_not_found(name)
-
-
-async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int], chat: bool):
+async def generate(gateway: Gateway, backend: ModelBackend, request: Request, req, prompt_ids: list[int],
+                   chat: bool):
     endpoint = "chat" if chat else "completions"
-    check_vocabulary_fields(req, gateway.model.vocab_size)
+    check_vocabulary_fields(req, backend.model.vocab_size)
     _note_ignored(req.ignored_fields)
     sampling = to_sampling_params(req)  # this request's own: filled in here, then validated
     sampling.cache_salt = request_cache_salt(gateway, request, req)
@@ -446,14 +267,14 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
     if requested is None and not chat:
         requested = COMPLETIONS_DEFAULT_MAX_TOKENS
     sampling.max_tokens = resolve_max_tokens(
-        requested, len(prompt_ids), gateway.max_model_len,
+        requested, len(prompt_ids), backend.max_model_len,
         prompt_param="messages" if chat else "prompt", max_tokens_param=req.max_tokens_param,
     )
     echo_logprobs = not chat and req.echo_logprobs
     if echo_logprobs and sampling.prompt_logprobs is None:
         sampling.prompt_logprobs = req.logprobs  # the echoed prompt's logprobs head the completion's
     if sampling.prompt_logprobs is not None:
-        check_prompt_logprobs_size(len(prompt_ids), sampling.prompt_logprobs, gateway.nc.max_payload,
+        check_prompt_logprobs_size(len(prompt_ids), sampling.prompt_logprobs, backend.nc.max_payload,
                                    "echo" if req.prompt_logprobs is None else "prompt_logprobs")
     returned, n = req.n or 1, req.candidates  # best_of: n candidates, the `returned` most likely returned
     if n > returned and sampling.logprobs is None:
@@ -474,32 +295,34 @@ async def generate(gateway: Gateway, request: Request, req, prompt_ids: list[int
 
     request_id = request.state.request_id
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
-    telemetry = RequestTelemetry(gateway.metrics, endpoint, request_id, len(prompt_ids), sampling.max_tokens,
+    telemetry = RequestTelemetry(backend.series, endpoint, request_id, len(prompt_ids), sampling.max_tokens,
                                  bool(req.stream))
     request.state.trace_id = telemetry.trace_id
     bus_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
     def submit(i: int):
-        return gateway.request_bus.submit(bus_ids[i], req.model, prompt_ids, params[i],
+        if i == 0:  # (once its first choice is on, a request's others go on while its model is unserved)
+            backend.check_open()
+        return backend.request_bus.submit(bus_ids[i], req.model, prompt_ids, params[i],
                                           headers=telemetry.headers({}))
 
     with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=telemetry.trace_id):
         with _failures_counted(telemetry):
-            check_admission(gateway.streams.num_waiting() + n - 1, gateway.settings.max_waiting_requests,
+            check_admission(backend.streams.num_waiting() + n - 1, gateway.settings.max_waiting_requests,
                             gateway.draining)
             turn = _in_turn(gateway, request, telemetry, len(prompt_ids), len(prompt_ids) + sampling.max_tokens * n,
-                            lambda: submit(0))
-            stream = await _unless_disconnected(request, turn, discard=gateway.request_bus.release)
+                            backend.name, lambda: submit(0))
+            stream = await _unless_disconnected(request, turn, discard=backend.request_bus.release)
             if stream is None:  # the client left while the request waited for a worker (submit cancelled it)
                 telemetry.finish("cancelled")
                 return Response(status_code=499)
         telemetry.assigned(stream.worker_instance or "")
-        choices = Choices(gateway.request_bus, stream, n,
-                          lambda: submit_all(submit, range(1, n), gateway.request_bus.release))
+        choices = Choices(backend.request_bus, stream, n,
+                          lambda: submit_all(submit, range(1, n), backend.request_bus.release))
         try:
             echo = "" if chat or not req.echo else (
-                req.prompt if isinstance(req.prompt, str) else gateway.model.tokenizer.decode(prompt_ids))
-            renderer = _Renderer(gateway, response_id, req.model, chat, req.include_usage, echo, n,
+                req.prompt if isinstance(req.prompt, str) else backend.model.tokenizer.decode(prompt_ids))
+            renderer = _Renderer(backend.model, response_id, req.model, chat, req.include_usage, echo, n,
                                  req.tool_mode if chat else None, returned, req.sampling_logprobs is not None)
             telemetry.usage_of = lambda: renderer.usage  # what a request that ends early counts
             if echo_logprobs:
@@ -620,10 +443,11 @@ async def _client_gone(request: Request) -> None:
 class _Renderer:
     """Turns token chunks into OpenAI responses (whole or as SSE chunks), for each of the request's `n` choices."""
 
-    def __init__(self, gateway: Gateway, response_id: str, model: str, chat: bool, include_usage: bool,
+    def __init__(self, model_info: ModelInfo, response_id: str, model: str, chat: bool, include_usage: bool,
                  echo: str = "", n: int = 1, tool_mode: str | None = None, returned: int | None = None,
                  with_logprobs: bool = True):
-        self.gateway, self.chat, self.include_usage, self.n = gateway, chat, include_usage, n
+        self.token_text = model_info.token_text  # (the model's own: logprobs' token strings)
+        self.chat, self.include_usage, self.n = chat, include_usage, n
         # best_of: of the n choices, the `returned` most likely (highest cumulative logprob) make the response
         self.returned = n if returned is None else returned
         self.with_logprobs = with_logprobs
@@ -657,7 +481,7 @@ class _Renderer:
     def logprobs(self, index: int, chunk) -> dict | None:
         if not chunk.logprobs:
             return None
-        token_text = self.gateway.model.token_text
+        token_text = self.token_text
         if self.chat:
             return responses.chat_logprobs(chunk.logprobs, token_text)
         return responses.completion_logprobs(chunk.logprobs, token_text, self._text_sent[index])
@@ -674,7 +498,7 @@ class _Renderer:
         self._echoed_ids, self._show_prompt_logprobs = list(prompt_token_ids), with_prompt_logprobs
 
     def _completion_logprobs(self, entries: list) -> dict | None:
-        token_text = self.gateway.model.token_text
+        token_text = self.token_text
         if self._echoed_ids is not None:
             return responses.echoed_logprobs(self._echoed_ids, self.prompt_logprobs or [], token_text,
                                              responses.completion_logprobs(entries, token_text, len(self.echo)))
@@ -722,7 +546,7 @@ class _Renderer:
     def whole(self, collected: list[tuple[str, list]]) -> dict:
         """The response to the choices' (text, logprob entries)."""
         prompt, completion, cached = self.usage
-        token_text = self.gateway.model.token_text
+        token_text = self.token_text
         usage = dict(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
         prompt_logprobs = (None if self.prompt_logprobs is None or not self._show_prompt_logprobs
                            else responses.prompt_logprobs(self.prompt_logprobs, token_text))

@@ -2,7 +2,7 @@
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.service_metrics import StatsCollector
@@ -15,62 +15,77 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 
 class GatewayMetrics:
-    """The request series are vLLM's where vLLM has the same measure (`vllm:`, labelled `model_name`), so that
-    dashboards and endpoint pickers built for vLLM read them; every series also names its `service` and
-    `instance`."""
+    """The request series are vLLM's where vLLM has the same measure (`vllm:`, labelled `model_name`: the model the
+    request asked for), so that dashboards and endpoint pickers built for vLLM read them; every series also names
+    its `service` and `instance`, in that order after `model_name`. A model's request series are its
+    `ModelSeries` (`of_model`)."""
 
-    def __init__(self, scrape_services, num_waiting=lambda: 0, model_name: str = "", instance: str = "",
-                 num_forged=lambda: 0):
-        """`await scrape_services()` returns every other service's stats now (`ScrapedStats`); `num_waiting()` the
-        gateway's requests without a first token yet; `num_forged()` the events it dropped because their sender
-        does not speak for their request; `model_name` and `instance` label this gateway's series."""
+    def __init__(self, scrape_services, instance: str = "", models_now=lambda: ()):
+        """`await scrape_services()` returns every other service's stats now (`ScrapedStats`, each entry's
+        `served_model_name` the model it serves); `models_now()` each model served now as (name, its requests
+        without a first token yet, the events dropped because their sender does not speak for their request)."""
         self._scrape_services = scrape_services
         self.registry = CollectorRegistry()
-        own = {"model_name": model_name, "service": "gateway", "instance": instance}
-        labels = list(own)
+        self.service_labels = {"service": "gateway", "instance": instance}
+        self.registry.register(_PerModel(self.service_labels, models_now))
+        labels = ["model_name", *self.service_labels]
 
         def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS):
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(**own)
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
-            family = Counter(name, doc, [*labels, *extra], registry=self.registry)
-            return family if extra else family.labels(**own)
+            return Counter(name, doc, [*labels, *extra], registry=self.registry)
 
-        self._own = own
-        self.own_labels = own
-        Gauge("splitserve_gateway_requests_waiting", "Requests at this gateway without a first token yet (what "
-              "--max-waiting-requests bounds)", labels, registry=self.registry).labels(**own).set_function(num_waiting)
-        self.registry.register(_ForgedEvents(own, num_forged))
-        self._requests = counter("splitserve_requests", "Requests by endpoint and outcome", ("endpoint", "status"))
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token")
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between successive token chunks of a request")
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token")
-        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
-                              "A request's mean time per output token after the first")
-        self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request",
-                                       TOKEN_BUCKETS)
-        self.generation_tokens = histogram("vllm:request_generation_tokens", "Tokens generated for each finished "
-                                           "request", TOKEN_BUCKETS)
-        self.prompt_total = counter("vllm:prompt_tokens", "Prompt tokens of the finished requests")
-        self.generation_total = counter("vllm:generation_tokens", "Tokens generated for the finished requests")
-        self._success = counter("vllm:request_success", "Requests that finished, by why they stopped",
-                                ("finished_reason",))
-        self._migrations = counter("splitserve_request_migrations", "Requests moved to another worker, by the "
-                                   "failure they moved on from", ("failure",))
+        self.families = {
+            "requests": counter("splitserve_requests", "Requests by endpoint and outcome", ("endpoint", "status")),
+            "ttft": histogram("vllm:time_to_first_token_seconds", "Arrival to first token"),
+            "itl": histogram("vllm:inter_token_latency_seconds", "Time between successive token chunks of a request"),
+            "e2e": histogram("vllm:e2e_request_latency_seconds", "Arrival to last token"),
+            "tpot": histogram("vllm:request_time_per_output_token_seconds",
+                              "A request's mean time per output token after the first"),
+            "prompt_tokens": histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request",
+                                       TOKEN_BUCKETS),
+            "generation_tokens": histogram("vllm:request_generation_tokens", "Tokens generated for each finished "
+                                           "request", TOKEN_BUCKETS),
+            "prompt_total": counter("vllm:prompt_tokens", "Prompt tokens of the finished requests"),
+            "generation_total": counter("vllm:generation_tokens", "Tokens generated for the finished requests"),
+            "success": counter("vllm:request_success", "Requests that finished, by why they stopped",
+                               ("finished_reason",)),
+            "migrations": counter("splitserve_request_migrations", "Requests moved to another worker, by the "
+                                  "failure they moved on from", ("failure",)),
+        }
+        self._models: dict[str, ModelSeries] = {}  # one per model ever served (the operator's few)
+
+    def of_model(self, model_name: str) -> "ModelSeries":
+        series = self._models.get(model_name)
+        if series is None:
+            series = self._models[model_name] = ModelSeries(self.families,
+                                                            {"model_name": model_name, **self.service_labels})
+        return series
 
     async def exposition(self) -> bytes:
         """Prometheus text: this gateway's series, then every service's as it answers now."""
         scraped: ScrapedStats = await self._scrape_services()
         services = CollectorRegistry()
-        services.register(StatsCollector(lambda: scraped.answered))
+        services.register(StatsCollector(lambda: scraped.answered, by_model=True))
         services.register(_Answered(scraped))
         return generate_latest(self.registry) + generate_latest(services)
 
+
+class ModelSeries:
+    """One model's request series: the families' children labelled with its name and this gateway."""
+
+    def __init__(self, families: dict, labels: dict[str, str]):
+        self._families, self._labels = families, labels
+        for key in ("ttft", "itl", "e2e", "tpot", "prompt_tokens", "generation_tokens", "prompt_total",
+                    "generation_total"):
+            setattr(self, key, families[key].labels(**labels))
+
     def request_ended(self, endpoint: str, status: str) -> None:
-        self._requests.labels(**self._own, endpoint=endpoint, status=status).inc()
+        self._families["requests"].labels(**self._labels, endpoint=endpoint, status=status).inc()
 
     def migrated(self, failure: str) -> None:
-        self._migrations.labels(**self._own, failure=failure).inc()
+        self._families["migrations"].labels(**self._labels, failure=failure).inc()
 
     def observe_finished(self, arrived: float, first_token_at: float | None, usage: tuple[int, int, int] | None,
                          finish_reason: str | None, timed_tokens: int | None = None) -> None:
@@ -86,7 +101,7 @@ class GatewayMetrics:
         self.generation_tokens.observe(completion)
         self.prompt_total.inc(prompt)
         self.generation_total.inc(completion)
-        self._success.labels(**self._own, finished_reason=finish_reason or "unknown").inc()
+        self._families["success"].labels(**self._labels, finished_reason=finish_reason or "unknown").inc()
 
 
 class _Answered:
@@ -98,22 +113,36 @@ class _Answered:
     def collect(self):
         up = GaugeMetricFamily("splitserve_service_up", "1: the service in the registry answered this scrape's stats "
                                "request; 0: it did not, in time (its series are missing from this scrape)",
-                               labels=["service", "instance"])
+                               labels=["model_name", "service", "instance"])
         for answered, entries in ((1, self._scraped.answered), (0, self._scraped.silent)):
             for entry in entries:
-                up.add_metric([entry.role, entry.instance_id], answered)
+                up.add_metric([entry.served_model_name, entry.role, entry.instance_id], answered)
         yield up
 
 
-class _ForgedEvents:
-    """`splitserve_gateway_forged_events_total`: token-stream events dropped because their sender is not the
-    request's worker (or, before one is assigned, not a scheduler)."""
+class _PerModel:
+    """Each served model's figures that the gateway's own state holds: its requests without a first token yet
+    (`splitserve_gateway_requests_waiting`) and `splitserve_gateway_forged_events_total`, token-stream events
+    dropped because their sender is not the request's worker (or, before one is assigned, not a scheduler)."""
 
-    def __init__(self, labels: dict[str, str], count):
-        self._labels, self._count = labels, count
+    def __init__(self, service_labels: dict[str, str], models_now):
+        self._service_labels, self._models_now = service_labels, models_now
+
+    def _families(self):
+        labels = ["model_name", *self._service_labels]
+        return (GaugeMetricFamily("splitserve_gateway_requests_waiting", "Requests at this gateway without a first "
+                                  "token yet (what --max-waiting-requests bounds, for each model)", labels=labels),
+                CounterMetricFamily("splitserve_gateway_forged_events", "Token-stream events dropped: their sender "
+                                    "does not speak for the request", labels=labels))
+
+    def describe(self):
+        return self._families()
 
     def collect(self):
-        family = CounterMetricFamily("splitserve_gateway_forged_events", "Token-stream events dropped: their sender "
-                                     "does not speak for the request", labels=list(self._labels))
-        family.add_metric(list(self._labels.values()), self._count())
-        yield family
+        waiting, forged = self._families()
+        for name, num_waiting, num_forged in self._models_now():
+            labels = [name, *self._service_labels.values()]
+            waiting.add_metric(labels, num_waiting)
+            forged.add_metric(labels, num_forged)
+        yield waiting
+        yield forged

@@ -10,12 +10,12 @@ import time
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import ModelSeries
 from shared.telemetry.tracing import inject, trace_id_of, tracer
 
 
 class RequestTelemetry:
-    def __init__(self, metrics: GatewayMetrics, endpoint: str, request_id: str, prompt_tokens: int,
+    def __init__(self, metrics: ModelSeries, endpoint: str, request_id: str, prompt_tokens: int,
                  max_tokens: int | None, stream: bool):
         self.metrics = metrics
         self.endpoint = endpoint

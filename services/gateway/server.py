@@ -12,7 +12,7 @@ import signal
 
 import uvicorn
 
-from services.gateway.app import Gateway
+from services.gateway.gateway import Gateway
 from shared.telemetry.logging import get_logger
 
 log = get_logger(__name__)

@@ -2,8 +2,10 @@
 scraped, so the view is as of the scrape (not of the last heartbeat) and reaches services on any host."""
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import msgspec
 import nats.errors
 
 from contracts import ContractError, ServiceInfo, ServiceStats, StatsRequest, Subjects
@@ -39,3 +41,18 @@ async def ask_every_service(nc, subjects: Subjects, entries: list[ServiceInfo],
     results = await asyncio.gather(*(ask(entry) for entry in entries))
     return ScrapedStats(answered=[stats for stats in results if stats is not None],
                         silent=[entry for entry, stats in zip(entries, results) if stats is None])
+
+
+def labelled(scraped: ScrapedStats, model_name: str) -> ScrapedStats:
+    """`scraped` with every entry's `served_model_name` the model whose namespace it was asked in: what labels its
+    series (a scheduler's and a kv-store's too; two models' pools may each have a `decode-0`)."""
+    def named(entries):
+        return [msgspec.structs.replace(entry, served_model_name=model_name) for entry in entries]
+
+    return ScrapedStats(answered=named(scraped.answered), silent=named(scraped.silent))
+
+
+def merged(scrapes: Iterable[ScrapedStats]) -> ScrapedStats:
+    scrapes = list(scrapes)
+    return ScrapedStats(answered=[entry for s in scrapes for entry in s.answered],
+                        silent=[entry for s in scrapes for entry in s.silent])

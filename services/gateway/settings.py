@@ -2,7 +2,7 @@
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, PlainSerializer
+from pydantic import BeforeValidator, PlainSerializer, model_validator
 
 from services.common.service_settings import (
     ApiKeys,
@@ -16,6 +16,7 @@ from services.common.service_settings import (
     Seconds,
 )
 from services.common.settings import option
+from services.gateway.also_serve import AlsoServe, check_served_models, parse_also_serve
 
 
 def parse_expect(value: Any) -> Any:
@@ -34,6 +35,16 @@ def parse_expect(value: Any) -> Any:
 def expect_text(counts: dict[str, int]) -> str:
     """{"decode": 2, "scheduler": 1} -> "decode=2,scheduler=1" (what `parse_expect` reads)."""
     return ",".join(f"{role}={n}" for role, n in counts.items())
+
+
+def parse_also_serve_all(values: Any) -> Any:
+    if isinstance(values, (list, tuple)):
+        return tuple(parse_also_serve(value) for value in values)
+    return values
+
+
+AlsoServeList = Annotated[tuple[AlsoServe, ...], BeforeValidator(parse_also_serve_all),
+                          PlainSerializer(lambda models: [str(model) for model in models])]
 
 
 class GatewayServiceSettings(ModelSettings, BusSettings):
@@ -66,11 +77,11 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
     migration_limit: Count = option(3, "times a request moves to another worker, from the "
                                     "tokens its client has, when its worker fails or stalls under it (0: it fails "
                                     "instead)", metavar="N")
-    max_waiting_requests: Count = option(256, "admission control: with this many requests "
-                                         "still waiting for their first token, a new one is refused with 429 and "
+    max_waiting_requests: Count = option(256, "admission control: with this many requests to a model "
+                                         "still waiting for their first token, a new one to it is refused with 429 and "
                                          "Retry-After before anything is queued (0: no bound); and each tenant's room in "
                                          "the fair queue", metavar="N")
-    max_dispatched: Count = option(8, "requests sent on to the workers without a first token yet, at most; the "
+    max_dispatched: Count = option(8, "requests sent on to a model's workers without a first token yet, at most; the "
                                    "others wait here in per-tenant fair queues, the highest priority first, then "
                                    "fair shares of tokens (0: no bound, first come first served; with one tenant there is "
                                    "no bound: nobody to be fair to)", metavar="N")
@@ -85,3 +96,13 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
                                     "(new ones get 503) before the rest end with an error event", metavar="S")
     chat_template: str | None = option(None, "the chat template to render /v1/chat/completions with instead of the "
                                        "tokenizer's: a Jinja file, or the template itself", metavar="FILE|TEMPLATE")
+    also_serve: AlsoServeList = option((), "also serve the model NAME=MODEL@NAMESPACE: route requests for NAME "
+                                       "to the scheduler and workers in NAMESPACE (a namespace of its own), its "
+                                       "tokenizer, chat template and context read from MODEL (a directory, or "
+                                       "whatever --model takes)", flag="--also-serve",
+                                       metavar="NAME=MODEL@NAMESPACE", env="SPLITSERVE_ALSO_SERVE", many=True)
+
+    @model_validator(mode="after")
+    def _models_apart(self) -> "GatewayServiceSettings":
+        check_served_models(self.served_model_name, self.namespace, self.also_serve)
+        return self

@@ -2,7 +2,7 @@
 
 Who may call it is the operator's credential: the socket file is 0600 (only the launcher's user can connect), and
 each connection's peer is checked again with SO_PEERCRED (the launcher's own uid, or root). The standard library's
-HTTP server is enough for two routes and gives the handler its connection, which SO_PEERCRED needs. Requests are
+HTTP server is enough for a few routes and gives the handler its connection, which SO_PEERCRED needs. Requests are
 served on their own threads; `handle(method, route, body)` must not touch what the launcher's main loop owns (it
 hands work to it: see `services.launcher.scaler`).
 """
@@ -52,6 +52,9 @@ class _Request(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:  # noqa: N802 (the standard library's names)
+        self._answer(None)
+
+    def do_DELETE(self) -> None:  # noqa: N802
         self._answer(None)
 
     def do_POST(self) -> None:  # noqa: N802

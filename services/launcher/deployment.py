@@ -79,9 +79,27 @@ class ServiceRecord:
     log: str | None = None
     url: str | None = None
     cpus: str | None = None  # a pinned worker's CPUs, as it last acked them (a scale may move it)
+    model: str | None = None  # the served name of the model it serves (none: the gateway's and others' for all)
 
     def alive(self) -> bool:
         return pid_alive(self.pid, self.start_time)
+
+
+# A model's states: its services start until its scheduler and workers are registered, then the gateway takes it.
+MODEL_STARTING, MODEL_SERVING, MODEL_STOPPING, MODEL_FAILED = "starting", "serving", "stopping", "failed"
+
+
+@dataclass
+class ModelRecord:
+    """One model the deployment serves (the first one: in the deployment's namespace, its names unprefixed)."""
+
+    name: str  # its served name
+    namespace: str  # where its scheduler, workers and kv-store live
+    model: str  # its directory
+    prefix: str = ""  # its instances' names begin with it
+    state: str = MODEL_SERVING
+    desired: dict[str, int] = field(default_factory=dict)  # its scalable pools' sizes
+    error: str | None = None  # why it failed
 
 
 @dataclass
@@ -139,6 +157,7 @@ class Deployment:
     message: str | None = None  # why it failed, for `ps`
     desired: dict[str, int] = field(default_factory=dict)  # the scalable pools' sizes asked for (`splitserve scale`)
     control_socket: str | None = None  # the launcher's control API, while it runs
+    models: list[ModelRecord] = field(default_factory=list)  # every model served, the first first
     version: int = FORMAT_VERSION
 
     def launcher_alive(self) -> bool:
@@ -155,7 +174,9 @@ class Deployment:
         data = dict(data)
         nats = data.pop("nats", None)
         services = data.pop("services", None) or []
+        models = data.pop("models", None) or []
         dep = cls(**_pick(cls, data))
+        dep.models = [ModelRecord(**_pick(ModelRecord, m)) for m in models]
         if nats:
             nodes = [NatsNode(**_pick(NatsNode, n)) for n in nats.pop("nodes", None) or []]
             dep.nats = NatsRecord(**_pick(NatsRecord, nats), nodes=nodes)

@@ -27,11 +27,14 @@ from typing import TextIO
 from services.common.cpu_placement import Placement, ack_path, write_placement
 from services.common.cpus import format_cpu_list, worker_cpus
 from services.common.settings import secret_env
-from services.gateway.readiness import fully_ready
+from services.gateway.readiness import fully_ready, missing
+from services.launcher.admin_bus import ready_in_registry
 from services.launcher import topology, trace_viewer
 from services.launcher.deployment import (
     DEGRADED,
     FAILED,
+    MODEL_SERVING,
+    MODEL_STARTING,
     RUN_DIR_ENV,
     READY,
     STARTING,
@@ -39,6 +42,7 @@ from services.launcher.deployment import (
     STOPPING,
     Deployment,
     DeploymentError,
+    ModelRecord,
     NatsNode,
     NatsRecord,
     RunDirBusy,
@@ -52,7 +56,6 @@ from services.launcher.deployment import (
 from services.launcher.log_files import RotatingLog
 from services.launcher.nats_auth import (
     ADMIN_INSTANCE,
-    Instance,
     creds_path,
     ensure_credentials,
     new_seed,
@@ -76,11 +79,14 @@ from services.launcher.supervisor import (
 )
 from services.launcher.tls_files import TLSFiles, make_deployment_tls
 from services.launcher.up_settings import UpSettings
+from services.launcher.model_spec import ModelSpec, check_served_names
+from services.launcher.served_models import FurtherModel, check_topology, further_model, pipeline_split, pipelined
 from services.launcher.provision import provision
 from services.launcher.resolved_run import ResolvedRun
 from services.launcher.control_socket import ControlServer, socket_path
 from services.launcher.planner_spec import check_planner, default_budget, planner_spec
-from services.launcher.scaler import Scaler, desired_pools
+from services.launcher.scale_policy import desired_pools
+from services.launcher.scaler import Scaler
 from shared.bus.connection import nats_endpoints
 from shared.bus.credentials import BusCredentials, credentials_from
 from shared.bus.permissions import ADMIN
@@ -88,6 +94,7 @@ from shared.bus.provision import ProvisionError, replicas_for
 from shared.private_files import private_dir
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PLANNER_START_S = 30.0  # a planner imports little: past this it is reported, and the deployment serves on
 
 
 class LaunchError(Exception):
@@ -204,6 +211,8 @@ class Launcher:
         self.scaler: Scaler | None = None  # scales the pools, once the deployment is ready
         self.control: ControlServer | None = None  # the control API, on RUN_DIR/control.sock
         self._specs: list[topology.ServiceSpec] = []
+        self.further: tuple[FurtherModel, ...] = ()  # the models served beside the first, as `up` started them
+        self.planned: dict[str, topology.ServiceSpec] = {}  # every service started, by name, as planned
 
     # -- control ----------------------------------------------------------------
 
@@ -262,26 +271,10 @@ class Launcher:
             check_token(o.namespace, "namespace")
         except ValueError as exc:
             raise LaunchError(str(exc), 2) from None
-        if o.topology not in topology.TOPOLOGIES:
-            raise LaunchError(f"unknown topology {o.topology!r} (choose from {', '.join(topology.TOPOLOGIES)})", 2)
-        if o.decode < 1:
-            raise LaunchError("--decode must be at least 1", 2)
-        if o.topology == "pipeline" and o.decode != 1:
-            raise LaunchError("--topology pipeline runs one pipeline; --decode must be 1", 2)
-        if o.prefill_stages is not None and (o.topology != "disagg" or o.prefill != 1):
-            raise LaunchError("--prefill-stages makes disagg's prefill pool one pipeline: it needs --topology disagg "
-                              "and --prefill 1", 2)
-        if (o.stages is not None or o.layer_split is not None) and o.topology != "pipeline" and o.prefill_stages is None:
-            flag = "--stages" if o.stages is not None else "--layer-split"
-            raise LaunchError(f"{flag} splits a pipeline's layers: it needs --topology pipeline (or, in disagg, "
-                              f"--prefill-stages); this is --topology {o.topology}", 2)
-        if o.role_switch and (o.topology != "disagg" or o.prefill_stages is not None):
-            raise LaunchError("--role-switch switches workers between disagg's prefill and decode pools: it needs "
-                              "--topology disagg without --prefill-stages", 2)
-        if o.microbatches < 1:
-            raise LaunchError("--microbatches must be at least 1", 2)
         try:
+            check_topology(o)
             check_planner(o)
+            check_served_names([spec.name for spec in o.further_models if spec.name is not None])
         except ValueError as exc:
             raise LaunchError(str(exc), 2) from None
         wants_cuda = bool({o.device, o.prefill_device, o.decode_device} - {None, "cpu"})
@@ -334,9 +327,11 @@ class Launcher:
             if o.nats is not None and not wait_for_nats(o.nats, timeout_s=o.nats_connect_timeout_s):
                 raise LaunchError(f"cannot reach a NATS server at {o.nats}", 2)
             self._say(f"starting in {self.run_dir} (logs in {self.log_dir})")
-            model_dir, served_name = resolve_model(o.model, o.served_model_name, self._say)
-            pipelined = o.topology == "pipeline" or (o.topology == "disagg" and o.prefill_stages is not None)
-            self._stage_ranges = self._pipeline_split(model_dir) if pipelined else ()
+            model_dir, served_name = resolve_model(o.first_model, o.served_model_name, self._say)
+            self._stage_ranges = self._pipeline_split(o, model_dir) if pipelined(o) else ()
+            served = [served_name]  # each model served under a name of its own
+            self.further = tuple(self.prepare_model(spec, index, served)
+                                 for index, spec in enumerate(o.further_models, start=1))
             if self._stop_requested:
                 return 0
             self._start(model_dir, served_name)
@@ -363,7 +358,7 @@ class Launcher:
         public_keys = {}
         if creds_dir is not None:
             shutil.rmtree(creds_dir, ignore_errors=True)  # an earlier deployment's instances are not admitted
-            public_keys = ensure_credentials(creds_dir, [Instance(s.role, s.instance_id) for s in specs], fresh=True)
+            public_keys = ensure_credentials(creds_dir, topology.instances_of(specs), fresh=True)
             admin_seed = new_seed()
             public_keys[ADMIN_INSTANCE] = public_key(admin_seed)
             self._admin = BusCredentials(nkey_seed=admin_seed.decode())
@@ -383,30 +378,40 @@ class Launcher:
         from shared.telemetry.logging import configure_logging
 
         configure_logging("launcher", "provision", "warning")  # to stderr: the launcher's own output is its stdout
-        try:
-            provision(nats_url, self.options.namespace, self._admin, tls_ca, replicas)
-        except Exception as exc:  # an unreachable or refusing server: nothing can start
-            raise LaunchError(f"could not provision the deployment's streams: {exc}", 1) from None
+        for namespace in (self.options.namespace, *(m.namespace for m in self.further)):
+            self.provision_namespace(namespace, nats_url, tls_ca, replicas)
 
-    def _pipeline_split(self, model_dir: str) -> tuple[tuple[int, int], ...]:
+    def provision_namespace(self, namespace: str, nats_url: str | None = None, tls_ca: str | None = None,
+                            replicas: int | None = None) -> None:
+        """One model's namespace's streams and registry (the running bus's, unless given); LaunchError if the
+        server does not answer or refuses."""
+        run = self.resolved
+        if nats_url is None and run is not None:
+            nats_url, tls_ca, replicas = run.nats_url, run.nats_tls_ca, run.nats_replicas
+        try:
+            provision(nats_url, namespace, self._admin, tls_ca, replicas)
+        except Exception as exc:  # an unreachable or refusing server: nothing of it can start
+            raise LaunchError(f"could not provision the streams of namespace {namespace}: {exc}", 1) from None
+
+    @staticmethod
+    def _pipeline_split(o: UpSettings, model_dir: str) -> tuple[tuple[int, int], ...]:
         """The pipeline's layer ranges, checked against the model before anything starts (exit 2 if bad)."""
-        from shared.engine import LayerSplitError, even_split, parse_layer_split, read_config
-
-        o = self.options
-        stages = o.prefill_stages if o.topology == "disagg" else o.stages
-        if o.stages is not None and o.layer_split is not None:
-            raise LaunchError("give --stages or --layer-split, not both", 2)
-        num_layers = read_config(model_dir).num_hidden_layers
         try:
-            if o.layer_split is not None:
-                ranges = parse_layer_split(o.layer_split, num_layers)
-            else:
-                ranges = even_split(num_layers, 2 if stages is None else stages)
-        except LayerSplitError as exc:
-            raise LaunchError(f"bad pipeline split for a model of {num_layers} layers: {exc}", 2) from None
-        if len(ranges) < 2:
-            raise LaunchError("a pipeline needs at least 2 stages", 2)
-        return tuple((r.start, r.end) for r in ranges)
+            return pipeline_split(o, model_dir)
+        except ValueError as exc:
+            raise LaunchError(str(exc), 2) from None
+
+    def prepare_model(self, spec: ModelSpec, index: int, served: list[str]) -> FurtherModel:
+        """The `index`-th further model, its model resolved (fetched or converted where needed) and checked, its
+        served name none of `served` (extended with it); LaunchError (exit 2 where the spec is at fault)."""
+        model_dir, served_name = resolve_model(spec.model, spec.name, self._say)
+        try:
+            check_served_names([*served, served_name])
+            model = further_model(self.options, spec, index, model_dir, served_name)
+        except ValueError as exc:
+            raise LaunchError(str(exc), 2) from None
+        served.append(served_name)
+        return model
 
     def _check_leftovers(self) -> None:
         try:
@@ -456,10 +461,10 @@ class Launcher:
         self._fresh_log_dir()
         self._begin_deployment(model_dir, served_name)
         run = self._resolved_run(model_dir, served_name)
-        run = self._start_bus(run, topology.plan(self.options, run))
+        run = self._start_bus(run, topology.plan(self.options, run, self.further))
         self.resolved = run
         self._provision(run.nats_url, run.nats_tls_ca, run.nats_replicas)
-        self._specs = topology.plan(self.options, run)
+        self._specs = topology.plan(self.options, run, self.further)
         self._start_services(self._specs)
 
     def _fresh_log_dir(self) -> None:
@@ -486,6 +491,9 @@ class Launcher:
             launcher_start_time=process_start_time(os.getpid()),
             started_at=now_iso(),
             desired=desired_pools(o),
+            models=[ModelRecord(served_name, o.namespace, model_dir, state=MODEL_STARTING, desired=desired_pools(o)),
+                    *(ModelRecord(m.served_name, m.namespace, m.model_dir, m.prefix, MODEL_STARTING,
+                                  desired_pools(m.up)) for m in self.further)],
         )
         write_deployment(self.run_dir, self.deployment)
 
@@ -530,7 +538,7 @@ class Launcher:
             missing = [s.instance_id for s in planned if not creds_path(creds_dir, s.instance_id).is_file()]
             if missing:
                 raise LaunchError(f"--nats-creds-dir {creds_dir} lacks the credentials of: {', '.join(missing)} "
-                                  "(`splitserve nats-auth DIR --instance ROLE:ID ...` writes them)", 2)
+                                  "(`splitserve nats-auth DIR --instance ROLE:ID[@NAMESPACE] ...` writes them)", 2)
             admin = creds_path(creds_dir, ADMIN)
             self._admin = credentials_from(str(admin), environ={}) if admin.is_file() else None
         return o.nats, creds_dir, o.nats_tls_ca, None
@@ -568,10 +576,13 @@ class Launcher:
         # A secret (the gateway's API keys) goes by its variable, never on a command line.
         self.supervisor.add(spec.name, spec.argv(self.python), env={**env, **secret_env(spec.settings)},
                             role=spec.role, instance_id=spec.instance_id)
+        self.planned[spec.name] = spec
+        served = {m.namespace: m.name for m in self.deployment.models}
         self.deployment.services.append(ServiceRecord(
             name=spec.name, role=spec.role, instance_id=spec.instance_id, argv=spec.argv(self.python),
             log=str(self.log_dir / f"{spec.name}.log"), url=spec.url,
-            cpus=format_cpu_list(spec.settings.cpus) if getattr(spec.settings, "cpus", None) else None))
+            cpus=format_cpu_list(spec.settings.cpus) if getattr(spec.settings, "cpus", None) else None,
+            model=served.get(getattr(spec.settings, "namespace", None)) if spec.role != "gateway" else None))
 
     def start_service(self, spec: topology.ServiceSpec) -> None:
         """A service added to the running deployment (a scale), started now."""
@@ -604,14 +615,27 @@ class Launcher:
 
         assert self.resolved is not None
         budget = o.planner_budget or default_budget(o, self.resolved.cpus, os.cpu_count() or 1)
-        spec = planner_spec(o, self.deployment.gateway_url, str(self.control.path), budget, free_port())
+        spec = planner_spec(o, self.deployment.gateway_url, str(self.control.path), budget, free_port(),
+                            self.resolved.served_model_name)
         try:
             self.start_service(spec)
         except SupervisorError as exc:  # the deployment serves on, unplanned
             self._say(f"warning: the SLO planner did not start: {exc}")
             return
+        if not self._answers(spec.url, PLANNER_START_S):  # serves on unplanned, said so; the supervisor retries
+            self._say(f"warning: the SLO planner's metrics ({spec.url}) did not answer within {PLANNER_START_S:g} s")
         self._say(f"SLO planner: ttft p90 {o.ttft_slo_ms:g} ms, itl p90 {o.itl_slo_ms:g} ms, budget {budget} workers"
                   + (", dry run" if o.planner_dry_run else "") + f"; its metrics: {spec.url}")
+
+    def _answers(self, url: str, timeout_s: float) -> bool:
+        """Whether `url` answers 200 within `timeout_s` (the supervisor kept stepping meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._stop_requested and time.monotonic() < deadline:
+            self._step(starting=True)
+            if probe_health(url, timeout_s=1.0)[0] == 200:
+                return True
+            self._sleep(self.poll_interval_s)
+        return False
 
     def _record(self, force: bool = False) -> None:
         """Copy live state into deployment.json when it changed."""
@@ -630,7 +654,7 @@ class Launcher:
             dep.nats.nodes = [NatsNode(name=n.server_name, url=n.url, pid=n.pid, start_time=n.start_time,
                                        restarts=n.restarts, log=str(n.log_path)) for n in others]
         snapshot = (dep.state, dep.message, repr(dep.nats), [repr(s) for s in dep.services], repr(dep.desired),
-                    dep.control_socket)
+                    dep.control_socket, repr(dep.models))
         if force or snapshot != self._snapshot:
             self._snapshot = snapshot
             try:
@@ -704,12 +728,37 @@ class Launcher:
             ready = fully_ready(status, said)
             if ready and viewer is not None and probe_health(viewer, timeout_s=2.0)[0] != 200:
                 ready, status, said = False, None, f"the trace viewer ({viewer}) is not up yet"
+            lacking = self._further_lacking() if ready else None
+            if lacking:
+                ready, status, said = False, None, lacking
             if ready:
                 return True
             if time.monotonic() >= deadline:
                 raise LaunchError(self._not_ready_message(url, status, said), 1)
             self._sleep(self.poll_interval_s)
         return False
+
+    def reads_registries(self) -> bool:
+        """Whether this launcher may read the registries: with the admin key, or on an open bus."""
+        return self._admin is not None or (self.resolved is not None and self.resolved.nats_creds_dir is None)
+
+    def _further_lacking(self) -> str | None:
+        """What the further models' registries (which the gateway's /ready does not judge) lack of their services
+        ready; None once none lacks any (or where this launcher may not read them: a --nats server's credentials
+        without admin.nk)."""
+        run = self.resolved
+        if not self.further or run is None or not self.reads_registries():
+            return None
+        for model in self.further:
+            try:
+                counts = ready_in_registry(run.nats_url, model.namespace, self._admin, run.nats_tls_ca)
+            except Exception as exc:  # the bus busy or restarting: asked again next round
+                return f"the registry of {model.namespace} did not answer ({type(exc).__name__}: {exc})"
+            short = missing(counts, topology.expected_counts(model.up, topology.run_of(run, model)))
+            if short:
+                return (f"model {model.served_name} (namespace {model.namespace}) has no ready "
+                        + ", ".join(f"{role} ({n} more)" for role, n in short.items()))
+        return None
 
     def _not_ready_message(self, url: str, status: int | None, said: str) -> str:
         o = self.options
@@ -730,6 +779,8 @@ class Launcher:
         o = self.options
         assert self.deployment is not None
         self.deployment.state = READY
+        for model in self.deployment.models:
+            model.state = MODEL_SERVING
         self._open_control()  # before the ready line: whoever reads it may scale at once
         self._start_planner()
         self._record(force=True)
@@ -741,9 +792,12 @@ class Launcher:
             workers = f"{o.prefill} prefill worker" + ("" if o.prefill == 1 else "s") + ", " + workers
         elif o.topology == "pipeline":
             workers = f"{len(self._stage_ranges)} pipeline stages: " + ", ".join(f"{a}:{b}" for a, b in self._stage_ranges)
+        also = "".join(f"; model {m.served_name}, topology {m.up.topology}, namespace {m.namespace}"
+                       for m in self.further)
         try:
             print(
-                f"splitserve ready: {self.deployment.api_url} (model {served_name}, topology {o.topology}, {workers})",
+                f"splitserve ready: {self.deployment.api_url} (model {served_name}, topology {o.topology}, {workers}"
+                f"{also})",
                 file=self.out,
                 flush=True,
             )

@@ -19,16 +19,18 @@ from pathlib import Path
 import nkeys
 
 from contracts import Subjects, check_token
-from shared.bus.permissions import ADMIN, ROLES, Pipeline, instance_permissions
+from shared.bus.permissions import ADMIN, ROLES, Permissions, Pipeline, instance_permissions, merged
 from shared.private_files import private_dir, write_private
 
 
 @dataclass(frozen=True)
 class Instance:
-    """A service instance that gets its own credential."""
+    """A service instance that gets its own credential, for its job in `namespaces` (none: the deployment's; a
+    further model's services, their model's; a gateway, every served model's)."""
 
     role: str
     instance_id: str
+    namespaces: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in (*ROLES, ADMIN):
@@ -36,6 +38,16 @@ class Instance:
         check_token(self.instance_id, "instance id")
         if (self.instance_id == ADMIN) != (self.role == ADMIN):
             raise ValueError(f"the instance id {ADMIN!r} is the operator's")
+        for namespace in self.namespaces:
+            check_token(namespace, "namespace")
+
+    def permissions(self, namespace: str, pipelines: tuple[Pipeline, ...] = (),
+                    switchable: bool = False) -> Permissions:
+        """What its credential may do: its job in each of its namespaces (`namespace`, the deployment's, where it
+        names none); `switchable` (role switching) holds in the deployment's namespace only."""
+        return merged(*(instance_permissions(self.role, self.instance_id, Subjects(space), pipelines,
+                                             switchable and space == namespace)
+                        for space in self.namespaces or (namespace,)))
 
 
 ADMIN_INSTANCE = Instance(ADMIN, ADMIN)
@@ -74,10 +86,8 @@ def public_key(seed: bytes) -> str:
 def authorization_config(public_keys: dict[Instance, str], namespace: str,
                          pipelines: tuple[Pipeline, ...] = (), switchable: bool = False) -> dict:
     """The server's `authorization` block: one user per instance, with that instance's permissions (a stage's along
-    `pipelines`; with `switchable`, each decode and prefill worker's as both)."""
-    subjects = Subjects(namespace)
-    users = [{"nkey": key, "permissions": instance_permissions(i.role, i.instance_id, subjects, pipelines,
-                                                               switchable).to_config()}
+    `pipelines`; with `switchable`, each decode and prefill worker's of the deployment's namespace as both)."""
+    users = [{"nkey": key, "permissions": i.permissions(namespace, pipelines, switchable).to_config()}
              for i, key in public_keys.items()]
     return {"authorization": {"users": users}}
 

@@ -53,11 +53,14 @@ def default_budget(up: UpSettings, cpus: tuple[int, ...], cpu_count: int) -> int
     return max(started, math.floor(1 / up.gpu_memory_utilization + 1e-9) * len(gpus))
 
 
-def planner_spec(up: UpSettings, gateway_url: str, control_socket: str, budget: int, port: int) -> ServiceSpec:
-    """The planner's service: it reads `gateway_url`'s /metrics and scales through `control_socket`."""
+def planner_spec(up: UpSettings, gateway_url: str, control_socket: str, budget: int, port: int,
+                 model_name: str) -> ServiceSpec:
+    """The planner's service: it reads `gateway_url`'s /metrics (the series of `model_name`, the first model:
+    its pools are the ones it moves) and scales through `control_socket`."""
     assert up.ttft_slo_ms is not None and up.itl_slo_ms is not None
     api_key = key_of(up.api_keys[0]) if up.protect_metrics and up.api_keys else None  # (KEY of KEY:TENANT)
     settings = PlannerSettings(gateway_url=gateway_url, control_socket=control_socket, ttft_slo_ms=up.ttft_slo_ms,
                                itl_slo_ms=up.itl_slo_ms, budget=budget, dry_run=up.planner_dry_run,
-                               interval_s=up.planner_interval_s, metrics_port=port, api_key=api_key)
+                               interval_s=up.planner_interval_s, metrics_port=port, api_key=api_key,
+                               model_name=model_name)
     return ServiceSpec(NAME, settings, url=http_url(settings.metrics_host, port) + "/metrics")

@@ -18,6 +18,16 @@ class ScaleError(ValueError):
     """A scale that cannot be done, with the reason for the operator."""
 
 
+def desired_pools(up) -> dict[str, int]:
+    """The pools `up`'s settings ask for that scale: decode, and disagg's prefill pool unless it is a pipeline."""
+    if up.topology == "pipeline":
+        return {}
+    pools = {"decode": up.decode}
+    if up.topology == "disagg" and up.prefill_stages is None:
+        pools["prefill"] = up.prefill
+    return pools
+
+
 def parse_counts(items: list[str]) -> dict[str, int]:
     """["decode=2", "prefill=1"] -> {"decode": 2, "prefill": 1}; ScaleError on a malformed item."""
     counts: dict[str, int] = {}

@@ -1,11 +1,14 @@
-"""Scaling a running deployment's decode and prefill pools, for `splitserve up`'s launcher.
+"""Scaling a running deployment's decode and prefill pools, each model's, for `splitserve up`'s launcher.
 
 Two sides. The control API's threads (`handle`) never touch the supervisor: a scale is put on a bounded queue and
 its outcome awaited with a deadline; a read gets the view the main loop last published. The launcher's main loop
 (`step`, between supervision rounds) takes the queued scales, sets the desired counts, and reconciles: planned
 instances that do not run get credentials, are admitted by the embedded NATS server (its config rewritten and
-reloaded) and start; running ones no longer planned are retired (SIGTERM: a decode worker drains and hands its
-streams to the gateway, which moves them; SIGKILL at the stop timeout), and once gone their credentials are revoked.
+reloaded: `bus_admission`) and start; running ones no longer planned are retired (SIGTERM: a decode worker drains
+and hands its streams to the gateway, which moves them; SIGKILL at the stop timeout), and once gone their credentials
+are revoked. Each model's pools are its own (`--model NAME` in `splitserve scale`; the first model's by default); a
+CPU handover moves the running workers only in a deployment of one model. Models served and unserved at runtime:
+`services.launcher.model_changes`.
 """
 
 from __future__ import annotations
@@ -17,35 +20,26 @@ import queue
 import time
 from typing import Any
 
+from services.common.settings import Settings
+
 from services.common.cpu_placement import Placement, placement_acked, read_ack, write_placement
 from services.common.cpus import format_cpu_list, share_cpus
 from services.launcher import topology
+from services.launcher.admin_bus import ready_in_registry
+from services.launcher.bus_admission import Admission
 from services.launcher.cpu_handover import Handover, HandoverError, Step, handover_steps
-from services.launcher.nats_auth import ADMIN_INSTANCE, Instance, creds_path, ensure_credentials, public_key
-from services.launcher.nats_auth import write_server_config
-from services.launcher.nats_server import admits
+from services.launcher.nats_auth import creds_path
 from services.launcher.placement import place_new_workers
-from services.launcher.scale_policy import SCALABLE, ScaleError, check_scale, pool_sizes, reconcile
+from services.launcher.scale_policy import SCALABLE, ScaleError, check_scale, desired_pools, pool_sizes, reconcile
+from services.launcher.served_models import FurtherModel
 from services.launcher.supervisor import SupervisorError
 from services.launcher.switch_policy import planned_names
-from shared.bus.permissions import ROLES
 
 QUEUE_SIZE = 8
 ANSWER_TIMEOUT_S = 30.0  # a scale's outcome: the main loop takes it within a round, admission included
-ADMIT_TIMEOUT_S = 5.0  # the reloaded NATS server admitting the new instances
 # A CPU handover's round: its placements acked (within a few engine steps), its started workers' first acks (once
 # their model loaded); a round that stops workers has their stop timeout on top.
 HANDOVER_ROUND_TIMEOUT_S = 120.0
-
-
-def desired_pools(up) -> dict[str, int]:
-    """The pools `up`'s settings ask for that scale: decode, and disagg's prefill pool unless it is a pipeline."""
-    if up.topology == "pipeline":
-        return {}
-    pools = {"decode": up.decode}
-    if up.topology == "disagg" and up.prefill_stages is None:
-        pools["prefill"] = up.prefill
-    return pools
 
 
 class Scaler:
@@ -55,7 +49,11 @@ class Scaler:
         self.launcher = launcher  # its supervisor, deployment, bus and settings are the main loop's
         self.probe = probe  # (url) -> (HTTP status or None, body): the gateway's /ready
         self.requests: queue.Queue = queue.Queue(QUEUE_SIZE)
-        self.desired = desired_pools(launcher.options)
+        self.first = launcher.deployment.models[0].name  # the first model's served name
+        self.models: dict[str, FurtherModel] = {m.served_name: m for m in launcher.further}  # the further ones
+        # each model's scalable pools' sizes asked for
+        self.pools: dict[str, dict[str, int]] = {self.first: desired_pools(launcher.options),
+                                                  **{n: desired_pools(m.up) for n, m in self.models.items()}}
         # each pinned worker's CPUs, as it last acked them (as started, before its first ack)
         self.placements = {s.name: tuple(s.settings.cpus) for s in specs if getattr(s.settings, "cpus", None)}
         self.cpus_files = {s.name: s.settings.cpus_file for s in specs if getattr(s.settings, "cpus_file", None)}
@@ -67,16 +65,36 @@ class Scaler:
         self.handover: Handover | None = None  # moving the workers to a new share of the CPUs (a scale)
         self._handover_starts: dict[str, topology.ServiceSpec] = {}  # the workers the handover starts
         self._said: set[str] = set()  # why scales did not hand CPUs over, each kind said once
-        self._pipelines = topology.pipelines_of(specs)
         self._plans: dict[tuple, list[topology.ServiceSpec]] = {}
         self._view: dict = {}
         # workers switched to the other pool: name -> (its role now, the pid that switched; a restart undoes it)
         self.switched: dict[str, tuple[str, int | None]] = {}
+        from services.launcher.model_changes import ModelChanges
         from services.launcher.switcher import Switches  # (it imports the NATS client)
 
         self.switches = Switches(self)
-        # the instances the NATS config lets in, as last written
-        self._admitted = frozenset(c.instance_id for c in launcher.supervisor.children if c.role in ROLES)
+        self.model_changes = ModelChanges(self)
+        self.admission = Admission(launcher)
+
+    @property
+    def desired(self) -> dict[str, int]:
+        """The first model's pools' sizes asked for."""
+        return self.pools[self.first]
+
+    def up_of(self, model: str):
+        """A model's settings (up's own for the first)."""
+        return self.launcher.options if model == self.first else self.models[model].up
+
+    def cpus_of(self, model: str) -> tuple[int, ...]:
+        """The CPUs a model's workers are placed on."""
+        run = self.launcher.resolved
+        return run.cpus if model == self.first else topology.run_of(run, self.models[model]).cpus
+
+    def members(self, model: str, roles=SCALABLE) -> list:
+        """The supervisor's children of `roles` that serve `model` (running or retiring)."""
+        namespace, planned = self.up_of(model).namespace, self.launcher.planned
+        return [c for c in self.launcher.supervisor.children
+                if c.role in roles and c.name in planned and planned[c.name].namespace == namespace]
 
     # -- the control API's side -------------------------------------------------
 
@@ -85,10 +103,13 @@ class Scaler:
             return 200, self.view()
         if route == "/v1/scale" and method == "POST":
             return self.submit(lambda: self._apply(body) if isinstance(body, dict) else
-                               (400, {"error": 'the body is {"ROLE": N, ...}'}))
+                               (400, {"error": 'the body is {"ROLE": N, ..., "model": NAME}'}))
         if route == "/v1/switch" and method == "POST":
             return self.switches.handle(body)
-        return 404, {"error": f"no {method} {route} (GET /v1/deployment, POST /v1/scale, POST /v1/switch)"}
+        if route.split("/")[:3] == ["", "v1", "models"]:
+            return self.model_changes.handle(method, route, body)
+        return 404, {"error": f"no {method} {route} (GET /v1/deployment, POST /v1/scale, POST /v1/switch, "
+                              "GET|POST /v1/models, DELETE /v1/models/NAME)"}
 
     def view(self) -> dict:
         """What the main loop last published, with the gateway's ready counts now, and whether it has settled."""
@@ -99,9 +120,25 @@ class Scaler:
         except (ValueError, AttributeError):
             ready = {}
         view["ready"] = ready
-        view["settled"] = bool(view) and not view["retiring"] and not view.get("cpu_handover") and all(
-            view["actual"].get(role) == n and ready.get(role, 0) >= n for role, n in view["desired"].items())
+        published = bool(self._view)
+        view["models"] = {name: {**pools, "ready": self.registered(name)}
+                          for name, pools in view.get("models", {}).items()}
+        view["settled"] = published and not view.get("cpu_handover") and all(
+            settled(pools) for pools in [view, *view["models"].values()])
         return view
+
+    def registered(self, model: str) -> dict[str, int]:
+        """(control API's thread) How many of each role a further model's registry holds ready; none where it
+        cannot be read."""
+        launcher = self.launcher
+        model_now = self.models.get(model)
+        if model_now is None or not launcher.reads_registries():
+            return {}
+        run = launcher.resolved
+        try:
+            return ready_in_registry(run.nats_url, model_now.namespace, launcher.admin, run.nats_tls_ca)
+        except Exception:  # the bus busy: asked again on the next read
+            return {}
 
     def submit(self, apply) -> tuple[int, dict]:
         """`apply()` run on the main loop; its answer, waited for with a deadline."""
@@ -127,6 +164,8 @@ class Scaler:
                 outcome.set_result((500, {"error": f"the scale could not be applied: {exc}"}))
         try:
             self.reconcile()
+            self.model_changes.step()
+            self.admission.admit()  # an instance gone: its credential revoked
         except OSError as exc:
             self.launcher.say(f"warning: scaling: {exc}")
 
@@ -144,30 +183,37 @@ class Scaler:
                 return
 
     def _apply(self, body: dict) -> tuple[int, dict]:
-        o = self.launcher.options
+        body = dict(body)
+        model = body.pop("model", None) or self.first
         try:
-            counts = check_scale(body, o.topology, o.prefill_stages is not None)
-            self._check_external_credentials(counts)
+            if model not in self.pools:
+                raise ScaleError(f"no model is served as {model!r} (`splitserve models served` lists them)")
+            up = self.up_of(model)
+            counts = check_scale(body, up.topology, up.prefill_stages is not None)
+            self._check_external_credentials(model, counts)
         except ScaleError as exc:
             return 400, {"error": str(exc)}
-        before = dict(self.desired)
-        self.desired.update(counts)
+        desired = self.pools[model]
+        before = dict(desired)
+        desired.update(counts)
         busy = self.handover is not None
         started, retired = self.reconcile()
         after = " (once the CPU handover under way is done)" if busy else ""
-        self.launcher.say(f"scale {', '.join(f'{r}={n}' for r, n in counts.items())} (was "
+        which = "" if model == self.first else f" of model {model}"
+        self.launcher.say(f"scale{which} {', '.join(f'{r}={n}' for r, n in counts.items())} (was "
                           f"{', '.join(f'{r}={n}' for r, n in before.items())}): starting {started or 'none'}, "
                           f"retiring {retired or 'none'}{after}")
-        return 200, {"desired": dict(self.desired), "starting": started, "retiring": retired}
+        return 200, {"model": model, "desired": dict(desired), "starting": started, "retiring": retired}
 
-    def roles_now(self) -> dict[str, str]:
-        """Every scalable worker (running or retiring) and the role it serves as now."""
-        return {c.name: self.switched.get(c.name, (c.role, None))[0]
-                for c in self.launcher.supervisor.children if c.role in SCALABLE}
+    def roles_now(self, model: str | None = None) -> dict[str, str]:
+        """Every scalable worker (running or retiring; `model`'s alone where named) and the role it serves as
+        now."""
+        children = self.launcher.supervisor.children if model is None else self.members(model)
+        return {c.name: self.switched.get(c.name, (c.role, None))[0] for c in children if c.role in SCALABLE}
 
     def apply_switch(self, name: str, to: str, pid: int | None) -> tuple[int, dict]:
         """(main loop) Worker `name` (process `pid`) serves as `to` now: counted in that pool from now on."""
-        before = self.roles_now().get(name)
+        before = self.roles_now(self.first).get(name)
         if before is None:
             return 409, {"error": f"{name} switched, but is gone from the deployment meanwhile"}
         self.switched[name] = (to, pid)
@@ -177,7 +223,7 @@ class Scaler:
                     self.desired[role] = max(1, self.desired[role] + change)
         self.launcher.say(f"switched {name} from {before} to {to}: desired "
                           f"{', '.join(f'{r}={n}' for r, n in self.desired.items())}")
-        self._publish()
+        self.publish()
         return 200, {"desired": dict(self.desired)}
 
     def _forget_restarted(self) -> None:
@@ -189,52 +235,73 @@ class Scaler:
                 if name in pids:
                     self.launcher.say(f"warning: {name} restarted in its planned role (it served as {role})")
 
-    def _check_external_credentials(self, counts: dict[str, int]) -> None:
+    def _check_external_credentials(self, model: str, counts: dict[str, int]) -> None:
         """A --nats server's instances need their credentials in --nats-creds-dir before they can start."""
+        missing = self.lacking_credentials(self._planned(model, {**self.pools[model], **counts}))
+        if missing:
+            raise ScaleError(missing)
+
+    def lacking_credentials(self, specs: list[topology.ServiceSpec]) -> str | None:
+        """Why some of `specs` cannot start on a --nats server (their credentials are not in --nats-creds-dir)."""
         creds_dir = self.launcher.options.nats_creds_dir
         if creds_dir is None:
-            return
-        planned = self._planned({**self.desired, **counts})
-        missing = [s.instance_id for s in planned if not creds_path(creds_dir, s.instance_id).is_file()]
-        if missing:
-            raise ScaleError(f"--nats-creds-dir {creds_dir} lacks the credentials of: {', '.join(missing)} "
-                             "(`splitserve nats-auth DIR --instance ROLE:ID ...` writes them)")
+            return None
+        missing = [s.instance_id for s in specs if not creds_path(creds_dir, s.instance_id).is_file()]
+        return (f"--nats-creds-dir {creds_dir} lacks the credentials of: {', '.join(missing)} (`splitserve nats-auth "
+                "DIR --instance ROLE:ID[@NAMESPACE] ...` writes them)") if missing else None
 
-    def _planned(self, desired: dict[str, int]) -> list[topology.ServiceSpec]:
-        """The scalable pools' instances for `desired` (planned once per set of counts)."""
-        key = tuple(sorted(desired.items()))
+    def _planned(self, model: str, desired: dict[str, int]) -> list[topology.ServiceSpec]:
+        """A model's scalable pools' instances for `desired` (planned once per set of counts)."""
+        key = (model, tuple(sorted(desired.items())))
         if key not in self._plans:
-            up = self.launcher.options.model_copy(update=desired)
-            self._plans[key] = [s for s in topology.plan(up, self.launcher.resolved) if s.role in SCALABLE]
+            run = self.launcher.resolved
+            if model == self.first:
+                specs = topology.plan(self.launcher.options.model_copy(update=desired), run)
+            else:
+                further = self.models[model]
+                specs = topology.model_services(run, dataclasses.replace(further,
+                                                                         up=further.up.model_copy(update=desired)))
+            self._plans[key] = [s for s in specs if s.role in SCALABLE]
         return self._plans[key]
 
+    def forget_plans(self, model: str) -> None:
+        self._plans = {key: specs for key, specs in self._plans.items() if key[0] != model}
+
     def reconcile(self) -> tuple[list[str], list[str]]:
-        """Start what is planned and not running, retire what runs and is not planned; (started, retired)."""
-        sup = self.launcher.supervisor
-        if not self.desired:  # nothing here scales
-            return [], []
+        """Start what is planned and not running, retire what runs and is not planned, in every model's pools;
+        (started, retired)."""
         if self.handover is not None:  # one handover at a time: what changed meanwhile is reconciled after it
             self._advance_handover()
             if self.handover is not None:
-                self._publish()
+                self.publish()
                 return [], []
-        pool = {c.name: c for c in sup.children if c.role in SCALABLE}
+        started, retired = [], []
+        for model, desired in self.pools.items():
+            start, retire = self._reconcile_model(model, desired) if desired else ([], [])
+            started += start
+            retired += retire
+            if self.handover is not None:
+                break
+        self.publish()
+        return started, retired
+
+    def _reconcile_model(self, model: str, desired: dict[str, int]) -> tuple[list[str], list[str]]:
+        sup = self.launcher.supervisor
+        pool = {c.name: c for c in self.members(model)}
         # Planned for more workers than run: names enough for every pool past the workers switched out of it.
-        specs = {s.name: s for s in self._planned({r: n + len(pool) for r, n in self.desired.items()})}
-        plan = {role: [n for n, s in specs.items() if s.role == role] for role in self.desired}
-        planned = {n: specs.get(n) for n in planned_names(self.desired, plan, self.roles_now())}
+        specs = {s.name: s for s in self._planned(model, {r: n + len(pool) for r, n in desired.items()})}
+        plan = {role: [n for n, s in specs.items() if s.role == role] for role in desired}
+        planned = {n: specs.get(n) for n in planned_names(desired, plan, self.roles_now(model))}
         retiring = [n for n, c in pool.items() if c.state.value == "stopping"]
         start, retire = reconcile(list(planned), [n for n in pool if n not in retiring], retiring)
         if (start or retire) and self._begin_handover(list(specs), {n: planned[n] for n in start}, retire):
-            self._admit([planned[n] for n in start])
+            self.admission.admit([planned[n] for n in start])
             self._advance_handover()
-            self._publish()
             return start, retire
         for name in retire:
             sup.retire(name, self.launcher.retire_timeout_s)
-        self._admit([planned[n] for n in start])
-        self._start([planned[n] for n in start])
-        self._publish()
+        self.admission.admit([planned[n] for n in start])
+        self.start_services([planned[n] for n in start], self.cpus_of(model))
         return start, retire
 
     # -- moving the running workers to a new share of the CPUs (services.launcher.cpu_handover) ------------
@@ -245,6 +312,8 @@ class Scaler:
         cpus = self.launcher.resolved.cpus
         if not cpus:
             return False
+        if len(self.pools) > 1:
+            return self._no_handover("models", "the deployment serves several models")
         children = {c.name: c for c in self.launcher.supervisor.children}
         old = {n: held for n, held in self.placements.items() if n in children}
         unmovable = sorted(n for n in old if n not in self.cpus_files)
@@ -290,7 +359,7 @@ class Scaler:
             self.launcher.say(f"warning: CPU handover stopped: {handover.failed}; every worker stays where it last "
                               f"acked ({held})" + (f"; {', '.join(s.name for s in unstarted)} start on free CPUs"
                                                    if unstarted else ""))
-            self._start(unstarted)
+            self.start_services(unstarted, self.launcher.resolved.cpus)
         if handover.over:
             self.handover, self._handover_starts = None, {}
 
@@ -338,82 +407,69 @@ class Scaler:
                           + (f", borrowing {format_cpu_list(step.borrow_cpus)}" if step.borrow_cpus else ""))
         return True
 
-    def _admit(self, new: list[topology.ServiceSpec]) -> None:
-        """The embedded NATS server's config names every instance that runs or is about to (with --nats-auth):
-        rewritten and reloaded when that changed, and waited for when some are about to start."""
-        launcher = self.launcher
-        creds_dir = launcher.resolved.nats_creds_dir
-        if launcher.nats is None or not launcher.options.nats_auth or creds_dir is None:
-            return
-        instances = [Instance(c.role, c.instance_id) for c in launcher.supervisor.children if c.role in ROLES]
-        gone = self._admitted - {i.instance_id for i in instances}
-        instances += [Instance(s.role, s.instance_id) for s in new]
-        names = frozenset(i.instance_id for i in instances)
-        if names == self._admitted and not gone:
-            return
-        for name in gone:  # revoked: a later instance of the name gets a new key
-            creds_path(creds_dir, name).unlink(missing_ok=True)
-        keys = ensure_credentials(creds_dir, instances)
-        keys[ADMIN_INSTANCE] = public_key(launcher.admin.nkey_seed.encode())
-        tls = launcher.tls
-        write_server_config(launcher.run_dir / "nats.conf", keys, launcher.options.namespace,
-                            (tls.cert, tls.key) if tls is not None else None, self._pipelines,
-                            launcher.options.role_switch)
-        launcher.nats.reload()
-        self._admitted = names
-        if new:
-            self._wait_admitted(creds_path(creds_dir, new[0].instance_id))
-
-    def _wait_admitted(self, creds_file) -> None:
-        deadline = time.monotonic() + ADMIT_TIMEOUT_S
-        run = self.launcher.resolved
-        while not admits(run.nats_url, creds_file, run.nats_tls_ca):
-            if time.monotonic() >= deadline:
-                self.launcher.say(f"warning: the NATS server did not admit the new instances within "
-                                  f"{ADMIT_TIMEOUT_S:g} s; starting them anyway")
-                return
-            time.sleep(0.1)
-
-    def _start(self, new: list[topology.ServiceSpec]) -> None:
-        """New workers on CPUs the running ones do not use (where there are enough), lending and borrowing none."""
-        cpus = place_new_workers(self.placements, [s.name for s in new], self.launcher.resolved.cpus)
+    def start_services(self, new: list[topology.ServiceSpec], cpus: tuple[int, ...]) -> None:
+        """New services, the model workers on CPUs of `cpus` the running ones do not use (where there are enough),
+        lending and borrowing none."""
+        placed = place_new_workers(self.placements, [s.name for s in new if s.role in topology.ENGINE_ROLES], cpus)
         for spec in new:
-            settings = spec.settings.model_copy(update={"cpus": cpus.get(spec.name), "cpu_loan": None,
-                                                        **({"borrow_cpus": None} if spec.role == "decode" else {})})
+            settings = _placed(spec.settings, placed.get(spec.name))
             try:
                 self.launcher.start_service(dataclasses.replace(spec, settings=settings))
             except SupervisorError as exc:  # the rest of the deployment serves on
                 self.launcher.say(f"warning: {exc}")
                 continue
-            if spec.name in cpus:
-                self.placements[spec.name] = cpus[spec.name]
+            if spec.name in placed:
+                self.placements[spec.name] = placed[spec.name]
                 if getattr(spec.settings, "cpus_file", None):  # it follows its file: a later scale may move it
                     self.cpus_files[spec.name], self.generations[spec.name] = spec.settings.cpus_file, 0
 
-    def _publish(self) -> None:
-        """The view the control API serves, and deployment.json's records of the pools."""
+    def publish(self) -> None:
+        """The view the control API serves (the first model's pools at its top, every further model's under
+        "models"), and deployment.json's records of the pools."""
         launcher = self.launcher
         children = {c.name: c for c in launcher.supervisor.children}
         dep = launcher.deployment
         dep.services = [rec for rec in dep.services if rec.name in children]
         self.placements = {n: cpus for n, cpus in self.placements.items() if n in children}
         dep.desired = dict(self.desired)
+        for record in dep.models:
+            if record.name in self.pools:
+                record.desired = dict(self.pools[record.name])
         roles = self.roles_now()
         for rec in dep.services:  # `splitserve ps` shows each worker in the pool it serves now, on its CPUs
             rec.role = roles.get(rec.name, rec.role)
             if rec.name in self.placements:
                 rec.cpus = format_cpu_list(self.placements[rec.name])
         handover = self.handover
-        retiring = [c.name for c in children.values() if c.role in SCALABLE and c.state.value == "stopping"]
-        self._view = {"state": dep.state, "desired": dict(self.desired), "actual": pool_sizes(roles, retiring),
-                      "retiring": retiring, "ready_url": (dep.gateway_url or "") + "/ready",
+        first = self._pools_view(self.first, children)
+        self._view = {"state": dep.state, **first, "ready_url": (dep.gateway_url or "") + "/ready",
                       "role_switch": bool(launcher.options.role_switch),
                       "cpu_handover": None if handover is None else {
                           "round": handover.round + 1, "rounds": len(handover.rounds),
                           "awaiting": sorted(handover.awaiting)},
-                      "services": {n: {"role": roles[n], "state": c.state.value, "pid": c.pid,
-                                       **({"cpus": format_cpu_list(self.placements[n])} if n in self.placements
-                                          else {}),
-                                       **({"planned_role": c.role} if roles[n] != c.role else {})}
-                                   for n, c in children.items() if c.role in SCALABLE}}
+                      "models": {name: {"namespace": model.namespace, **self._pools_view(name, children)}
+                                 for name, model in self.models.items() if name in self.pools}}
 
+    def _pools_view(self, model: str, children: dict) -> dict:
+        roles = self.roles_now(model)
+        retiring = [n for n in roles if children[n].state.value == "stopping"]
+        return {"desired": dict(self.pools[model]), "actual": pool_sizes(roles, retiring), "retiring": retiring,
+                "services": {n: {"role": roles[n], "state": children[n].state.value, "pid": children[n].pid,
+                                 **({"cpus": format_cpu_list(self.placements[n])} if n in self.placements else {}),
+                                 **({"planned_role": children[n].role} if roles[n] != children[n].role else {})}
+                             for n in roles}}
+
+
+def settled(pools: dict) -> bool:
+    """Whether one model's pools (a view's `desired`, `actual`, `retiring`, `ready`) have their sizes, every
+    worker ready and none retiring."""
+    ready = pools.get("ready") or {}
+    return not pools["retiring"] and all(pools["actual"].get(role) == n and ready.get(role, 0) >= n
+                                         for role, n in pools["desired"].items())
+
+
+def _placed(settings: Settings, cpus: tuple[int, ...] | None) -> Settings:
+    """A service's settings on `cpus` (None: the OS places it), lending and borrowing none; only the fields its
+    settings have."""
+    update = {"cpus": cpus, "cpu_loan": None, "borrow_cpus": None}
+    return settings.model_copy(update={k: v for k, v in update.items() if k in type(settings).model_fields})

@@ -9,14 +9,12 @@ main loop counts it in its new pool (`Scaler.apply_switch`).
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any
 
-from contracts import RoleSwitch, RoleSwitchReply, Subjects
+from services.launcher.admin_bus import send_switch
 from services.launcher.scale_policy import ScaleError
 from services.launcher.switch_policy import check_switch
-from shared.bus.permissions import ADMIN, inbox_prefix
 
 SWITCH_MARGIN_S = 30.0  # past the drain: the engine quiescing, the new role starting, the registry
 
@@ -60,28 +58,3 @@ class Switches:
                             "drain_s": round(reply.drain_s, 4), "switch_s": round(reply.switch_s, 4)}
         finally:
             self._one_at_a_time.release()
-
-
-def send_switch(nats_url: str, namespace: str, admin, tls_ca: str | None, instance: str, to: str,
-                drain_s: float | None, timeout_s: float) -> RoleSwitchReply:
-    """The worker's answer to a `RoleSwitch`, sent under the admin key (`admin`: BusCredentials; None on an open
-    bus)."""
-    return asyncio.run(_send(nats_url, namespace, admin, tls_ca, instance, to, drain_s, timeout_s))
-
-
-async def _send(nats_url, namespace, admin, tls_ca, instance, to, drain_s, timeout_s) -> RoleSwitchReply:
-    import nats
-
-    from shared.bus.connection import server_urls
-    from shared.bus.tls import client_tls_context
-
-    nc = await nats.connect(servers=server_urls(nats_url), name="splitserve-switch", connect_timeout=5,
-                            allow_reconnect=False, inbox_prefix=inbox_prefix(namespace, ADMIN, ADMIN),
-                            tls=client_tls_context(tls_ca, None, None, environ={}),
-                            **(admin.connect_options() if admin is not None else {}))
-    try:
-        response = await nc.request(Subjects(namespace).role_switch(instance),
-                                    RoleSwitch(to=to, drain_s=drain_s).encode(), timeout=timeout_s)
-        return RoleSwitchReply.decode(response.data)
-    finally:
-        await nc.close()

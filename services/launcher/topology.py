@@ -7,6 +7,7 @@ service's own parser reads back into an equal object (tests/launcher/test_topolo
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -17,14 +18,13 @@ from services.common.settings import Settings, default_of, to_flags
 from services.decode.settings import DecodeSettings
 from services.gateway.settings import GatewayServiceSettings
 from services.kvstore.settings import KVStoreSettings
-from services.launcher.nats_auth import creds_path
+from services.launcher.nats_auth import Instance, creds_path
 from services.launcher.resolved_run import ResolvedRun
+from services.launcher.served_models import FurtherModel
 from services.launcher.up_settings import DISAGG_PREFILL_BESIDE_DECODES_MS, UpSettings
 from services.prefill.settings import PrefillSettings
 from services.scheduler.settings import SchedulerSettings
 from shared.bus.permissions import Pipeline
-
-TOPOLOGIES = ("colocated", "disagg", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,11 @@ class ServiceSpec:
 
     @property
     def args(self) -> tuple[str, ...]:
-        return to_flags(self.settings)
+        return tuple(to_flags(self.settings))
+
+    @property
+    def namespace(self) -> str:
+        return self.settings.namespace
 
     @property
     def module(self) -> str:
@@ -63,6 +67,7 @@ class _Draft:
     kind: type[Settings]
     given: dict[str, Any]
     url: str | None = None
+    prefix: str = ""  # its model's (`FurtherModel.prefix`), which `name` begins with
 
 
 def _given(**values: Any) -> dict[str, Any]:
@@ -101,12 +106,72 @@ def uses_kv_store(up: UpSettings) -> bool:
     return up.kv_store if up.kv_store is not None else up.topology == "disagg"
 
 
-def plan(up: UpSettings, run: ResolvedRun) -> list[ServiceSpec]:
-    """The services of the deployment, in start order (the gateway last), each with its settings; model workers
-    each on their own CPUs."""
-    drafts = _plan_pipeline(up, run) if up.topology == "pipeline" else _plan_pools(up, run)
-    drafts = _with_cpus(drafts, up, run)
+def plan(up: UpSettings, run: ResolvedRun, further: tuple[FurtherModel, ...] = ()) -> list[ServiceSpec]:
+    """The services of the deployment, in start order (the gateway last), each with its settings: the first
+    model's in up's namespace, each further model's in its own under its prefix; model workers each on their own
+    CPUs (the models without a CPU list of their own share up's out together)."""
+    first, counts = _pools(up, run)
+    models = [(up, run, first)]
+    for model in further:
+        model_up, model_run = model.up, run_of(run, model)
+        models.append((model_up, model_run, _prefixed(_pools(model_up, model_run)[0], model.prefix)))
+    shares = _shares([(r.cpus, drafts) for _, r, drafts in models])
+    specs = [spec for u, r, drafts in models for spec in _specs(_with_cpus(drafts, u, r, shares), u, r)]
+    return [*specs, *_specs([_gateway(up, run, counts, further)], up, run)]
+
+
+def model_services(run: ResolvedRun, model: FurtherModel) -> list[ServiceSpec]:
+    """One further model's services alone (served at runtime: `splitserve models serve`), its workers' CPUs
+    shared out among themselves (the launcher places them among the running ones)."""
+    model_run = run_of(run, model)
+    drafts = _prefixed(_pools(model.up, model_run)[0], model.prefix)
+    return _specs(_with_cpus(drafts, model.up, model_run, _shares([(model_run.cpus, drafts)])), model.up, model_run)
+
+
+def run_of(run: ResolvedRun, model: FurtherModel) -> ResolvedRun:
+    """What a further model's services are planned from: the deployment's bus, its own model, CPUs and stages."""
+    return dataclasses.replace(
+        run, model_dir=model.model_dir, served_model_name=model.served_name, stage_ranges=model.stage_ranges,
+        cpus=run.cpus if model.cpus is None else model.cpus, chat_template=None,
+        kv_store_dir=f"{run.kv_store_dir}-{model.prefix.rstrip('-')}" if run.kv_store_dir else None)
+
+
+def expected_counts(up: UpSettings, run: ResolvedRun) -> dict[str, int]:
+    """How many services of each role one model's pools register ready (what the gateway expects of the first)."""
+    return _pools(up, run)[1]
+
+
+def _pools(up: UpSettings, run: ResolvedRun) -> tuple[list[_Draft], dict[str, int]]:
+    """One model's services (its scheduler, kv-store, workers) and their counts by role (what the gateway
+    expects)."""
+    return _plan_pipeline(up, run) if up.topology == "pipeline" else _plan_pools(up, run)
+
+
+def _specs(drafts: list[_Draft], up: UpSettings, run: ResolvedRun) -> list[ServiceSpec]:
     return [ServiceSpec(d.name, d.kind(**d.given, **_everyone(up, run, d)), d.url) for d in drafts]
+
+
+def _prefixed(drafts: list[_Draft], prefix: str) -> list[_Draft]:
+    """A further model's services under its prefix (a pipeline head's stages too)."""
+    renamed = []
+    for d in drafts:
+        given = dict(d.given)
+        if given.get("stages"):
+            given["stages"] = [prefix + name for name in given["stages"]]
+        renamed.append(dataclasses.replace(d, name=prefix + d.name, given=given, prefix=prefix))
+    return renamed
+
+
+def instances_of(specs: list[ServiceSpec]) -> list[Instance]:
+    """The planned services' NATS identities, each in its model's namespace; the gateway's in every model's."""
+    return [instance_of(s, tuple(dict.fromkeys(spec.namespace for spec in specs))) for s in specs]
+
+
+def instance_of(spec: ServiceSpec, served_namespaces: tuple[str, ...]) -> Instance:
+    """One service's NATS identity: the gateway's spans `served_namespaces`, its own first."""
+    if spec.role == "gateway":
+        return Instance(spec.role, spec.instance_id, tuple(dict.fromkeys((spec.namespace, *served_namespaces))))
+    return Instance(spec.role, spec.instance_id, (spec.namespace,))
 
 
 def _everyone(up: UpSettings, run: ResolvedRun, draft: _Draft) -> dict[str, Any]:
@@ -118,7 +183,7 @@ def _everyone(up: UpSettings, run: ResolvedRun, draft: _Draft) -> dict[str, Any]
     if run.transfer_tls is not None and role in SIDE_CHANNEL_ROLES:
         given.update(zip(("transfer_tls_ca", "transfer_tls_cert", "transfer_tls_key"), run.transfer_tls))
     if role in ENGINE_ROLES:
-        device = device_of(up, draft.name, role)
+        device = device_of(up, draft.name.removeprefix(draft.prefix), role)
         given |= _given(device=None if device == default_of(EngineSettings, "device") else device,  # theirs unsaid
                         gpu_memory_utilization=up.gpu_memory_utilization)
     return given
@@ -163,15 +228,25 @@ def placement_file(directory: str, name: str) -> str:
     return f"{directory}/{name}.cpus"
 
 
-def _with_cpus(drafts: list[_Draft], up: UpSettings, run: ResolvedRun) -> list[_Draft]:
-    """Each model worker its share of the CPUs; in disagg each paired prefill worker lends its CPUs through a loan
-    file to its decode worker (`pair_cpu_loans`)."""
+def _shares(models: list[tuple[tuple[int, ...], list[_Draft]]]) -> dict[str, tuple[int, ...]]:
+    """Each model worker's share of its model's CPUs (`models`: each model's CPUs and services): the models on
+    one list of CPUs share it out together, each worker its own part where there are enough."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for cpus, drafts in models:
+        groups.setdefault(cpus, []).extend(d.name for d in drafts if d.kind.ROLE in ENGINE_ROLES)
+    return {name: share for cpus, names in groups.items() for name, share in share_cpus(names, cpus).items()}
+
+
+def _with_cpus(drafts: list[_Draft], up: UpSettings, run: ResolvedRun,
+               shared: dict[str, tuple[int, ...]]) -> list[_Draft]:
+    """Each model worker its share of the CPUs (`shared`, the whole deployment's: `_shares`); in disagg each
+    paired prefill worker lends its CPUs through a loan file to its decode worker (`pair_cpu_loans`)."""
     role = {d.name: d.kind.ROLE for d in drafts}
-    shares = share_cpus([d.name for d in drafts if role[d.name] in ENGINE_ROLES], run.cpus)
+    shares = {name: cpus for name, cpus in shared.items() if name in role}
     extra: dict[str, dict[str, Any]] = {name: {"cpus": cpus} for name, cpus in shares.items()}
     if run.cpu_loan_dir is not None and up.topology == "disagg":
         pairs = pair_cpu_loans([n for n in role if role[n] == "prefill"], [n for n in role if role[n] == "decode"],
-                               shares)
+                               shared)
         for lender, borrower in pairs:
             loan = f"{run.cpu_loan_dir}/{lender}.loan"
             extra[lender]["cpu_loan"] = loan
@@ -200,9 +275,8 @@ def _scheduler(up: UpSettings) -> _Draft:
     return _Draft("scheduler-0", SchedulerSettings, given)
 
 
-def _plan_pools(up: UpSettings, run: ResolvedRun) -> list[_Draft]:
-    """colocated or disagg: a scheduler, maybe a kv-store, the prefill pool (disagg), the decode pool, the
-    gateway."""
+def _plan_pools(up: UpSettings, run: ResolvedRun) -> tuple[list[_Draft], dict[str, int]]:
+    """colocated or disagg: a scheduler, maybe a kv-store, the prefill pool (disagg), the decode pool."""
     disagg = up.topology == "disagg"
     kv_store = uses_kv_store(up)
     drafts = [_scheduler(up)]
@@ -223,15 +297,23 @@ def _plan_pools(up: UpSettings, run: ResolvedRun) -> list[_Draft]:
               **_given(kv_store=kv_store or None, prefill_beside_decodes_ms=decode_pacing_ms(up),
                        drain_timeout=run.drain_timeout, role_switch=(disagg and up.role_switch) or None)}
     drafts += [_Draft(f"decode-{i}", DecodeSettings, decode) for i in range(up.decode)]
-    return [*drafts, _gateway(up, run, counts)]
+    return drafts, counts
 
 
-def _gateway(up: UpSettings, run: ResolvedRun, counts: dict[str, int]) -> _Draft:
+def also_serve(models: tuple[FurtherModel, ...]) -> list[str]:
+    """The gateway's `--also-serve NAME=MODEL@NAMESPACE` values: every further model (NAME is split off at the
+    first '=', NAMESPACE at the last '@')."""
+    return [f"{m.served_name}={m.model_dir}@{m.namespace}" for m in models]
+
+
+def _gateway(up: UpSettings, run: ResolvedRun, counts: dict[str, int], further: tuple[FurtherModel, ...]) -> _Draft:
     given = {**_model(run), "host": up.host, "port": up.port, "expect": counts, "api_keys": up.api_keys,
              **_given(migration_limit=up.migration_limit, max_waiting_requests=up.max_waiting_requests,
                       keys_file=up.keys_file, max_dispatched=up.max_dispatched,
                       chat_template=run.chat_template, drain_timeout=run.drain_timeout,
                       share_prefix_cache=up.share_prefix_cache or None, protect_metrics=up.protect_metrics or None)}
+    if further:
+        given["also_serve"] = also_serve(further)
     return _Draft("gateway-0", GatewayServiceSettings, given, url=http_url(up.host, up.port))
 
 
@@ -254,7 +336,7 @@ def _head(up: UpSettings, run: ResolvedRun, name: str, stages: list[_Draft], **g
                                             **given})
 
 
-def _plan_pipeline(up: UpSettings, run: ResolvedRun) -> list[_Draft]:
+def _plan_pipeline(up: UpSettings, run: ResolvedRun) -> tuple[list[_Draft], dict[str, int]]:
     """One pipeline: stage-1.. first (the head waits for them), then the head stage-0, which takes requests."""
     if up.kv_store:
         raise ValueError("the kv-store needs workers holding every layer; --topology pipeline cannot use it")
@@ -264,7 +346,7 @@ def _plan_pipeline(up: UpSettings, run: ResolvedRun) -> list[_Draft]:
         raise ValueError("--topology pipeline runs one pipeline; --decode must be 1")
     stages = _stages(up, run, "stage-")
     counts = {"decode": 1, "scheduler": 1, "stage": len(stages)}
-    return [_scheduler(up), *stages, _head(up, run, "stage-0", stages), _gateway(up, run, counts)]
+    return [_scheduler(up), *stages, _head(up, run, "stage-0", stages)], counts
 
 
 def _prefill_pipeline(up: UpSettings, run: ResolvedRun) -> list[_Draft]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import BeforeValidator, Field
 
 from services.common.service_settings import (
     ApiKeys,
@@ -29,6 +29,7 @@ from services.gateway.settings import GatewayServiceSettings as Gateway
 from services.kvstore.settings import KVStoreSettings
 from services.launcher.deployment import DEFAULT_RUN_DIR
 from services.launcher.log_files import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
+from services.launcher.model_spec import ModelSpec, Topology, UsableCpus, model_specs
 from services.decode.settings import DecodeSettings
 from services.planner.settings import PlannerSettings, PositiveMs
 from services.prefill.settings import PrefillSettings
@@ -42,20 +43,28 @@ from shared.engine import DEFAULT_MICROBATCHES, DEFAULT_MODEL
 DISAGG_PREFILL_BESIDE_DECODES_MS = 130.0
 
 
-def _usable_cpus(spec: str) -> str:
-    from services.common.cpus import worker_cpus
-
-    worker_cpus(spec)  # a ValueError names the CPUs this process may not use
-    return spec
-
-
 class UpSettings(Settings):
     """The whole deployment on this machine."""
 
+    @property
+    def first_model(self) -> str | None:
+        """The first --model (None: the default model), which takes up's own settings."""
+        return self.models[0].model if self.models else None
+
+    @property
+    def further_models(self) -> tuple[ModelSpec, ...]:
+        """Every later --model, each with its own keys."""
+        return self.models[1:]
+
     # The model and the API.
-    model: str | None = option(None, "a known model's name (`splitserve models list`; fetched into the cache on "
-                               "first use), a Hugging Face model directory or a .gguf file, converted once into the "
-                               "cache", metavar="NAME|DIR|FILE.gguf", shown_default=DEFAULT_MODEL)
+    models: Annotated[tuple[ModelSpec, ...], BeforeValidator(model_specs)] = option(
+        (), "the model: a known model's name (`splitserve models list`; fetched into the cache on first use), a "
+        "Hugging Face model directory or a .gguf file, converted once into the cache. Repeatable: every later one is "
+        "served beside the first, in a namespace of its own, with its own keys (name, dtype, topology, decode, "
+        "prefill, stages, kv_store, cpus; each defaulting to up's), e.g. `--model B:name=b,decode=2` (the "
+        "variable: MODEL;MODEL:KEY=VALUE,...; the file: `models: [{model: A}, {model: B, name: b}]`; "
+        "docs/models.md)", flag="--model", metavar="MODEL[:KEY=VALUE,...]", many=True, separator=";",
+        shown_default=DEFAULT_MODEL)
     served_model_name: str | None = option(None, "the model name clients ask for (default: a known model's name, "
                                            "else the directory's or file's name)", metavar="NAME")
     dtype: Dtype = option(default_of(ModelSettings, "dtype"), "model weights' dtype")
@@ -90,7 +99,7 @@ class UpSettings(Settings):
                                           shown_default=f"the gateway's, {default_of(Gateway, 'max_dispatched')}")
 
     # How inference is split.
-    topology: Literal["colocated", "disagg", "pipeline"] = option(
+    topology: Topology = option(
         "disagg", "how inference is split: colocated workers, separate prefill and decode pools, or the model's "
         "layers over pipeline stages (default: disagg, one prefill and one decode worker)")
     decode: PositiveInt = option(1, "number of decode workers", metavar="N")
@@ -139,7 +148,7 @@ class UpSettings(Settings):
         None, "on GPUs: the share of its GPU's memory each model worker may use (vLLM's meaning; workers sharing a "
         "GPU each take this share); its KV cache takes what its weights and a full step leave", metavar="F",
         shown_default="none: each worker's KV cache is the engine's fixed size")
-    cpus: Annotated[str, AfterValidator(_usable_cpus)] = option(
+    cpus: UsableCpus = option(
         "auto", "CPUs the model workers share out, each its own contiguous part, one torch thread per CPU (auto: "
         "every CPU this process may use; none: the OS places them)", metavar="auto|none|LIST")
 

@@ -35,11 +35,14 @@ Labels = tuple[tuple[str, str], ...]
 Scrape = dict[str, dict[Labels, float]]  # sample name -> {sorted labels: value}
 
 
-def parse(text: str) -> Scrape:
-    """Prometheus text -> every sample by name and label set."""
+def parse(text: str, model_name: str | None = None) -> Scrape:
+    """Prometheus text -> every sample by name and label set; with `model_name`, only the samples of that model
+    (a deployment serving several models labels each series with its `model_name`) and those of no model."""
     scrape: Scrape = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if model_name is not None and sample.labels.get("model_name", model_name) != model_name:
+                continue
             scrape.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
     return scrape
 

@@ -59,8 +59,9 @@ def switch_candidate(view: dict, role: str) -> str | None:
 
 class Planner:
     def __init__(self, slo: Slo, budget: int, headroom: float, patience: int, cooldown_s: float,
-                 metrics: PlannerMetrics | None = None) -> None:
+                 metrics: PlannerMetrics | None = None, model_name: str | None = None) -> None:
         self.slo = slo
+        self.model_name = model_name  # the model whose pools it plans (None: every series counts)
         self.budget = budget
         self.tuning = {"headroom": headroom, "patience": patience, "cooldown_s": cooldown_s}
         self.metrics = metrics or PlannerMetrics()
@@ -74,7 +75,7 @@ class Planner:
     def evaluate(self, metrics_text: str, view: dict, at_s: float) -> Evaluation | None:
         """This window's evaluation; None for the first scrape (no window yet) and while a scale is under way
         (its window is observed, and no change is decided on it)."""
-        scrape = parse(metrics_text)
+        scrape = parse(metrics_text, self.model_name)
         last, self._last = self._last, (at_s, scrape)
         if last is None or at_s <= last[0]:
             return None

@@ -32,6 +32,9 @@ class PlannerSettings(Settings):
                                          "the last", metavar="S")
     scrape_timeout_s: PositiveSeconds = option(5.0, "deadline of each /metrics scrape and control call",
                                                metavar="S")
+    model_name: str | None = option(None, "the served model whose pools it plans: only that model's series count "
+                                    "(a deployment serving several models labels each with its model_name)",
+                                    metavar="NAME", shown_default="every series")
     dry_run: bool = option(False, "log (and count) what it would do, and change nothing")
     headroom: Annotated[float, Field(gt=0, le=1)] = option(
         HEADROOM, "plan for this share of each SLO, so a change comes before the miss",

@@ -2,8 +2,8 @@
 
 import pytest
 
-from contracts import Subjects, sent_by
-from shared.bus.permissions import ADMIN, ROLES, Pipeline, inbox_prefix, instance_permissions
+from contracts import Subjects, model_namespace, sent_by
+from shared.bus.permissions import ADMIN, ROLES, Pipeline, inbox_prefix, instance_permissions, merged
 
 S = Subjects("ns")
 # One instance of each role, and a second of each (named "-1"): what one may do, the other may not do as it.
@@ -132,3 +132,27 @@ def test_a_stage_sends_steps_only_along_its_pipelines():
     assert reaches("stage-2") == {("head", "steps"), ("head", "tickets"), ("head", "shipped")}
     assert reaches("other-1") == {("other-head", "steps"), ("other-head", "tickets"), ("other-head", "shipped")}
     assert reaches("lone") == set()
+
+
+def test_a_gateway_serving_two_models_reaches_both_namespaces_and_their_workers_only_their_own():
+    """The launcher merges the gateway's permissions in each model's namespace into its one credential; each
+    model's workers keep their namespace's alone."""
+    first, second = Subjects("ns"), Subjects(model_namespace("ns", "model-b"))
+    gateway = merged(*(instance_permissions("gateway", "gateway-0", s) for s in (first, second)))
+    for s in (first, second):
+        assert allows(gateway.subscribe, sent_by(s.tokens("gateway-0", "r1"), "decode", "decode-0"))
+        assert allows(gateway.subscribe, f"{inbox_prefix(s.namespace, 'gateway', 'gateway-0')}.nuid.1")
+        assert allows(gateway.publish, s.submit) and allows(gateway.publish, s.stats("decode-0"))
+    assert allows(gateway.subscribe, first.gateway_models("gateway-0"))
+    assert not allows(gateway.subscribe, first.tokens_wildcard("gateway-1"))  # still only its own streams
+    worker = instance_permissions("decode", "decode-0", first)
+    assert not allows(worker.publish, sent_by(second.tokens("gateway-0", "r1"), "decode", "decode-0"))
+    assert not allows(worker.subscribe, second.worker_generate("decode-0"))
+    assert not allows(worker.publish, second.prefill_jobs)
+    assert not allows(worker.publish, f"$KV.{second.registry_bucket}.decode.decode-0")
+    assert not allows(worker.subscribe, second.cancel)
+
+
+def test_only_the_admin_may_change_a_gateways_models():
+    assert who_publishes(S.gateway_models("gateway-0")) == set()
+    assert who_subscribes(S.gateway_models("gateway-0")) == {"gateway-0"}

@@ -16,7 +16,8 @@ def admission(max_dispatched=1, timeout_s=5.0, max_queued=16, clock=None):
     registry = CollectorRegistry()
     gate = Admission(TenantMetrics(registry, {"service": "gateway"}), max_dispatched, timeout_s, max_queued,
                      **({"clock": clock} if clock else {}))
-    return gate, lambda name, **labels: registry.get_sample_value(name, {"service": "gateway", **labels}) or 0
+    return gate, lambda name, **labels: registry.get_sample_value(name, {"model_name": "", "service": "gateway",
+                                                                          **labels}) or 0
 
 
 def test_past_max_in_flight_is_429_and_other_tenants_go_on():
@@ -34,6 +35,46 @@ def test_past_max_in_flight_is_429_and_other_tenants_go_on():
     assert sample("splitserve_tenant_rejected_total", tenant="a", reason="max_in_flight") == 1
     assert sample("splitserve_tenant_tokens_total", tenant="a", kind="completion") == 3
     assert sample("splitserve_tenant_requests_in_flight", tenant="a") == 1
+
+
+def test_a_tenants_limits_count_its_requests_to_every_model_and_its_series_name_each():
+    gate, sample = admission()
+    limited = Tenant("a", max_in_flight=1)
+    ticket = gate.enter(limited, 4, 8, "model-a")
+    with pytest.raises(RequestError):
+        gate.enter(limited, 4, 8, "model-b")  # the tenant's one request in flight is model-a's
+    ticket.finish("ok", (4, 3, 0))
+    gate.enter(limited, 4, 8, "model-b")
+    assert sample("splitserve_tenant_rejected_total", model_name="model-b", tenant="a", reason="max_in_flight") == 1
+    assert sample("splitserve_tenant_tokens_total", model_name="model-a", tenant="a", kind="completion") == 3
+    assert sample("splitserve_tenant_requests_in_flight", model_name="model-a", tenant="a") == 0
+    assert sample("splitserve_tenant_requests_in_flight", model_name="model-b", tenant="a") == 1
+
+
+def test_each_model_has_its_own_turns_a_flood_of_one_holds_none_of_anothers():
+    async def run():
+        gate, _ = admission(max_dispatched=1)
+        held = gate.enter(Tenant("a"), 4, 8, "model-a")
+        await gate.wait_turn(held)  # model-a's one turn
+        flood = [gate.enter(Tenant("a"), 4, 8, "model-a") for _ in range(3)]
+        waiting = [asyncio.create_task(gate.wait_turn(t)) for t in flood]
+        await asyncio.sleep(0)
+        assert gate.queued == 3 and gate.dispatched == 1
+        other = gate.enter(Tenant("a"), 4, 8, "model-b")
+        await asyncio.wait_for(gate.wait_turn(other), 1.0)  # at once: model-b's turns are its own
+        assert other.holds_turn and gate.dispatched == 2 and gate.queued == 3
+        other.finish("ok", (4, 1, 0))
+        assert not any(t.holds_turn for t in flood)  # model-b's freed turn is not model-a's
+        held.first_token()
+        await asyncio.sleep(0)
+        assert [t.done() for t in waiting] == [True, False, False] and gate.dispatched == 1
+        for ticket, task in zip(flood, waiting):
+            await task
+            ticket.finish("ok", (4, 1, 0))
+        held.finish("ok", (4, 1, 0))
+        assert gate.dispatched == 0 and gate.queued == 0
+
+    asyncio.run(run())
 
 
 def test_tokens_per_minute_refuses_with_the_refill_time():

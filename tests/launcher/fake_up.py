@@ -17,7 +17,7 @@ from services.launcher.supervisor import RestartPolicy  # noqa: E402
 
 def main() -> int:
     run_dir, port, python, model, decode, ready_timeout = sys.argv[1:7]
-    options = UpSettings(run_dir=Path(run_dir), model=model, port=int(port), decode=int(decode), topology="colocated",
+    options = UpSettings(run_dir=Path(run_dir), models=(model,), port=int(port), decode=int(decode), topology="colocated",
                          ready_timeout_s=float(ready_timeout), cpus=os.environ.get("FAKE_UP_CPUS", "auto"))
     policy = RestartPolicy(base_delay_s=0.05, max_delay_s=0.2, max_restarts=int(os.environ.get("FAKE_MAX_RESTARTS", "5")),
                            failed_retry_s=float(os.environ.get("FAKE_FAILED_RETRY_S", "60")))

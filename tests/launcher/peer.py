@@ -8,9 +8,9 @@ import socket
 NOBODY = pwd.getpwnam("nobody")
 
 
-def call_as_nobody(path: str, timeout_s: float = 10.0) -> str:
-    """The HTTP status line a GET on `path` gets as user nobody, or "errno NAME" when it cannot connect; from a
-    forked child that becomes nobody (the tests run as root)."""
+def call_as_nobody(path: str, timeout_s: float = 10.0, request: str = "GET /v1/deployment") -> str:
+    """The HTTP status line `request` (a GET by default) on `path` gets as user nobody, or "errno NAME" when it
+    cannot connect; from a forked child that becomes nobody (the tests run as root)."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: only the socket module, then out
@@ -23,7 +23,7 @@ def call_as_nobody(path: str, timeout_s: float = 10.0) -> str:
             sock.settimeout(timeout_s)
             try:
                 sock.connect(path)
-                sock.sendall(b"GET /v1/deployment HTTP/1.1\r\nHost: localhost\r\n\r\n")
+                sock.sendall(f"{request} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n".encode())
                 said = sock.recv(4096).split(b"\r\n", 1)[0]
             except OSError as exc:
                 said = f"errno {errno.errorcode.get(exc.errno, exc.errno)}".encode()

@@ -131,8 +131,9 @@ def _written_deployment(run_dir, sleeper_pid):
         nats=NatsRecord(url="nats://127.0.0.1:4999", embedded=True, pid=dead.pid),
         services=[
             ServiceRecord("scheduler-0", "scheduler", "scheduler-0", pid=sleeper_pid,
-                          start_time=process_start_time(sleeper_pid), state="running"),
-            ServiceRecord("decode-0", "decode", "decode-0", pid=dead.pid, restarts=3, state="restarting", cpus="2,3"),
+                          start_time=process_start_time(sleeper_pid), state="running", model="m1"),
+            ServiceRecord("decode-0", "decode", "decode-0", pid=dead.pid, restarts=3, state="restarting", cpus="2,3",
+                          model="m1"),
             ServiceRecord("gateway-0", "gateway", "gateway-0", pid=dead.pid, state="running",
                           url="http://127.0.0.1:8123"),
         ],
@@ -154,12 +155,13 @@ def test_ps_shows_each_service_with_its_live_state(tmp_path):
     lines = table.stdout.splitlines()
     assert "ready" in lines[0] and f"launcher pid {os.getpid()}" in lines[0]
     assert "m1" in lines[1] and "ns1" in lines[1] and "http://127.0.0.1:8123/v1" in lines[1]
-    assert lines[2].split() == ["NAME", "ROLE", "INSTANCE", "PID", "STATE", "RESTARTS", "CPUS", "URL"]
+    assert lines[2].split() == ["NAME", "ROLE", "MODEL", "INSTANCE", "PID", "STATE", "RESTARTS", "CPUS", "URL"]
     rows = {line.split()[0]: line.split() for line in lines[3:]}
-    assert rows["scheduler-0"][3:5] == [str(sleeper.pid), "running"]
-    assert rows["decode-0"][4:7] == ["restarting", "3", "2,3"]
-    assert rows["gateway-0"][4] == "exited" and rows["gateway-0"][6:] == ["-", "http://127.0.0.1:8123"]
-    assert rows["nats"][4] == "exited" and rows["nats"][7] == "nats://127.0.0.1:4999"
+    assert rows["scheduler-0"][2:6] == ["m1", "scheduler-0", str(sleeper.pid), "running"]
+    assert rows["decode-0"][2] == "m1" and rows["decode-0"][5:8] == ["restarting", "3", "2,3"]
+    assert rows["gateway-0"][2] == "-"  # it serves every model
+    assert rows["gateway-0"][5] == "exited" and rows["gateway-0"][7:] == ["-", "http://127.0.0.1:8123"]
+    assert rows["nats"][5] == "exited" and rows["nats"][8] == "nats://127.0.0.1:4999"
 
     data = json.loads(as_json.stdout)
     assert data["launcher_alive"] is True and data["state"] == "ready"

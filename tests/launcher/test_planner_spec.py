@@ -46,9 +46,10 @@ def test_the_default_budget(given, cpus, cpu_count, budget):
 def test_the_planners_command_line_reads_back():
     spec = planner_spec(up(planner="slo", ttft_slo_ms=250, itl_slo_ms=40, planner_dry_run=True,
                            api_keys=("k1",), protect_metrics=True),
-                        "http://127.0.0.1:8000", "/run/control.sock", budget=3, port=12345)
+                        "http://127.0.0.1:8000", "/run/control.sock", budget=3, port=12345, model_name="first")
     assert spec.name == "planner-0" and spec.module == "services.planner"
     assert spec.url == "http://127.0.0.1:12345/metrics"
     assert "k1" not in spec.args  # the key goes by its variable
     assert settings_of(list(spec.args), environ=secret_env(spec.settings)) == spec.settings
     assert spec.settings.dry_run and spec.settings.budget == 3 and spec.settings.api_key == "k1"
+    assert spec.settings.model_name == "first"  # the first model's series alone: its pools are the ones it moves

@@ -7,8 +7,7 @@ from services.cli.ps import pools, pools_line
 from services.gateway.readiness import expected
 from services.launcher.deployment import Deployment, write_deployment
 from services.launcher.placement import place_new_workers
-from services.launcher.scale_policy import ScaleError, check_scale, parse_counts, pool_sizes, reconcile
-from services.launcher.scaler import desired_pools
+from services.launcher.scale_policy import ScaleError, check_scale, desired_pools, parse_counts, pool_sizes, reconcile
 from services.launcher.up_settings import UpSettings
 
 

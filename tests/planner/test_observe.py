@@ -57,6 +57,18 @@ def test_window_quantile_sums_every_matching_series():
     assert window_quantile(parse(two), parse(later), name) == pytest.approx(0.01)  # half in +Inf: p90 there
 
 
+def test_with_a_model_name_only_that_models_series_and_those_of_no_model_count():
+    name = "vllm:inter_token_latency_seconds"
+    before = (histogram(name, {"0.01": 0, "+Inf": 0}, 'model_name="a",service="gateway"')
+              + histogram(name, {"0.01": 0, "+Inf": 0}, 'model_name="b",service="gateway"'))
+    after = (histogram(name, {"0.01": 10, "+Inf": 10}, 'model_name="a",service="gateway"')
+             + histogram(name, {"0.01": 0, "+Inf": 30}, 'model_name="b",service="gateway"'))
+    assert window_quantile(parse(before, "a"), parse(after, "a"), name) == pytest.approx(0.009)  # a's alone
+    assert window_quantile(parse(before), parse(after), name) == pytest.approx(0.01)  # b's slow ones counted
+    plain = counter("splitserve_queue_depth", {'instance="s"': 3})
+    assert parse(plain, "a") == parse(plain)  # a series of no model is everyone's
+
+
 @pytest.mark.parametrize("before, after, expected", [
     ({'instance="a"': 10}, {'instance="a"': 25}, 15),
     ({'instance="a"': 10}, {'instance="a"': 4}, 4),  # restarted

@@ -87,8 +87,8 @@ def test_logit_bias_keys_are_token_ids_within_the_vocabulary(http):
 
 
 def _char_limit(app) -> int:
-    gateway = app.state.gateway
-    return 2 * gateway.max_model_len * gateway.model.max_chars_per_token
+    backend = app.state.gateway.backend_for(MODEL)
+    return 2 * backend.max_model_len * backend.model.max_chars_per_token
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_tools_and_tool_calls_count_toward_the_context_before_tokenizing(http, a
 
 
 def test_tokenize_is_bounded_by_the_context(http, app):
-    max_model_len = app.state.gateway.max_model_len
+    max_model_len = app.state.gateway.backend_for(MODEL).max_model_len
     words = "hello " * (max_model_len + 10)  # a token a word, and within the characters' bound
     assert_error(http.post("/tokenize", json={"prompt": words}), 400, "prompt", "context_length_exceeded")
     assert_error(http.post("/tokenize", json={"messages": [{"role": "user", "content": words}]}), 400, "messages",

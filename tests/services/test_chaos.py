@@ -246,8 +246,8 @@ def test_no_request_is_lost_to_kills_freezes_a_nats_restart_or_a_rolling_restart
 
         def kill_decode_streaming(name: str):
             def act():
+                moved = migrations(deployment)  # before: the scrape takes a while, and a stream may end meanwhile
                 with_streams(name)
-                moved = migrations(deployment)
                 os.kill(deployment.procs[name].pid, signal.SIGKILL)
                 deployment.procs[name].wait(timeout=10)
                 time.sleep(1.0)  # the fault: gone a second before a supervisor starts it again
@@ -258,8 +258,8 @@ def test_no_request_is_lost_to_kills_freezes_a_nats_restart_or_a_rolling_restart
 
         def freeze_decode_streaming(name: str):
             def act():
+                moved = migrations(deployment)  # before: the scrape takes a while, and a stream may end meanwhile
                 with_streams(name)
-                moved = migrations(deployment)
                 stop(name)
                 # Frozen past its streams' idle deadline: they move (the fault is the stall's length).
                 time.sleep(FREEZE_S)

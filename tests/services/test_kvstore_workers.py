@@ -4,7 +4,6 @@ killed, a kv-store that is down, full or slow costs only a miss, and two kv-stor
 import os
 import signal
 
-import httpx
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
@@ -48,14 +47,16 @@ def test_the_next_turn_after_its_worker_is_killed_loads_the_prefix_from_the_kv_s
         assert details["prefix_cache"]["hit_tokens"]["kvstore"] == prefix_blocks * 16
         assert details["prefix_cache"]["prompt_tokens_computed"] == len(prompt) - prefix_blocks * 16
         # The gateway's /metrics shows the hit by tier and what the kv-store holds.
-        hit_line = (f'splitserve_prefix_cache_hit_tokens_total{{instance="{other_worker}",service="decode",'
-                    f'tier="kvstore"}} {float(prefix_blocks * 16)}')
-        text = wait_until(lambda: (lambda t: t if hit_line in t else None)(
-            httpx.get(f"{deployment.base_url}/metrics", timeout=10).text), 10, "no kv-store hit on /metrics")
-        ram_blocks = [line for line in text.splitlines()
-                      if line.startswith('splitserve_kvstore_blocks{instance="kvstore-0",service="kvstore",tier="ram"}')]
-        assert ram_blocks and float(ram_blocks[0].split()[-1]) >= prefix_blocks
-        assert 'splitserve_prefix_cache_query_tokens_total{instance="' + other_worker in text
+        def shows_the_hit():
+            found = samples(deployment.base_url)
+            hit = matching(found, "splitserve_prefix_cache_hit_tokens_total", instance=other_worker, service="decode",
+                           tier="kvstore")
+            return found if hit == [float(prefix_blocks * 16)] else None
+
+        found = wait_until(shows_the_hit, 10, "no kv-store hit on /metrics")
+        ram_blocks = matching(found, "splitserve_kvstore_blocks", instance="kvstore-0", service="kvstore", tier="ram")
+        assert ram_blocks and ram_blocks[0] >= prefix_blocks
+        assert matching(found, "splitserve_prefix_cache_query_tokens_total", instance=other_worker)
 
         # A kv-store that is down: requests still complete, identically, and the miss is counted.
         os.kill(deployment.procs["kvstore-0"].pid, signal.SIGKILL)

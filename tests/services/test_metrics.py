@@ -64,7 +64,8 @@ def test_metrics_count_the_requests_and_show_every_service(nats_server, default_
 
         found, routed = wait_until(counted, 10, "the scheduler's 3 routed requests, the workers' 3 * 40 "
                                    "prompt tokens and their idle engines never all showed on /metrics")
-        assert routed[0].labels == {"service": "scheduler", "instance": "scheduler-0", "outcome": "assigned"}
+        assert routed[0].labels == {"model_name": MODEL, "service": "scheduler", "instance": "scheduler-0",
+                                    "outcome": "assigned"}
         assert value(found, "splitserve_queue_depth", instance="scheduler-0", queue="requests") == 0
         for worker in ("decode-0", "decode-1"):
             assert value(found, "splitserve_kv_blocks_total", service="decode", instance=worker) > 0

@@ -132,14 +132,14 @@ def test_openai_client_streams_from_a_pipeline(nats_server, default_model, tmp_p
         assert picked["choices"][0]["text"] in ("alpha", "beta")
         # Each stage's bubble and bytes show on the gateway's /metrics (it asks each stage as it is read).
         def busy_metrics():
-            text = httpx.get(f"{deployment.base_url}/metrics", timeout=10).text
-            busy = [line for line in text.splitlines()
-                    if line.startswith('splitserve_pipeline_stage_busy_seconds_total{instance="stage-1"')]
-            return text if busy and float(busy[0].split()[-1]) > 0 else None
+            found = samples(deployment.base_url)
+            busy = matching(found, "splitserve_pipeline_stage_busy_seconds_total", instance="stage-1")
+            return found if busy and busy[0] > 0 else None
 
-        text = wait_until(busy_metrics, 10, "stage-1's busy seconds never showed on /metrics", poll_s=0.5)
-        assert 'splitserve_pipeline_stage_idle_fraction{instance="stage-0",service="decode"}' in text
-        assert 'splitserve_pipeline_activation_bytes_total{instance="stage-0",path="inline",service="decode"}' in text
+        found = wait_until(busy_metrics, 10, "stage-1's busy seconds never showed on /metrics", poll_s=0.5)
+        head = {"instance": "stage-0", "service": "decode", "model_name": MODEL}
+        assert matching(found, "splitserve_pipeline_stage_idle_fraction", **head)
+        assert matching(found, "splitserve_pipeline_activation_bytes_total", path="inline", **head)
     finally:
         deployment.stop()
 

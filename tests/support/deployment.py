@@ -8,7 +8,7 @@ from pathlib import Path
 
 import nats
 
-from contracts import ServiceInfo, ServiceStats, StatsRequest, Subjects
+from contracts import ServiceInfo, ServiceStats, StatsRequest, Subjects, model_namespace
 from services.gateway.readiness import fully_ready
 from shared.bus.registry import Registry
 
@@ -26,6 +26,7 @@ class Deployment:
     commands: dict = field(default_factory=dict)  # name -> (service, args), to restart one
     tap: TokenTap | None = None  # every token chunk sent to gateway-0, from once the deployment is ready
     status_url: str | None = None  # a pipeline head's own status server, where it has one
+    model_namespaces: dict = field(default_factory=dict)  # each further model's namespace, by its served name
 
     def start(self, name: str, service: str, args: list[str]) -> None:
         self.commands[name] = (service, args)
@@ -36,12 +37,13 @@ class Deployment:
         stop_process(self.procs[name])
         self.start(name, *self.commands[name])
 
-    def stats(self, instance: str) -> ServiceStats:
-        """What a service says of itself now (its stats subject)."""
+    def stats(self, instance: str, namespace: str | None = None) -> ServiceStats:
+        """What a service (of the deployment's namespace, or of `namespace`) says of itself now."""
         async def ask():
             nc = await nats.connect(self.nats_url)
             try:
-                reply = await nc.request(Subjects(self.namespace).stats(instance), StatsRequest().encode(), timeout=5)
+                reply = await nc.request(Subjects(namespace or self.namespace).stats(instance), StatsRequest().encode(),
+                                         timeout=5)
                 return ServiceStats.decode(reply.data)
             finally:
                 await nc.close()
@@ -73,10 +75,10 @@ class Deployment:
                 await nc.close()
         return asyncio.run(ask())
 
-    def wait_scheduler_sees(self, role: str, count: int, timeout_s: float = 15.0) -> None:
+    def wait_scheduler_sees(self, role: str, count: int, timeout_s: float = 15.0, namespace: str | None = None) -> None:
         """Until the scheduler's view of the registry (refreshed twice a second) holds `count` ready `role`s."""
         deadline = time.monotonic() + timeout_s
-        while self.stats("scheduler-0").details["workers_seen"].get(role, 0) < count:
+        while self.stats("scheduler-0", namespace).details["workers_seen"].get(role, 0) < count:
             assert time.monotonic() < deadline, f"the scheduler does not see {count} {role} worker(s)"
             time.sleep(0.1)
 
@@ -130,9 +132,13 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
                      decode_args: tuple = (), prefill_args: tuple = (),
                      prefill_split: list[tuple[int, int]] | None = None, kvstore_args: tuple | None = None,
                      kvstores: int = 1, gateway_args: tuple = (), gateway_env: dict[str, str] | None = None,
-                     schedulers: int = 1) -> Deployment:
+                     schedulers: int = 1, also_serve: tuple = ()) -> Deployment:
     """`schedulers` schedulers (scheduler-0, ...), `prefill` prefill workers, `workers` decode workers and
     gateway-0 on a fresh namespace.
+
+    `also_serve`: further models, (served name, model directory, decode worker flags), each with its own
+    scheduler-0 and decode-0 in its own namespace (`contracts.model_namespace`, as `up` places them), which the
+    gateway serves too (`--also-serve`).
 
     With prefill workers, the decode workers run in disagg mode. With `prefill_split`, the prefill pool is
     one pipeline (prefill-0 its head, prefill-stage-1.. the rest), each stage shipping its own layers' KV.
@@ -167,11 +173,13 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
     for i in range(workers):
         deployment.start(f"decode-{i}", "decode", [*bus, "--instance-id", f"decode-{i}", *model, *mode,
                                                    "--kv-cache-bytes", str(64 << 20), *decode_args])
+    served = [arg for name, model_dir, args in also_serve
+              for arg in ("--also-serve", _model_pools(deployment, name, model_dir, args))]
     counts = (f"scheduler={schedulers},decode={workers}" + (f",prefill={prefill}" if prefill else "")
               + (f",stage={len(stages)}" if stages else "") + (f",kvstore={kvstores}" if kvstore_args is not None else ""))
     deployment.procs["gateway"] = start_service(
         "gateway", [*bus, "--instance-id", "gateway-0", *model, "--port", str(port), "--expect", expect or counts,
-                    "--drain-timeout", "2", *gateway_args], log_dir, **(gateway_env or {}))
+                    "--drain-timeout", "2", *served, *gateway_args], log_dir, **(gateway_env or {}))
     _ready(deployment)
     if expect is None:
         # /ready is the gateway's view of the registry; the scheduler refreshes its own: until it sees the
@@ -180,10 +188,26 @@ def start_deployment(nats_url: str, log_dir: Path, model_dir: str, workers: int 
             deployment.wait_scheduler_sees("decode", workers)
             if prefill:
                 deployment.wait_scheduler_sees("prefill", prefill)
+            for namespace in deployment.model_namespaces.values():
+                deployment.wait_scheduler_sees("decode", 1, namespace=namespace)
         except BaseException:
             deployment.stop()
             raise
     return deployment
+
+
+def _model_pools(deployment: Deployment, name: str, model_dir: str, decode_args: tuple) -> str:
+    """Another model's scheduler-0 and decode-0, in a namespace of its own (logging under log_dir/NAME); what
+    the gateway's --also-serve says of it."""
+    namespace = deployment.model_namespaces[name] = model_namespace(deployment.namespace, name)
+    log_dir = deployment.log_dir / namespace
+    log_dir.mkdir(exist_ok=True)
+    bus = ["--nats", deployment.nats_url, "--namespace", namespace]
+    deployment.procs[f"{name}/scheduler"] = start_service("scheduler", [*bus, "--instance-id", "scheduler-0"], log_dir)
+    deployment.procs[f"{name}/decode"] = start_service("decode", [
+        *bus, "--instance-id", "decode-0", "--model", model_dir, "--served-model-name", name, "--mode", "colocated",
+        "--kv-cache-bytes", str(64 << 20), *decode_args], log_dir)
+    return f"{name}={model_dir}@{namespace}"
 
 
 def start_pipeline(nats_url: str, log_dir: Path, model_dir: str, split: list[tuple[int, int]],
