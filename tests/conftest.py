@@ -21,7 +21,34 @@ def cache_dir(tmp_path_factory) -> Path:
 def default_model(cache_dir) -> str:
     from shared.engine.default_model import default_model_dir
 
-    return str(default_model_dir())
+    path = str(default_model_dir())
+    time_kernel_choices_once(path)
+    return path
+
+
+def time_kernel_choices_once(model_dir: str) -> None:
+    """An engine times, as it starts, which kernel serves each number of rows of its linears and which attends a
+    fresh prompt chunk: most of the build of an engine of these small models, paid by every engine a test makes and
+    every worker a deployment starts. Timed once here instead, on the default model, and handed to the session's
+    later engines (and the processes started from it) through the variables that skip the timings; the tests of
+    the timings set or unset those themselves. Variables already set (by whoever runs the suite) are kept."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.packed_linear import NATIVE_MAX_ROWS_ENV, PACKED_MIN_ROWS_ENV
+    from shared.engine.prefill_attention_choice import FRESH_PREFILL_ENV
+
+    names = (NATIVE_MAX_ROWS_ENV, PACKED_MIN_ROWS_ENV, FRESH_PREFILL_ENV)
+    if any(name in os.environ for name in names):
+        return
+    runner = LLMEngine(EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=16),
+                       load_tokenizer=False).executor.runners[0]
+    chosen = {}
+    if runner.linear_layouts is not None:  # (None: no packed layout on this CPU, nothing timed)
+        chosen[NATIVE_MAX_ROWS_ENV] = str(runner.linear_layouts.native_max_rows)
+        chosen[PACKED_MIN_ROWS_ENV] = str(runner.linear_layouts.packed_min_rows)
+    if runner.native_prefill is not None:  # (without the native kernel SDPA attends every chunk, untimed)
+        chosen[FRESH_PREFILL_ENV] = "sdpa" if runner.sdpa_fresh_prefills else "native"
+    os.environ.update(chosen)
 
 
 # Shapes other than the default model: each exercises a different part of the

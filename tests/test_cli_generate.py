@@ -1,4 +1,6 @@
-"""`splitserve generate` on the built-in random model (by name) and on another local model directory."""
+"""`splitserve generate` on the built-in random model (by name) and on another local model directory: as a
+process of its own where the command's process is the point (its output, its exit code on a bad model), through
+its entry point here for the rest (one interpreter start with torch each, otherwise)."""
 
 import argparse
 import json
@@ -21,6 +23,17 @@ def run_cli(*args, env_cache):
     )
 
 
+def run_here(*args, capsys) -> subprocess.CompletedProcess:
+    """`splitserve generate ARGS` through the command's own entry point in this process: what `run_cli` gives
+    without a new interpreter importing torch first (the tests that run the command as a process keep it)."""
+    from services.cli.main import main
+
+    capsys.readouterr()
+    code = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["splitserve", "generate", *args], code, out, err)
+
+
 def test_the_sampling_options_default_to_the_sampling_params_defaults_but_greedy_and_64_tokens():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
@@ -41,18 +54,18 @@ def test_generate_json_on_default_model_matches_transformers(cache_dir, default_
     assert out["text"] and out["finish_reason"] in ("length", "stop")
 
 
-def test_generate_on_a_qwen3_directory_streams_the_seeded_draws(cache_dir, model_zoo):
+def test_generate_on_a_qwen3_directory_streams_the_seeded_draws(model_zoo, capsys):
     model = model_zoo["qwen3-qknorm"]
     prompt = AutoTokenizer.from_pretrained(model)("hello there").input_ids
     seed, expected = safe_seed(model, prompt, 12, temperature=0.8)
     args = ("--model", model, "--prompt", "hello there", "--max-tokens", "12", "--temperature", "0.8",
             "--seed", str(seed), "--ignore-eos")
-    result = run_cli(*args, "--json", env_cache=cache_dir)
+    result = run_here(*args, "--json", capsys=capsys)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["prompt_token_ids"] == prompt and out["token_ids"] == expected
     assert expected != reference_greedy(model, prompt, 12)[0]  # the temperature and seed were used
-    streamed = run_cli(*args, env_cache=cache_dir)
+    streamed = run_here(*args, capsys=capsys)
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout == out["text"] + "\n" and out["text"].strip()
 
@@ -63,14 +76,14 @@ def test_generate_reports_a_bad_model_directory(cache_dir, tmp_path):
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_generate_reports_bad_parameters(cache_dir, default_model):
-    result = run_cli("--model", default_model, "--prompt", "x", "--top-p", "1.5", env_cache=cache_dir)
+def test_generate_reports_bad_parameters(default_model, capsys):
+    result = run_here("--model", default_model, "--prompt", "x", "--top-p", "1.5", capsys=capsys)
     assert result.returncode == 2 and "top_p" in result.stderr
 
 
-def test_generate_chat_wraps_the_prompt_as_a_user_message(cache_dir, default_model):
-    result = run_cli("--model", "splitserve-default-llama", "--prompt", "What is the capital of France?", "--chat",
-                     "--max-tokens", "12", "--temperature", "0", "--json", env_cache=cache_dir)
+def test_generate_chat_wraps_the_prompt_as_a_user_message(default_model, capsys):
+    result = run_here("--model", "splitserve-default-llama", "--prompt", "What is the capital of France?", "--chat",
+                      "--max-tokens", "12", "--temperature", "0", "--json", capsys=capsys)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     tokenizer = AutoTokenizer.from_pretrained(default_model)
@@ -82,15 +95,15 @@ def test_generate_chat_wraps_the_prompt_as_a_user_message(cache_dir, default_mod
     assert out["token_ids"] == reference_greedy(default_model, prompt, 12, ignore_eos=False)[0]
 
 
-def test_generate_stops_at_a_stop_string(cache_dir):
-    full = json.loads(run_cli("--model", "splitserve-default-llama", "--prompt", "The old clock in the hall",
-                              "--max-tokens", "24", "--temperature", "0", "--ignore-eos", "--json",
-                              env_cache=cache_dir).stdout)
+def test_generate_stops_at_a_stop_string(default_model, capsys):
+    full = json.loads(run_here("--model", "splitserve-default-llama", "--prompt", "The old clock in the hall",
+                               "--max-tokens", "24", "--temperature", "0", "--ignore-eos", "--json",
+                               capsys=capsys).stdout)
     text = full["text"]
     stop = text[len(text) // 2:len(text) // 2 + 3]  # three characters from the middle of the full answer
     assert stop.strip(), text
-    result = run_cli("--model", "splitserve-default-llama", "--prompt", "The old clock in the hall", "--max-tokens",
-                     "24", "--temperature", "0", "--ignore-eos", "--stop", stop, "--json", env_cache=cache_dir)
+    result = run_here("--model", "splitserve-default-llama", "--prompt", "The old clock in the hall", "--max-tokens",
+                      "24", "--temperature", "0", "--ignore-eos", "--stop", stop, "--json", capsys=capsys)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     # The text ends just before the stop string's first occurrence, which it does not include.

@@ -19,7 +19,6 @@ server reported (`output_tokens`) and the prompt's (`prompt_tokens`).
 
 from dataclasses import dataclass, field
 
-import numpy as np
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -62,6 +61,8 @@ def summary_ms(values_s: list[float]) -> dict[str, float | None]:
     """mean and p50/p90/p95/p99 in milliseconds (linear interpolation, as numpy's percentile); None when empty."""
     if not values_s:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    import numpy as np  # here: the module comes with every `splitserve` command's parser
+
     values = np.asarray(values_s, dtype=np.float64) * 1000
     return {"mean": float(values.mean()), **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}}
 

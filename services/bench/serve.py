@@ -26,8 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from services.bench.goodput import parse_rates
 from services.bench.metrics import RequestRecord, compute_metrics, metrics_by_phase, span_s
 from services.bench.datasets import DATASETS, BenchRequest, build_dataset
@@ -90,6 +88,8 @@ def arrival_times(count: int, rate: float, burstiness: float, seed: int) -> list
         return [0.0] * count
     if rate <= 0 or burstiness <= 0:
         raise ValueError("--request-rate and --burstiness must be positive")
+    import numpy as np  # here, not at the top: every `splitserve` command builds this module's parser
+
     gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), size=count)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()
@@ -224,6 +224,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def measure(base: str, model: str, conversations: list[list[BenchRequest]], args: argparse.Namespace) -> dict:
     """Send `conversations` to the server at `base` as `args` says; the figures and every request's record."""
+    import numpy as np
+
     results, duration = asyncio.run(run_load(base, model, conversations, args))
     figures = compute_metrics([record for _, record in results], duration, args.slo_ttft_ms, args.slo_tpot_ms)
     in_order = sorted(results, key=lambda done: (done[0].conversation, done[0].turn))
@@ -311,6 +313,7 @@ def plot_cdfs(results: dict[str, dict], path: str) -> None:
         import matplotlib.ticker
     except ImportError as exc:
         raise SystemExit("--plot needs matplotlib: pip install 'splitserve[bench]'") from exc
+    import numpy as np
     figure, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     for axis, (key, label) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
                                          ("e2el_ms", "E2E latency"))):

@@ -8,7 +8,6 @@ from services.common.queues import join_deployment
 from shared.bus.credentials import secured_bus
 from services.common.service_settings import ServiceSettings
 from services.common.startup_heap import freeze_startup_heap
-from services.common.status_server import start_status_server
 from shared.bus.connection import ShutdownSignal, connect, drain
 from shared.bus.permissions import inbox_prefix
 from shared.bus.provision import ProvisionError, replicas_asked
@@ -43,6 +42,9 @@ async def run_service(settings: ServiceSettings, role: str, build: Callable[...,
     service = await build(nc=nc, js=js, registry=registry, subjects=subjects, replicas=replicas)
     tasks = await service.start()
     if settings.status_port is not None:
+        # Only here: its web framework is a third of a scheduler's start-up imports, and few deployments ask for it.
+        from services.common.status_server import start_status_server
+
         tasks.append(await start_status_server(settings.status_host, settings.status_port, nc, service))
     freeze_startup_heap()
     log.info(f"{role} ready", instance_id=settings.instance_id)

@@ -9,7 +9,7 @@ import torch
 from reference import reference_greedy, reference_sampled, safe_prompts, safe_seed
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.model_loader import LayerRange
+from shared.engine.model_loader import LayerRange, read_config
 from shared.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -31,8 +31,7 @@ def cases(default_model, model_zoo):
     models = {"default": default_model, **model_zoo}
     out = {}
     for name, path in models.items():
-        engine = engine_for(path)
-        out[name] = (path, safe_prompts(path, engine.vocab_size, LENGTHS, GREEDY.max_tokens))
+        out[name] = (path, safe_prompts(path, read_config(path).vocab_size, LENGTHS, GREEDY.max_tokens))
     return out
 
 

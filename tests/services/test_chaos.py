@@ -7,9 +7,10 @@ each while it streams; a prefill worker is killed holding a job it pulled from t
 past its requests' ack wait holding one; a kv-store is killed; then NATS restarts, then the services restart in
 turn (SIGTERM, drain, start again: one decode worker, then the other with one of every other role). Each fault
 is checked to have done what it does, by the services' own counters: the streams moved, the job redelivered,
-the request taken over by the other scheduler, the kv-store missed. The claim: no request is lost (every one is served, its stream ending without an error event, after at
-most a few retries where the gateway said to retry: a 429/503 with Retry-After before the first byte, as the
-`openai` client retries) and every text is the uninterrupted run's.
+the request taken over by the other scheduler, the kv-store missed. The claim: no request is lost (every one is
+served, its stream ending without an error event, after at most a few retries where the gateway said to retry:
+a 429/503 with Retry-After before the first byte, as the `openai` client retries) and every text is the
+uninterrupted run's.
 """
 
 import asyncio

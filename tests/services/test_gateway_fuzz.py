@@ -8,8 +8,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.deployment import start_deployment
-
 MODEL = "splitserve-default-llama"
 STATUSES: Counter = Counter()  # over the whole module, to show both accepted and refused bodies were tried
 ERRORS: Counter = Counter()  # 400s by the field they blamed
@@ -18,15 +16,8 @@ pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def deployment(nats_server, default_model, tmp_path_factory):
-    deployment = start_deployment(nats_server.url, tmp_path_factory.mktemp("logs"), default_model)
-    yield deployment
-    deployment.stop()
-
-
-@pytest.fixture(scope="module")
-def client(deployment):
-    with httpx.Client(base_url=deployment.base_url, timeout=60) as client:  # one keep-alive connection throughout
+def client(colocated):
+    with httpx.Client(base_url=colocated.base_url, timeout=60) as client:  # one keep-alive connection throughout
         yield client
 
 

@@ -94,10 +94,19 @@ def test_without_migration_a_killed_workers_stream_ends_with_an_error_event(nats
         deployment.stop()
 
 
+@pytest.fixture(scope="module")
+def one_worker(nats_server, default_model, tmp_path_factory):
+    """One decode worker whose handoffs the scheduler waits a second for: a frozen worker's 503, and cancels."""
+    deployment = start_deployment(nats_server.url, tmp_path_factory.mktemp("logs"), default_model,
+                                  scheduler_args=("--handoff-timeout", "1"))
+    yield deployment
+    deployment.stop()
+
+
 @pytest.mark.timeout(120)
-def test_a_handoff_nobody_answers_is_a_503_with_retry_after(nats_server, default_model, tmp_path):
+def test_a_handoff_nobody_answers_is_a_503_with_retry_after(one_worker, default_model):
     """A frozen worker still in the registry takes no request: the client is told to come back, not a 500."""
-    deployment = start_deployment(nats_server.url, tmp_path, default_model, scheduler_args=("--handoff-timeout", "1"))
+    deployment = one_worker
     (prompt, _), = safe_prompts(default_model, 2048, [20], 1, seed=5)
     os.kill(deployment.procs["decode-0"].pid, signal.SIGSTOP)
     try:
@@ -108,7 +117,6 @@ def test_a_handoff_nobody_answers_is_a_503_with_retry_after(nats_server, default
         assert float(response.headers["retry-after"]) > 0
     finally:
         os.kill(deployment.procs["decode-0"].pid, signal.SIGCONT)
-        deployment.stop()
 
 
 def sigterm_and_wait(proc) -> tuple[int, float]:
@@ -200,15 +208,16 @@ def test_a_stalled_or_stopped_workers_stream_moves_and_the_worker_lets_it_go(nat
 
 @pytest.mark.timeout(120)
 def test_a_cancel_the_client_did_not_send_ends_its_stream_at_once_and_one_before_the_handoff_is_refused(
-        nats_server, default_model, tmp_path):
+        one_worker, default_model):
     """1. A cancel of a streaming request that its gateway did not send (lost track of, or forged): the worker
        stops it and says so; the client's stream ends with a `cancelled` error event at once, not at a deadline.
     2. A client that leaves while its request waits in the queue (the scheduler frozen): the cancel reaches the
        worker before the handoff does, and the worker refuses the handoff, never computing it."""
-    deployment = start_deployment(nats_server.url, tmp_path, default_model)
+    deployment = one_worker
     (prompt, _), = safe_prompts(default_model, 2048, [20], 1, seed=5)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
     subjects = Subjects(deployment.namespace)
+    deployment.wait_scheduler_sees("decode", 1)  # (the worker may just have been frozen, by the test above)
     try:
         sent = []
 
@@ -243,7 +252,6 @@ def test_a_cancel_the_client_did_not_send_ends_its_stream_at_once_and_one_before
         assert response.status_code == 200  # and the worker serves on
     finally:
         os.kill(deployment.procs["scheduler"].pid, signal.SIGCONT)
-        deployment.stop()
 
 
 @pytest.mark.timeout(120)

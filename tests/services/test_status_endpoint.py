@@ -8,8 +8,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.status_server import liveness, readiness
-from support.deployment import start_pipeline
-from support.processes import free_port
 from support.waiting import wait_until
 
 
@@ -28,30 +26,24 @@ def test_alive_unless_its_nats_connection_is_closed_for_good():
     assert liveness(False)[0] == 200 and liveness(True)[0] == 503
 
 
-def test_a_pipeline_heads_status_follows_its_stages(nats_server, default_model, tmp_path):
-    port = free_port()
-    deployment = start_pipeline(nats_server.url, tmp_path, default_model, [(0, 2), (2, 4)],
-                                head_args=("--status-port", str(port)))
-    status = f"http://127.0.0.1:{port}"
-    try:
-        assert httpx.get(f"{status}/health", timeout=5).json() == {"status": "ok"}
-        wait_until(lambda: httpx.get(f"{status}/ready", timeout=5).status_code == 200, 10, "the head never ready")
-        # Its own series, as of now: the engine's, labelled as the gateway's one-stop view labels them.
-        own = {s.name: s for family in text_string_to_metric_families(httpx.get(f"{status}/metrics", timeout=5).text)
-               for s in family.samples}
-        head = own["vllm:kv_cache_usage_perc"]
-        assert head.labels["service"] == "decode" and head.labels["instance"] == "stage-0" and 0 <= head.value < 1
-        assert own["splitserve_kv_blocks_total"].value > 0
-        os.kill(deployment.procs["stage-1"].pid, signal.SIGKILL)
+def test_a_pipeline_heads_status_follows_its_stages(two_stages):
+    deployment, status = two_stages, two_stages.status_url
+    assert httpx.get(f"{status}/health", timeout=5).json() == {"status": "ok"}
+    wait_until(lambda: httpx.get(f"{status}/ready", timeout=5).status_code == 200, 10, "the head never ready")
+    # Its own series, as of now: the engine's, labelled as the gateway's one-stop view labels them.
+    own = {s.name: s for family in text_string_to_metric_families(httpx.get(f"{status}/metrics", timeout=5).text)
+           for s in family.samples}
+    head = own["vllm:kv_cache_usage_perc"]
+    assert head.labels["service"] == "decode" and head.labels["instance"] == "stage-0" and 0 <= head.value < 1
+    assert own["splitserve_kv_blocks_total"].value > 0
+    os.kill(deployment.procs["stage-1"].pid, signal.SIGKILL)
 
-        def waiting():
-            response = httpx.get(f"{status}/ready", timeout=5)
-            return response.status_code == 503 and response.json()["state"] == "waiting"
+    def waiting():
+        response = httpx.get(f"{status}/ready", timeout=5)
+        return response.status_code == 503 and response.json()["state"] == "waiting"
 
-        wait_until(waiting, 20, "the head's /ready did not say it waits for its stage")
-        assert httpx.get(f"{status}/health", timeout=5).status_code == 200  # alive all the while
-        deployment.restart("stage-1")
-        wait_until(lambda: httpx.get(f"{status}/ready", timeout=5).status_code == 200, 60,
-                   "the head was not ready again once its stage was back")
-    finally:
-        deployment.stop()
+    wait_until(waiting, 20, "the head's /ready did not say it waits for its stage")
+    assert httpx.get(f"{status}/health", timeout=5).status_code == 200  # alive all the while
+    deployment.restart("stage-1")
+    wait_until(lambda: httpx.get(f"{status}/ready", timeout=5).status_code == 200, 60,
+               "the head was not ready again once its stage was back")

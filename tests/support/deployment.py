@@ -25,6 +25,7 @@ class Deployment:
     procs: dict = field(default_factory=dict)
     commands: dict = field(default_factory=dict)  # name -> (service, args), to restart one
     tap: TokenTap | None = None  # every token chunk sent to gateway-0, from once the deployment is ready
+    status_url: str | None = None  # a pipeline head's own status server, where it has one
     model_namespaces: dict = field(default_factory=dict)  # each further model's namespace, by its served name
 
     def start(self, name: str, service: str, args: list[str]) -> None:
@@ -210,13 +211,19 @@ def _model_pools(deployment: Deployment, name: str, model_dir: str, decode_args:
 
 
 def start_pipeline(nats_url: str, log_dir: Path, model_dir: str, split: list[tuple[int, int]],
-                   microbatches: int = 2, head_args: tuple = (), stage_args: tuple = ()) -> Deployment:
-    """scheduler-0, a pipeline of `len(split)` stages (stage-0 the head) and gateway-0 on a fresh namespace."""
+                   microbatches: int = 2, head_args: tuple = (), stage_args: tuple = (),
+                   head_status: bool = False) -> Deployment:
+    """scheduler-0, a pipeline of `len(split)` stages (stage-0 the head) and gateway-0 on a fresh namespace; with
+    `head_status`, the head serves its own status (`status_url`)."""
     namespace = "t" + uuid.uuid4().hex[:10]
     port = free_port()
     bus = ["--nats", nats_url, "--namespace", namespace]
     model = ["--model", model_dir, "--served-model-name", "splitserve-default-llama"]
     deployment = Deployment(nats_url, namespace, f"http://127.0.0.1:{port}", log_dir)
+    if head_status:
+        status_port = free_port()
+        deployment.status_url = f"http://127.0.0.1:{status_port}"
+        head_args = (*head_args, "--status-port", str(status_port))
     deployment.procs["scheduler"] = start_service("scheduler", [*bus, "--instance-id", "scheduler-0"], log_dir)
     stages = [f"stage-{i}" for i in range(1, len(split))]
     for iid, (start, end) in zip(stages, split[1:]):

@@ -59,8 +59,8 @@ def start_up(run_dir: Path, *args: str, env: dict | None = None, namespace: str 
 
 
 def ps(run_dir: Path) -> dict:
-    """What `splitserve ps --run-dir RUN_DIR --json` prints, read here: the command's own snapshot without a
-    process start (about 2 s of CPU) for every look (tests/launcher run the command itself)."""
+    """What `splitserve ps --run-dir RUN_DIR --json` prints, read here: the command's own snapshot, without an
+    interpreter start for every look (tests/launcher run the command itself)."""
     from services.cli.ps import snapshot
     from services.launcher.deployment import read_deployment, resolve_run_dir
 
