@@ -306,19 +306,16 @@ class Scaler:
         # The workers' changes may move the running workers' CPUs (a handover); the kv-stores' start and retire now.
         start_workers = [n for n in start if planned[n].role in WORKER_POOLS]
         retire_workers = [n for n in retire if pool[n].role in WORKER_POOLS]
-        others_start = [n for n in start if n not in start_workers]
+        self.admission.admit([planned[n] for n in start])  # every new instance's credential, once
         for name in (n for n in retire if n not in retire_workers):
             sup.retire(name, self.launcher.retire_timeout_s)
-        self.admission.admit([planned[n] for n in others_start])
-        self.start_services([planned[n] for n in others_start], self.cpus_of(model))
+        self.start_services([planned[n] for n in start if n not in start_workers], self.cpus_of(model))
         if ((start_workers or retire_workers)
                 and self._begin_handover(list(specs), {n: planned[n] for n in start_workers}, retire_workers)):
-            self.admission.admit([planned[n] for n in start_workers])
             self._advance_handover()
             return start, retire
         for name in retire_workers:
             sup.retire(name, self.launcher.retire_timeout_s)
-        self.admission.admit([planned[n] for n in start_workers])
         self.start_services([planned[n] for n in start_workers], self.cpus_of(model))
         return start, retire
 
