@@ -40,13 +40,17 @@ def configurations(budget: int, slo_ttft_ms: float, slo_tpot_ms: float, interval
     return configs
 
 
+LENGTHS = ("input_len", "output_len", "long_input_len", "long_output_len", "decode_heavy_input_len",
+           "decode_heavy_output_len")  # the requests' shapes, passed on to the benchmark client as they are
+
+
 def bench_args(args: argparse.Namespace, url: str, tokenizer: str, **overrides) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench_serve.add_parser_options(parser)
     values = vars(parser.parse_args([]))
     values.update(url=url, model="bench", tokenizer=tokenizer, ignore_eos=True, no_progress=True,
                   slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, attainment=args.attainment,
-                  input_len=args.input_len, output_len=args.output_len, seed=args.seed, **overrides)
+                  seed=args.seed, **{key: getattr(args, key) for key in LENGTHS}, **overrides)
     return argparse.Namespace(**values)
 
 
@@ -108,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=60, help="requests per swept rate")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--long-input-len", type=int, default=2048, help="mixed and the prefill-heavy phase")
+    parser.add_argument("--long-output-len", type=int, default=64)
+    parser.add_argument("--decode-heavy-input-len", type=int, default=32)
+    parser.add_argument("--decode-heavy-output-len", type=int, default=512)
     parser.add_argument("--phase-seconds", type=float, default=40.0)
     parser.add_argument("--trace-rate-scale", type=float, default=0.5)
     parser.add_argument("--planner-interval-s", type=float, default=2.0)
@@ -116,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-gib", type=int, default=1,
                         help="every worker's KV cache, and vLLM's (it is set in whole GiB; default: 1)")
     parser.add_argument("--out", help="every configuration's figures (JSON)")
+    parser.add_argument("--plot", help="the figure of them (PNG; `loadtest.plot_goodput` draws it again from --out)")
     return parser
 
 
@@ -154,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + table(results, args.attainment))
     if _write(args, configs, results):
         print(f"wrote {args.out}")
+    if args.plot:
+        from loadtest.plot_goodput import plot
+
+        plot(results, args.attainment, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 

@@ -3,8 +3,9 @@
 One `splitserve up` serving two models (`--up-args`; by default A colocated on CPU 0 and B colocated on CPU 1,
 the gateway, schedulers and NATS left to float). Model B gets an open-loop stream of requests (`--b-rate`
 per second, `--b-requests` of them): first with A idle (solo), then while A is kept saturated by a closed loop of
-`--a-concurrency` longer requests. Reported: B's TTFT and ITL p50/p95/p99 in both phases and the ratio of the
-p95s (issue 38's aim: at most 1.10 where the models' workers have separate cores).
+`--a-concurrency` longer requests from a client process of its own. Reported: B's TTFT and ITL p50/p95/p99 in
+both phases and the ratio of the p95s (issue 38's aim: at most 1.10 where the models' workers have separate
+cores).
 
     python -m loadtest.bench_models --out loadtest/results/models_cpu.json
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import platform
 import shlex
 import tempfile
@@ -41,17 +43,31 @@ def b_figures(records: list, duration_s: float) -> dict:
     return {key: figures[key] for key in keep if key in figures}
 
 
+def a_client(base: str, a_load: tuple, started) -> None:
+    """Model A's closed loop, in a process of its own (another user's client): its streams cost B's client
+    nothing, so what B measures is the deployment's doing."""
+    started.set()
+    asyncio.run(run_load(base, A_NAME, *a_load))
+
+
 async def phase(base: str, b_load: tuple, a_load: tuple | None) -> dict:
-    """B's requests, with A's closed loop running beside them (cancelled once B's are done) when `a_load`."""
-    a_task = asyncio.create_task(run_load(base, A_NAME, *a_load)) if a_load else None
+    """B's requests, with A's closed loop running beside them (stopped once B's are done) when `a_load`."""
+    a_proc = None
+    if a_load:
+        context = multiprocessing.get_context("spawn")
+        started = context.Event()
+        a_proc = context.Process(target=a_client, args=(base, a_load, started), daemon=True)
+        a_proc.start()
+        if not await asyncio.to_thread(started.wait, 120):
+            raise RuntimeError("model A's client did not start")
     try:
-        if a_task is not None:
-            await asyncio.sleep(2.0)  # A's batch is full before B's first request
+        if a_proc is not None:
+            await asyncio.sleep(3.0)  # A's batch is full before B's first request
         b_records, b_duration = await run_load(base, B_NAME, *b_load)
     finally:
-        if a_task is not None:
-            a_task.cancel()
-            await asyncio.gather(a_task, return_exceptions=True)
+        if a_proc is not None:
+            a_proc.terminate()  # its connections close: the gateway cancels A's streams
+            await asyncio.to_thread(a_proc.join, 30)
     return {"b": b_figures([record for _, record in b_records], b_duration)}
 
 
