@@ -606,7 +606,8 @@ class Launcher:
         elif o.topology == "disagg":
             workers = f"{o.prefill} prefill worker" + ("" if o.prefill == 1 else "s") + ", " + workers
         elif o.topology == "pipeline":
-            workers = f"{len(self._stage_ranges)} pipeline stages: " + ", ".join(f"{a}:{b}" for a, b in self._stage_ranges)
+            workers = (("a pipeline" if o.decode == 1 else f"{o.decode} pipelines") + f" of {len(self._stage_ranges)} "
+                       "stages: " + ", ".join(f"{a}:{b}" for a, b in self._stage_ranges))
         also = "".join(f"; model {m.served_name}, topology {m.up.topology}, namespace {m.namespace}"
                        for m in self.further)
         try:

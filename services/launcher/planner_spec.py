@@ -30,7 +30,7 @@ def check_planner(up: UpSettings) -> None:
         return
     if up.topology == "pipeline":
         raise ValueError("--planner slo moves workers between the prefill and decode pools; --topology pipeline "
-                         "runs one pipeline, which does not scale")
+                         "has one pool, its pipelines (`splitserve scale decode=N` sizes it)")
     if up.ttft_slo_ms is None or up.itl_slo_ms is None:
         raise ValueError("--planner slo needs both SLOs: --ttft-slo-ms MS and --itl-slo-ms MS")
     if up.planner_budget is not None and up.planner_budget < workers_started(up):

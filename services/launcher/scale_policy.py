@@ -3,7 +3,10 @@
 A scale sets a pool's desired size; the launcher then reconciles (`reconcile`): planned instances that do not run
 start, running ones no longer planned are retired (SIGTERM: they drain, their streams finish or move). The decode
 and prefill pools scale, and the kv-stores (rendezvous hashing gives each block to one of those up: one that joins
-takes over its share, one that leaves costs its blocks' misses); a pipeline's stages do not yet.
+takes over its share, one that leaves costs its blocks' misses). A pipeline deployment's decode pool is its pipelines:
+each is a head (which takes requests as a decode worker) and its stages, started stages first and retired head first
+(its streams drain or move; its stages go once it is gone). A pipeline's stages do not scale on their own, nor does
+disagg's pipelined prefill pool (--prefill-stages).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Collection, Mapping
 
 WORKER_POOLS = ("decode", "prefill")  # the model's workers: placed on CPUs, switchable between the two
 SCALABLE = (*WORKER_POOLS, "kvstore")
-NOT_YET = ("stage", "stage-head")  # known pools that do not scale yet
+PIPELINE_PARTS = ("stage", "stage-head")  # a pipeline's parts: they scale as whole pipelines
 SINGLE = ("gateway", "scheduler")  # one per deployment
 
 
@@ -26,9 +29,9 @@ class ScaleError(ValueError):
 def desired_pools(up) -> dict[str, int]:
     """The pools `up`'s settings ask for that scale: decode, disagg's prefill pool unless it is a pipeline, and the
     kv-stores where it runs them."""
-    if up.topology == "pipeline":
-        return {}
     pools = {"decode": up.decode}
+    if up.topology == "pipeline":
+        return pools
     if up.topology == "disagg" and up.prefill_stages is None:
         pools["prefill"] = up.prefill
     if up.runs_kv_store:
@@ -62,20 +65,19 @@ def check_scale(counts: Mapping[str, object], topology: str, prefill_pipeline: b
     names the first problem."""
     checked: dict[str, int] = {}
     for role, count in counts.items():
-        if role in NOT_YET:
-            raise ScaleError(f"{role} workers do not scale yet (only {', '.join(SCALABLE)} do)")
+        if role in PIPELINE_PARTS:
+            raise ScaleError(f"a pipeline's {role} workers do not scale on their own: a pipeline deployment scales "
+                             "whole pipelines (decode=N runs N, each a head and its stages)")
         if role in SINGLE:
             raise ScaleError(f"{role} does not scale: a deployment runs one")
         if role not in SCALABLE:
             raise ScaleError(f"unknown role {role!r} (the pools that scale: {', '.join(SCALABLE)})")
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ScaleError(f"{role}={count}: a pool keeps at least 1 worker")
-        if topology == "pipeline":
-            raise ScaleError("--topology pipeline runs one pipeline: its pools do not scale yet")
         if role == "prefill" and topology != "disagg":
             raise ScaleError(f"--topology {topology} has no prefill pool")
         if role == "prefill" and prefill_pipeline:
-            raise ScaleError("the prefill pool is one pipeline (--prefill-stages): it does not scale yet")
+            raise ScaleError("the prefill pool is one pipeline (--prefill-stages): it does not scale")
         if role == "kvstore" and not kv_store:
             raise ScaleError("this deployment runs no kv-store (up's --kv-store starts one)")
         checked[role] = count

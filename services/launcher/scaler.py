@@ -100,10 +100,17 @@ class Scaler:
         return run.cpus if model == self.first else topology.run_of(run, self.models[model]).cpus
 
     def members(self, model: str, roles=SCALABLE) -> list:
-        """The supervisor's children of `roles` that serve `model` (running or retiring)."""
+        """The supervisor's children in the pools `roles` (`topology.pool_of`) that serve `model` (running or
+        retiring)."""
         namespace, planned = self.up_of(model).namespace, self.launcher.planned
         return [c for c in self.launcher.supervisor.children
-                if c.role in roles and c.name in planned and planned[c.name].namespace == namespace]
+                if c.name in planned and topology.pool_of(planned[c.name]) in roles
+                and planned[c.name].namespace == namespace]
+
+    def pool_now(self, child) -> str:
+        """The pool a child serves in now: the one it switched to, else its planned one (`topology.pool_of`)."""
+        spec = self.launcher.planned.get(child.name)
+        return self.switched.get(child.name, (topology.pool_of(spec) if spec else child.role, None))[0]
 
     # -- the control API's side -------------------------------------------------
 
@@ -218,7 +225,8 @@ class Scaler:
         """Every scalable worker (running or retiring; `model`'s alone where named) and the role it serves as
         now."""
         children = self.launcher.supervisor.children if model is None else self.members(model)
-        return {c.name: self.switched.get(c.name, (c.role, None))[0] for c in children if c.role in SCALABLE}
+        roles = {c.name: self.pool_now(c) for c in children}
+        return {name: role for name, role in roles.items() if role in SCALABLE}
 
     def apply_switch(self, name: str, to: str, pid: int | None) -> tuple[int, dict]:
         """(main loop) Worker `name` (process `pid`) serves as `to` now: counted in that pool from now on."""
@@ -270,8 +278,19 @@ class Scaler:
                 further = self.models[model]
                 specs = topology.model_services(run, dataclasses.replace(further,
                                                                          up=sized(further.up, desired)))
-            self._plans[key] = [s for s in specs if s.role in SCALABLE]
+            self._plans[key] = [s for s in specs if topology.pool_of(s) in (*SCALABLE, "stage")]
         return self._plans[key]
+
+    def counted_sizes(self, model: str) -> dict[str, int]:
+        """A model's pools' sizes asked for as its registry counts them, a pipeline's stages after its heads too:
+        what the gateway's /ready and `splitserve ps` judge the deployment by."""
+        desired = self.pools[model]
+        if not desired:
+            return {}
+        run = self.launcher.resolved
+        run = run if model == self.first else topology.run_of(run, self.models[model])
+        stages = topology.expected_counts(sized(self.up_of(model), desired), run).get("stage")
+        return {**desired, **({"stage": stages} if stages is not None else {})}
 
     def forget_plans(self, model: str) -> None:
         self._plans = {key: specs for key, specs in self._plans.items() if key[0] != model}
@@ -299,13 +318,20 @@ class Scaler:
         pool = {c.name: c for c in self.members(model)}
         # Planned for more workers than run: names enough for every pool past the workers switched out of it.
         specs = {s.name: s for s in self._planned(model, {r: n + len(pool) for r, n in desired.items()})}
-        plan = {role: [n for n, s in specs.items() if s.role == role] for role in desired}
-        planned = {n: specs.get(n) for n in planned_names(desired, plan, self.roles_now(model))}
-        retiring = [n for n, c in pool.items() if c.state.value == "stopping"]
-        start, retire = reconcile(list(planned), [n for n in pool if n not in retiring], retiring)
-        # The workers' changes may move the running workers' CPUs (a handover); the kv-stores' start and retire now.
+        plan = {role: [n for n, s in specs.items() if topology.pool_of(s) == role] for role in desired}
+        planned = {n: specs.get(n) for n in with_stages(planned_names(desired, plan, self.roles_now(model)), specs)}
+        running = {**pool, **{c.name: c for c in self.members(model, roles=("stage",))}}
+        retiring = [n for n, c in running.items() if c.state.value == "stopping"]
+        start, retire = reconcile(list(planned), [n for n in running if n not in retiring], retiring)
+        # A pipeline's stages outlive its head (its streams drain through them): they retire once it is gone.
+        planned_now = self.launcher.planned
+        held = {stage for c in self.launcher.supervisor.children if c.name in planned_now
+                for stage in topology.stages_of(planned_now[c.name])}
+        retire = [n for n in retire if n not in held]
+        # The workers' changes may move the running workers' CPUs (a handover); the kv-stores' and the pipelines'
+        # start and retire now.
         start_workers = [n for n in start if planned[n].role in WORKER_POOLS]
-        retire_workers = [n for n in retire if pool[n].role in WORKER_POOLS]
+        retire_workers = [n for n in retire if running[n].role in WORKER_POOLS]
         self.admission.admit([planned[n] for n in start])  # every new instance's credential, once
         for name in (n for n in retire if n not in retire_workers):
             sup.retire(name, self.launcher.retire_timeout_s)
@@ -446,10 +472,10 @@ class Scaler:
         dep = launcher.deployment
         dep.services = [rec for rec in dep.services if rec.name in children]
         self.placements = {n: cpus for n, cpus in self.placements.items() if n in children}
-        dep.desired = dict(self.desired)
+        dep.desired = self.counted_sizes(self.first)
         for record in dep.models:
             if record.name in self.pools:
-                record.desired = dict(self.pools[record.name])
+                record.desired = self.counted_sizes(record.name)
         roles = self.roles_now()
         for rec in dep.services:  # `splitserve ps` shows each worker in the pool it serves now, on its CPUs
             rec.role = roles.get(rec.name, rec.role)
@@ -473,6 +499,15 @@ class Scaler:
                                  **({"cpus": format_cpu_list(self.placements[n])} if n in self.placements else {}),
                                  **({"planned_role": children[n].role} if roles[n] != children[n].role else {})}
                              for n in roles}}
+
+
+def with_stages(heads: list[str], specs: dict[str, topology.ServiceSpec]) -> list[str]:
+    """`heads` with each pipeline head's stages before it (the order they start in)."""
+    names: list[str] = []
+    for name in heads:
+        spec = specs.get(name)
+        names += [*(topology.stages_of(spec) if spec is not None else ()), name]
+    return names
 
 
 def settled(pools: dict) -> bool:

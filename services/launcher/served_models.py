@@ -65,8 +65,6 @@ def further_settings(up: UpSettings, spec: ModelSpec, served_name: str) -> UpSet
 
 def check_topology(o: UpSettings) -> None:
     """ValueError unless the topology can run as asked (pool sizes, stages, role switching)."""
-    if o.topology == "pipeline" and o.decode != 1:
-        raise ValueError("--topology pipeline runs one pipeline; --decode must be 1")
     if o.prefill_stages is not None and (o.topology != "disagg" or o.prefill != 1):
         raise ValueError("--prefill-stages makes disagg's prefill pool one pipeline: it needs --topology disagg "
                          "and --prefill 1")

@@ -186,8 +186,7 @@ def _everyone(up: UpSettings, run: ResolvedRun, draft: _Draft) -> dict[str, Any]
 
 def pipelines_of(specs: list[ServiceSpec]) -> tuple[Pipeline, ...]:
     """The pipelines the planned services form: each head (a stage given `stages`) and its stages in order."""
-    return tuple(Pipeline(s.instance_id, tuple(s.settings.stages))
-                 for s in specs if s.role == "stage" and s.settings.stages)
+    return tuple(Pipeline(s.instance_id, stages_of(s)) for s in specs if stages_of(s))
 
 
 def device_of(up: UpSettings, name: str, role: str) -> str:
@@ -318,9 +317,10 @@ def _stage_settings() -> type[Settings]:
     return StageSettings
 
 
-def _stages(up: UpSettings, run: ResolvedRun, prefix: str, **each: Any) -> list[_Draft]:
+def _stages(up: UpSettings, run: ResolvedRun, prefix: str, replica: int = 0, **each: Any) -> list[_Draft]:
     """A pipeline's stages after the head, PREFIX1.., each its layers."""
-    return [_Draft(f"{prefix}{i}", _stage_settings(), {**_engine(up, run), "layers": f"{start}:{end}", **each})
+    return [_Draft(pipeline_name(f"{prefix}{i}", replica), _stage_settings(),
+                   {**_engine(up, run), "layers": f"{start}:{end}", **each})
             for i, (start, end) in enumerate(run.stage_ranges[1:], start=1)]
 
 
@@ -332,16 +332,35 @@ def _head(up: UpSettings, run: ResolvedRun, name: str, stages: list[_Draft], **g
 
 
 def _plan_pipeline(up: UpSettings, run: ResolvedRun) -> tuple[list[_Draft], dict[str, int]]:
-    """One pipeline: stage-1.. first (the head waits for them), then the head stage-0, which takes requests."""
+    """--decode pipelines, each its stages first (the head waits for them), then its head, which takes requests
+    as a decode worker: stage-1.., stage-0, then the further pipelines' (`pipeline_name`)."""
     if up.kv_store:
         raise ValueError("the kv-store needs workers holding every layer; --topology pipeline cannot use it")
     if len(run.stage_ranges) < 2:
         raise ValueError("a pipeline needs at least 2 stages")
-    if up.decode != 1:
-        raise ValueError("--topology pipeline runs one pipeline; --decode must be 1")
-    stages = _stages(up, run, "stage-")
-    counts = {"decode": 1, "scheduler": 1, "stage": len(stages)}
-    return [_scheduler(up), *stages, _head(up, run, "stage-0", stages)], counts
+    drafts = [_scheduler(up)]
+    for replica in range(up.decode):
+        stages = _stages(up, run, "stage-", replica=replica)
+        drafts += [*stages, _head(up, run, pipeline_name("stage-0", replica), stages,
+                                  **_given(drain_timeout=run.drain_timeout))]
+    return drafts, {"decode": up.decode, "scheduler": 1, "stage": up.decode * (len(run.stage_ranges) - 1)}
+
+
+def pipeline_name(name: str, replica: int) -> str:
+    """A pipeline service's name in pipeline `replica`: the first pipeline's as it is, a further one's with
+    -pR (stage-1 of the third pipeline: stage-1-p2)."""
+    return name if replica == 0 else f"{name}-p{replica}"
+
+
+def stages_of(spec: ServiceSpec) -> tuple[str, ...]:
+    """A pipeline head's stages after it, in order; none for any other service."""
+    return tuple(spec.settings.stages or ()) if spec.role == "stage" else ()
+
+
+def pool_of(spec: ServiceSpec) -> str:
+    """The pool a service is counted in: a pipeline's head in its head role's (it takes that pool's work), a
+    stage after a head in "stage" (it goes with its head), any other service in its role's."""
+    return spec.settings.head_role if stages_of(spec) else spec.role
 
 
 def _prefill_pipeline(up: UpSettings, run: ResolvedRun) -> list[_Draft]:

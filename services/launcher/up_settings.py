@@ -107,7 +107,7 @@ class UpSettings(Settings):
     topology: Topology = option(
         "disagg", "how inference is split: colocated workers, separate prefill and decode pools, or the model's "
         "layers over pipeline stages (default: disagg, one prefill and one decode worker)")
-    decode: PositiveInt = option(1, "number of decode workers", metavar="N")
+    decode: PositiveInt = option(1, "number of decode workers (--topology pipeline: of pipelines)", metavar="N")
     prefill: PositiveInt = option(1, "number of prefill workers with --topology disagg", metavar="N")
     max_local_prefill: Count | None = option(None, "disagg: prompts with more uncached tokens than N are prefilled "
                                              "remotely (0: always)", metavar="N",

@@ -130,7 +130,8 @@ async def serve(settings: StageSettings) -> int:
                                          kv_transport=settings.kv_transport, transfer_tls=tls)
         from services.stage.head import decode_pipeline_head
 
-        return decode_pipeline_head(worker, driver, max_active_requests=settings.max_active_requests)
+        return decode_pipeline_head(worker, driver, max_active_requests=settings.max_active_requests,
+                                    drain_timeout_s=settings.drain_timeout)
 
     # Every stage process logs and traces as a stage (splitserve-stage); a head registers as its head role.
     return await run_service(settings, "stage", build)

@@ -14,13 +14,13 @@ from services.decode.worker import DecodeRole
 from services.stage.driver import PipelineDriver
 
 
-def decode_pipeline_head(worker: EngineWorker, driver: PipelineDriver, *, max_active_requests: int) -> EngineWorker:
+def decode_pipeline_head(worker: EngineWorker, driver: PipelineDriver, *, max_active_requests: int,
+                         drain_timeout_s: float) -> EngineWorker:
     """`worker` as a decode pipeline's head: a decode role, and the driver that runs the stages."""
-    # No remote prefill here (its timeout is never used); a draining head gives its requests as long as a decode
-    # worker does.
+    # No remote prefill here (its timeout is never used).
     worker.role = DecodeRole(worker, mode="pipeline", max_active_requests=max_active_requests,
                              prefill_timeout_s=default_of(DecodeSettings, "prefill_timeout"),
-                             drain_timeout_s=default_of(DecodeSettings, "drain_timeout"))
+                             drain_timeout_s=drain_timeout_s)
     worker.parts.append(driver)
     driver.attach(engine=worker.engine, engine_loop=worker.engine_loop, boot_id=worker.identity.boot_id,
                   on_reset=worker.deliver, trace_of=worker.role.trace_of)

@@ -10,6 +10,7 @@ from services.common.service_settings import (
     ModelSettings,
     PositiveInt,
     PositiveSeconds,
+    Seconds,
     ServiceSettings,
     SideChannelSettings,
     Transport,
@@ -59,6 +60,9 @@ class StageSettings(EngineSettings, ModelSettings, SideChannelSettings, ServiceS
                                                      "prefill pool in the disagg topology)")
     max_active_requests: PositiveInt = option(default_of(DecodeSettings, "max_active_requests"),
                                               "decode head: requests taken at most", metavar="N")
+    drain_timeout: Seconds = option(default_of(DecodeSettings, "drain_timeout"), "decode head: on SIGTERM, seconds "
+                                    "the pipeline's running requests may go on before it hands them back to their "
+                                    "gateways, which move them to other workers", metavar="S")
     max_concurrent_jobs: PositiveInt = option(default_of(PrefillSettings, "max_concurrent_jobs"),
                                               "prefill head: prefill jobs taken at once", metavar="N")
     ships_kv: bool = option(False, "stages of a prefill pipeline: keep the KV cache where the side channel reads it "

@@ -79,7 +79,6 @@ def test_a_pipeline_split_without_a_pipeline_is_refused_not_ignored(tmp_path, ar
     (["--stages", "9"], "at most one stage per layer"),
     (["--stages", "1"], "at least 2 stages"),
     (["--stages", "2", "--layer-split", "0:2,2:4"], "not both"),
-    (["--decode", "2"], "--decode must be 1"),
 ])
 def test_a_bad_pipeline_split_is_refused_before_anything_starts(tmp_path, default_model, args, message):
     result = cli("up", "--run-dir", str(tmp_path / "run"), "--port", str(free_port()), "--model", default_model,

@@ -115,5 +115,5 @@ def test_a_further_model_takes_ups_settings_but_for_its_own_and_the_first_models
     assert further_settings(pipeline, ModelSpec(model="B"), "b").stages == 3
     assert further_settings(pipeline, ModelSpec(model="B", topology="colocated"), "b").stages is None
     assert [model_prefix(i) for i in (0, 1, 2)] == ["", "m1-", "m2-"]
-    with pytest.raises(ModelSpecError, match="model 'b': --topology pipeline runs one pipeline; --decode must be 1"):
-        further_model(UpSettings(decode=2), ModelSpec(model="B", topology="pipeline"), 1, "/models/b", "b")
+    with pytest.raises(ModelSpecError, match="model 'b': --stages splits a pipeline's layers"):
+        further_model(UpSettings(), ModelSpec(model="B", topology="colocated", stages=2), 1, "/models/b", "b")

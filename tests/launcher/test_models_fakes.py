@@ -102,7 +102,7 @@ def test_what_cannot_be_served_or_unserved_is_refused_and_so_is_another_user(fak
             (["serve", "b", "--model", model, "name=c"], "the served name is NAME"),
             (["serve", first, "--model", model], f"a model is served as {first!r} already"),
             (["serve", "b", "--model", str(tmp_path / "absent")], "absent"),
-            (["serve", "b", "--model", model, "topology=pipeline", "decode=2"], "--decode must be 1")):
+            (["serve", "b", "--model", model, "topology=colocated", "stages=2"], "--stages splits a pipeline's layers")):
         result = cli("models", *args, "--run-dir", str(run_dir))
         assert result.returncode == 2 and said in result.stderr, (args, result.stderr)
     result = cli("scale", "--model", "nope", "decode=2", "--run-dir", str(run_dir))

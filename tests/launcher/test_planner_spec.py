@@ -17,7 +17,7 @@ def up(**given) -> UpSettings:
     ({"planner": "slo", "ttft_slo_ms": 500, "itl_slo_ms": 50}, None),
     ({"planner": "slo", "topology": "colocated", "decode": 2, "ttft_slo_ms": 500, "itl_slo_ms": 50}, None),
     ({"planner": "slo", "ttft_slo_ms": 500}, "needs both SLOs"),
-    ({"planner": "slo", "topology": "pipeline", "ttft_slo_ms": 500, "itl_slo_ms": 50}, "does not scale"),
+    ({"planner": "slo", "topology": "pipeline", "ttft_slo_ms": 500, "itl_slo_ms": 50}, "has one pool, its pipelines"),
     ({"ttft_slo_ms": 500}, "need --planner slo"),
     ({"planner": "slo", "ttft_slo_ms": 500, "itl_slo_ms": 50, "decode": 2, "planner_budget": 2},
      "less than the 3"),

@@ -66,7 +66,7 @@ def test_scale_up_and_down_admits_and_revokes_the_workers(fake_up, tmp_path):
 
 def test_what_cannot_scale_is_refused_and_so_is_another_user(fake_up, tmp_path):
     up, run_dir = fake_up
-    for args, said in ((["stage=2"], "stage workers do not scale yet (only decode, prefill, kvstore do)"),
+    for args, said in ((["stage=2"], "stage workers do not scale on their own: a pipeline deployment scales whole pipelines"),
                        (["prefill=2"], "--topology colocated has no prefill pool"),
                        (["decode=0"], "at least 1"), (["decode"], "is not ROLE=N")):
         result = cli("scale", *args, "--run-dir", str(run_dir))

@@ -30,7 +30,8 @@ def test_counts_are_role_equals_n():
 
 
 @pytest.mark.parametrize("counts, topology, pipelined, said", [
-    ({"stage": 2}, "disagg", False, "do not scale yet"),
+    ({"stage": 2}, "disagg", False, "do not scale on their own"),
+    ({"stage-head": 2}, "pipeline", False, r"decode=N runs N"),
     ({"kv-store": 2}, "disagg", False, "unknown role"),
     ({"kvstore": 2}, "colocated", False, "runs no kv-store"),
     ({"kvstore": 0}, "disagg", False, "at least 1"),
@@ -40,7 +41,7 @@ def test_counts_are_role_equals_n():
     ({"decode": "2"}, "disagg", False, "at least 1"),
     ({"prefill": 2}, "colocated", False, "has no prefill pool"),
     ({"prefill": 2}, "disagg", True, "one pipeline"),
-    ({"decode": 2}, "pipeline", False, "one pipeline"),
+    ({"prefill": 2}, "pipeline", False, "has no prefill pool"),
 ])
 def test_what_does_not_scale_is_refused_with_its_reason(counts, topology, pipelined, said):
     with pytest.raises(ScaleError, match=said):
@@ -51,6 +52,17 @@ def test_decode_prefill_and_kv_store_pools_scale():
     assert check_scale({"decode": 3, "prefill": 2}, "disagg", False) == {"decode": 3, "prefill": 2}
     assert check_scale({"decode": 3}, "colocated", False) == {"decode": 3}
     assert check_scale({"kvstore": 3}, "colocated", False, kv_store=True) == {"kvstore": 3}
+    assert check_scale({"decode": 2}, "pipeline", False) == {"decode": 2}  # two pipelines
+
+
+def test_a_pipeline_deployments_pool_is_its_pipelines():
+    up = UpSettings(topology="pipeline", decode=2, stages=2)
+    assert desired_pools(up) == {"decode": 2}
+    specs = plan(sized(up, {"decode": 3}), ResolvedRun(model_dir="m", served_model_name="m", nats_url="nats://x",
+                                                      cpus=(), drain_timeout=None, stage_ranges=((0, 2), (2, 4))))
+    heads = [s for s in specs if s.role == "stage" and s.settings.stages]
+    assert [(h.name, h.settings.stages) for h in heads] == [("stage-0", ["stage-1"]), ("stage-0-p1", ["stage-1-p1"]),
+                                                            ("stage-0-p2", ["stage-1-p2"])]
 
 
 def test_a_scale_sizes_ups_settings_pool_by_pool():
@@ -81,7 +93,7 @@ def test_desired_pools_follow_the_topology():
     assert desired_pools(UpSettings(topology="colocated", decode=2)) == {"decode": 2}
     assert desired_pools(UpSettings(topology="colocated", kv_store=True, kv_stores=2)) == {"decode": 1, "kvstore": 2}
     assert desired_pools(UpSettings(prefill_stages=2, kv_store=False)) == {"decode": 1}
-    assert desired_pools(UpSettings(topology="pipeline")) == {}
+    assert desired_pools(UpSettings(topology="pipeline")) == {"decode": 1}  # its pipelines
 
 
 def test_new_workers_get_free_cpus_and_share_only_when_none_are_left():

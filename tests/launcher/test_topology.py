@@ -65,8 +65,6 @@ def test_plan_refuses_what_it_cannot_run():
         planned(topology="pipeline", stage_ranges=((0, 4),))
     with pytest.raises(ValueError, match="cannot use it"):
         planned(topology="pipeline", stage_ranges=((0, 2), (2, 4)), kv_store=True)
-    with pytest.raises(ValueError, match="--decode must be 1"):
-        planned(topology="pipeline", stage_ranges=((0, 2), (2, 4)), decode=2)
 
 
 def test_urls_for_wildcard_and_ipv6_hosts():
@@ -113,6 +111,19 @@ def test_pipeline_plan():
     assert parsed(specs[-1]).expect == {"decode": 1, "scheduler": 1, "stage": 2}
 
 
+def test_several_pipelines_each_start_their_stages_before_their_head():
+    from services.launcher.topology import pool_of, stages_of
+
+    specs = planned(**{**PIPELINE, "decode": 2})
+    assert [s.name for s in specs] == ["scheduler-0", "stage-1", "stage-2", "stage-0", "stage-1-p1", "stage-2-p1",
+                                       "stage-0-p1", "gateway-0"]
+    assert stages_of(specs[6]) == ("stage-1-p1", "stage-2-p1") and stages_of(specs[4]) == ()
+    assert [pool_of(s) for s in specs[4:7]] == ["stage", "stage", "decode"]  # the head takes the decode pool's work
+    layers = {s.name: s.args[s.args.index("--layers") + 1] for s in specs if s.role == "stage"}
+    assert layers["stage-0-p1"] == "0:3" and layers["stage-2-p1"] == "5:6"
+    assert parsed(specs[-1]).expect == {"decode": 2, "scheduler": 1, "stage": 4}
+
+
 PREFILL_PIPELINE = dict(topology="disagg", prefill=1, stage_ranges=((0, 2), (2, 4)), kv_transport="shm",
                         namespace="ns1", kv_store=False)
 
@@ -134,6 +145,7 @@ def test_the_planned_pipelines_are_what_each_stage_may_send_along():
     from shared.bus.permissions import Pipeline
 
     assert pipelines_of(planned(**PIPELINE)) == (Pipeline("stage-0", ("stage-1", "stage-2")),)
+    assert pipelines_of(planned(**PIPELINE, decode=2))[1] == Pipeline("stage-0-p1", ("stage-1-p1", "stage-2-p1"))
     assert pipelines_of(planned(**PREFILL_PIPELINE)) == (Pipeline("prefill-0", ("prefill-stage-1",)),)
     assert pipelines_of(planned(**DISAGG)) == ()
 

@@ -30,35 +30,53 @@ def running_on(base_url: str, instance: str) -> float:
     return sum(matching(samples(base_url), "vllm:num_requests_running", instance=instance))
 
 
+def greedy_bodies(tokens: int) -> list[dict]:
+    return [{"model": MODEL, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
+            for prompt in ("Once upon a time", "The list of primes")]
+
+
+def undisturbed(url: str, bodies: list[dict]) -> list[str]:
+    """Each body's streamed text, run side by side with nothing else happening: the reference."""
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda body: streamed_text(stream(url, body, timeout_s=120)), bodies))
+
+
+def retire_under_streams(up, bodies: list[dict], references: list[str], instance: str, counts: str) -> None:
+    """Streams `bodies` side by side; once `instance` runs one of them, `splitserve scale COUNTS`, which retires it;
+    every stream ends with its `references` text, no error."""
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        streams = [pool.submit(stream, up.url, body, timeout_s=120) for body in bodies]
+        wait_until(lambda: running_on(up.url, instance) >= 1, 60, f"{instance} never ran a request", poll_s=0.2)
+        result = splitserve("scale", counts, "--run-dir", str(up.run_dir))
+        assert result.returncode == 0 and f"retiring {instance}" in result.stdout, (result.stdout, result.stderr)
+        outcomes = [s.result(timeout=150) for s in streams]
+    for events, reference in zip(outcomes, references):
+        assert not [e for e in events if "error" in e], events[-3:]
+        assert streamed_text(events) == reference
+
+
+def scale_and_wait(run_dir, *counts: str) -> subprocess.CompletedProcess:
+    return splitserve("scale", *counts, "--run-dir", str(run_dir), "--wait", "--timeout", "120", timeout_s=150)
+
+
 @pytest.mark.timeout(360)
 def test_a_decode_worker_added_serves_one_removed_mid_stream_loses_nothing_and_kv_stores_join_and_leave(
         tmp_path, default_model):
     # A short stop timeout: a retired worker streams on for its drain (1.5 s), then hands its streams back.
     up = start_up(tmp_path / "run", "--topology", "disagg", "--stop-timeout", "6")
     try:
-        bodies = [{"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0}
-                  for prompt in ("Once upon a time", "The list of primes")]
-        with ThreadPoolExecutor(len(bodies)) as pool:  # the undisturbed runs, side by side
-            references = list(pool.map(lambda body: streamed_text(stream(up.url, body, timeout_s=120)), bodies))
+        bodies = greedy_bodies(TOKENS)
+        references = undisturbed(up.url, bodies)
 
-        result = splitserve("scale", "decode=2", "--run-dir", str(up.run_dir), "--wait", "--timeout", "120",
-                            timeout_s=150)
+        result = scale_and_wait(up.run_dir, "decode=2")
         assert result.returncode == 0, result.stderr
         assert "starting decode-1" in result.stdout and "settled: decode 2 ready of 2" in result.stdout
         state = ps(up.run_dir)
         assert state["pools"]["decode"] == {"desired": 2, "running": 2, "retiring": 0}
         assert httpx.get(f"{up.url}/ready", timeout=5).json()["status"] == "ready"
 
-        with ThreadPoolExecutor(2) as pool:
-            streams = [pool.submit(stream, up.url, body, timeout_s=120) for body in bodies]
-            # One of them runs on the new worker; remove it from under its stream.
-            wait_until(lambda: running_on(up.url, "decode-1") >= 1, 60, "decode-1 never ran a request", poll_s=0.2)
-            result = splitserve("scale", "decode=1", "--run-dir", str(up.run_dir))
-            assert result.returncode == 0 and "retiring decode-1" in result.stdout, result.stderr
-            outcomes = [s.result(timeout=150) for s in streams]
-        for events, reference in zip(outcomes, references):
-            assert not [e for e in events if "error" in e], events[-3:]
-            assert streamed_text(events) == reference
+        # One of them runs on the new worker; remove it from under its stream.
+        retire_under_streams(up, bodies, references, "decode-1", "decode=1")
 
         wait_until(lambda: all(s["name"] != "decode-1" for s in ps(up.run_dir)["services"]), 30,
                    "decode-1 was not retired", poll_s=0.2)
@@ -70,8 +88,7 @@ def test_a_decode_worker_added_serves_one_removed_mid_stream_loses_nothing_and_k
 
         # A kv-store more: it takes its share of the blocks written from then on; retired, it exits 0 and the
         # next request is served as before (its blocks are misses now).
-        result = splitserve("scale", "kvstore=2", "--run-dir", str(up.run_dir), "--wait", "--timeout", "120",
-                            timeout_s=150)
+        result = scale_and_wait(up.run_dir, "kvstore=2")
         assert result.returncode == 0 and "starting kvstore-1" in result.stdout, result.stderr
         assert ps(up.run_dir)["pools"]["kvstore"] == {"desired": 2, "running": 2, "retiring": 0}
         long_prompt = " ".join(["a story of ships and the sea"] * 60)
