@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "ignore_eos": True, "seed": 1}, AutoTokenizer.from_pretrained(a_dir))
     up_args = [*shlex.split(args.up_args), "--model", f"{b_dir}:name={B_NAME},dtype={args.dtype},{args.b_spec}"]
     with tempfile.TemporaryDirectory(prefix="splitserve-models-") as tmp:
-        with serving("two models", up_args, model_dir=a_dir, run_dir=Path(tmp) / "run",
+        with serving("two-models", up_args, model_dir=a_dir, run_dir=Path(tmp) / "run",
                      dtype=args.dtype) as deployment:
             base = deployment.base_url.removesuffix("/v1")
             asyncio.run(phase(base, (b_convs[:2], b_args), None))  # warm-up

@@ -40,8 +40,9 @@ class UpProcess:
         self.port = free_port()
         self.namespace = f"bench-{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.served_name = served_name
-        self.cmd = [sys.executable, "-m", "services.cli.main", "up", *topology_args,
-                    "--model", model_dir, "--served-model-name", served_name, "--port", str(self.port),
+        # The model first: further models (`--model B:...` among `topology_args`) come after it.
+        self.cmd = [sys.executable, "-m", "services.cli.main", "up", "--model", model_dir, *topology_args,
+                    "--served-model-name", served_name, "--port", str(self.port),
                     "--run-dir", str(run_dir), "--namespace", self.namespace, "--dtype", dtype,
                     "--ready-timeout", f"{ready_timeout_s:g}"]
         self.proc: subprocess.Popen | None = None
