@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                   error=str(exc))
         return 1
     planner = Planner(Slo(settings.ttft_slo_ms, settings.itl_slo_ms), settings.budget, settings.headroom,
-                      settings.patience, settings.cooldown_s, metrics, settings.model_name)
+                      settings.patience, settings.cooldown_s, metrics, settings.model_name,
+                      shrink_headroom=settings.shrink_headroom)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

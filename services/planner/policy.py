@@ -8,8 +8,10 @@ tokens waits for the backlog B to drain, then takes P / C, both stretched by 1 /
 TTFT(n) ~ (B / (n C) + P / C) / (1 - rho). A decode pool of n workers sharing S running sequences steps every
 ITL(n) ~ fixed + per_seq * S / n milliseconds (a linear fit of the workers' own step times). Each pool gets the
 fewest workers whose predicted figure stays within its SLO times `headroom`; where the model and the measured
-p90 disagree, the measurement wins (a miss adds a worker even if the model says enough). When the budget
-cannot hold both, it is split to keep the worse of the two ratios (predicted / SLO) smallest.
+p90 disagree, the measurement wins (a miss adds a worker even if the model says enough). A pool shrinks only
+where its figure with fewer workers is predicted within the narrower `shrink_headroom` (hysteresis: a pool left
+near its target by a removal would want the worker back a window later). When the budget cannot hold both, it
+is split to keep the worse of the two ratios (predicted / SLO) smallest.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Observation:
 
 # The tuning's defaults (the planner's settings take theirs from here).
 HEADROOM = 0.8
+SHRINK_HEADROOM = 0.5
 PATIENCE = 3
 COOLDOWN_S = 30.0
 CORRECTION_LIMIT = 4.0  # the measurement moves the model's figures by this factor at most, either way
@@ -67,6 +70,7 @@ class Policy:
     headroom: float = HEADROOM  # plan for this share of each SLO, so a change comes before the miss
     patience: int = PATIENCE  # consecutive evaluations wanting the same change before it is made
     cooldown_s: float = COOLDOWN_S  # after a change, the next waits this long (its effect needs a window to show)
+    shrink_headroom: float = SHRINK_HEADROOM  # a pool shrinks only to what is predicted within this share of the SLO
 
     def __post_init__(self) -> None:
         if self.min_prefill < 0 or self.min_decode < 1 or self.budget < self.min_prefill + self.min_decode:
@@ -74,6 +78,8 @@ class Policy:
                              f"{self.min_decode} decode workers")
         if not 0 < self.headroom <= 1 or self.patience < 1 or self.cooldown_s < 0:
             raise ValueError("headroom is in (0, 1], patience at least 1, cooldown_s at least 0")
+        if not 0 < self.shrink_headroom <= self.headroom:
+            raise ValueError("shrink_headroom is in (0, headroom]")
 
 
 @dataclass(frozen=True)
@@ -137,10 +143,12 @@ def _fewest(predict, target_ms: float, low: int, high: int) -> int:
     return high
 
 
-def _pool_want(now: int, model_want: int, measured_ms: float | None, slo_ms: float, headroom: float,
+def _pool_want(now: int, model_want: int, measured_ms: float | None, slo_ms: float, policy: Policy,
                name: str, predict) -> tuple[int, str]:
     """The model's want, corrected by the measurement: a measured miss adds a worker even where the model says
-    enough, and a pool whose measured figure is past the headroom does not shrink."""
+    enough, and a pool whose measured figure is past the headroom does not shrink; a pool shrinks only as far as
+    the prediction stays within the shrink headroom."""
+    headroom = policy.headroom
     if measured_ms is not None and measured_ms > slo_ms:
         return max(model_want, now + 1), f"{name} p90 {measured_ms:.0f} ms over its slo of {slo_ms:g}"
     if measured_ms is not None and measured_ms > slo_ms * headroom and model_want < now:
@@ -149,7 +157,11 @@ def _pool_want(now: int, model_want: int, measured_ms: float | None, slo_ms: flo
     if model_want > now:
         return model_want, f"{name} predicted {predict(now):.0f} ms with {now}, over {target:g}"
     if model_want < now:
-        return model_want, f"{name} predicted {predict(model_want):.0f} ms with {model_want}, within {target:g}"
+        shrink_target = slo_ms * policy.shrink_headroom
+        fewer = next((n for n in range(model_want, now) if predict(n) <= shrink_target), now)
+        if fewer == now:
+            return now, ""
+        return fewer, f"{name} predicted {predict(fewer):.0f} ms with {fewer}, within {shrink_target:g}"
     return model_want, ""
 
 
@@ -166,13 +178,13 @@ def _needed(obs: Observation, slo: Slo, policy: Policy) -> tuple[int, int, str]:
     else:
         model = _fewest(ttft, slo.ttft_ms * policy.headroom, max(policy.min_prefill, 1),
                         policy.budget - policy.min_decode)
-        want_p, said = _pool_want(p.workers, model, obs.ttft_p90_ms, slo.ttft_ms, policy.headroom, "ttft", ttft)
+        want_p, said = _pool_want(p.workers, model, obs.ttft_p90_ms, slo.ttft_ms, policy, "ttft", ttft)
         why.append(said)
     if d.step_ms_fixed <= 0:
         why.append("decode not measured yet")
     else:
         model = _fewest(itl, slo.itl_ms * policy.headroom, policy.min_decode, policy.budget - policy.min_prefill)
-        want_d, said = _pool_want(d.workers, model, obs.itl_p90_ms, slo.itl_ms, policy.headroom, "itl", itl)
+        want_d, said = _pool_want(d.workers, model, obs.itl_p90_ms, slo.itl_ms, policy, "itl", itl)
         why.append(said)
     return want_p, want_d, "; ".join(filter(None, why))
 

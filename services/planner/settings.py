@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.service_settings import AnyPort, BusSettings, PositiveInt, PositiveSeconds
 from services.common.settings import Settings, default_of, option
-from services.planner.policy import COOLDOWN_S, HEADROOM, PATIENCE
+from services.planner.policy import COOLDOWN_S, HEADROOM, PATIENCE, SHRINK_HEADROOM
 
 PositiveMs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -39,6 +39,9 @@ class PlannerSettings(Settings):
     headroom: Annotated[float, Field(gt=0, le=1)] = option(
         HEADROOM, "plan for this share of each SLO, so a change comes before the miss",
         metavar="F")
+    shrink_headroom: Annotated[float, Field(gt=0, le=1)] = option(
+        SHRINK_HEADROOM, "a pool shrinks only where its figure with fewer workers is predicted within this share of "
+        "its SLO (at most --headroom: a removal must not bring the worker back a window later)", metavar="F")
     patience: PositiveInt = option(PATIENCE, "evaluations in a row that must want the same "
                                    "change before it is made", metavar="N")
     cooldown_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = option(
@@ -51,3 +54,10 @@ class PlannerSettings(Settings):
     instance_id: str = option("planner-0", "its name in logs")
     log_level: Literal["debug", "info", "warning", "error"] = option(default_of(BusSettings, "log_level"),
                                                                       "the lowest level logged")
+
+    @model_validator(mode="after")
+    def _shrink_within_headroom(self) -> "PlannerSettings":
+        if self.shrink_headroom > self.headroom:
+            raise ValueError(f"--shrink-headroom {self.shrink_headroom:g} is over --headroom {self.headroom:g}: a "
+                             "pool would shrink where it would grow back")
+        return self

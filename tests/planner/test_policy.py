@@ -57,8 +57,11 @@ def test_predicted_itl(pool, workers, expected):
 
 
 @pytest.mark.parametrize("obs, policy, expected", [
-    # Light load: one of each meets both SLOs.
-    (observe(prefill(workers=2), decode(workers=2)), Policy(budget=4), (1, 1)),
+    # Light load: one prefill worker meets its SLO by a wide margin (170 ms); one decode worker would be 36 ms,
+    # within 0.8 * 50 but not within the 0.5 * 50 a pool shrinks to: decode keeps two.
+    (observe(prefill(workers=2), decode(workers=2)), Policy(budget=4), (1, 2)),
+    # ... and with a shrink headroom as wide as the growth's, both shrink.
+    (observe(prefill(workers=2), decode(workers=2)), Policy(budget=4, shrink_headroom=0.8), (1, 1)),
     # Long prompts arriving fast: prefill needs 3 (800 ms at headroom 0.8 of 1000 ms).
     (observe(prefill(tokens_per_s=3000, capacity=2000, prompt=512)), Policy(budget=8), (3, 1)),
     # Many streams: decode needs 3 for 20 + 2 * 24 / n <= 40.
@@ -82,6 +85,22 @@ def test_a_measured_miss_adds_a_worker_where_the_model_says_enough():
 def test_a_pool_near_its_slo_does_not_shrink_on_the_models_word():
     obs = observe(d=decode(workers=3, running=2), itl=45.0)  # past 0.8 * 50, under 50
     assert desired(obs, SLO, Policy(budget=4))[1] == 3
+
+
+@pytest.mark.parametrize("workers, running, expected", [
+    (4, 0, 1),  # idle: 20 ms with one, within 0.5 * 50
+    (4, 4, 2),  # 20 + 2 * 4 / n: 28 ms with one is past 25, 24 ms with two within it
+    (4, 8, 4),  # 36, 28, 25.3 ms with 1, 2, 3: none within 25, so all four stay (growth would allow one at 36)
+    (2, 8, 2),  # 36 ms with one: within the 40 growth would allow, not within 25: no removal
+])
+def test_a_pool_shrinks_only_to_what_is_predicted_within_the_shrink_headroom(workers, running, expected):
+    obs = observe(prefill(workers=1, tokens_per_s=0), decode(workers=workers, running=running))
+    assert desired(obs, SLO, Policy(budget=8))[1] == expected
+
+
+def test_a_shrink_headroom_over_the_headroom_is_refused():
+    with pytest.raises(ValueError, match="shrink_headroom"):
+        Policy(budget=4, headroom=0.6, shrink_headroom=0.7)
 
 
 def test_unmeasured_pools_stay_as_they_are():
