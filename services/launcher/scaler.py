@@ -315,18 +315,20 @@ class Scaler:
 
     def _reconcile_model(self, model: str, desired: dict[str, int]) -> tuple[list[str], list[str]]:
         sup = self.launcher.supervisor
-        pool = {c.name: c for c in self.members(model)}
+        # Only the pools that scale: disagg's pipelined prefill pool (its head counted as prefill) is left alone.
+        pool = {c.name: c for c in self.members(model, roles=tuple(desired))}
         # Planned for more workers than run: names enough for every pool past the workers switched out of it.
         specs = {s.name: s for s in self._planned(model, {r: n + len(pool) for r, n in desired.items()})}
         plan = {role: [n for n, s in specs.items() if topology.pool_of(s) == role] for role in desired}
         planned = {n: specs.get(n) for n in with_stages(planned_names(desired, plan, self.roles_now(model)), specs)}
-        running = {**pool, **{c.name: c for c in self.members(model, roles=("stage",))}}
+        started = self.launcher.planned  # every service started, gone ones included
+        owner = {stage: topology.pool_of(spec) for spec in started.values() for stage in topology.stages_of(spec)}
+        running = {**pool, **{c.name: c for c in self.members(model, roles=("stage",)) if owner.get(c.name) in desired}}
         retiring = [n for n, c in running.items() if c.state.value == "stopping"]
         start, retire = reconcile(list(planned), [n for n in running if n not in retiring], retiring)
         # A pipeline's stages outlive its head (its streams drain through them): they retire once it is gone.
-        planned_now = self.launcher.planned
-        held = {stage for c in self.launcher.supervisor.children if c.name in planned_now
-                for stage in topology.stages_of(planned_now[c.name])}
+        held = {stage for c in self.launcher.supervisor.children if c.name in started
+                for stage in topology.stages_of(started[c.name])}
         retire = [n for n in retire if n not in held]
         # The workers' changes may move the running workers' CPUs (a handover); the kv-stores' and the pipelines'
         # start and retire now.

@@ -1,6 +1,7 @@
 """`splitserve scale decode=N` on a pipeline deployment: a pipeline added (its stage, then its head) serves; removed
 while a stream runs on it, its head drains and hands the stream back, the stream ends as an undisturbed greedy run
-would, and its stage retires once the head is gone."""
+would, and its stage retires once the head is gone. In disagg with a pipelined prefill pool (which does not scale),
+a scale of the decode pool leaves the prefill pipeline running."""
 
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from support.sse import stream, streamed_text
 from support.up import ps, start_up
 from support.waiting import wait_until
-from test_scale import greedy_bodies, retire_under_streams, scale_and_wait, undisturbed
+from test_scale import greedy_bodies, retire_under_streams, scale_and_wait, splitserve, undisturbed
 
 TOKENS = 400
 
@@ -53,5 +54,25 @@ def test_a_pipeline_added_serves_and_one_removed_mid_stream_loses_nothing(tmp_pa
         assert ready["expected"]["decode"] == 1 and ready["expected"]["stage"] == 1
         again = stream(up.url, bodies[0], timeout_s=120)
         assert streamed_text(again) == references[0]
+    finally:
+        up.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_pipelined_prefill_pool_stays_as_it_is_while_the_decode_pool_scales(tmp_path, default_model):
+    up = start_up(tmp_path / "run", "--topology", "disagg", "--prefill-stages", "2", "--no-kv-store",
+                  "--stop-timeout", "6")
+    try:
+        body = greedy_bodies(16)[0]
+        reference = undisturbed(up.url, [body])[0]
+        refused = splitserve("scale", "prefill=2", "--run-dir", str(up.run_dir))
+        assert refused.returncode == 2 and "it does not scale" in refused.stderr, refused.stderr
+        result = scale_and_wait(up.run_dir, "decode=2")
+        assert result.returncode == 0 and "starting decode-1;" in result.stdout, (result.stdout, result.stderr)
+        services = {s["name"]: s for s in ps(up.run_dir)["services"]}
+        for name in ("prefill-0", "prefill-stage-1"):  # neither retired nor restarted by the scale
+            assert services[name]["state"] == "running" and services[name]["recorded_state"] != "stopping", services
+            assert "retired" not in (up.run_dir / "logs" / f"{name}.log").read_text()
+        assert undisturbed(up.url, [body])[0] == reference
     finally:
         up.stop()
