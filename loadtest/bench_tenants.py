@@ -4,7 +4,9 @@ One `splitserve up` (`--up-args`, by default colocated with one decode worker) w
 tenant sends a streamed request every 1/`--quiet-rps` seconds for `--seconds`; first alone (solo), then with the
 noisy tenant sending `--noise`× as many at the same time, each tenant's client a process of its own. Reported: the quiet tenant's TTFT p50/p95 solo and
 under noise, the ratio of the p95s (the aim: at most 1.25), and the noisy tenant's outcomes. `--fifo` runs the
-noisy phase once more on a deployment without the fair queue (`--max-dispatched 0`), to compare.
+noisy phase once more on a deployment first come first served throughout (no fair queue at the gateway,
+`--max-dispatched 0`, and workers taking requests by arrival, `--scheduling-policy fcfs`); `--gate-only` once more
+with the gateway's fair queue but workers by arrival, to see what each part does.
 
     python -m loadtest.bench_tenants --out loadtest/results/tenants.json
 """
@@ -100,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", type=float, default=8.0, help="the noisy tenant's load, times the quiet one's")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--fifo", action="store_true", help="also run the noisy phase without the fair queue")
+    parser.add_argument("--fifo", action="store_true", help="also run the noisy phase first come first served")
+    parser.add_argument("--gate-only", action="store_true", help="also run it with the gateway's fair queue and "
+                        "workers first come first served")
     parser.add_argument("--out", help="the figures (JSON)")
     args = parser.parse_args(argv)
     if args.model == "splitserve-default-llama":
@@ -112,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     keys = [a for tenant, key in KEYS.items() for a in ("--api-key", f"{key}:{tenant}")]
     runs = {}
     with tempfile.TemporaryDirectory(prefix="splitserve-tenants-") as tmp:
-        variants = [("fair", [])] + ([("fifo", ["--max-dispatched", "0"])] if args.fifo else [])
+        fcfs = ["--scheduling-policy", "fcfs"]
+        variants = ([("fair", [])] + ([("gate_only", fcfs)] if args.gate_only else [])
+                    + ([("fifo", ["--max-dispatched", "0", *fcfs])] if args.fifo else []))
         for name, extra in variants:
             with serving(name, [*shlex.split(args.up_args), *keys, *extra], model_dir=model_dir,
                          run_dir=Path(tmp) / name, dtype=args.dtype) as deployment:
@@ -122,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name] = phase(deployment.base_url, args, noisy=True)
                 print(f"   {name}: {runs[name]}", flush=True)
     solo = runs["solo"]["quiet"]["ttft_s_p95"]
-    ratios = {name: round(runs[name]["quiet"]["ttft_s_p95"] / solo, 2) for name in ("fair", "fifo") if name in runs}
+    ratios = {name: round(runs[name]["quiet"]["ttft_s_p95"] / solo, 2) for name in ("fair", "gate_only", "fifo")
+              if name in runs}
     print(f"quiet p95 TTFT solo {solo} s; under {args.noise:g}x noise: "
           + ", ".join(f"{n} {runs[n]['quiet']['ttft_s_p95']} s ({r}x)" for n, r in ratios.items()))
     if args.out:

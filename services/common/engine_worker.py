@@ -196,6 +196,7 @@ class EngineWorker:
 
     def stats(self) -> ServiceStats:
         details = {"rejected_messages": dict(REJECTED), "prefix_cache": self.engine.prefix_cache_counts(),
+                   "preemptions": self.engine.preemption_counts(),
                    "kv_store": self.kv_store.details() if self.kv_store is not None else {},
                    "kv_events": dict(self.kv_events.counts), **cpu_share_details(self.engine_loop.cpu_share),
                    "registry_lapses": self.heartbeat.num_lapses,

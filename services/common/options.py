@@ -103,6 +103,7 @@ def engine_config(settings: EngineSettings, model_dir: str):
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        scheduling_policy=settings.scheduling_policy,
         max_model_len=settings.max_model_len,
         prefill_beside_decodes_ms=settings.prefill_beside_decodes_ms,
     )

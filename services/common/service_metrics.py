@@ -52,6 +52,9 @@ SERIES = {
     "computed": (Counter, "splitserve_prompt_tokens_computed",
                  "Prompt tokens a worker ran through the model: not found in any cache (or computed again "
                  "after a preemption)", BY),
+    "preemptions": (Counter, "splitserve_engine_preemptions", "Sequences a worker's engine preempted (they are "
+                    "computed again later), by reason: kv_blocks (the cache ran short) or batch_share (the place "
+                    "went to another tenant's or a higher priority's request)", [*BY, "reason"]),
     "steps": (Counter, "splitserve_engine_steps", "Engine steps a worker ran, by kind: prompt (it computed prompt "
               "tokens, maybe beside decodes) or decode", [*BY, "kind"]),
     "step_seconds": (Counter, "splitserve_engine_step_seconds", "Wall time of a worker's engine steps, by kind",
@@ -120,6 +123,8 @@ def _add_worker(series: dict, labels: list[str], entry, by_model: bool) -> None:
         series["outcomes"].add_metric([*labels, outcome], count)
     _add_transfer(series, labels, details.get("kv_transfer", {}))
     _add_prefix_cache(series, labels, details.get("prefix_cache"))
+    for reason, count in details.get("preemptions", {}).items():
+        series["preemptions"].add_metric([*labels, reason], count)
     store = details.get("store")
     if entry.role == "kvstore" and store:
         for tier in ("ram", "disk"):

@@ -18,6 +18,8 @@ from shared.engine import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SCHEDULING_POLICY,
+    SCHEDULING_POLICIES,
 )
 from shared.engine import DEFAULT_MODEL
 
@@ -30,6 +32,7 @@ Seconds = NonNegative
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Transport = Literal["auto", "shm", "tcp"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+SchedulingPolicy = Literal[SCHEDULING_POLICIES]
 
 
 def _cpu_list(value: Any) -> Any:
@@ -140,6 +143,10 @@ class EngineSettings(Settings):
     max_num_seqs: PositiveInt = option(DEFAULT_MAX_NUM_SEQS, "sequences in one step at most", metavar="N")
     max_num_batched_tokens: PositiveInt = option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "tokens in one step at most",
                                                  metavar="N")
+    scheduling_policy: SchedulingPolicy = option(
+        DEFAULT_SCHEDULING_POLICY, "fair: the batch's places shared between tenants (the highest priority first, then "
+        "the tenant holding the fewest; a full batch preempts for a lower priority's or a bigger holder's request); "
+        "fcfs: first come first served, whoever the request is for")
     max_model_len: PositiveInt | None = option(None, "the longest sequence (prompt and output) served",
                                                metavar="N", shown_default="the model's")
     prefill_beside_decodes_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = option(

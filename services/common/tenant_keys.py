@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.common.api_keys import TENANT_NAME, key_id, split_key_entry
+from shared.engine import MAX_PRIORITY
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,7 @@ class _Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_in_flight: int = Field(0, ge=0)
     tokens_per_minute: int = Field(0, ge=0)
-    priority: int = 0
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
 
 class _KeyEntry(BaseModel):

@@ -3,9 +3,12 @@
 `enter` lets a request in or refuses it with 429 (past its tenant's `max_in_flight`, or its tokens-per-minute
 bucket short of its prompt), Retry-After saying when to come back; nothing of another tenant's changes.
 `wait_turn` then holds it until fewer than `max_dispatched` requests sent on to its model have no first token
-yet: those are what the model's workers' queues hold, first come first served, so keeping them few leaves the
-order to the fair queue here (`fair_queue`). A turn waits at most `timeout_s` (then 429), and at most
-`max_queued` of each tenant wait for one model (one tenant's flood takes no other's room).
+yet, or its tenant has fewer than its share of those (`max_dispatched` over the tenants sending to the model,
+rounded up): what waits without a first token waits in the workers' queues, so keeping it few leaves the order
+to the fair queue here (`fair_queue`), and each tenant's share keeps one tenant's backlog there from holding
+another's requests here (the workers share their batches between tenants: `shared.engine.batch_share`). So at
+most `max_dispatched` plus a share for each further tenant are out at once. A turn waits at most `timeout_s`
+(then 429), and at most `max_queued` of each tenant wait for one model (one tenant's flood takes no other's room).
 The `Ticket` frees the turn at the first token and the rest when the request ends, charging its usage.
 A tenant's limits (in flight, tokens per minute) are its own across every model the gateway serves; the turns
 and their queues are each model's, as its workers are: a flood of one model's requests holds no turn of
@@ -13,7 +16,9 @@ another's.
 """
 
 import asyncio
+import math
 import time
+from collections import Counter
 
 from services.gateway import token_bucket
 from services.gateway.errors import RequestError, retry_after_header
@@ -59,7 +64,15 @@ class _Turns:
 
     def __init__(self) -> None:
         self.dispatched = 0
+        self.by_tenant: Counter[str] = Counter()  # turns given and not yet freed, each tenant's
         self.queue = FairQueue()
+
+    def may_go(self, tenant: str, max_dispatched: int) -> bool:
+        """Whether a request of `tenant` may be given a turn now (its own earlier ones aside)."""
+        if self.dispatched < max_dispatched:
+            return True
+        sending = {t for t, n in self.by_tenant.items() if n} | self.queue.tenants() | {tenant}
+        return self.by_tenant[tenant] < math.ceil(max_dispatched / len(sending))
 
 
 class Admission:
@@ -109,7 +122,8 @@ class Admission:
     async def wait_turn(self, ticket: Ticket) -> None:
         """Until the request may be sent on; StreamError("queue_full") when too many wait or its wait runs out."""
         turns = self._turns_of(ticket.model)
-        if not self.max_dispatched or (turns.dispatched < self.max_dispatched and not turns.queue):
+        name = ticket.tenant.name
+        if not self.max_dispatched or (not turns.queue.queued(name) and turns.may_go(name, self.max_dispatched)):
             self._give_turn(ticket, turns)
             return
         if turns.queue.queued(ticket.tenant.name) >= self.max_queued:
@@ -137,6 +151,7 @@ class Admission:
     def _give_turn(ticket: Ticket, turns: _Turns) -> None:
         ticket.holds_turn = True
         turns.dispatched += 1
+        turns.by_tenant[ticket.tenant.name] += 1
 
     def release_turn(self, ticket: Ticket) -> None:
         if not ticket.holds_turn:
@@ -144,8 +159,11 @@ class Admission:
         ticket.holds_turn = False
         turns = self._turns_of(ticket.model)
         turns.dispatched -= 1
-        while turns.queue and (not self.max_dispatched or turns.dispatched < self.max_dispatched):
-            _, waiting = turns.queue.pop()
+        turns.by_tenant[ticket.tenant.name] -= 1
+        if not turns.by_tenant[ticket.tenant.name]:
+            del turns.by_tenant[ticket.tenant.name]
+        while (given := turns.queue.pop(lambda t: not self.max_dispatched or turns.may_go(t, self.max_dispatched))):
+            _, waiting = given
             self._give_turn(waiting, turns)
             waiting.turn.set_result(None)
         if not turns.dispatched and not turns.queue:

@@ -263,6 +263,8 @@ async def generate(gateway: Gateway, backend: ModelBackend, request: Request, re
     _note_ignored(req.ignored_fields)
     sampling = to_sampling_params(req)  # this request's own: filled in here, then validated
     sampling.cache_salt = request_cache_salt(gateway, request, req)
+    tenant = request_tenant(request)  # the workers share their batches between tenants by these
+    sampling.tenant, sampling.priority = tenant.name, tenant.priority
     requested = sampling.max_tokens
     if requested is None and not chat:
         requested = COMPLETIONS_DEFAULT_MAX_TOKENS

@@ -10,7 +10,7 @@ The policy is the pure functions; `FairQueue` holds the queues.
 """
 
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 
@@ -54,8 +54,13 @@ class FairQueue:
         self._seq += 1
         self._queues.setdefault(tenant, deque()).append((Tag(-priority, start, self._seq), item))
 
-    def pop(self) -> tuple[Hashable, object] | None:
-        tenant = first({t: q[0][0] for t, q in self._queues.items()})
+    def tenants(self) -> set[Hashable]:
+        """The tenants with a request waiting."""
+        return set(self._queues)
+
+    def pop(self, eligible: Callable[[Hashable], bool] = lambda tenant: True) -> tuple[Hashable, object] | None:
+        """The next request of the tenants `eligible` says may go (None: none of them waits)."""
+        tenant = first({t: q[0][0] for t, q in self._queues.items() if eligible(t)})
         if tenant is None:
             return None
         queue = self._queues[tenant]

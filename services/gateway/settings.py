@@ -81,10 +81,12 @@ class GatewayServiceSettings(ModelSettings, BusSettings):
                                          "still waiting for their first token, a new one to it is refused with 429 and "
                                          "Retry-After before anything is queued (0: no bound); and each tenant's room in "
                                          "the fair queue", metavar="N")
-    max_dispatched: Count = option(8, "requests sent on to a model's workers without a first token yet, at most; the "
-                                   "others wait here in per-tenant fair queues, the highest priority first, then "
-                                   "fair shares of tokens (0: no bound, first come first served; with one tenant there is "
-                                   "no bound: nobody to be fair to)", metavar="N")
+    max_dispatched: Count = option(8, "requests sent on to a model's workers without a first token yet, at most, "
+                                   "but for a tenant under its share of them (N over the tenants sending, rounded "
+                                   "up), which may go past it; the others wait here in per-tenant fair queues, the "
+                                   "highest priority first, then fair shares of tokens (0: no bound, first come "
+                                   "first served; with one tenant there is no bound: nobody to be fair to)",
+                                   metavar="N")
     queue_timeout: PositiveSeconds = option(30.0, "seconds a request may wait here for its turn before 429",
                                             metavar="S")
     # A taken request's worker sends a token or a StreamAlive at least every second (services.decode.worker).

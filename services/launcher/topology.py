@@ -258,7 +258,8 @@ def _model(run: ResolvedRun) -> dict[str, Any]:
 
 def _engine(up: UpSettings, run: ResolvedRun) -> dict[str, Any]:
     """The settings every model worker (decode, prefill, stage) gets alike."""
-    return _model(run) | _given(dtype=up.dtype, max_num_batched_tokens=up.max_num_batched_tokens)
+    return _model(run) | _given(dtype=up.dtype, max_num_batched_tokens=up.max_num_batched_tokens,
+                                scheduling_policy=up.scheduling_policy)
 
 
 def _scheduler(up: UpSettings) -> _Draft:

@@ -22,6 +22,7 @@ from services.common.service_settings import (
     Port,
     PositiveInt,
     PositiveSeconds,
+    SchedulingPolicy,
     Transport,
 )
 from services.common.settings import Settings, default_of, option, shown_default_of
@@ -99,8 +100,9 @@ class UpSettings(Settings):
                                                 metavar="N", shown_default="the gateway's, "
                                                 f"{default_of(Gateway, 'max_waiting_requests')}")
     max_dispatched: Count | None = option(None, "fair admission: requests sent on to the workers without a first "
-                                          "token yet, at most; the others wait at the gateway, per tenant, in turn "
-                                          "(0: no bound, first come first served)", metavar="N",
+                                          "token yet, at most, but for a tenant under its share of them; the others "
+                                          "wait at the gateway, per tenant, in turn (0: no bound, first come first "
+                                          "served)", metavar="N",
                                           shown_default=f"the gateway's, {default_of(Gateway, 'max_dispatched')}")
 
     # How inference is split.
@@ -140,6 +142,9 @@ class UpSettings(Settings):
                                                         "are prefilled in chunks of at most N tokens, mixed with "
                                                         "decodes", metavar="N", shown_default="the engine's, "
                                                         f"{default_of(EngineSettings, 'max_num_batched_tokens')}")
+    scheduling_policy: SchedulingPolicy | None = option(
+        None, "every worker's: fair (its batch shared between tenants, by priority and places held) or fcfs (first "
+        "come first served)", shown_default=f"the engine's, {default_of(EngineSettings, 'scheduling_policy')}")
     prefill_beside_decodes_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = option(
         None, "decode workers' stall-free chunking: a step carrying decodes lasts about MS, with the prompt chunks "
         "that fit beside them, so a prompt prefilled on a decode worker never stalls the others' tokens (0: off)",

@@ -19,8 +19,8 @@ _SURFACE = {
     "config": ("EngineConfig",),
     "defaults": ("DEFAULT_DTYPE", "DEFAULT_DEVICE", "DEFAULT_BLOCK_SIZE", "DEFAULT_KV_CACHE_BYTES",
                  "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MICROBATCHES",
-                 "DEFAULT_STEP_TIMEOUT_S"),
-    "sampling_params": ("SamplingParams", "LOGIT_BIAS_RANGE", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS"),
+                 "DEFAULT_STEP_TIMEOUT_S", "DEFAULT_SCHEDULING_POLICY", "SCHEDULING_POLICIES"),
+    "sampling_params": ("SamplingParams", "LOGIT_BIAS_RANGE", "MAX_LOGIT_BIAS", "MAX_PRIORITY", "MAX_TOP_LOGPROBS"),
     "errors": ("EngineError", "InvalidRequestError", "ModelLoadError", "ModelFetchError"),
     "structured_output": ("MAX_COMPILE_S", "check_structured"),
     # KV in and out

@@ -9,6 +9,8 @@ from shared.engine.defaults import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SCHEDULING_POLICY,
+    SCHEDULING_POLICIES,
 )
 from shared.engine.model_loader import LayerRange
 
@@ -24,6 +26,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None  # on a GPU: size the KV cache from this share of its memory instead
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY  # one of SCHEDULING_POLICIES (shared/engine/batch_share.py)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_waiting_requests: int = 4096
     enable_prefix_caching: bool = True
@@ -41,6 +44,9 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.max_waiting_requests < 1:
             raise ValueError("max_waiting_requests must be positive")
         if self.prefill_beside_decodes_ms is not None and self.prefill_beside_decodes_ms <= 0:

@@ -140,8 +140,8 @@ class LLMEngine:
                                           self.connectors)
         per_engine_seqs = -(-config.max_num_seqs // num_virtual_engines)
         self.schedulers = [
-            Scheduler(SchedulerConfig(per_engine_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
-                      self.block_manager, self.connectors)
+            Scheduler(SchedulerConfig(per_engine_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+                                      config.scheduling_policy), self.block_manager, self.connectors)
             for _ in range(num_virtual_engines)
         ]
         self.scheduler = self.schedulers[0]
@@ -285,6 +285,12 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.schedulers)
+
+    def preemption_counts(self) -> dict[str, int]:
+        """Sequences preempted (to be recomputed), by why: blocks ran short, or their place went to another
+        tenant's or a higher priority's request (`batch_share`). Plain ints: safe to read from another thread."""
+        shared = sum(s.num_share_preemptions for s in self.schedulers)
+        return {"kv_blocks": self.num_preemptions - shared, "batch_share": shared}
 
     def _load_of(self, virtual_engine: int) -> int:
         scheduler = self.schedulers[virtual_engine]

@@ -18,6 +18,8 @@ MAX_TOP_LOGPROBS = 20
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 LOGIT_BIAS_RANGE = 100.0  # each bias is within [-100, 100], as OpenAI's
+MAX_TENANT_CHARS = 128
+MAX_PRIORITY = 2**31 - 1
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -60,6 +62,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_logprobs: int | None = None
     # Prefix reuse only among requests with the same salt (shared/engine/block_hash.py): the gateway's, per tenant.
     cache_salt: str = ""
+    # Who the request is for and how urgent: the gateway's, from its API key (not a client's field). An engine
+    # shares its batch between tenants by these (shared/engine/batch_share.py).
+    tenant: str = ""
+    priority: int = 0
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field whose value is out of range. A lone stop string
@@ -108,6 +114,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise InvalidRequestError("a structured output spec needs its kind", "structured_outputs")
         if not isinstance(self.cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a string, got {self.cache_salt!r}", "cache_salt")
+        if not isinstance(self.tenant, str) or len(self.tenant) > MAX_TENANT_CHARS:
+            raise InvalidRequestError(f"tenant must be a string of at most {MAX_TENANT_CHARS} characters", "tenant")
+        if not isinstance(self.priority, int) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise InvalidRequestError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got "
+                                      f"{self.priority!r}", "priority")
         self.logit_bias = dict(self.logit_bias)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",

@@ -16,13 +16,19 @@ tokens, the sequence gets its blocks and waits LOADING, out of the batch, until
 its load is reported (then it runs from there, or computes all if the load
 failed). A sequence whose offer is not known yet keeps its place, and those
 behind it go first.
+
+Between tenants (`batch_share`): the waiting sequence admitted next is the highest priority's, then the one of
+the tenant holding the fewest places; when the batch is full (`max_num_seqs`), a running sequence of a tenant
+holding more than its share, or of a lower priority, is preempted for it before the step is planned.
 """
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from shared.engine import batch_share
 from shared.engine.block_manager import BlockManager, PrefixHit
-from shared.engine.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from shared.engine.defaults import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_SCHEDULING_POLICY,
+                                    SCHEDULING_POLICIES)
 from shared.engine.kv_connector import KVConnectors
 from shared.engine.sequence import Sequence, SequenceStatus
 
@@ -32,10 +38,13 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_chunked_prefill: bool = True
+    policy: str = DEFAULT_SCHEDULING_POLICY  # "fair": shared between tenants (`batch_share`); "fcfs": by arrival
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
 
 
 @dataclass(slots=True)
@@ -65,6 +74,7 @@ class Scheduler:
         self.loading: dict[str, tuple[Sequence, int]] = {}  # request id -> (sequence, tokens computed once loaded)
         self.abandoned: dict[str, Sequence] = {}  # finished while loading: blocks freed when the load is reported
         self.num_preemptions = 0
+        self.num_share_preemptions = 0  # of them, places given to another tenant's or a higher priority's request
         self.prefill_cap: int | None = None  # prompt tokens a step carrying decodes may take (None: the budget)
         # Prefix-cache lookups of sequences scheduled for the first time: tokens looked up, tokens found.
         self.prefix_query_tokens = 0
@@ -79,6 +89,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._share_places()
         budget = self.config.max_num_batched_tokens
         prompt_budget = budget
         # A sequence with one token to compute decodes; more is a chunk (of its prompt, or of its output again
@@ -114,9 +125,12 @@ class Scheduler:
 
         # Then waiting sequences, unless this step already had to preempt.
         awaiting: list[Sequence] = []  # their connectors' offer is not known yet: they keep their place
+        shared = self._shared_by_several()
+        held = self._held() if shared else Counter()
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[batch_share.next_waiting([_claim(s) for s in self.waiting], held)] if shared \
+                else self.waiting[0]
             limit = min(budget, prompt_budget, _chunk_cap(seq, self.config.enable_chunked_prefill))
             if limit <= 0:
                 break  # the step's prompt tokens are spent: in arrival order, the next step
@@ -125,13 +139,15 @@ class Scheduler:
             if hit is not None and self._asks_connectors(seq):
                 offer = self._external_offer(seq, hit)
                 if offer is None:
-                    awaiting.append(self.waiting.popleft())
+                    self.waiting.remove(seq)
+                    awaiting.append(seq)
                     continue
                 if offer > 0:
                     if not self.block_manager.allocate(seq, offer, hit):
                         break
-                    self.waiting.popleft()
+                    self.waiting.remove(seq)
                     self._start_load(seq, offer)
+                    held[seq.params.tenant] += 1
                     continue
             num_new = seq.num_tokens - (hit.num_tokens if hit else seq.num_computed_tokens)
             if num_new > limit and not self.config.enable_chunked_prefill:
@@ -142,7 +158,8 @@ class Scheduler:
                 num_new = limit
             if not self.block_manager.allocate(seq, num_new, hit):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            held[seq.params.tenant] += 1
             if seq.num_cached_tokens < 0:
                 self._count_prefix_lookup(seq, hit.num_tokens if hit else 0)
             seq.status = SequenceStatus.RUNNING
@@ -152,6 +169,32 @@ class Scheduler:
             prompt_budget -= num_new
         self.waiting.extendleft(reversed(awaiting))
         return out
+
+    def _held(self) -> Counter:
+        """Places in the batch each tenant holds (running or loading)."""
+        return Counter(s.params.tenant for s in (*self.running, *(seq for seq, _ in self.loading.values())))
+
+    def _shared_by_several(self) -> bool:
+        """Whether the batch is shared between tenants and the waiting and running sequences claim places as more
+        than one (tenant, priority)."""
+        if self.config.policy == "fcfs":
+            return False
+        claims = {(s.params.tenant, s.params.priority) for s in (*self.waiting, *self.running)}
+        return len(claims) > 1
+
+    def _share_places(self) -> None:
+        """With the batch full, preempt the running sequences whose places go to waiting ones (`batch_share`)."""
+        free = self.config.max_num_seqs - len(self.running) - len(self.loading)
+        if not self.waiting or free >= len(self.waiting) or not self._shared_by_several():
+            return
+        running = list(self.running)
+        given = batch_share.places_to_give([_claim(s) for s in self.waiting], [_claim(s) for s in running],
+                                           self._held(), max(free, 0))
+        for index in sorted(given, reverse=True):  # the newest first: the oldest given up ends first in line
+            seq = running[index]
+            self.running.remove(seq)
+            self._preempt(seq)
+            self.num_share_preemptions += 1
 
     def load_finished(self, request_id: str, ok: bool) -> int | None:
         """A connector's load for a sequence of this scheduler ended: the tokens it made computed (0 when it
@@ -248,6 +291,10 @@ class Scheduler:
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+
+def _claim(seq: Sequence) -> batch_share.Claim:
+    return batch_share.Claim(seq.params.tenant, seq.params.priority)
 
 
 # A prompt whose logprobs are wanted returns logits for every position it computes: its chunks are capped so that

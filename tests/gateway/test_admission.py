@@ -92,29 +92,60 @@ def test_tokens_per_minute_refuses_with_the_refill_time():
 
 def test_turns_go_to_the_quiet_tenant_ahead_of_a_noisy_backlog():
     async def run():
-        gate, _ = admission(max_dispatched=1)
+        gate, _ = admission(max_dispatched=2)
         order = []
 
         async def request(tenant: str, name: str):
             ticket = gate.enter(Tenant(tenant), 10, 10)
             await gate.wait_turn(ticket)
             order.append(name)
-            await asyncio.sleep(0)
-            ticket.first_token()
-            ticket.finish("ok", (10, 1, 0))
+            return ticket
 
-        head = gate.enter(Tenant("noisy"), 10, 10)
-        await gate.wait_turn(head)  # holds the one turn
+        heads = [gate.enter(Tenant("noisy"), 10, 10) for _ in range(2)]
+        for head in heads:
+            await gate.wait_turn(head)  # hold both turns
         tasks = [asyncio.create_task(request("noisy", f"n{i}")) for i in range(4)]
         await asyncio.sleep(0)
-        tasks.append(asyncio.create_task(request("quiet", "q")))
+        assert gate.queued == 4
+        quiet = asyncio.create_task(request("quiet", "q"))
         await asyncio.sleep(0)
-        assert gate.queued == 5
-        head.first_token()
-        await asyncio.gather(*tasks)
-        return order
+        assert order == ["q"] and gate.dispatched == 3  # its share (2 over 2 tenants): at once, past the bound
+        quiet_ticket = await quiet
+        heads[0].first_token()  # 2 turns out again: none for noisy's backlog, which holds its share
+        await asyncio.sleep(0)
+        assert order == ["q"] and gate.queued == 4
+        heads[1].first_token()  # fewer than 2 out: the next in line goes
+        await asyncio.sleep(0)
+        assert order == ["q", "n0"]
+        quiet_ticket.first_token()
+        await asyncio.sleep(0)
+        assert order == ["q", "n0", "n1"]
+        for task in tasks[2:]:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    assert asyncio.run(run())[:2] == ["n0", "q"]
+    asyncio.run(run())
+
+
+def test_a_tenant_past_its_share_waits_while_the_bound_is_reached():
+    async def run():
+        gate, _ = admission(max_dispatched=4)
+        noisy = [gate.enter(Tenant("noisy"), 1, 1) for _ in range(4)]
+        for ticket in noisy:
+            await gate.wait_turn(ticket)
+        quiet = [gate.enter(Tenant("quiet"), 1, 1) for _ in range(3)]
+        await gate.wait_turn(quiet[0])
+        await gate.wait_turn(quiet[1])  # a share of 4 over 2 tenants
+        third = asyncio.create_task(gate.wait_turn(quiet[2]))
+        await asyncio.sleep(0)
+        assert gate.dispatched == 6 and gate.queued == 1 and not third.done()
+        for ticket in noisy[:3]:  # 3 out, under the bound: the quiet one waiting goes
+            ticket.first_token()
+        await asyncio.sleep(0)
+        assert third.done() and gate.dispatched == 4
+        await third
+
+    asyncio.run(run())
 
 
 def test_a_wait_past_its_deadline_is_429_and_a_cancelled_wait_leaves_the_queue():
@@ -122,12 +153,12 @@ def test_a_wait_past_its_deadline_is_429_and_a_cancelled_wait_leaves_the_queue()
         gate, sample = admission(max_dispatched=1, timeout_s=0.05)
         holder = gate.enter(Tenant("a"), 1, 1)
         await gate.wait_turn(holder)
-        late = gate.enter(Tenant("b"), 1, 1)
+        late = gate.enter(Tenant("a"), 1, 1)  # its tenant holds the one turn
         with pytest.raises(StreamError) as raised:
             await gate.wait_turn(late)
         assert raised.value.code == "queue_full" and gate.queued == 0
-        assert sample("splitserve_tenant_rejected_total", tenant="b", reason="queue_timeout") == 1
-        gone = asyncio.create_task(gate.wait_turn(gate.enter(Tenant("c"), 1, 1)))
+        assert sample("splitserve_tenant_rejected_total", tenant="a", reason="queue_timeout") == 1
+        gone = asyncio.create_task(gate.wait_turn(gate.enter(Tenant("a"), 1, 1)))
         await asyncio.sleep(0.01)
         gone.cancel()
         await asyncio.gather(gone, return_exceptions=True)
@@ -146,7 +177,8 @@ def test_each_tenants_room_in_the_queue_is_bounded():
         await asyncio.sleep(0)
         with pytest.raises(StreamError):  # a tenant's room is full
             await gate.wait_turn(gate.enter(Tenant("a"), 1, 1))
-        other = asyncio.create_task(gate.wait_turn(gate.enter(Tenant("b"), 1, 1)))  # another's is not
+        await gate.wait_turn(gate.enter(Tenant("b"), 1, 1))  # another's share: at once
+        other = asyncio.create_task(gate.wait_turn(gate.enter(Tenant("b"), 1, 1)))  # and its room is its own
         await asyncio.sleep(0)
         assert gate.queued == 2
         for task in (waiting, other):

@@ -5,10 +5,12 @@ import json
 import httpx
 
 
-def stream(base_url: str, body: dict, on_chunk=lambda chunks: None, timeout_s: float = 120) -> list[dict]:
+def stream(base_url: str, body: dict, on_chunk=lambda chunks: None, timeout_s: float = 120,
+           api_key: str | None = None) -> list[dict]:
     """Every SSE data object of a streamed completion, `on_chunk` called with them as each arrives."""
     events = []
-    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True},
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}, headers=headers,
                       timeout=timeout_s) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():

@@ -1,0 +1,123 @@
+"""The batch's places between tenants as pure functions (`shared.engine.batch_share`), then in the scheduler: a
+tenant holding the batch gives a place to another's waiting request, by fewest places held and by priority."""
+
+import pytest
+
+from shared.engine.batch_share import Claim, next_waiting, places_to_give, victim
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.sequence import SequenceStatus
+from test_scheduler import apply, make_scheduler, make_seq
+
+Q, N, LOW, HIGH = Claim("quiet"), Claim("noisy"), Claim("batch", -1), Claim("urgent", 1)
+
+
+@pytest.mark.parametrize("waiting, held, expected", [
+    ([N, N, Q], {"noisy": 5}, 2),  # the tenant holding fewer places first
+    ([N, Q, N], {"noisy": 0, "quiet": 3}, 0),
+    ([N, Q], {}, 0),  # equal: arrival order
+    ([Q, N, HIGH], {"urgent": 9}, 2),  # priority before places held
+    ([LOW, N], {}, 1),
+    ([N, N, N], {"noisy": 4}, 0),  # one tenant: first come first served
+])
+def test_next_waiting(waiting, held, expected):
+    assert next_waiting(waiting, held) == expected
+
+
+@pytest.mark.parametrize("claimant, running, held, expected", [
+    (Q, [N, N, N], {"noisy": 3}, 2),  # the newest of the tenant holding the most
+    (Q, [N, N, Q], {"noisy": 2, "quiet": 1}, None),  # two against one: a swap would only turn it round
+    (Q, [N, N, N, Q], {"noisy": 3, "quiet": 1}, 2),
+    (N, [N, N], {"noisy": 2}, None),  # its own tenant's places are not taken
+    (Q, [Q, Q], {"quiet": 2}, None),
+    (Q, [LOW, N, LOW, N], {"batch": 2, "noisy": 2}, 2),  # a lower priority gives first, however few it holds
+    (LOW, [N, N, N], {"noisy": 3}, None),  # a lower priority takes from no one
+    (HIGH, [N, Q, N], {"noisy": 2, "quiet": 1}, 2),  # the lowest priority's newest
+    (Q, [Claim("a"), Claim("b"), Claim("b"), Claim("a")], {"a": 2, "b": 2}, 3),  # ties: by name, newest
+    (Q, [], {}, None),
+])
+def test_victim(claimant, running, held, expected):
+    assert victim(claimant, running, held) == expected
+
+
+def test_places_to_give_share_a_full_batch_until_the_counts_are_within_one():
+    running = [N] * 6
+    waiting = [N, Q, Q, Q, Q, Q]
+    given = places_to_give(waiting, running, {"noisy": 6}, 0)
+    assert given == [5, 4, 3]  # 3 and 3 then: the next quiet one waits, as does the waiting noisy one
+    assert places_to_give(waiting, running, {"noisy": 6}, 2) == [5, 4]  # two free places first: 4 and 4
+    assert places_to_give([N, N], running, {"noisy": 6}, 0) == []
+
+
+def seq_of(rid: str, tenant: str, num_tokens: int = 4, priority: int = 0, arrival: int = 0):
+    seq = make_seq(num_tokens, rid, arrival, base=100 * arrival)
+    seq.params = SamplingParams(tenant=tenant, priority=priority)
+    return seq
+
+
+def run_until_all_sampled(sched, bm, seqs):
+    for seq in seqs:
+        sched.add(seq)
+    out = sched.schedule()
+    apply(out, bm)
+    return out
+
+
+def test_a_full_batch_of_one_tenant_gives_a_place_to_another_tenants_request_at_once():
+    sched, bm = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=3)
+    noisy = [seq_of(f"n{i}", "noisy", arrival=i) for i in range(5)]
+    run_until_all_sampled(sched, bm, noisy)
+    assert [s.request_id for s in sched.running] == ["n0", "n1", "n2"]
+    quiet = seq_of("q", "quiet", arrival=9)
+    sched.add(quiet)
+    out = sched.schedule()
+    assert quiet.status is SequenceStatus.RUNNING and quiet in [s.seq for s in out.scheduled]
+    # the newest running noisy request gave its place; it waits first in line among its tenant's
+    assert noisy[2].status is SequenceStatus.WAITING and noisy[2].num_computed_tokens == 0
+    assert [s.request_id for s in sched.waiting] == ["n2", "n3", "n4"]
+    assert sched.num_preemptions == 1 and not out.preempted  # a shortage of blocks is not what preempted it
+    apply(out, bm)
+    # one place more for the quiet tenant (2 against 1) would turn it round: a second quiet request waits
+    sched.add(seq_of("q2", "quiet", arrival=10))
+    out = sched.schedule()
+    assert [s.request_id for s in sched.running] == ["n0", "n1", "q"] and sched.num_preemptions == 1
+
+
+def test_one_tenant_and_one_priority_stay_first_come_first_served_without_preemption():
+    sched, bm = make_scheduler(max_num_seqs=2)
+    seqs = [seq_of(f"a{i}", "a", arrival=i) for i in range(4)]
+    run_until_all_sampled(sched, bm, seqs)
+    sched.add(seq_of("a9", "a", arrival=9))
+    sched.schedule()
+    assert [s.request_id for s in sched.running] == ["a0", "a1"] and sched.num_preemptions == 0
+    assert [s.request_id for s in sched.waiting] == ["a2", "a3", "a9"]
+
+
+def test_a_freed_place_goes_to_the_tenant_holding_fewer_and_priority_goes_first():
+    sched, bm = make_scheduler(max_num_seqs=2)
+    first = [seq_of("n0", "noisy", arrival=0), seq_of("q0", "quiet", arrival=1)]
+    run_until_all_sampled(sched, bm, first)
+    for seq in (seq_of("n1", "noisy", arrival=2), seq_of("n2", "noisy", arrival=3),
+                seq_of("q1", "quiet", arrival=4)):
+        sched.add(seq)
+    sched.schedule()
+    assert sched.num_preemptions == 0  # one place each: nothing to take
+    sched.finish(first[0])  # quiet holds 1, noisy 0: noisy's next goes
+    sched.schedule()
+    assert {s.request_id for s in sched.running} == {"q0", "n1"}
+    sched.finish(first[1])  # quiet 0, noisy 1: quiet's next, ahead of the earlier noisy one
+    sched.schedule()
+    assert {s.request_id for s in sched.running} == {"n1", "q1"}
+    urgent = seq_of("u", "urgent", priority=1, arrival=5)
+    sched.add(urgent)
+    sched.schedule()  # a higher priority takes the newest place of the lowest
+    assert {s.request_id for s in sched.running} == {"n1", "u"} and sched.num_preemptions == 1
+
+
+def test_first_come_first_served_takes_no_place_from_anyone():
+    sched, bm = make_scheduler(max_num_seqs=2)
+    sched.config.policy = "fcfs"
+    run_until_all_sampled(sched, bm, [seq_of(f"n{i}", "noisy", arrival=i) for i in range(3)])
+    sched.add(seq_of("u", "urgent", priority=1, arrival=9))
+    sched.schedule()
+    assert [s.request_id for s in sched.running] == ["n0", "n1"] and sched.num_preemptions == 0
+    assert [s.request_id for s in sched.waiting] == ["n2", "u"]
