@@ -89,7 +89,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._share_places()
+        given_up = self._share_places()
         budget = self.config.max_num_batched_tokens
         prompt_budget = budget
         # A sequence with one token to compute decodes; more is a chunk (of its prompt, or of its output again
@@ -129,8 +129,13 @@ class Scheduler:
         held = self._held() if shared else Counter()
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
-            seq = self.waiting[batch_share.next_waiting([_claim(s) for s in self.waiting], held)] if shared \
-                else self.waiting[0]
+            if shared:  # (a place given up this step is not taken back by its sequence in this step)
+                candidates = [s for s in self.waiting if s not in given_up]
+                if not candidates:
+                    break
+                seq = candidates[batch_share.next_waiting([_claim(s) for s in candidates], held)]
+            else:
+                seq = self.waiting[0]
             limit = min(budget, prompt_budget, _chunk_cap(seq, self.config.enable_chunked_prefill))
             if limit <= 0:
                 break  # the step's prompt tokens are spent: in arrival order, the next step
@@ -182,19 +187,21 @@ class Scheduler:
         claims = {(s.params.tenant, s.params.priority) for s in (*self.waiting, *self.running)}
         return len(claims) > 1
 
-    def _share_places(self) -> None:
-        """With the batch full, preempt the running sequences whose places go to waiting ones (`batch_share`)."""
+    def _share_places(self) -> list[Sequence]:
+        """With the batch full, preempt the running sequences whose places go to waiting ones (`batch_share`);
+        returns them."""
         free = self.config.max_num_seqs - len(self.running) - len(self.loading)
         if not self.waiting or free >= len(self.waiting) or not self._shared_by_several():
-            return
+            return []
         running = list(self.running)
         given = batch_share.places_to_give([_claim(s) for s in self.waiting], [_claim(s) for s in running],
                                            self._held(), max(free, 0))
-        for index in sorted(given, reverse=True):  # the newest first: the oldest given up ends first in line
-            seq = running[index]
+        given_up = [running[index] for index in sorted(given, reverse=True)]
+        for seq in given_up:  # the newest first: the oldest given up ends first in line
             self.running.remove(seq)
             self._preempt(seq)
             self.num_share_preemptions += 1
+        return given_up
 
     def load_finished(self, request_id: str, ok: bool) -> int | None:
         """A connector's load for a sequence of this scheduler ended: the tokens it made computed (0 when it

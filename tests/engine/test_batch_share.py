@@ -121,3 +121,30 @@ def test_first_come_first_served_takes_no_place_from_anyone():
     sched.schedule()
     assert [s.request_id for s in sched.running] == ["n0", "n1"] and sched.num_preemptions == 0
     assert [s.request_id for s in sched.waiting] == ["n2", "u"]
+
+
+def test_a_place_given_up_is_not_taken_back_in_the_same_step_while_its_taker_awaits_an_offer():
+    from shared.engine.block_manager import BlockManager
+    from shared.engine.kv_connector import KVConnector, KVConnectors
+    from shared.engine.scheduler import Scheduler, SchedulerConfig
+    from test_scheduler import FP
+
+    class NotYet(KVConnector):  # the kv-store's answer for "q" has not come back yet
+        answered = False
+
+        def external_prefix(self, request_id, token_ids, num_local_tokens):
+            return 0 if request_id != "q" or self.answered else None
+
+    connectors, pending = KVConnectors(), NotYet()
+    connectors.connect(pending)
+    bm = BlockManager(64, 4, FP, True)
+    sched = Scheduler(SchedulerConfig(2, 2048), bm, connectors)
+    run_until_all_sampled(sched, bm, [seq_of(f"n{i}", "noisy", arrival=i) for i in range(2)])
+    sched.add(seq_of("q", "quiet", arrival=5))
+    out = sched.schedule()
+    assert [s.request_id for s in sched.running] == ["n0"]  # n1 gave its place up and does not take it back
+    assert [s.request_id for s in sched.waiting] == ["q", "n1"] and "n1" not in [s.seq.request_id for s in out.scheduled]
+    apply(out, bm)
+    pending.answered = True
+    sched.schedule()  # the place still free: q takes it, with nothing more preempted
+    assert [s.request_id for s in sched.running] == ["n0", "q"] and sched.num_preemptions == 1
