@@ -15,7 +15,7 @@ from shared.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 WIRE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens",
                "spaces_between_special_tokens", "include_stop_str_in_output", "min_tokens", "logit_bias",
-               "structured_kind", "structured_spec", "prompt_logprobs", "cache_salt")
+               "structured_kind", "structured_spec", "prompt_logprobs", "cache_salt", "tenant", "priority")
 
 
 @pytest.mark.parametrize("fields, param, says", [
@@ -39,6 +39,9 @@ WIRE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence
     ({"structured_kind": "xml"}, "structured_outputs", "unknown structured output kind"),
     ({"structured_spec": "a+"}, "structured_outputs", "needs its kind"),
     ({"cache_salt": 7}, "cache_salt", "string"),
+    ({"tenant": "t" * 129}, "tenant", "at most 128"),
+    ({"priority": 2**31}, "priority", "integer in"),
+    ({"priority": 1.5}, "priority", "integer in"),
     ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias", "at most"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias", "token ids"),
     ({"logit_bias": {3: 101.0}}, "logit_bias", "[-100, 100]"),
@@ -66,7 +69,7 @@ def test_the_type_crosses_the_codec_as_it_is():
                             frequency_penalty=-0.5, repetition_penalty=1.2, seed=2**62, stop=["\n\n", "END"],
                             stop_token_ids=[3, 9], ignore_eos=True, logprobs=4, skip_special_tokens=False,
                             min_tokens=2, logit_bias={7: -3.5}, structured_kind="regex", structured_spec="a+",
-                            prompt_logprobs=1, cache_salt="tenant")
+                            prompt_logprobs=1, cache_salt="tenant", tenant="acme", priority=-3)
     request = GenerateRequest(request_id="r", model="m", prompt_token_ids=[1, 2], sampling=params,
                               reply_subject="a.b", deadline_ms=1, created_ms=1)
     decoded = GenerateRequest.decode(request.encode()).sampling

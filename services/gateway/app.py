@@ -44,7 +44,7 @@ from services.gateway.settings import GatewayServiceSettings
 from services.gateway.streams import StreamError
 from services.gateway.structured_request import check_constraint
 from services.gateway.tool_calls import ToolCallOutput
-from shared.engine import InvalidRequestError
+from shared.engine import InvalidRequestError, SamplingParams
 from shared.telemetry.logging import get_logger
 from shared.telemetry.tracing import shutdown_tracing
 from shared.version import VERSION
@@ -237,11 +237,14 @@ def _note_ignored(fields: list[str]) -> None:
             log.debug("request field accepted and ignored", field=name)
 
 
-def request_cache_salt(gateway: Gateway, request: Request, req) -> str:
-    """Its tenant's salt, mixed with the one it asked for; one tenant without keys or when the operator shares
-    prefixes across tenants."""
+def stamp_tenant(gateway: Gateway, request: Request, req, sampling: SamplingParams) -> None:
+    """The request's tenant on its parameters: the workers share their batches between tenants by its name and
+    priority, and its prefixes are reused only under its cache salt: its tenant's, mixed with the one it asked for
+    (one salt for all without keys, or when the operator shares prefixes across tenants)."""
+    tenant = request_tenant(request)
     shared = gateway.settings.share_prefix_cache or not gateway.tenants.guarded
-    return cache_salt(None if shared else request_tenant(request).name, req.cache_salt)
+    sampling.cache_salt = cache_salt(None if shared else tenant.name, req.cache_salt)
+    sampling.tenant, sampling.priority = tenant.name, tenant.priority
 
 
 def request_tenant(request: Request) -> Tenant:
@@ -262,9 +265,7 @@ async def generate(gateway: Gateway, backend: ModelBackend, request: Request, re
     check_vocabulary_fields(req, backend.model.vocab_size)
     _note_ignored(req.ignored_fields)
     sampling = to_sampling_params(req)  # this request's own: filled in here, then validated
-    sampling.cache_salt = request_cache_salt(gateway, request, req)
-    tenant = request_tenant(request)  # the workers share their batches between tenants by these
-    sampling.tenant, sampling.priority = tenant.name, tenant.priority
+    stamp_tenant(gateway, request, req, sampling)
     requested = sampling.max_tokens
     if requested is None and not chat:
         requested = COMPLETIONS_DEFAULT_MAX_TOKENS

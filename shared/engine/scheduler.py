@@ -126,16 +126,11 @@ class Scheduler:
         # Then waiting sequences, unless this step already had to preempt.
         awaiting: list[Sequence] = []  # their connectors' offer is not known yet: they keep their place
         shared = self._shared_by_several()
-        held = self._held() if shared else Counter()
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
-            if shared:  # (a place given up this step is not taken back by its sequence in this step)
-                candidates = [s for s in self.waiting if s not in given_up]
-                if not candidates:
-                    break
-                seq = candidates[batch_share.next_waiting([_claim(s) for s in candidates], held)]
-            else:
-                seq = self.waiting[0]
+            seq = self._next_waiting(given_up) if shared else self.waiting[0]
+            if seq is None:
+                break
             limit = min(budget, prompt_budget, _chunk_cap(seq, self.config.enable_chunked_prefill))
             if limit <= 0:
                 break  # the step's prompt tokens are spent: in arrival order, the next step
@@ -152,7 +147,6 @@ class Scheduler:
                         break
                     self.waiting.remove(seq)
                     self._start_load(seq, offer)
-                    held[seq.params.tenant] += 1
                     continue
             num_new = seq.num_tokens - (hit.num_tokens if hit else seq.num_computed_tokens)
             if num_new > limit and not self.config.enable_chunked_prefill:
@@ -164,7 +158,6 @@ class Scheduler:
             if not self.block_manager.allocate(seq, num_new, hit):
                 break
             self.waiting.remove(seq)
-            held[seq.params.tenant] += 1
             if seq.num_cached_tokens < 0:
                 self._count_prefix_lookup(seq, hit.num_tokens if hit else 0)
             seq.status = SequenceStatus.RUNNING
@@ -174,6 +167,14 @@ class Scheduler:
             prompt_budget -= num_new
         self.waiting.extendleft(reversed(awaiting))
         return out
+
+    def _next_waiting(self, given_up: list[Sequence]) -> Sequence | None:
+        """The waiting sequence to admit next between tenants (`batch_share`); one that gave its place up this
+        step does not take it back in this step."""
+        candidates = [s for s in self.waiting if s not in given_up]
+        if not candidates:
+            return None
+        return candidates[batch_share.next_waiting([_claim(s) for s in candidates], self._held())]
 
     def _held(self) -> Counter:
         """Places in the batch each tenant holds (running or loading)."""
