@@ -71,7 +71,7 @@ class _Turns:
         """Whether a request of `tenant` may be given a turn now (its own earlier ones aside)."""
         if self.dispatched < max_dispatched:
             return True
-        sending = {t for t, n in self.by_tenant.items() if n} | self.queue.tenants() | {tenant}
+        sending = set(self.by_tenant) | self.queue.tenants() | {tenant}  # (a tenant with none out is not kept)
         return self.by_tenant[tenant] < math.ceil(max_dispatched / len(sending))
 
 
