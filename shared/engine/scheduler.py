@@ -89,7 +89,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        given_up = self._share_places()
+        shared = self._shared_by_several()
+        given_up = self._share_places() if shared else []
         budget = self.config.max_num_batched_tokens
         prompt_budget = budget
         # A sequence with one token to compute decodes; more is a chunk (of its prompt, or of its output again
@@ -125,7 +126,6 @@ class Scheduler:
 
         # Then waiting sequences, unless this step already had to preempt.
         awaiting: list[Sequence] = []  # their connectors' offer is not known yet: they keep their place
-        shared = self._shared_by_several()
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             seq = self._next_waiting(given_up) if shared else self.waiting[0]
@@ -189,10 +189,10 @@ class Scheduler:
         return len(claims) > 1
 
     def _share_places(self) -> list[Sequence]:
-        """With the batch full, preempt the running sequences whose places go to waiting ones (`batch_share`);
-        returns them."""
+        """With the batch full and shared by several, preempt the running sequences whose places go to waiting ones
+        (`batch_share`); returns them."""
         free = self.config.max_num_seqs - len(self.running) - len(self.loading)
-        if not self.waiting or free >= len(self.waiting) or not self._shared_by_several():
+        if not self.waiting or free >= len(self.waiting):
             return []
         running = list(self.running)
         given = batch_share.places_to_give([_claim(s) for s in self.waiting], [_claim(s) for s in running],
