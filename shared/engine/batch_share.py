@@ -8,7 +8,10 @@ keep their order. When the batch has no free place (`max_num_seqs`), a waiting c
 request (which is preempted and recomputed later, as on a shortage of blocks): the newest of the lowest priority
 below the claimant's; else, at its priority, the newest of the tenant holding the most places, if that tenant
 holds at least two more than the claimant's (after the swap it holds no fewer: places never go back and forth).
-With one tenant and one priority, this is first come first served and nothing is preempted.
+When blocks run out (`shortage_victim`), the request preempted is the newest of the lowest priority and, at it,
+of the tenant holding the most places: one tenant's long generations do not push another's out.
+With one tenant and one priority, this is first come first served and nothing is preempted for a place; on a
+shortage the newest running request is preempted.
 """
 
 from collections.abc import Mapping, Sequence
@@ -40,6 +43,14 @@ def victim(claimant: Claim, running: Sequence[Claim], held: Mapping[str, int]) -
     if held.get(richest, 0) < held.get(claimant.tenant, 0) + 2:
         return None
     return max(i for i, c in enumerate(running) if c.tenant == richest and c.priority == claimant.priority)
+
+
+def shortage_victim(running: Sequence[Claim], held: Mapping[str, int]) -> int:
+    """Index into `running` (oldest first, not empty) of the request preempted when the KV blocks run out."""
+    lowest = min(c.priority for c in running)
+    at_lowest = [i for i, c in enumerate(running) if c.priority == lowest]
+    most = max(held.get(running[i].tenant, 0) for i in at_lowest)
+    return max(i for i in at_lowest if held.get(running[i].tenant, 0) == most)
 
 
 def places_to_give(waiting: Sequence[Claim], running: Sequence[Claim], held: Mapping[str, int],

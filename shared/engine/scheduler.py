@@ -8,7 +8,8 @@ ones in arrival order. With `prefill_cap` set (the engine's pacer, see
 `prefill_pacer`), a step that carries decodes takes at most that many prompt
 tokens, so a long chunk never stalls the tokens of running requests. When blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it is recomputed later (its
-full blocks usually survive in the prefix cache, so recompute is cheap).
+full blocks usually survive in the prefix cache, so recompute is cheap); between tenants, the newest of the lowest
+priority and of the tenant holding the most places.
 
 A waiting sequence admitted for the first time may have more of its prefix
 outside (the kv-store): the engine's connectors are asked, and if they offer
@@ -99,30 +100,7 @@ class Scheduler:
                 s.num_uncomputed_tokens == 1 for s in self.running):
             prompt_budget = self.prefill_cap
 
-        # Running sequences first, oldest first; preempt from the newest end.
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            in_prompt = seq.num_uncomputed_tokens > 1
-            num_new = min(seq.num_uncomputed_tokens, budget, prompt_budget if in_prompt else budget,
-                          _chunk_cap(seq, self.config.enable_chunked_prefill))
-            if num_new == 0:  # a chunk with the step's prompt tokens spent: next step
-                index += 1
-                continue
-            while not self.block_manager.allocate(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out.scheduled.append(ScheduledSequence(seq, num_new))
-                budget -= num_new
-                if in_prompt:
-                    prompt_budget -= num_new
-                index += 1
-                continue
-            break  # `seq` itself was preempted: nothing newer is left
+        budget, prompt_budget = self._schedule_running(out, shared, budget, prompt_budget)
 
         # Then waiting sequences, unless this step already had to preempt.
         awaiting: list[Sequence] = []  # their connectors' offer is not known yet: they keep their place
@@ -167,6 +145,49 @@ class Scheduler:
             prompt_budget -= num_new
         self.waiting.extendleft(reversed(awaiting))
         return out
+
+    def _schedule_running(self, out: SchedulerOutput, shared: bool, budget: int,
+                          prompt_budget: int) -> tuple[int, int]:
+        """Running sequences first, oldest first; when blocks run out, the victim is the newest (between tenants,
+        `batch_share.shortage_victim`'s), unscheduled if it already had its tokens. Returns the budgets left."""
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            in_prompt = seq.num_uncomputed_tokens > 1
+            num_new = min(seq.num_uncomputed_tokens, budget, prompt_budget if in_prompt else budget,
+                          _chunk_cap(seq, self.config.enable_chunked_prefill))
+            if num_new == 0:  # a chunk with the step's prompt tokens spent: next step
+                index += 1
+                continue
+            while not self.block_manager.allocate(seq, num_new):
+                victim_index = self._shortage_victim(shared)
+                victim = self.running.pop(victim_index)
+                if victim_index < index:  # scheduled already: its tokens go back to the step
+                    index -= 1
+                    taken = next(s for s in out.scheduled if s.seq is victim)
+                    out.scheduled.remove(taken)
+                    budget += taken.num_new_tokens
+                    if victim.num_uncomputed_tokens > 1:
+                        prompt_budget += taken.num_new_tokens
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+                if in_prompt:
+                    prompt_budget -= num_new
+                index += 1
+                continue
+            if not shared:
+                break  # `seq` itself was preempted, the newest: nothing newer is left
+        return budget, prompt_budget
+
+    def _shortage_victim(self, shared: bool) -> int:
+        if not shared:
+            return len(self.running) - 1
+        return batch_share.shortage_victim([_claim(s) for s in self.running], self._held())
 
     def _next_waiting(self, given_up: list[Sequence]) -> Sequence | None:
         """The waiting sequence to admit next between tenants (`batch_share`); one that gave its place up this

@@ -3,10 +3,10 @@ tenant holding the batch gives a place to another's waiting request, by fewest p
 
 import pytest
 
-from shared.engine.batch_share import Claim, next_waiting, places_to_give, victim
+from shared.engine.batch_share import Claim, next_waiting, places_to_give, shortage_victim, victim
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import SequenceStatus
-from test_scheduler import apply, make_scheduler, make_seq
+from test_scheduler import apply, make_scheduler, make_seq, plan
 
 Q, N, LOW, HIGH = Claim("quiet"), Claim("noisy"), Claim("batch", -1), Claim("urgent", 1)
 
@@ -37,6 +37,18 @@ def test_next_waiting(waiting, held, expected):
 ])
 def test_victim(claimant, running, held, expected):
     assert victim(claimant, running, held) == expected
+
+
+@pytest.mark.parametrize("running, held, expected", [
+    ([N, N, N], {"noisy": 3}, 2),  # one tenant: the newest, as first come first served
+    ([N, N, Q], {"noisy": 2, "quiet": 1}, 1),  # the newest of the tenant holding the most
+    ([N, Q], {"noisy": 1, "quiet": 1}, 1),  # equal: the newest
+    ([HIGH, N, N, LOW, Q], {"urgent": 1, "noisy": 2, "batch": 1, "quiet": 1}, 3),  # the lowest priority first
+    ([LOW, N, LOW], {"batch": 2, "noisy": 1}, 2),
+    ([HIGH, N, N, Q], {"urgent": 1, "noisy": 2, "quiet": 1}, 2),  # never the higher priority while others run
+])
+def test_shortage_victim(running, held, expected):
+    assert shortage_victim(running, held) == expected
 
 
 def test_places_to_give_share_a_full_batch_until_the_counts_are_within_one():
@@ -148,3 +160,31 @@ def test_a_place_given_up_is_not_taken_back_in_the_same_step_while_its_taker_awa
     pending.answered = True
     sched.schedule()  # the place still free: q takes it, with nothing more preempted
     assert [s.request_id for s in sched.running] == ["n0", "q"] and sched.num_preemptions == 1
+
+
+def blocks_short_for(tokens_by_request: list[tuple[str, str, int]], num_blocks: int):
+    """A scheduler with `num_blocks` blocks of 4 tokens whose requests (id, tenant, prompt tokens) ran one step."""
+    sched, bm = make_scheduler(num_blocks=num_blocks, block_size=4, prefix_caching=False)
+    seqs = [seq_of(rid, tenant, num_tokens, arrival=i) for i, (rid, tenant, num_tokens) in enumerate(tokens_by_request)]
+    run_until_all_sampled(sched, bm, seqs)
+    return sched, bm
+
+
+def test_a_block_shortage_preempts_the_tenant_holding_the_most_not_the_newest_request():
+    # each holds one block and now needs a second; one is free
+    sched, _ = blocks_short_for([("n0", "noisy", 4), ("n1", "noisy", 4), ("q", "quiet", 4)], num_blocks=4)
+    out = sched.schedule()
+    assert [s.request_id for s in out.preempted] == ["n1"]  # first come first served would have preempted q
+    assert plan(out) == [("n0", 1), ("q", 1)]
+    assert [s.request_id for s in sched.running] == ["n0", "q"] and [s.request_id for s in sched.waiting] == ["n1"]
+
+
+def test_a_block_shortage_unschedules_an_older_request_of_the_tenant_holding_the_most():
+    # n0 and n1 still fit their first block; q, the newest, needs a second and none is free
+    sched, bm = blocks_short_for([("n0", "noisy", 3), ("n1", "noisy", 3), ("q", "quiet", 4)], num_blocks=3)
+    n1_block = sched.running[1].block_table[0]
+    out = sched.schedule()
+    assert [s.request_id for s in out.preempted] == ["n1"] and plan(out) == [("n0", 1), ("q", 1)]
+    assert n1_block in sched.running[1].block_table and bm.num_free_blocks == 0
+    apply(out, bm)
+    assert [s.num_computed_tokens for s in sched.running] == [4, 5]
