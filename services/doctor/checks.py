@@ -104,15 +104,12 @@ def nats_server(url: str | None, timeout_s: float = 5.0, creds_file: str | None 
                       f"no --nats URL: `splitserve up` starts its own nats-server ({found or 'which is not found'})")]
 
     async def probe() -> Check:
-        import nats
-
-        from shared.bus.connection import server_urls
+        from shared.bus.connection import connect_once
         from shared.bus.credentials import credentials_from
 
         try:
-            auth = credentials_from(creds_file).connect_options()
-            nc = await asyncio.wait_for(nats.connect(server_urls(url), connect_timeout=timeout_s, max_reconnect_attempts=0,
-                                                     allow_reconnect=False, error_cb=_quiet, **auth), timeout_s)
+            nc = await connect_once(url, "splitserve-doctor", timeout_s=timeout_s,
+                                    credentials=credentials_from(creds_file))
         except Exception as exc:
             return Check("nats", FAIL, f"cannot connect to {url}: {exc!r}")
         try:
@@ -125,10 +122,6 @@ def nats_server(url: str | None, timeout_s: float = 5.0, creds_file: str | None 
             await nc.close()
 
     return [asyncio.run(probe())]
-
-
-async def _quiet(exc) -> None:
-    pass  # the check reports the failure itself
 
 
 def _nats_binary() -> str | None:

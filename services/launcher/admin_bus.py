@@ -17,15 +17,12 @@ REGISTRY_READ_TIMEOUT_S = 5.0
 
 @asynccontextmanager
 async def admin_connection(nats_url: str, namespace: str, admin, tls_ca: str | None, name: str):
-    import nats
-
-    from shared.bus.connection import server_urls
+    from shared.bus.connection import connect_once
     from shared.bus.tls import client_tls_context
 
-    nc = await nats.connect(servers=server_urls(nats_url), name=name, connect_timeout=CONNECT_TIMEOUT_S,
-                            allow_reconnect=False, inbox_prefix=inbox_prefix(namespace, ADMIN, ADMIN),
-                            tls=client_tls_context(tls_ca, None, None, environ={}),
-                            **(admin.connect_options() if admin is not None else {}))
+    nc = await connect_once(nats_url, name, timeout_s=CONNECT_TIMEOUT_S, credentials=admin,
+                            inbox_prefix=inbox_prefix(namespace, ADMIN, ADMIN),
+                            tls=client_tls_context(tls_ca, None, None, environ={}))
     try:
         yield nc
     finally:

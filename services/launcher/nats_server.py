@@ -24,7 +24,7 @@ from pathlib import Path
 from services.common.free_port import free_port, port_free
 from services.launcher.log_files import RotatingLog
 from services.launcher.procs import parent_death_signal_preexec, process_start_time, signal_group
-from shared.bus.connection import nats_endpoints, server_urls
+from shared.bus.connection import nats_endpoints
 
 BINARY_NAME = "nats-server"
 BINARY_ENV = "SPLITSERVE_NATS_SERVER"
@@ -381,8 +381,7 @@ def jetstream_answers(url: str, credentials=None, tls_ca: str | os.PathLike | No
     `BusCredentials`, or a seed file's path."""
     import asyncio
 
-    import nats
-
+    from shared.bus.connection import connect_once
     from shared.bus.credentials import BusCredentials, credentials_from
     from shared.bus.tls import client_tls_context
 
@@ -390,11 +389,9 @@ def jetstream_answers(url: str, credentials=None, tls_ca: str | os.PathLike | No
         credentials = credentials_from(str(credentials), environ={})
 
     async def ask() -> bool:
-        options = credentials.connect_options() if credentials is not None else {}
         try:
-            nc = await nats.connect(servers=server_urls(url), connect_timeout=1, max_reconnect_attempts=0,
-                                    allow_reconnect=False, tls=client_tls_context(tls_ca, None, None, environ={}),
-                                    **options)
+            nc = await connect_once(url, "splitserve-probe", timeout_s=1.0, credentials=credentials,
+                                    tls=client_tls_context(tls_ca, None, None, environ={}))
         except Exception:
             return False
         try:
@@ -412,18 +409,16 @@ def admits(url: str, creds_file: str | os.PathLike, tls_ca: str | os.PathLike | 
     """Whether the server at `url` lets the holder of the seed file `creds_file` connect now."""
     import asyncio
 
-    import nats
-
+    from shared.bus.connection import connect_once
     from shared.bus.credentials import credentials_from
     from shared.bus.tls import client_tls_context
 
-    options = credentials_from(str(creds_file), environ={}).connect_options()
+    credentials = credentials_from(str(creds_file), environ={})
 
     async def ask() -> bool:
         try:
-            nc = await nats.connect(servers=server_urls(url), connect_timeout=1, max_reconnect_attempts=0,
-                                    allow_reconnect=False, tls=client_tls_context(tls_ca, None, None, environ={}),
-                                    **options)
+            nc = await connect_once(url, "splitserve-probe", timeout_s=1.0, credentials=credentials,
+                                    tls=client_tls_context(tls_ca, None, None, environ={}))
         except Exception:
             return False
         await nc.close()

@@ -24,15 +24,12 @@ def provision(nats_url: str, namespace: str, credentials: BusCredentials | None,
 
 async def _provision(nats_url: str, namespace: str, credentials: BusCredentials | None, tls_ca: str | None,
                      replicas: int | None) -> None:
-    import nats
-
     from services.common.queues import provision_deployment
-    from shared.bus.connection import server_urls
+    from shared.bus.connection import connect_once
     from shared.bus.tls import client_tls_context
 
-    nc = await nats.connect(servers=server_urls(nats_url), name="splitserve-provision", connect_timeout=5,
-                            allow_reconnect=False, tls=client_tls_context(tls_ca, None, None, environ={}),
-                            **(credentials.connect_options() if credentials is not None else {}))
+    nc = await connect_once(nats_url, "splitserve-provision", credentials=credentials,
+                            tls=client_tls_context(tls_ca, None, None, environ={}))
     try:
         copies: Replicas = replicas_asked(replicas, nc)
         await provision_deployment(nc.jetstream(), Subjects(namespace), copies)

@@ -98,6 +98,28 @@ async def connect(
     return nc
 
 
+async def connect_once(url: str, name: str, *, timeout_s: float = 5.0, credentials: BusCredentials | None = None,
+                       tls: ssl.SSLContext | None = None, inbox_prefix: str | None = None) -> Client:
+    """A short-lived connection for one call (a probe, the operator's provisioning and control calls): no
+    reconnecting; a failure raises to the caller, which reports it (nats-py's own error log, a traceback, stays
+    out: a server reloading its config may reset a connection being made, and the caller asks again)."""
+
+    async def on_error(exc: Exception) -> None:
+        log.debug("nats error", connection=name, error=str(exc) or type(exc).__name__)
+
+    auth = credentials.connect_options() if credentials is not None else {}
+    nc = Client()
+    try:
+        await within(timeout_s, nc.connect(servers=server_urls(url), name=name, connect_timeout=timeout_s,
+                                           allow_reconnect=False, max_reconnect_attempts=0, tls=tls,
+                                           error_cb=on_error, **auth,
+                                           **({"inbox_prefix": inbox_prefix} if inbox_prefix else {})))
+    except BaseException:
+        await _close_quietly(nc)
+        raise
+    return nc
+
+
 async def drain(nc: Client, timeout_s: float = 5.0) -> None:
     """Drain subscriptions and pending publishes, then close; gives up and closes after `timeout_s`."""
     if nc.is_closed:

@@ -1,9 +1,11 @@
 import asyncio
+import logging
 import time
 
+import nats.errors
 import pytest
 
-from shared.bus.connection import BusConnectionError, connect, drain
+from shared.bus.connection import BusConnectionError, connect, connect_once, drain
 from support.processes import free_port
 from support.waiting import eventually
 
@@ -55,3 +57,29 @@ async def test_drain_is_bounded_and_idempotent(nats_url):
     assert time.monotonic() - started < 2.5
     assert nc.is_closed
     await drain(nc)  # already closed: nothing to do
+
+
+async def test_a_one_off_connection_reset_while_connecting_raises_to_its_caller_without_a_logged_traceback(caplog):
+    async def reset_at_once(reader, writer):  # as a server reloading its config may do to a connection being made
+        writer.transport.abort()
+
+    server = await asyncio.start_server(reset_at_once, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with caplog.at_level(logging.DEBUG), pytest.raises((OSError, TimeoutError, nats.errors.Error)):
+            await connect_once(f"nats://127.0.0.1:{port}", "test-once", timeout_s=2.0)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a failure the caller reports is not logged"
+
+
+async def test_a_one_off_connection_serves_its_call_and_does_not_reconnect(private_nats_server):
+    nc = await connect_once(private_nats_server.url, "test-once")
+    try:
+        assert nc.is_connected and not nc.options["allow_reconnect"]
+        await nc.flush(timeout=2)
+        private_nats_server.stop()
+        await eventually(lambda: nc.is_closed, what="closed with its server, not reconnecting")
+    finally:
+        await nc.close()
