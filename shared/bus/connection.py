@@ -105,7 +105,7 @@ async def connect_once(url: str, name: str, *, timeout_s: float = 5.0, credentia
     out: a server reloading its config may reset a connection being made, and the caller asks again)."""
 
     async def on_error(exc: Exception) -> None:
-        log.debug("nats error", connection=name, error=str(exc) or type(exc).__name__)
+        pass  # raised to the caller (a command's output may be JSON: nothing else is written)
 
     auth = credentials.connect_options() if credentials is not None else {}
     nc = Client()
