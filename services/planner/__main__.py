@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     planner = Planner(Slo(settings.ttft_slo_ms, settings.itl_slo_ms), settings.budget, settings.headroom,
                       settings.patience, settings.cooldown_s, metrics, settings.model_name,
-                      shrink_headroom=settings.shrink_headroom)
+                      shrink_headroom=settings.shrink_headroom, shrink_after_s=settings.shrink_after_s)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

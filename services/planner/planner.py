@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from services.planner.metrics import PlannerMetrics
 from services.planner.observe import History, Pools, Scrape, observe, parse
-from services.planner.policy import SHRINK_HEADROOM, Decision, Observation, PlannerState, Policy, Slo, decide
+from services.planner.policy import (SHRINK_AFTER_S, SHRINK_HEADROOM, Decision, Observation, PlannerState, Policy,
+                                     Slo, decide)
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,12 @@ def switch_candidate(view: dict, role: str) -> str | None:
 class Planner:
     def __init__(self, slo: Slo, budget: int, headroom: float, patience: int, cooldown_s: float,
                  metrics: PlannerMetrics | None = None, model_name: str | None = None, *,
-                 shrink_headroom: float = SHRINK_HEADROOM) -> None:
+                 shrink_headroom: float = SHRINK_HEADROOM, shrink_after_s: float = SHRINK_AFTER_S) -> None:
         self.slo = slo
         self.model_name = model_name  # the model whose pools it plans (None: every series counts)
         self.budget = budget
         self.tuning = {"headroom": headroom, "patience": patience, "cooldown_s": cooldown_s,
-                       "shrink_headroom": shrink_headroom}
+                       "shrink_headroom": shrink_headroom, "shrink_after_s": shrink_after_s}
         self.metrics = metrics or PlannerMetrics()
         self.state = PlannerState()
         self.history = History()

@@ -12,6 +12,12 @@ p90 disagree, the measurement wins (a miss adds a worker even if the model says 
 where its figure with fewer workers is predicted within the narrower `shrink_headroom` (hysteresis: a pool left
 near its target by a removal would want the worker back a window later). When the budget cannot hold both, it
 is split to keep the worse of the two ratios (predicted / SLO) smallest.
+
+Changes (`decide`): up fast, down slowly, as Kubernetes' autoscaler stabilises its scale-down. A pool grows after
+`patience` evaluations want it; it shrinks only once it has wanted fewer workers for `shrink_after_s` without a
+break (a shifting load would otherwise remove a worker in one phase and load it again, a model load, in the
+next). A pool that needs a worker while the other has one it does not need takes that one (a switch: no model
+to load where the deployment switches roles) rather than a new one.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ HEADROOM = 0.8
 SHRINK_HEADROOM = 0.5
 PATIENCE = 3
 COOLDOWN_S = 30.0
+SHRINK_AFTER_S = 60.0
 CORRECTION_LIMIT = 4.0  # the measurement moves the model's figures by this factor at most, either way
 
 
@@ -71,13 +78,14 @@ class Policy:
     patience: int = PATIENCE  # consecutive evaluations wanting the same change before it is made
     cooldown_s: float = COOLDOWN_S  # after a change, the next waits this long (its effect needs a window to show)
     shrink_headroom: float = SHRINK_HEADROOM  # a pool shrinks only to what is predicted within this share of the SLO
+    shrink_after_s: float = SHRINK_AFTER_S  # ... and only once it has wanted fewer workers this long without a break
 
     def __post_init__(self) -> None:
         if self.min_prefill < 0 or self.min_decode < 1 or self.budget < self.min_prefill + self.min_decode:
             raise ValueError(f"a budget of {self.budget} cannot hold {self.min_prefill} prefill and "
                              f"{self.min_decode} decode workers")
-        if not 0 < self.headroom <= 1 or self.patience < 1 or self.cooldown_s < 0:
-            raise ValueError("headroom is in (0, 1], patience at least 1, cooldown_s at least 0")
+        if not 0 < self.headroom <= 1 or self.patience < 1 or self.cooldown_s < 0 or self.shrink_after_s < 0:
+            raise ValueError("headroom is in (0, 1], patience at least 1, cooldown_s and shrink_after_s at least 0")
         if not 0 < self.shrink_headroom <= self.headroom:
             raise ValueError("shrink_headroom is in (0, headroom]")
 
@@ -89,6 +97,7 @@ class PlannerState:
     wanted: tuple[int, int] | None = None  # the change (prefill, decode) the streak is for
     streak: int = 0
     last_change_s: float = -math.inf
+    fewer_since: tuple[float | None, float | None] = (None, None)  # since when each pool has wanted fewer workers
 
 
 @dataclass(frozen=True)
@@ -225,20 +234,47 @@ def _action(prefill_delta: int, decode_delta: int) -> str:
     return "remove" if prefill_delta < 0 or decode_delta < 0 else "hold"
 
 
+def _fewer_since(since: tuple[float | None, float | None], now: tuple[int, int], want: tuple[int, int],
+                 at_s: float) -> tuple[float | None, float | None]:
+    """Since when each pool has wanted fewer workers than it has, without a break (None: it does not now)."""
+    prefill, decode = ((since[i] if since[i] is not None else at_s) if want[i] < now[i] else None for i in range(2))
+    return prefill, decode
+
+
+def _target(now: tuple[int, int], want: tuple[int, int], ripe: tuple[bool, bool], policy: Policy) -> tuple[int, int]:
+    """Where this evaluation moves the pools (one worker each at most), before patience and cooldown: a pool
+    that grows takes a worker the other does not want first; a pool shrinks only once its want is `ripe`."""
+    (now_p, now_d), (want_p, want_d) = now, want
+    spare_p, spare_d = want_p < now_p and now_p > policy.min_prefill, want_d < now_d and now_d > policy.min_decode
+    if want_p > now_p and spare_d:
+        return now_p + 1, now_d - 1
+    if want_d > now_d and spare_p:
+        return now_p - 1, now_d + 1
+    target = tuple(_step_towards(now[i], want[i]) if want[i] >= now[i] or ripe[i] else now[i] for i in range(2))
+    if sum(target) > policy.budget:  # one pool grows while the other has not shrunk yet: move a worker across
+        across = (now_p + 1, now_d - 1) if target[0] > now_p else (now_p - 1, now_d + 1)
+        return across if across[0] >= policy.min_prefill and across[1] >= policy.min_decode else now
+    return target  # type: ignore[return-value]
+
+
 def decide(obs: Observation, slo: Slo, policy: Policy, state: PlannerState) -> tuple[Decision, PlannerState]:
     """This evaluation's decision and the state the next one starts from. A change is made after `patience`
-    evaluations in a row wanted it, and not within `cooldown_s` of the last; it moves each pool one worker."""
-    now_p, now_d = obs.prefill.workers, obs.decode.workers
+    evaluations in a row wanted it, and not within `cooldown_s` of the last; it moves each pool one worker; a
+    pool shrinks only after wanting to for `shrink_after_s`."""
+    now = now_p, now_d = obs.prefill.workers, obs.decode.workers
     want_p, want_d, why = desired(obs, slo, policy)
-    target = (_step_towards(now_p, want_p), _step_towards(now_d, want_d))
+    since = _fewer_since(state.fewer_since, now, (want_p, want_d), obs.at_s)
+    state = replace(state, fewer_since=since)
+    ripe = tuple(s is not None and obs.at_s - s >= policy.shrink_after_s for s in since)
+    target = _target(now, (want_p, want_d), ripe, policy)  # type: ignore[arg-type]
     if now_p + now_d > policy.budget:  # over budget (the budget shrank): give back first, decode last
         target = (now_p - 1, now_d) if now_p > policy.min_prefill else (now_p, now_d - 1)
         why = f"over the budget of {policy.budget}"
-    elif sum(target) > policy.budget:  # one pool grows while the other has not shrunk yet: move a worker across
-        across = (now_p + 1, now_d - 1) if target[0] > now_p else (now_p - 1, now_d + 1)
-        target = across if across[0] >= policy.min_prefill and across[1] >= policy.min_decode else (now_p, now_d)
+    elif target == now and any(s is not None for s in since):
+        waited = max(obs.at_s - s for s in since if s is not None)
+        why = "; ".join(filter(None, (why, f"fewer wanted for {waited:.0f} s of {policy.shrink_after_s:g}")))
     hold = Decision(now_p, now_d, "hold", why or "slo met")
-    if target == (now_p, now_d):
+    if target == now:
         return hold, replace(state, wanted=None, streak=0)
     streak = state.streak + 1 if state.wanted == target else 1
     if streak < policy.patience:

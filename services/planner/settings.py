@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from services.common.service_settings import AnyPort, BusSettings, PositiveInt, PositiveSeconds
 from services.common.settings import Settings, default_of, option
-from services.planner.policy import COOLDOWN_S, HEADROOM, PATIENCE, SHRINK_HEADROOM
+from services.planner.policy import COOLDOWN_S, HEADROOM, PATIENCE, SHRINK_AFTER_S, SHRINK_HEADROOM
 
 PositiveMs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -42,6 +42,9 @@ class PlannerSettings(Settings):
     shrink_headroom: Annotated[float, Field(gt=0, le=1)] = option(
         SHRINK_HEADROOM, "a pool shrinks only where its figure with fewer workers is predicted within this share of "
         "its SLO (at most --headroom: a removal must not bring the worker back a window later)", metavar="F")
+    shrink_after_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = option(
+        SHRINK_AFTER_S, "a pool shrinks only once it has wanted fewer workers this long without a break (up fast, "
+        "down slowly: a shifting load does not remove a worker it loads again a phase later)", metavar="S")
     patience: PositiveInt = option(PATIENCE, "evaluations in a row that must want the same "
                                    "change before it is made", metavar="N")
     cooldown_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = option(

@@ -149,8 +149,42 @@ def test_a_full_budget_switches_a_worker_between_roles():
 
 def test_idle_pools_shrink_to_their_minimum():
     obs = observe(prefill(workers=3, tokens_per_s=0), decode(workers=3, running=0))
-    decision, _ = decide(obs, SLO, Policy(budget=6, patience=1, cooldown_s=0), PlannerState())
+    decision, _ = decide(obs, SLO, Policy(budget=6, patience=1, cooldown_s=0, shrink_after_s=0), PlannerState())
     assert (decision.action, decision.prefill, decision.decode) == ("remove", 2, 2)
+
+
+def test_a_pool_shrinks_only_after_wanting_fewer_for_the_whole_window():
+    policy = Policy(budget=6, patience=1, cooldown_s=0, shrink_after_s=60)
+    idle = [observe(prefill(workers=1), decode(workers=3, running=0), at_s=t) for t in (100, 130, 159, 160)]
+    decisions, _ = run(idle, policy)
+    assert [d.action for d in decisions] == ["hold", "hold", "hold", "remove"]
+    assert "fewer wanted for 30 s of 60" in decisions[1].reason
+    assert (decisions[-1].prefill, decisions[-1].decode) == (1, 2)
+
+
+def test_a_busy_evaluation_restarts_the_shrink_window():
+    policy = Policy(budget=6, patience=1, cooldown_s=0, shrink_after_s=60)
+    idle = lambda t: observe(prefill(workers=1), decode(workers=3, running=0), at_s=t)  # noqa: E731
+    busy = observe(prefill(workers=1), decode(workers=3, running=24), at_s=140)  # wants all 3
+    decisions, state = run([idle(100), idle(130), busy, idle(150), idle(200), idle(210)], policy)
+    assert [d.action for d in decisions] == ["hold"] * 5 + ["remove"]  # 60 s from 150, not from 100
+    assert state.fewer_since == (None, None)  # a change restarts every window
+
+
+def test_a_growing_pool_takes_a_worker_the_other_does_not_want_before_a_new_one():
+    # room in the budget for a new prefill worker, but the decode pool has one it does not need
+    obs = observe(prefill(workers=1, tokens_per_s=3000, capacity=2000, prompt=512), decode(workers=3, running=0))
+    decision, _ = decide(obs, SLO, Policy(budget=8, patience=1, cooldown_s=0), PlannerState())
+    assert (decision.action, decision.prefill, decision.decode) == ("switch", 2, 2)
+    at_minimum = observe(prefill(workers=1, tokens_per_s=3000, capacity=2000, prompt=512),
+                         decode(workers=1, running=0))
+    decision, _ = decide(at_minimum, SLO, Policy(budget=8, patience=1, cooldown_s=0), PlannerState())
+    assert (decision.action, decision.prefill, decision.decode) == ("add", 2, 1)
+
+
+def test_a_shrink_window_below_zero_is_refused():
+    with pytest.raises(ValueError, match="shrink_after_s"):
+        Policy(budget=4, shrink_after_s=-1)
 
 
 def test_over_the_budget_gives_back_prefill_first():
