@@ -162,13 +162,14 @@ class Scheduler:
             while not self.block_manager.allocate(seq, num_new):
                 victim_index = self._shortage_victim(shared)
                 victim = self.running.pop(victim_index)
-                if victim_index < index:  # scheduled already: its tokens go back to the step
+                if victim_index < index:  # passed already: its tokens, if it had any, go back to the step
                     index -= 1
-                    taken = next(s for s in out.scheduled if s.seq is victim)
-                    out.scheduled.remove(taken)
-                    budget += taken.num_new_tokens
-                    if victim.num_uncomputed_tokens > 1:
-                        prompt_budget += taken.num_new_tokens
+                    taken = next((s for s in out.scheduled if s.seq is victim), None)
+                    if taken is not None:
+                        out.scheduled.remove(taken)
+                        budget += taken.num_new_tokens
+                        if victim.num_uncomputed_tokens > 1:
+                            prompt_budget += taken.num_new_tokens
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:

@@ -163,10 +163,14 @@ def test_a_place_given_up_is_not_taken_back_in_the_same_step_while_its_taker_awa
 
 
 def blocks_short_for(tokens_by_request: list[tuple[str, str, int]], num_blocks: int):
-    """A scheduler with `num_blocks` blocks of 4 tokens whose requests (id, tenant, prompt tokens) ran one step."""
+    """A scheduler with `num_blocks` blocks of 4 tokens whose requests (id, tenant, prompt tokens) ran one step,
+    admitted in this order."""
     sched, bm = make_scheduler(num_blocks=num_blocks, block_size=4, prefix_caching=False)
+    sched.config.policy = "fcfs"
     seqs = [seq_of(rid, tenant, num_tokens, arrival=i) for i, (rid, tenant, num_tokens) in enumerate(tokens_by_request)]
     run_until_all_sampled(sched, bm, seqs)
+    assert [s.request_id for s in sched.running] == [rid for rid, _, _ in tokens_by_request]
+    sched.config.policy = "fair"
     return sched, bm
 
 
@@ -188,3 +192,12 @@ def test_a_block_shortage_unschedules_an_older_request_of_the_tenant_holding_the
     assert n1_block in sched.running[1].block_table and bm.num_free_blocks == 0
     apply(out, bm)
     assert [s.num_computed_tokens for s in sched.running] == [4, 5]
+
+
+def test_a_block_shortage_may_preempt_an_older_request_the_step_passed_over():
+    # n1 has tokens to compute again but no prompt tokens are left this step (passed over); q needs a block
+    sched, bm = blocks_short_for([("n0", "noisy", 3), ("n1", "noisy", 3), ("q", "quiet", 4)], num_blocks=3)
+    sched.running[1].token_ids += [7, 8]
+    sched.prefill_cap = 0
+    out = sched.schedule()
+    assert [s.request_id for s in out.preempted] == ["n1"] and plan(out) == [("n0", 1), ("q", 1)]
