@@ -4,7 +4,6 @@ import asyncio
 import inspect
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, contextmanager
 
@@ -23,6 +22,7 @@ from services.gateway.edge import check_text, read_body, unauthorized
 from services.gateway.choices import Choices, submit_all
 from services.gateway.errors import RequestError, from_failure, from_invalid_request, install_error_handlers
 from services.gateway.gateway import Gateway
+from services.gateway.guard import Guard
 from services.gateway.model_backend import BusAccess, ModelBackend
 from services.gateway.model_info import ModelInfo
 from services.gateway.request_telemetry import RequestTelemetry
@@ -82,26 +82,11 @@ def _guard(app: FastAPI, gateway: Gateway) -> None:
     # The API's description (what it takes, which extensions) is the API's too.
     docs = {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url} - {None}
 
-    @app.middleware("http")
-    async def api_key(request: Request, call_next):
-        path = request.url.path
-        guarded = (path.startswith("/v1/") or path in ("/tokenize", "/detokenize") or path in docs
-                   or (path == "/metrics" and settings.protect_metrics))
-        tenant = tenants.tenant_for(request.headers.get("authorization"))
-        if guarded and tenant is None:
-            return unauthorized().response()
-        request.state.tenant = tenant or DEFAULT_TENANT
-        return await call_next(request)
+    def guarded(path: str) -> bool:
+        return (path.startswith("/v1/") or path in ("/tokenize", "/detokenize") or path in docs
+                or (path == "/metrics" and settings.protect_metrics))
 
-    @app.middleware("http")  # added last, so it runs first: every answer, a 401 too, carries x-request-id
-    async def request_id_header(request: Request, call_next):
-        request.state.request_id = uuid.uuid4().hex
-        request.state.trace_id = ""
-        response = await call_next(request)
-        response.headers["x-request-id"] = request.state.request_id
-        if request.state.trace_id:
-            response.headers["x-trace-id"] = request.state.trace_id
-        return response
+    app.add_middleware(Guard, tenants=tenants, guarded=guarded)
 
 
 def _state_routes(app: FastAPI, gateway: Gateway) -> None:
@@ -437,8 +422,7 @@ async def _unless_disconnected(request: Request, coro, discard=None):
 
 async def _client_gone(request: Request) -> None:
     """Returns once the client has closed the connection (its body already read). Waits on the ASGI receive
-    channel: `Request.is_disconnected` polls it under a cancelled scope, which the HTTP middleware's wrapped
-    receive never answers."""
+    channel (`Request.is_disconnected` only polls it, under a cancelled scope)."""
     while (await request.receive())["type"] != "http.disconnect":
         await asyncio.sleep(0.05)  # nothing else is due once the body is read; never spin on it
 

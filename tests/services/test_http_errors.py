@@ -82,6 +82,15 @@ def test_every_response_has_a_request_id(http):
     assert len(ids) == 4
 
 
+def test_a_streamed_answer_carries_one_request_id_its_own(http):
+    with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2,
+                                                      "stream": True}) as response:
+        body = response.read().decode()
+    assert response.status_code == 200
+    ids = response.headers.get_list("x-request-id")
+    assert len(ids) == 1 and f'"id":"cmpl-{ids[0]}"' in body.replace(" ", ""), (ids, body[:200])
+
+
 def test_no_worker_is_503_with_retry_after(nats_server, default_model, tmp_path):
     # A deployment whose only worker serves nothing: the gateway is up, no decode worker exists.
     deployment = start_deployment(nats_server.url, tmp_path, default_model, workers=0, expect="scheduler=1")
