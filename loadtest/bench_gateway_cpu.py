@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import shlex
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append({"events": events, "gateway_cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
                          "gateway_cpu_us_per_event": round(1e6 * cpu / max(events, 1), 1)})
             print(f"   {runs[-1]}", flush=True)
-    per_event = sorted(r["gateway_cpu_us_per_event"] for r in runs)
-    print(f"gateway CPU per streamed event: {per_event[len(per_event) // 2]} us (median of {len(runs)}), "
+    per_event = statistics.median(r["gateway_cpu_us_per_event"] for r in runs)
+    print(f"gateway CPU per streamed event: {per_event:.1f} us (median of {len(runs)}), "
           f"{args.requests} requests x {args.max_tokens} tokens, {args.concurrency} in flight")
     if args.out:
         Path(args.out).write_text(json.dumps({"settings": vars(args), "runs": runs}, indent=2))
