@@ -23,6 +23,7 @@ import httpx
 
 from loadtest.bench_faults import worker_pid
 from services.bench.up_process import serving
+from shared.engine.model_registry import resolve_model
 
 
 def cpu_seconds(pid: int) -> float:
@@ -64,12 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="measured runs on the one deployment")
     parser.add_argument("--out", help="the figures (JSON)")
     args = parser.parse_args(argv)
-    if args.model == "splitserve-default-llama":
-        from shared.engine.default_model import default_model_dir
-        model_dir = str(default_model_dir())
-    else:
-        from shared.engine.model_registry import resolve_model
-        model_dir = str(resolve_model(args.model).model_dir)
+    model_dir = str(resolve_model(args.model).model_dir)
     runs = []
     with tempfile.TemporaryDirectory(prefix="splitserve-gateway-cpu-") as tmp, serving(
             "gateway-cpu", shlex.split(args.up_args), model_dir=model_dir, run_dir=Path(tmp) / "run",
