@@ -52,6 +52,7 @@ from services.launcher.bus_start import external_bus, start_embedded_bus
 from services.launcher.launch_checks import LaunchError, check_port_free, check_settings, probe_health, resolve_model
 from services.launcher.nats_server import EmbeddedNats, EmbeddedNatsCluster, NatsServerError, wait_for_nats
 from services.launcher.procs import describe_exit, process_start_time
+from services.launcher.service_spawner import ServiceSpawner
 from services.launcher.supervisor import (
     RestartPolicy,
     Supervisor,
@@ -363,7 +364,7 @@ class Launcher:
         o = self.options
         assert self.deployment is not None
         self.supervisor = Supervisor(self.log_dir, self.policy, log_max_bytes=o.log_max_bytes,
-                                     log_backups=o.log_backups)
+                                     log_backups=o.log_backups, spawner=ServiceSpawner(enabled=o.fork_services))
         if o.trace_viewer:
             port = o.trace_viewer_port
             self.supervisor.add("trace-viewer", trace_viewer.viewer_command(self._phoenix), role="trace-viewer",

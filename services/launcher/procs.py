@@ -6,6 +6,7 @@ fallback elsewhere.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -89,25 +90,41 @@ def signal_group(pgid: int | None, sig: int) -> bool:
     return True
 
 
-def parent_death_signal_preexec(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the child get `sig` when the launcher dies.
+def set_parent_death_signal(sig: int) -> bool:
+    """Ask for `sig` when this process's parent (the thread that forked it) dies. Linux only (prctl
+    PR_SET_PDEATHSIG); False where it cannot be asked for."""
+    prctl = _prctl()
+    if prctl is None:
+        return False
+    pr_set_pdeathsig = 1
+    return prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) == 0
 
-    So even a launcher killed with SIGKILL leaves no service running. Linux
-    only (prctl PR_SET_PDEATHSIG); None elsewhere. The signal fires when the
-    *thread* that spawned the child exits, so spawn from a long-lived thread.
-    """
+
+@functools.cache
+def _prctl():
+    """libc's prctl, looked up once (a preexec_fn must not load libraries after the fork)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    pr_set_pdeathsig = 1
+
+
+def parent_death_signal_preexec(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get `sig` when the launcher dies.
+
+    So even a launcher killed with SIGKILL leaves no service running. Linux
+    only; None elsewhere. The signal fires when the *thread* that spawned the
+    child exits, so spawn from a long-lived thread.
+    """
+    if _prctl() is None:
+        return None
 
     def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+        set_parent_death_signal(sig)
 
     return preexec
 

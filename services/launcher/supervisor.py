@@ -37,6 +37,7 @@ from services.launcher.procs import (
     process_start_time,
     signal_group,
 )
+from services.launcher.service_spawner import ServiceSpawner, SpawnedService
 
 # ---------------------------------------------------------------------------
 # Policy: pure functions.
@@ -135,7 +136,7 @@ class Child:
     role: str | None = None
     instance_id: str | None = None
     state: ChildState = ChildState.PENDING
-    process: subprocess.Popen | None = field(default=None, repr=False)
+    process: subprocess.Popen | SpawnedService | None = field(default=None, repr=False)
     log: RotatingLog | None = field(default=None, repr=False)
     log_thread: threading.Thread | None = field(default=None, repr=False)
     pid: int | None = None
@@ -178,6 +179,7 @@ class Supervisor:
         parent_death_signal: int | None = signal.SIGTERM,
         log_max_bytes: int = DEFAULT_MAX_BYTES,
         log_backups: int = DEFAULT_BACKUPS,
+        spawner: ServiceSpawner | None = None,
     ) -> None:
         self.log_dir = Path(log_dir)
         self.log_max_bytes = log_max_bytes
@@ -186,6 +188,8 @@ class Supervisor:
         self.policy = policy or RestartPolicy()
         self._clock = clock
         self._preexec = parent_death_signal_preexec(parent_death_signal) if parent_death_signal else None
+        self._death_signal = parent_death_signal
+        self._spawner = spawner
         self._children: dict[str, Child] = {}
         self._stopping = False
 
@@ -256,7 +260,7 @@ class Supervisor:
             env.update(child.env)
         attempt = f"restart {child.restarts}" if child.restarts else "start"
         self._log_note(child, f"{attempt} of {child.name}: {' '.join(child.argv)}")
-        process = subprocess.Popen(
+        process = self._fork(child, env) or subprocess.Popen(
             child.argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -275,6 +279,26 @@ class Supervisor:
         child.started_at = self._clock()
         child.next_start_at = None
         child.killed = False
+
+    def _fork(self, child: Child, env: dict[str, str] | None) -> SpawnedService | None:
+        """A `python -m services.*` child forked off the preloaded spawner (see service_spawner), its output on a
+        pipe as a Popen's; None for a command to start the usual way."""
+        if self._spawner is None:
+            return None
+        read, write = os.pipe()
+        try:
+            process = self._spawner.spawn(child.argv, env=env, cwd=child.cwd, output_fd=write,
+                                          death_signal=self._death_signal)
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        if process is None:
+            os.close(read)
+            return None
+        process.stdout = os.fdopen(read, "rb")
+        return process
 
     def _log_note(self, child: Child, text: str) -> None:
         if child.log is None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.common.free_port import free_port
+from services.launcher.service_spawner import ServiceSpawner
 
 
 def find_nats_server() -> str:
@@ -85,12 +86,18 @@ def service_env(**extra) -> dict:
     return env
 
 
-def start_service(name: str, args: list[str], log_dir: Path, **env) -> subprocess.Popen:
-    """`python -m services.NAME args`, in its own process group, logging to log_dir/NAME-*.log."""
+# Services start as `up` starts them: forked off one process that preloaded torch and transformers.
+SPAWNER = ServiceSpawner()
+
+
+def start_service(name: str, args: list[str], log_dir: Path, **env):
+    """`python -m services.NAME args`, in its own process group, logging to log_dir/NAME-*.log: a
+    `subprocess.Popen`, or the spawner's equivalent."""
     log_path = log_dir / f"{name}-{args[args.index('--instance-id') + 1] if '--instance-id' in args else 'x'}.log"
+    argv = [sys.executable, "-m", f"services.{name}", *args]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", f"services.{name}", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=service_env(**env), cwd=ROOT, start_new_session=True)
+        proc = SPAWNER.spawn(argv, env=service_env(**env), cwd=str(ROOT), output_fd=log.fileno()) or subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=service_env(**env), cwd=ROOT, start_new_session=True)
     proc.log_path = log_path  # what exited_early() quotes
     return proc
 
