@@ -115,6 +115,7 @@ class Launcher:
         self._phoenix: str | None = None  # the trace viewer's command, with --trace-viewer
         self.nats: EmbeddedNatsCluster | None = None
         self.supervisor: Supervisor | None = None
+        self.spawner = ServiceSpawner(enabled=options.fork_services)
         self.deployment: Deployment | None = None
         self._nats_restart_times: dict[str, list[float]] = {}  # per node
         self._snapshot: object = None
@@ -306,6 +307,7 @@ class Launcher:
 
     def _start(self, model_dir: str, served_name: str) -> None:
         """Record the deployment, start its bus, then every planned service under the supervisor."""
+        self.spawner.start()  # its imports while the bus starts
         self._fresh_log_dir()
         self._begin_deployment(model_dir, served_name)
         run = self._resolved_run(model_dir, served_name)
@@ -364,7 +366,7 @@ class Launcher:
         o = self.options
         assert self.deployment is not None
         self.supervisor = Supervisor(self.log_dir, self.policy, log_max_bytes=o.log_max_bytes,
-                                     log_backups=o.log_backups, spawner=ServiceSpawner(enabled=o.fork_services))
+                                     log_backups=o.log_backups, spawner=self.spawner)
         if o.trace_viewer:
             port = o.trace_viewer_port
             self.supervisor.add("trace-viewer", trace_viewer.viewer_command(self._phoenix), role="trace-viewer",

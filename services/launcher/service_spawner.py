@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing import reduction
+from multiprocessing import forkserver, reduction, resource_tracker
 
 from services.launcher.procs import set_parent_death_signal
 
@@ -66,8 +66,8 @@ PRELOAD = (
 # other values than the forkserver started with executes itself, since a fork would keep the forkserver's.
 IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "MALLOC_", "TORCH", "CUDA_",
                         "NVIDIA_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "UVLOOP")
-# ... except these, which a fork applies itself.
-APPLIED_AT_FORK = frozenset({"PYTHONUNBUFFERED", "PYTHONPATH"})
+# ... except these: a fork applies the first two itself, and torch sets the last as it imports (read later).
+APPLIED_AT_FORK = frozenset({"PYTHONUNBUFFERED", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"})
 
 # The environment this module was imported with: in the forkserver, the one it started with (torch's import adds
 # variables of its own).
@@ -172,6 +172,11 @@ class ServiceSpawner:
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(list(preload))  # (for the process's one forkserver, when it starts)
 
+    def start(self) -> None:
+        """Start the forkserver now: it imports while the caller goes on (the first spawn would start it)."""
+        if self.enabled:
+            forkserver.ensure_running()
+
     def spawn(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
               output_fd: int, death_signal: int | None = None) -> SpawnedService | None:
         """`argv` started as a fork writing its stdout and stderr to `output_fd` (the caller keeps and closes its
@@ -237,8 +242,6 @@ def _run(launch: _Launch) -> None:
 def _let_the_forkserver_go() -> None:
     """Close the fork's copies of the descriptors that keep the forkserver and its resource tracker alive: they
     are to end with the launcher, not with its last service."""
-    from multiprocessing import forkserver, resource_tracker
-
     for holder, attribute in ((forkserver._forkserver, "_forkserver_alive_fd"),
                               (resource_tracker._resource_tracker, "_fd")):
         fd = getattr(holder, attribute, None)

@@ -32,6 +32,7 @@ def test_only_the_same_interpreters_service_modules_fork():
     ({}, {"LD_PRELOAD": "libtcmalloc.so"}, ["LD_PRELOAD"]),
     ({"HF_HUB_OFFLINE": "1"}, {}, ["HF_HUB_OFFLINE"]),
     ({"PYTHONPATH": "/a"}, {"PYTHONPATH": "/b", "PYTHONUNBUFFERED": "1"}, []),  # applied by the fork itself
+    ({}, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}, []),  # what torch sets as it imports
 ])
 def test_import_time_variables_that_differ(server, child, changed):
     assert import_time_changes(server, child) == changed

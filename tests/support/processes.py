@@ -88,6 +88,7 @@ def service_env(**extra) -> dict:
 
 # Services start as `up` starts them: forked off one process that preloaded torch and transformers.
 SPAWNER = ServiceSpawner()
+SPAWNER.start()
 
 
 def start_service(name: str, args: list[str], log_dir: Path, **env):
