@@ -22,6 +22,11 @@ def splitserve(*args, **kwargs) -> subprocess.CompletedProcess:
                           env=service_env(), cwd=ROOT, timeout=60, **kwargs)
 
 
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -44,6 +49,12 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
     decode = next(s for s in state["services"] if s["role"] == "decode")
     all_pids = [s["pid"] for s in state["services"]] + [state["nats"]["pid"]]
     assert all(pid_alive(pid) for pid in all_pids)
+    # Each service is a fork of the launcher's preloaded forkserver, and shows its own command line.
+    (forkserver,) = {parent_of(s["pid"]) for s in state["services"]}
+    assert parent_of(forkserver) == proc.pid
+    assert b"multiprocessing.forkserver" in open(f"/proc/{forkserver}/cmdline", "rb").read()
+    assert open(f"/proc/{decode['pid']}/cmdline", "rb").read().replace(b"\0", b" ").split()[1:3] == [
+        b"-m", b"services.decode"]
 
     # A stream is in flight when the only decode worker is killed: it moves, waits for the worker the supervisor
     # starts again, and goes on there, every token once (a hang fails on the client's 30 s read timeout).
@@ -78,6 +89,7 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     assert not [pid for pid in all_pids if pid_alive(pid)]
+    wait_until(lambda: not pid_alive(forkserver), 10, "the forkserver outlived the launcher", poll_s=0.1)
     said = proc.stdout.read()
     assert "did not stop" not in said, said  # every service stopped on SIGTERM, none had to be killed
     for log in (run_dir / "logs").glob("*.log"):  # the bus admitted every service, each within its permissions
