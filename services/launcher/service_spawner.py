@@ -1,6 +1,6 @@
 """Services started as forks of one process that has already imported torch and transformers.
 
-`python -m services.decode ...` spends 3-4 CPU seconds importing torch and transformers before it does anything
+`python -m services.decode ...` spends several CPU seconds importing torch and transformers before it does anything
 of its own: most of a worker's start, paid again by every worker started, restarted after a crash, or added by a
 scale. The spawner keeps one multiprocessing forkserver with those modules preloaded (gunicorn's `--preload`, in
 effect) and starts each such command line as a fork of it, which runs the module as `python -m` would: its own
@@ -137,10 +137,7 @@ class SpawnedService:
     def poll(self) -> int | None:
         with self._lock:
             if self.returncode is None:
-                code = self._process.exitcode
-                if code is not None:
-                    self.returncode = code
-                    self._process.close()
+                self.returncode = self._process.exitcode  # (its descriptors close with it, when it is collected)
             return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

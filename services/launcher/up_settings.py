@@ -230,7 +230,7 @@ class UpSettings(Settings):
     log_backups: PositiveInt = option(DEFAULT_BACKUPS, "rotated logs kept per service, NAME.log.1 to NAME.log.K",
                                       metavar="K")
     fork_services: bool = option(True, "start each service as a fork of one process that has already imported torch "
-                                 "and transformers (starts, restarts and scale-ups without 3-4 CPU seconds of "
+                                 "and transformers (starts, restarts and scale-ups without several CPU seconds of "
                                  "imports each); off: each service in an interpreter of its own")
     ready_timeout_s: PositiveSeconds = option(300.0, "give up if the deployment is not ready after S seconds",
                                               flag="--ready-timeout", metavar="S")
