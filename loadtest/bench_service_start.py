@@ -23,20 +23,17 @@ from pathlib import Path
 from loadtest.bench_faults import wait_healthy, worker_pid
 from loadtest.bench_gateway_cpu import cpu_seconds
 from services.bench.up_process import serving
+from services.launcher.procs import parent_pid
 from shared.engine.model_registry import resolve_model
 
 MODES = {"fork": "--fork-services", "exec": "--no-fork-services"}
 READY = '"event": "decode ready"'  # a decode worker's log line once it serves
 
 
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def deployment_cpu_s(deployment) -> float:
     """CPU seconds so far of the deployment's services, and of the forkserver they were forked off (if any)."""
     pids = {s["pid"] for s in deployment.ps()["services"] if s.get("pid")}
-    parents = {parent_of(pid) for pid in pids} - {deployment.proc.pid}
+    parents = {parent_pid(pid) for pid in pids} - {deployment.proc.pid, None}
     return sum(cpu_seconds(pid) for pid in pids | parents)
 
 

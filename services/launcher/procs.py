@@ -41,6 +41,12 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def parent_pid(pid: int) -> int | None:
+    """`pid`'s parent (field 4 of /proc/PID/stat), or None if there is no such process."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields is not None and len(fields) > 1 else None
+
+
 def pid_alive(pid: int | None, start_time: int | None = None) -> bool:
     """True if `pid` is a running (not zombie) process, and it is the same
     process as the one that had `start_time`, when given."""

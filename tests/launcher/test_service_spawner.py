@@ -13,6 +13,7 @@ import time
 import pytest
 
 from services.launcher.service_spawner import ServiceSpawner, import_time_changes, service_module
+from launcher_helpers import proc_alive
 from support.processes import ROOT, service_env
 
 PROBE = [sys.executable, "-m", "support.spawn_probe"]
@@ -104,20 +105,12 @@ def test_forked_services_die_with_the_process_that_started_the_forkserver(tmp_pa
         """)], stdout=subprocess.PIPE, text=True, env=service_env(), start_new_session=True)
     try:
         pids = [int(pid) for pid in launcher.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        assert len(pids) == 2 and all(proc_alive(pid) for pid in pids)
         launcher.kill()
         launcher.wait(timeout=10)
         deadline = time.monotonic() + 20
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(proc_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(proc_alive(pid) for pid in pids)
     finally:
         os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
