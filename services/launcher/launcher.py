@@ -52,7 +52,7 @@ from services.launcher.bus_start import external_bus, start_embedded_bus
 from services.launcher.launch_checks import LaunchError, check_port_free, check_settings, probe_health, resolve_model
 from services.launcher.nats_server import EmbeddedNats, EmbeddedNatsCluster, NatsServerError, wait_for_nats
 from services.launcher.procs import describe_exit, process_start_time
-from services.launcher.service_spawner import ServiceSpawner
+from services.launcher.service_spawner import ServiceSpawner, same_interpreter
 from services.launcher.supervisor import (
     RestartPolicy,
     Supervisor,
@@ -115,7 +115,8 @@ class Launcher:
         self._phoenix: str | None = None  # the trace viewer's command, with --trace-viewer
         self.nats: EmbeddedNatsCluster | None = None
         self.supervisor: Supervisor | None = None
-        self.spawner = ServiceSpawner(enabled=options.fork_services)
+        # A forkserver only where the services will be its forks (another --python's never are).
+        self.spawner = ServiceSpawner(enabled=options.fork_services and same_interpreter(self.python))
         self.deployment: Deployment | None = None
         self._nats_restart_times: dict[str, list[float]] = {}  # per node
         self._snapshot: object = None

@@ -88,10 +88,13 @@ def pipelined(o: UpSettings) -> bool:
 
 def pipeline_split(o: UpSettings, model_dir: str) -> tuple[tuple[int, int], ...]:
     """The pipeline's layer ranges, checked against the model (ValueError if they do not fit it)."""
-    from shared.engine import LayerSplitError, even_split, parse_layer_split, read_config
+    from shared.engine import LayerSplitError, ModelLoadError, even_split, model_layer_count, parse_layer_split
 
     stages = o.prefill_stages if o.topology == "disagg" else o.stages
-    num_layers = read_config(model_dir).num_hidden_layers
+    try:
+        num_layers = model_layer_count(model_dir)
+    except ModelLoadError as exc:
+        raise ValueError(str(exc)) from None
     try:
         if o.layer_split is not None:
             ranges = parse_layer_split(o.layer_split, num_layers)

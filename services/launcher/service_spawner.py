@@ -82,9 +82,14 @@ def service_module(argv: Sequence[str], executable: str = sys.executable,
     a command a fork can run)."""
     if len(argv) < 3 or argv[1] != "-m" or not argv[2].startswith(packages):
         return None
-    if os.path.realpath(argv[0]) != os.path.realpath(executable):
+    if not same_interpreter(argv[0], executable):
         return None
     return argv[2], list(argv[3:])
+
+
+def same_interpreter(python: str, executable: str = sys.executable) -> bool:
+    """Whether commands run by `python` can be forks of this interpreter (the only ones a spawner forks)."""
+    return os.path.realpath(python) == os.path.realpath(executable)
 
 
 def import_time_changes(server_env: Mapping[str, str], child_env: Mapping[str, str]) -> list[str]:

@@ -24,6 +24,7 @@ from services.launcher.served_models import FurtherModel
 from services.launcher.up_settings import DISAGG_PREFILL_BESIDE_DECODES_MS, UpSettings
 from services.prefill.settings import PrefillSettings
 from services.scheduler.settings import SchedulerSettings
+from services.stage.settings import StageSettings
 from shared.bus.permissions import Pipeline
 
 
@@ -312,22 +313,16 @@ def _gateway(up: UpSettings, run: ResolvedRun, counts: dict[str, int], further: 
     return _Draft("gateway-0", GatewayServiceSettings, given, url=http_url(up.host, up.port))
 
 
-def _stage_settings() -> type[Settings]:
-    from services.stage.settings import StageSettings  # it loads torch (for LayerRange): only a pipeline needs it
-
-    return StageSettings
-
-
 def _stages(up: UpSettings, run: ResolvedRun, prefix: str, replica: int = 0, **each: Any) -> list[_Draft]:
     """A pipeline's stages after the head, PREFIX1.., each its layers."""
-    return [_Draft(pipeline_name(f"{prefix}{i}", replica), _stage_settings(),
+    return [_Draft(pipeline_name(f"{prefix}{i}", replica), StageSettings,
                    {**_engine(up, run), "layers": f"{start}:{end}", **each})
             for i, (start, end) in enumerate(run.stage_ranges[1:], start=1)]
 
 
 def _head(up: UpSettings, run: ResolvedRun, name: str, stages: list[_Draft], **given: Any) -> _Draft:
     start, end = run.stage_ranges[0]
-    return _Draft(name, _stage_settings(), {**_engine(up, run), "layers": f"{start}:{end}",
+    return _Draft(name, StageSettings, {**_engine(up, run), "layers": f"{start}:{end}",
                                             "stages": [s.name for s in stages], "microbatches": up.microbatches,
                                             **given})
 

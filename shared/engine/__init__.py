@@ -7,7 +7,7 @@ the gateway takes `SamplingParams`, the errors and `read_config` without pulling
     running      LLMEngine, EngineConfig, RequestOutput, SamplingParams, the errors
     KV in/out    KVConnector, LoadEnd, Continuation (going on from work done elsewhere), KVLayout, BlockSlice
     prefix cache KVEventLog, PrefixCacheEvents, the block hashes
-    pipelines    PipelineHeadEngine, StageRunner, StepBatch, the layer splits
+    pipelines    PipelineHeadEngine, StageRunner, StepBatch, the layer splits (light: no torch)
     models       resolve_model and the registry, read_config, the model cache
 """
 
@@ -32,12 +32,13 @@ _SURFACE = {
     "kv_event_log": ("KVEventLog", "PrefixCacheEvents"),
     "block_hash": ("BLOCK_HASH_BYTES", "cacheable_block_hashes"),
     # pipelines
-    "pipeline": ("PipelineHeadEngine", "ShipKV", "StepResult", "LayerSplitError", "even_split",
-                 "parse_layer_split", "check_layer_split"),
+    "pipeline": ("PipelineHeadEngine", "ShipKV", "StepResult"),
+    "layer_split": ("LayerRange", "LayerSplitError", "even_split", "parse_layer_split", "check_layer_split",
+                    "model_layer_count"),
     "stage": ("StageRunner",),
     "step_batch": ("StepBatch",),
     # models
-    "model_loader": ("LayerRange", "read_config", "resolve_dtype"),
+    "model_loader": ("read_config", "resolve_dtype"),
     "model_registry": ("resolve_model", "cached_dir", "model_names", "DEFAULT_MODEL", "KNOWN_MODELS",
                        "RANDOM_MODEL"),
     "default_model": ("cache_root",),

@@ -22,6 +22,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from shared.engine.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE
 from shared.engine.errors import ModelLoadError
 from shared.engine.kv_cache import DTYPES
+from shared.engine.layer_split import LayerRange
 
 # Families whose transformers forward is exactly embed -> decoder layers -> norm -> head,
 # which the runner re-creates layer range by layer range. Others (e.g. Granite's
@@ -30,20 +31,6 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 _FINGERPRINT_SAMPLES = 16
 _FINGERPRINT_SAMPLE_BYTES = 1 << 16
-
-
-@dataclass(slots=True, frozen=True)
-class LayerRange:
-    start: int
-    end: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start < self.end:
-            raise ValueError(f"invalid layer range [{self.start}, {self.end})")
-
-    @property
-    def num_layers(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(slots=True)

@@ -33,60 +33,9 @@ from shared.engine.config import EngineConfig
 from shared.engine.defaults import DEFAULT_MICROBATCHES, DEFAULT_STEP_TIMEOUT_S
 from shared.engine.engine import LLMEngine, PlannedStep, RequestOutput
 from shared.engine.kv_cache import KVAllocator
-from shared.engine.model_loader import LayerRange
+from shared.engine.layer_split import LayerRange, LayerSplitError, check_layer_split, even_split, parse_layer_split
 from shared.engine.step_batch import StepBatch
 from shared.telemetry.utilization import Utilization
-
-
-class LayerSplitError(ValueError):
-    """A layer split that cannot run: gaps, overlaps, out of range, or more stages than layers."""
-
-
-def even_split(num_layers: int, num_stages: int) -> list[LayerRange]:
-    """`num_stages` contiguous ranges covering `[0, num_layers)`; the first `num_layers % num_stages` get one more."""
-    if num_stages < 1:
-        raise LayerSplitError(f"a pipeline needs at least one stage, got {num_stages}")
-    if num_stages > num_layers:
-        raise LayerSplitError(f"{num_stages} stages cannot split {num_layers} layers: at most one stage per layer")
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        end = start + base + (1 if stage < extra else 0)
-        ranges.append(LayerRange(start, end))
-        start = end
-    return ranges
-
-
-def parse_layer_split(text: str, num_layers: int) -> list[LayerRange]:
-    """`"0:6,6:12,..."` as layer ranges, checked to cover `[0, num_layers)` exactly, in order."""
-    ranges = []
-    for index, item in enumerate(part.strip() for part in text.split(",")):
-        try:
-            start_text, end_text = item.split(":")
-            start, end = int(start_text), int(end_text)
-        except ValueError:
-            raise LayerSplitError(f"layer range {index} is {item!r}; write START:END, e.g. 0:6") from None
-        if not 0 <= start < end:
-            raise LayerSplitError(f"layer range {index} ({item}) is empty or negative")
-        ranges.append(LayerRange(start, end))
-    check_layer_split(ranges, num_layers)
-    return ranges
-
-
-def check_layer_split(ranges: list[LayerRange], num_layers: int) -> None:
-    if not ranges:
-        raise LayerSplitError("a layer split needs at least one range")
-    expected = 0
-    for index, r in enumerate(ranges):
-        if r.start > expected:
-            raise LayerSplitError(f"layers [{expected}, {r.start}) are in no stage (a gap before range {index})")
-        if r.start < expected:
-            raise LayerSplitError(f"range {index} [{r.start}, {r.end}) overlaps the one before it (ends at {expected})")
-        expected = r.end
-    if expected != num_layers:
-        if expected > num_layers:
-            raise LayerSplitError(f"the split reaches layer {expected}, but the model has {num_layers} layers")
-        raise LayerSplitError(f"layers [{expected}, {num_layers}) are in no stage")
 
 
 @dataclass(slots=True)
