@@ -115,8 +115,10 @@ class Launcher:
         self._phoenix: str | None = None  # the trace viewer's command, with --trace-viewer
         self.nats: EmbeddedNatsCluster | None = None
         self.supervisor: Supervisor | None = None
-        # A forkserver only where the services will be its forks (another --python's never are).
-        self.spawner = ServiceSpawner(enabled=options.fork_services and same_interpreter(self.python))
+        # A forkserver only where the services will be its forks (another --python's never are); a fork of this
+        # process where it has the forkserver's imports already.
+        self.spawner = ServiceSpawner(enabled=options.fork_services and same_interpreter(self.python),
+                                      fork_if_preloaded=True)
         self.deployment: Deployment | None = None
         self._nats_restart_times: dict[str, list[float]] = {}  # per node
         self._snapshot: object = None

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import forkserver, reduction, resource_tracker
 
+from services.launcher.forkserver_fork import fork_forkserver
 from services.launcher.procs import set_parent_death_signal
 
 # What the services import that takes time, loaded once in the forkserver: this module first (it notes the
@@ -168,15 +169,18 @@ class ServiceSpawner:
     """Forks `python -m services.*` command lines off one preloaded forkserver (started with the first)."""
 
     def __init__(self, preload: Sequence[str] = PRELOAD, *, enabled: bool = True,
-                 packages: tuple[str, ...] = ("services.",)):
+                 packages: tuple[str, ...] = ("services.",), fork_if_preloaded: bool = False):
         self.packages = packages
         self.enabled = enabled  # (off: spawn() always None, every command started the usual way)
+        self.preload = tuple(preload)
+        self.fork_if_preloaded = fork_if_preloaded  # (for a small process: a fat one's forks would carry it all)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(list(preload))  # (for the process's one forkserver, when it starts)
 
     def start(self) -> None:
-        """Start the forkserver now: it imports while the caller goes on (the first spawn would start it)."""
-        if self.enabled:
+        """Start the forkserver now: it imports while the caller goes on (the first spawn would start it). A
+        process that has imported the preload already (itself a fork of a preloaded one) may fork it instead."""
+        if self.enabled and not (self.fork_if_preloaded and fork_forkserver(self.preload)):
             forkserver.ensure_running()
 
     def spawn(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
@@ -210,6 +214,7 @@ def _wait_for_own_session(service: SpawnedService) -> None:
 def _run(launch: _Launch) -> None:
     """In the fork: become the command line, and run its module as `python -m` does."""
     os.setsid()
+    multiprocessing.current_process().daemon = False  # (a launcher among them starts a forkserver of its own)
     _show_command_line(launch.argv)  # (before the environment changes: it takes the room of the initial one)
     _let_the_forkserver_go()
     if launch.death_signal:

@@ -12,9 +12,10 @@ import time
 
 import pytest
 
+from services.launcher.forkserver_fork import TITLE
 from services.launcher.service_spawner import ServiceSpawner, import_time_changes, service_module
 from launcher_helpers import proc_alive
-from support.processes import ROOT, service_env
+from support.processes import ROOT, parent_of, service_env
 
 PROBE = [sys.executable, "-m", "support.spawn_probe"]
 
@@ -89,14 +90,18 @@ def test_a_command_the_preloaded_imports_do_not_fit_executes_itself(spawner, tmp
     assert not report["preloaded"]
 
 
-def test_forked_services_die_with_the_process_that_started_the_forkserver(tmp_path):
+@pytest.mark.parametrize("forked_server", [False, True], ids=["started", "forked"])
+def test_forked_services_die_with_the_process_that_started_the_forkserver(tmp_path, forked_server):
     """A launcher killed outright leaves no forked service running: the forkserver ends with it, and each fork asked
-    for a signal when the forkserver ends."""
+    for a signal when the forkserver ends. So too where the launcher holds the preload and forks its forkserver (a
+    child of the launcher, under a title of its own, not a new interpreter)."""
+    preload = "('multiprocessing', 'services.launcher.service_spawner')" if forked_server else "PRELOAD"
     launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import signal, sys
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
-        from services.launcher.service_spawner import ServiceSpawner
-        spawner = ServiceSpawner(packages=("support.",))
+        from services.launcher.service_spawner import PRELOAD, ServiceSpawner
+        spawner = ServiceSpawner({preload}, packages=("support.",), fork_if_preloaded=True)
+        spawner.start()
         with open({str(tmp_path / 'out.log')!r}, "ab") as log:
             procs = [spawner.spawn({PROBE + ['sleep']!r}, output_fd=log.fileno(), death_signal=signal.SIGTERM)
                      for _ in range(2)]
@@ -106,11 +111,15 @@ def test_forked_services_die_with_the_process_that_started_the_forkserver(tmp_pa
     try:
         pids = [int(pid) for pid in launcher.stdout.readline().split()]
         assert len(pids) == 2 and all(proc_alive(pid) for pid in pids)
+        (server,) = {parent_of(pid) for pid in pids}
+        assert parent_of(server) == launcher.pid
+        title = open(f"/proc/{server}/cmdline", "rb").read()
+        assert (TITLE.encode() in title) == forked_server and (b"multiprocessing.forkserver" in title) != forked_server
         launcher.kill()
         launcher.wait(timeout=10)
         deadline = time.monotonic() + 20
-        while any(proc_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(proc_alive(pid) for pid in [*pids, server]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(proc_alive(pid) for pid in pids)
+        assert not any(proc_alive(pid) for pid in [*pids, server])
     finally:
         os.killpg(launcher.pid, signal.SIGKILL) if launcher.poll() is None else None

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from support.metrics import matching, samples
-from support.processes import ROOT, free_port, service_env
+from services.launcher.forkserver_fork import TITLE
+from support.processes import ROOT, free_port, parent_of, service_env
 from support.sse import stream, streamed_text
 from support.up import MODEL, ps, start_up
 from support.waiting import wait_until
@@ -20,11 +21,6 @@ from support.waiting import wait_until
 def splitserve(*args, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli.main", *args], capture_output=True, text=True,
                           env=service_env(), cwd=ROOT, timeout=60, **kwargs)
-
-
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def pid_alive(pid: int) -> bool:
@@ -49,10 +45,11 @@ def test_up_survives_a_worker_kill_and_stops_cleanly(up):
     decode = next(s for s in state["services"] if s["role"] == "decode")
     all_pids = [s["pid"] for s in state["services"]] + [state["nats"]["pid"]]
     assert all(pid_alive(pid) for pid in all_pids)
-    # Each service is a fork of the launcher's preloaded forkserver, and shows its own command line.
+    # Each service is a fork of the launcher's preloaded forkserver, and shows its own command line. (The launcher
+    # here is itself a fork of the tests' preloaded forkserver, and forks its own: tests/launcher checks both ways.)
     (forkserver,) = {parent_of(s["pid"]) for s in state["services"]}
     assert parent_of(forkserver) == proc.pid
-    assert b"multiprocessing.forkserver" in open(f"/proc/{forkserver}/cmdline", "rb").read()
+    assert TITLE.encode() in open(f"/proc/{forkserver}/cmdline", "rb").read()
     assert open(f"/proc/{decode['pid']}/cmdline", "rb").read().replace(b"\0", b" ").split()[1:3] == [
         b"-m", b"services.decode"]
 
@@ -102,21 +99,17 @@ def test_up_with_a_trace_viewer_sends_it_every_services_traces(tmp_path, default
     viewer = tmp_path / "phoenix"
     viewer.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'support' / 'stand_in_phoenix.py'} \"$@\"\n")
     viewer.chmod(0o755)
-    port, viewer_port, run_dir = free_port(), free_port(), tmp_path / "run"
+    viewer_port, run_dir = free_port(), tmp_path / "run"
     env = service_env(SPLITSERVE_PHOENIX=str(viewer))
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         env.pop(name, None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--model", MODEL, "--topology", "disagg",
-         "--max-local-prefill", "0", "--port", str(port), "--run-dir", str(run_dir), "--trace-viewer",
-         "--trace-viewer-port", str(viewer_port), "--namespace", "tv" + uuid.uuid4().hex[:8]],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True)
+    run = start_up(run_dir, "--topology", "disagg", "--max-local-prefill", "0", "--trace-viewer",
+                   "--trace-viewer-port", str(viewer_port), env=env)
     try:
-        lines = [proc.stdout.readline() for _ in range(3)]
-        assert lines[1].startswith("splitserve ready:") and lines[2].strip() == (
-            f"splitserve traces: http://127.0.0.1:{viewer_port} (Arize Phoenix)"), "".join(lines)
+        said = run.proc.stdout.readline()
+        assert said.strip() == f"splitserve traces: http://127.0.0.1:{viewer_port} (Arize Phoenix)", said
         assert "trace-viewer" in {s["name"] for s in ps(run_dir)["services"]}
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+        response = httpx.post(f"{run.url}/v1/completions", timeout=60,
                               json={"model": MODEL, "prompt": list(range(100, 180)), "max_tokens": 4})
         assert response.status_code == 200
         trace_id = response.headers["x-trace-id"]
@@ -135,8 +128,7 @@ def test_up_with_a_trace_viewer_sends_it_every_services_traces(tmp_path, default
         wait_until(lambda: wanted <= services_seen(), 30, f"the viewer did not get spans of every one of {wanted}",
                    poll_s=0.2)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        run.stop()
 
 
 def test_up_api_key_reaches_the_gateway_in_its_environment_only(tmp_path, default_model):

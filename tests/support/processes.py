@@ -91,6 +91,12 @@ SPAWNER = ServiceSpawner()
 SPAWNER.start()
 
 
+def parent_of(pid: int) -> int:
+    """The parent process of `pid`, read from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def start_service(name: str, args: list[str], log_dir: Path, **env):
     """`python -m services.NAME args`, in its own process group, logging to log_dir/NAME-*.log: a
     `subprocess.Popen`, or the spawner's equivalent."""

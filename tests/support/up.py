@@ -10,14 +10,15 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from support.processes import ROOT, free_port, service_env
+from services.launcher.service_spawner import SpawnedService
+from support.processes import ROOT, SPAWNER, free_port, service_env
 
 MODEL = "splitserve-default-llama"  # the built-in random model, by name: no download
 
 
 @dataclass
 class UpRun:
-    proc: subprocess.Popen
+    proc: SpawnedService  # (driven as a subprocess.Popen)
     url: str  # the gateway, http://127.0.0.1:PORT
     run_dir: Path
     namespace: str
@@ -40,11 +41,14 @@ def start_up(run_dir: Path, *args: str, env: dict | None = None, namespace: str 
     """`splitserve up --model MODEL ARGS...` (no --model with `model=None`: up's default) on a free port and its own
     namespace; returns once it is ready."""
     port, namespace = free_port(), namespace or "up" + uuid.uuid4().hex[:8]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", *(["--model", model] if model else []), "--port", str(port),
-         "--run-dir", str(run_dir), "--namespace", namespace, *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or service_env(), cwd=ROOT,
-        start_new_session=True)
+    argv = [sys.executable, "-m", "services.cli.main", "up", *(["--model", model] if model else []), "--port",
+            str(port), "--run-dir", str(run_dir), "--namespace", namespace, *args]
+    # A fork of the tests' preloaded forkserver, as start_service's services are: the launcher then holds torch and
+    # the rest already, and forks its own forkserver rather than start one that imports them all again.
+    read, write = os.pipe()
+    proc = SPAWNER.spawn(argv, env=env or service_env(), cwd=str(ROOT), output_fd=write, death_signal=signal.SIGTERM)
+    os.close(write)
+    proc.stdout = os.fdopen(read, "r")
     run = UpRun(proc, f"http://127.0.0.1:{port}", run_dir, namespace, [])
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
