@@ -47,6 +47,9 @@ def fork_forkserver(preload: Sequence[str]) -> bool:
             os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
+            for stream in (sys.stdout, sys.stderr):  # (else the fork, and each service it forks, holds their buffers)
+                with contextlib.suppress(Exception):
+                    stream.flush()
             pid = os.fork()
             if pid == 0:
                 _serve(listener.fileno(), alive_r)
