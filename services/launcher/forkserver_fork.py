@@ -6,8 +6,8 @@ or a test started off its own forkserver) already holds them all, and can fork i
 server loop, listening on the same kind of socket, ending when its last client does, in milliseconds.
 
 This leans on multiprocessing's forkserver internals (the fields `ensure_running` fills in, the arguments of its
-`main`), as they are from Python 3.8 to 3.13; elsewhere, or with more than one thread running, `fork_forkserver`
-declines and the caller starts it the usual way.
+`main`), as Python 3.11 has them; `fork_forkserver` checks them first and declines where they differ (Python 3.14
+adds an authentication key, for one), or where more than one thread runs: the caller then starts it the usual way.
 """
 
 from __future__ import annotations

@@ -323,8 +323,8 @@ def _stages(up: UpSettings, run: ResolvedRun, prefix: str, replica: int = 0, **e
 def _head(up: UpSettings, run: ResolvedRun, name: str, stages: list[_Draft], **given: Any) -> _Draft:
     start, end = run.stage_ranges[0]
     return _Draft(name, StageSettings, {**_engine(up, run), "layers": f"{start}:{end}",
-                                            "stages": [s.name for s in stages], "microbatches": up.microbatches,
-                                            **given})
+                                        "stages": [s.name for s in stages], "microbatches": up.microbatches,
+                                        **given})
 
 
 def _plan_pipeline(up: UpSettings, run: ResolvedRun) -> tuple[list[_Draft], dict[str, int]]:

@@ -10,8 +10,8 @@ import uuid
 import httpx
 import pytest
 
-from support.metrics import matching, samples
 from services.launcher.forkserver_fork import TITLE
+from support.metrics import matching, samples
 from support.processes import ROOT, free_port, parent_of, service_env
 from support.sse import stream, streamed_text
 from support.up import MODEL, ps, start_up
