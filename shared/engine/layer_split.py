@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.engine.errors import ModelLoadError
+
 
 @dataclass(slots=True, frozen=True)
 class LayerRange:
@@ -73,14 +75,13 @@ def check_layer_split(ranges: list[LayerRange], num_layers: int) -> None:
 
 
 def model_layer_count(model_dir: str | os.PathLike) -> int:
-    """The model's decoder layers, from its config.json; a config that does not say them at its top level is read
-    by transformers (`read_config`), which also checks it."""
+    """The model's decoder layers, from its config.json's `num_hidden_layers` (every architecture splitserve runs
+    says them there); ModelLoadError where it cannot be read or does not say."""
+    path = Path(model_dir) / "config.json"
     try:
-        layers = json.loads((Path(model_dir) / "config.json").read_text()).get("num_hidden_layers")
-    except (OSError, ValueError, AttributeError):
-        layers = None
-    if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0:
-        return layers
-    from shared.engine.model_loader import read_config
-
-    return read_config(model_dir).num_hidden_layers
+        layers = json.loads(path.read_text()).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"cannot read the config of model directory {model_dir}: {exc}") from None
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise ModelLoadError(f"{path} gives no number of layers (num_hidden_layers: {layers!r})")
+    return layers
