@@ -10,6 +10,9 @@ below the claimant's; else, at its priority, the newest of the tenant holding th
 holds at least two more than the claimant's (after the swap it holds no fewer: places never go back and forth).
 When blocks run out (`shortage_victim`), the request preempted is the newest of the lowest priority and, at it,
 of the tenant holding the most places: one tenant's long generations do not push another's out.
+A waiting request that `goes_ahead` (of a higher priority than one running, or of a tenant holding at least two
+places fewer than another) has its short prompt computed in a step of its own, before the running requests' next
+tokens: its first token does not wait for a step that carries the whole batch's decodes.
 With one tenant and one priority, this is first come first served and nothing is preempted for a place; on a
 shortage the newest running request is preempted.
 """
@@ -43,6 +46,19 @@ def victim(claimant: Claim, running: Sequence[Claim], held: Mapping[str, int]) -
     if held.get(richest, 0) < held.get(claimant.tenant, 0) + 2:
         return None
     return max(i for i, c in enumerate(running) if c.tenant == richest and c.priority == claimant.priority)
+
+
+def goes_ahead(claimant: Claim, running: Sequence[Claim], held: Mapping[str, int]) -> bool:
+    """Whether a waiting request's prompt is computed before the running requests' next tokens: it is of a higher
+    priority than one of them, or its tenant holds at least two places fewer than another at its priority (the
+    measure `victim` takes a place by)."""
+    if not running:
+        return False
+    if claimant.priority > min(c.priority for c in running):
+        return True
+    mine = held.get(claimant.tenant, 0)
+    return any(held.get(c.tenant, 0) >= mine + 2 for c in running
+               if c.priority == claimant.priority and c.tenant != claimant.tenant)
 
 
 def shortage_victim(running: Sequence[Claim], held: Mapping[str, int]) -> int:

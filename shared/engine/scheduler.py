@@ -20,7 +20,9 @@ behind it go first.
 
 Between tenants (`batch_share`): the waiting sequence admitted next is the highest priority's, then the one of
 the tenant holding the fewest places; when the batch is full (`max_num_seqs`), a running sequence of a tenant
-holding more than its share, or of a lower priority, is preempted for it before the step is planned.
+holding more than its share, or of a lower priority, is preempted for it before the step is planned. Such a
+waiting sequence whose prompt fits what a step may take beside decodes goes ahead of them: a step of those prompts
+alone, never two in a row, so that its first token does not wait for a step carrying the whole batch's decodes.
 """
 
 from collections import Counter, deque
@@ -76,6 +78,7 @@ class Scheduler:
         self.abandoned: dict[str, Sequence] = {}  # finished while loading: blocks freed when the load is reported
         self.num_preemptions = 0
         self.num_share_preemptions = 0  # of them, places given to another tenant's or a higher priority's request
+        self.went_ahead = False  # the last step was one of prompts going ahead of the decodes
         self.prefill_cap: int | None = None  # prompt tokens a step carrying decodes may take (None: the budget)
         # Prefix-cache lookups of sequences scheduled for the first time: tokens looked up, tokens found.
         self.prefix_query_tokens = 0
@@ -100,13 +103,20 @@ class Scheduler:
                 s.num_uncomputed_tokens == 1 for s in self.running):
             prompt_budget = self.prefill_cap
 
-        budget, prompt_budget = self._schedule_running(out, shared, budget, prompt_budget)
+        # A step of the prompts that go ahead of the running decodes (`batch_share.goes_ahead`), never two in a
+        # row; else the running sequences first.
+        ahead = self._going_ahead(given_up, prompt_budget) if shared and not self.went_ahead else []
+        beside_decodes = prompt_budget
+        if ahead:
+            budget = prompt_budget = min(budget, prompt_budget)
+        else:
+            budget, prompt_budget = self._schedule_running(out, shared, budget, prompt_budget)
 
         # Then waiting sequences, unless this step already had to preempt.
         awaiting: list[Sequence] = []  # their connectors' offer is not known yet: they keep their place
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
-            seq = self._next_waiting(given_up) if shared else self.waiting[0]
+            seq = self._next_waiting(given_up, ahead) if shared else self.waiting[0]
             if seq is None:
                 break
             limit = min(budget, prompt_budget, _chunk_cap(seq, self.config.enable_chunked_prefill))
@@ -144,6 +154,9 @@ class Scheduler:
             budget -= num_new
             prompt_budget -= num_new
         self.waiting.extendleft(reversed(awaiting))
+        self.went_ahead = bool(ahead and out.scheduled)
+        if ahead and not out.scheduled:  # none of them could start (blocks, a load): the decodes' step after all
+            self._schedule_running(out, shared, self.config.max_num_batched_tokens, beside_decodes)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, shared: bool, budget: int,
@@ -190,10 +203,20 @@ class Scheduler:
             return len(self.running) - 1
         return batch_share.shortage_victim([_claim(s) for s in self.running], self._held())
 
-    def _next_waiting(self, given_up: list[Sequence]) -> Sequence | None:
-        """The waiting sequence to admit next between tenants (`batch_share`); one that gave its place up this
-        step does not take it back in this step."""
-        candidates = [s for s in self.waiting if s not in given_up]
+    def _going_ahead(self, given_up: list[Sequence], limit: int) -> list[Sequence]:
+        """The waiting sequences whose prompts go ahead of the running decodes in a step of their own: those
+        `batch_share.goes_ahead` says, of at most `limit` tokens left to compute (a longer one would stall the
+        decodes: it is chunked beside them), when some running sequence decodes."""
+        if not any(s.num_uncomputed_tokens == 1 for s in self.running):
+            return []
+        running, held = [_claim(s) for s in self.running], self._held()
+        return [s for s in self.waiting if s not in given_up and s.num_uncomputed_tokens <= limit
+                and batch_share.goes_ahead(_claim(s), running, held)]
+
+    def _next_waiting(self, given_up: list[Sequence], among: list[Sequence]) -> Sequence | None:
+        """The waiting sequence to admit next between tenants (`batch_share`), of `among` if given; one that gave
+        its place up this step does not take it back in this step."""
+        candidates = [s for s in among or self.waiting if s not in given_up and (not among or s in self.waiting)]
         if not candidates:
             return None
         return candidates[batch_share.next_waiting([_claim(s) for s in candidates], self._held())]

@@ -3,7 +3,7 @@ tenant holding the batch gives a place to another's waiting request, by fewest p
 
 import pytest
 
-from shared.engine.batch_share import Claim, next_waiting, places_to_give, shortage_victim, victim
+from shared.engine.batch_share import Claim, goes_ahead, next_waiting, places_to_give, shortage_victim, victim
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import SequenceStatus
 from test_scheduler import apply, make_scheduler, make_seq, plan
@@ -49,6 +49,22 @@ def test_victim(claimant, running, held, expected):
 ])
 def test_shortage_victim(running, held, expected):
     assert shortage_victim(running, held) == expected
+
+
+@pytest.mark.parametrize("claimant, running, held, expected", [
+    (Q, [N, N, Q], {"noisy": 2, "quiet": 1}, False),  # one place fewer is not "under its share"
+    (Q, [N, N, N, Q], {"noisy": 3, "quiet": 1}, True),
+    (Q, [N, N], {"noisy": 2}, True),
+    (N, [N, N, Q], {"noisy": 2, "quiet": 1}, False),  # the tenant holding more waits its turn
+    (N, [N, N], {"noisy": 2}, False),  # one tenant: first come first served
+    (HIGH, [N], {"noisy": 1}, True),  # above a running priority, however many it holds
+    (HIGH, [HIGH, HIGH, HIGH], {"urgent": 3}, False),
+    (LOW, [N, N, N], {"noisy": 3}, False),  # a lower priority goes ahead of no one
+    (Q, [LOW, LOW, LOW], {"batch": 3}, True),
+    (Q, [], {}, False),  # nothing running: nothing to go ahead of
+])
+def test_goes_ahead(claimant, running, held, expected):
+    assert goes_ahead(claimant, running, held) == expected
 
 
 def test_places_to_give_share_a_full_batch_until_the_counts_are_within_one():
@@ -201,3 +217,56 @@ def test_a_block_shortage_may_preempt_an_older_request_the_step_passed_over():
     sched.prefill_cap = 0
     out = sched.schedule()
     assert [s.request_id for s in out.preempted] == ["n1"] and plan(out) == [("n0", 1), ("q", 1)]
+
+
+def decoding(sched, bm, seqs):
+    """`seqs` admitted and past their prompts: each decodes from the next step on."""
+    for seq in seqs:
+        sched.add(seq)
+    while any(s.num_uncomputed_tokens > 1 for s in seqs):
+        apply(sched.schedule(), bm)
+
+
+def test_a_tenant_under_its_share_has_its_prompt_computed_in_a_step_before_the_others_decodes():
+    sched, bm = make_scheduler(num_blocks=256, max_num_seqs=8)
+    noisy = [seq_of(f"n{i}", "noisy", arrival=i) for i in range(4)]
+    decoding(sched, bm, noisy)
+    quiet, quiet2 = seq_of("q", "quiet", num_tokens=12, arrival=9), seq_of("q2", "quiet", arrival=10)
+    sched.add(quiet)
+    out = sched.schedule()
+    assert plan(out) == [("q", 12)]  # alone: the noisy decodes wait one short step
+    apply(out, bm)
+    sched.add(quiet2)
+    out = sched.schedule()  # never two such steps in a row: the decodes now, and the waiting prompt beside them
+    assert plan(out) == [("n0", 1), ("n1", 1), ("n2", 1), ("n3", 1), ("q", 1), ("q2", 4)]
+    apply(out, bm)
+    sched.add(seq_of("q3", "quiet", arrival=11))
+    assert [r for r, _ in plan(sched.schedule())] == ["q3"]  # quiet holds 2 against 4: it still goes ahead
+
+
+def test_a_prompt_longer_than_the_cap_beside_decodes_is_chunked_beside_them_not_run_ahead():
+    sched, bm = make_scheduler(num_blocks=256, max_num_seqs=8)
+    decoding(sched, bm, [seq_of(f"n{i}", "noisy", arrival=i) for i in range(3)])
+    sched.prefill_cap = 8
+    sched.add(seq_of("q", "quiet", num_tokens=20, arrival=9))
+    assert plan(sched.schedule()) == [("n0", 1), ("n1", 1), ("n2", 1), ("q", 8)]
+
+
+def test_one_tenant_and_first_come_first_served_never_run_a_prompt_ahead():
+    sched, bm = make_scheduler(num_blocks=256, max_num_seqs=8)
+    decoding(sched, bm, [seq_of(f"a{i}", "a", arrival=i) for i in range(3)])
+    sched.add(seq_of("a9", "a", arrival=9))
+    assert plan(sched.schedule()) == [("a0", 1), ("a1", 1), ("a2", 1), ("a9", 4)]
+    sched, bm = make_scheduler(num_blocks=256, max_num_seqs=8)
+    sched.config.policy = "fcfs"
+    decoding(sched, bm, [seq_of(f"n{i}", "noisy", arrival=i) for i in range(3)])
+    sched.add(seq_of("q", "quiet", arrival=9))
+    assert plan(sched.schedule()) == [("n0", 1), ("n1", 1), ("n2", 1), ("q", 4)]
+
+
+def test_a_prompt_that_cannot_start_ahead_leaves_the_step_to_the_decodes():
+    sched, bm = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=8)  # 16 token slots in all
+    decoding(sched, bm, [seq_of(f"n{i}", "noisy", num_tokens=3, arrival=i) for i in range(3)])
+    sched.add(seq_of("q", "quiet", num_tokens=8, arrival=9))  # two blocks: one is free
+    out = sched.schedule()
+    assert plan(out) == [("n0", 1), ("n1", 1), ("n2", 1)] and not sched.went_ahead
