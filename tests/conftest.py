@@ -9,6 +9,26 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+def _forked_launch(argv, env, cwd):
+    from support.up import forked_launch  # (starts the tests' forkserver: only once a benchmark needs it)
+
+    # A benchmark runs its deployment's services on the thread counts it sets; here, where the benchmarks' plumbing
+    # is checked and not their figures, they keep the tests' (a fork with other values read as torch imports
+    # would start a fresh interpreter, which imports it all again).
+    env = dict(env)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.pop(name, None)
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return forked_launch(argv, env, cwd)
+
+
+# The benchmarks' deployments start off the tests' preloaded forkserver, as the tests' own do.
+import services.bench.up_process  # noqa: E402
+
+services.bench.up_process.LAUNCH = _forked_launch
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One model cache for the whole run (also used by subprocesses)."""

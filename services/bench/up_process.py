@@ -22,6 +22,17 @@ from services.common.free_port import free_port
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
+def popen_launch(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    """`argv` as a subprocess in a session of its own, its output (both streams) a binary pipe."""
+    return subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+# How a deployment of this checkout starts: `popen_launch`'s signature and promises (a Popen-like process leading
+# its own session, with `stdout` a binary pipe). The test suite starts it off its preloaded forkserver instead.
+LAUNCH = popen_launch
+
+
 class UpProcess:
     """One `splitserve up` subprocess, in its own process group, on a free port and a fresh namespace.
 
@@ -58,8 +69,8 @@ class UpProcess:
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = str(self.root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.cmd, cwd=self.root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        launch = LAUNCH if self.root == ROOT else popen_launch  # (another checkout's code runs in its own interpreter)
+        self.proc = launch(self.cmd, env, self.root)
         self._reader = threading.Thread(target=self._read, name=f"up-{self.topology}", daemon=True)
         self._reader.start()
 

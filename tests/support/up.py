@@ -1,5 +1,6 @@
 """`splitserve up` as the tests run it: a real launcher process, started until it says ready."""
 
+import io
 import json
 import os
 import signal
@@ -36,6 +37,19 @@ class UpRun:
         return self.proc.returncode
 
 
+def forked_launch(argv: list[str], env: dict[str, str], cwd: Path) -> SpawnedService:
+    """`splitserve up`'s command line started as a fork of the tests' preloaded forkserver, as start_service's
+    services are: the launcher then holds torch and the rest already, and forks its own forkserver rather than start
+    one that imports them all again. Its output is a binary pipe (`stdout`); it leads its own session, and gets
+    SIGTERM if the tests die. The suite's `services.bench.up_process.LAUNCH`."""
+    read, write = os.pipe()
+    proc = SPAWNER.spawn(argv, env=env, cwd=str(cwd), output_fd=write, death_signal=signal.SIGTERM)
+    os.close(write)
+    assert proc is not None, f"not a command the spawner forks: {argv}"
+    proc.stdout = os.fdopen(read, "rb")
+    return proc
+
+
 def start_up(run_dir: Path, *args: str, env: dict | None = None, namespace: str | None = None,
              ready_timeout_s: float = 180, model: str | None = MODEL) -> UpRun:
     """`splitserve up --model MODEL ARGS...` (no --model with `model=None`: up's default) on a free port and its own
@@ -43,12 +57,8 @@ def start_up(run_dir: Path, *args: str, env: dict | None = None, namespace: str 
     port, namespace = free_port(), namespace or "up" + uuid.uuid4().hex[:8]
     argv = [sys.executable, "-m", "services.cli.main", "up", *(["--model", model] if model else []), "--port",
             str(port), "--run-dir", str(run_dir), "--namespace", namespace, *args]
-    # A fork of the tests' preloaded forkserver, as start_service's services are: the launcher then holds torch and
-    # the rest already, and forks its own forkserver rather than start one that imports them all again.
-    read, write = os.pipe()
-    proc = SPAWNER.spawn(argv, env=env or service_env(), cwd=str(ROOT), output_fd=write, death_signal=signal.SIGTERM)
-    os.close(write)
-    proc.stdout = os.fdopen(read, "r")
+    proc = forked_launch(argv, env or service_env(), ROOT)
+    proc.stdout = io.TextIOWrapper(proc.stdout, errors="replace")
     run = UpRun(proc, f"http://127.0.0.1:{port}", run_dir, namespace, [])
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
