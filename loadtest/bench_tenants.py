@@ -3,7 +3,8 @@
 One `splitserve up` (`--up-args`, by default colocated with one decode worker) with two tenants' keys. The quiet
 tenant sends a streamed request every 1/`--quiet-rps` seconds for `--seconds`; first alone (solo), then with the
 noisy tenant sending `--noise`× as many at the same time, each tenant's client a process of its own. Reported: the quiet tenant's TTFT p50/p95 solo and
-under noise, the ratio of the p95s (the aim: at most 1.25), and the noisy tenant's outcomes. `--fifo` runs the
+under noise, the ratio of the p95s (the aim: at most 1.25), the noisy tenant's outcomes, and each tenant's ITL
+p50/p95 (the gaps between a stream's events, all streams together). `--fifo` runs the
 noisy phase once more on a deployment first come first served throughout (no fair queue at the gateway,
 `--max-dispatched 0`, and workers taking requests by arrival, `--scheduling-policy fcfs`); `--gate-only` once more
 with the gateway's fair queue but workers by arrival, to see what each part does.
@@ -34,14 +35,20 @@ KEYS = {"quiet": "bench-quiet-key", "noisy": "bench-noisy-key"}
 async def one_request(client: httpx.AsyncClient, base: str, key: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    started, out = time.monotonic(), {"status": None, "ttft_s": None}
+    started, out = time.monotonic(), {"status": None, "ttft_s": None, "itl_s": []}
+    last = None
     try:
         async with client.stream("POST", f"{base}/completions", json=body, timeout=300,
                                  headers={"Authorization": f"Bearer {key}"}) as response:
             out["status"] = response.status_code
             async for line in response.aiter_lines():
-                if line.startswith("data: {") and out["ttft_s"] is None:
-                    out["ttft_s"] = time.monotonic() - started
+                if line.startswith("data: {"):
+                    now = time.monotonic()
+                    if out["ttft_s"] is None:
+                        out["ttft_s"] = now - started
+                    else:
+                        out["itl_s"].append(now - last)
+                    last = now
     except httpx.HTTPError as exc:
         out["status"] = repr(exc)
     return out
@@ -60,8 +67,14 @@ async def tenant_load(client, base: str, tenant: str, rps: float, seconds: float
 
 def summary(results: list[dict]) -> dict:
     ttfts = [r["ttft_s"] for r in results if r["status"] == 200 and r["ttft_s"] is not None]
+    gaps = [gap for r in results if r["status"] == 200 for gap in r["itl_s"]]  # between a stream's events
     return {"requests": len(results), "ok": len(ttfts), "refused_429": sum(r["status"] == 429 for r in results),
-            "ttft_s_p50": percentile(ttfts, 0.5), "ttft_s_p95": percentile(ttfts, 0.95)}
+            "ttft_s_p50": percentile(ttfts, 0.5), "ttft_s_p95": percentile(ttfts, 0.95),
+            "itl_ms_p50": _ms(percentile(gaps, 0.5)), "itl_ms_p95": _ms(percentile(gaps, 0.95))}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
 
 
 async def client_load(base: str, tenant: str, rps: float, seconds: float, max_tokens: int, start_at: float) -> list[dict]:
